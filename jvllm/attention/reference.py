@@ -1,0 +1,88 @@
+"""Pure-JAX paged attention over the block tables: the engine's portable backend.
+
+Queries arrive flat ([T, N, H]) and are regrouped into tiles of one sequence each ([NT, Q]); a loop
+walks the pages of every tile's sequence a chunk at a time with an online softmax, so memory stays
+O(tile x chunk) however long the context, and the loop runs only as far as the longest sequence.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jvllm.attention.metadata import AttentionMetadata
+
+_MASKED = -1e30
+# Pages gathered per loop iteration: about 64 KV positions per step of the loop.
+_CHUNK_POSITIONS = 64
+
+
+def pages_per_chunk(block_size: int) -> int:
+    return max(1, _CHUNK_POSITIONS // block_size)
+
+
+def write_kv(
+    kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> jax.Array:
+    """Scatter this step's k, v [T, K, H] into kv_cache[L, 2, K, P, B, H] at their slots."""
+    block_size = kv_cache.shape[4]
+    pages, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
+    kv_cache = kv_cache.at[layer, 0, :, pages, offsets].set(k.astype(kv_cache.dtype))
+    return kv_cache.at[layer, 1, :, pages, offsets].set(v.astype(kv_cache.dtype))
+
+
+def paged_attention(
+    q: jax.Array, kv_cache: jax.Array, layer: jax.Array, md: AttentionMetadata, sm_scale: float
+) -> jax.Array:
+    """Causal attention of q [T, N, H] to the paged KV of each query's sequence -> [T, N, H]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    num_tiles, tile_q = md.tile_token_idx.shape
+    chunk = pages_per_chunk(block_size)
+
+    qt = q[md.tile_token_idx].reshape(num_tiles, tile_q, num_kv_heads, group, head_dim)
+    qt = qt.astype(jnp.float32) * sm_scale  # [NT, Q, K, G, H]
+    tables = md.block_tables[md.tile_seq]  # [NT, M]
+    max_pages = (jnp.max(md.seq_lens) + block_size - 1) // block_size
+    num_chunks = (max_pages + chunk - 1) // chunk
+
+    def body(j, carry):
+        m, l, acc = carry  # [NT, K, G, Q], [NT, K, G, Q], [NT, K, G, Q, H]
+        pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [NT, C]
+        kv = kv_cache[layer, :, :, pages]  # [NT, C, 2, K, B, H]
+        kv = kv.reshape(num_tiles, chunk, 2, num_kv_heads, block_size, head_dim)
+        kv = kv.transpose(2, 0, 3, 1, 4, 5).reshape(
+            2, num_tiles, num_kv_heads, chunk * block_size, head_dim
+        )
+        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # [NT, K, C*B, H]
+        s = jnp.einsum("tqkgh,tkch->tkgqc", qt, k)  # [NT, K, G, Q, C*B]
+        kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
+        visible = kv_pos[None, None, :] <= md.tile_positions[:, :, None]  # [NT, Q, C*B]
+        s = jnp.where(visible[:, None, None], s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgqc,tkch->tkgqh", p, v)
+        return m_new, l, acc
+
+    shape = (num_tiles, num_kv_heads, group, tile_q)
+    init = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT, K, G, Q, H]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile_q, num_heads, head_dim)
+    # Back to flat token order; padding slots of the tiles all point at token 0, so scatter
+    # only the real ones (position >= 0) and drop the rest out of range.
+    is_real = (md.tile_positions >= 0).reshape(-1)
+    dest = jnp.where(is_real, md.tile_token_idx.reshape(-1), num_tokens)
+    flat = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return flat.at[dest].set(out.astype(q.dtype), mode="drop")
+
+
+def reference_attention(sm_scale: float):
+    """The `attn` callable of the model contract (docs/design.md) for this backend."""
+
+    def attn(layer, q, k, v, kv_cache, md: AttentionMetadata):
+        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
+        return paged_attention(q, kv_cache, layer, md, sm_scale), kv_cache
+
+    return attn

@@ -1,0 +1,120 @@
+"""Offline throughput: jvllm vs HF transformers `generate` on the same model, prompts and lengths.
+
+    python -m jvllm.benchmarks.throughput --num-prompts 64 --input-len 128 --output-len 128 \
+        --dtype float32
+
+Prompts are random token ids (like vLLM's random dataset), generation is greedy with ignore_eos so
+both engines produce exactly output-len tokens per prompt. Figures are medians over --num-iters.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from jvllm import LLM, SamplingParams
+from jvllm.model_loader.default_model import default_model_dir
+
+
+def _random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # Stay clear of the special tokens at either end of the vocabulary.
+    return rng.integers(100, vocab_size - 100, size=(num_prompts, input_len)).tolist()
+
+
+def _median_time(fn, num_iters: int) -> float:
+    times = []
+    for _ in range(num_iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_jvllm(args, prompts) -> dict:
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 8),
+              attention_backend=args.attention_backend)
+    startup = time.perf_counter() - start
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                 use_tqdm=False)  # first call: page-in of the executables
+    elapsed = _median_time(lambda: llm.generate(prompts, params, use_tqdm=False), args.num_iters)
+
+    one = prompts[:1]
+    short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+    t_short = _median_time(lambda: llm.generate(one, short, use_tqdm=False), args.num_iters)
+    t_long = _median_time(lambda: llm.generate(one, long, use_tqdm=False), args.num_iters)
+    return {
+        "tok_s": args.num_prompts * args.output_len / elapsed,
+        "elapsed": elapsed,
+        "startup": startup,
+        "load": engine.load_seconds,
+        "compile": engine.model_runner.compile_seconds,
+        "num_compilations": engine.model_runner.num_compilations,
+        "batch1_decode_tok_s": 64 / (t_long - t_short),
+        "vocab_size": engine.model_config.vocab_size,
+    }
+
+
+def bench_hf(args, prompts) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = args.model or default_model_dir()
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    input_ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    attention_mask = torch.ones_like(input_ids)
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids, attention_mask=attention_mask, do_sample=False,
+                max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == args.input_len + args.output_len
+
+    elapsed = _median_time(run, args.num_iters)
+    return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args(argv)
+
+    # The vocabulary size is needed before any engine exists; read it from the model's config.
+    with open(os.path.join(args.model or default_model_dir(), "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = _random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    ours = bench_jvllm(args, prompts)
+    print(f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
+          f"greedy, ignore_eos, {args.dtype}, median of {args.num_iters}")
+    print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
+    print(f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
+          f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets)")
+    print(f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s")
+    if not args.skip_hf:
+        theirs = bench_hf(args, prompts)
+        print(f"HF transformers generate: {theirs['tok_s']:.1f} output tok/s ({theirs['elapsed']:.2f}s)")
+        print(f"ratio jvllm / HF: {ours['tok_s'] / theirs['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

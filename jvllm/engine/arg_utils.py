@@ -1,0 +1,75 @@
+"""Engine options (vLLM's names), validated on construction."""
+
+import dataclasses
+
+from jvllm.attention.backends import ATTENTION_BACKENDS
+
+_DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None = 1 GiB
+    num_gpu_blocks_override: int | None = None  # an exact block count, null block included
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    attention_backend: str | None = None  # None = "pallas" on GPU, "reference" elsewhere
+    seed: int = 0
+    compile_all_buckets: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive("block_size", self.block_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_gpu_blocks_override is not None and (
+            not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 2
+        ):
+            raise ValueError(
+                "num_gpu_blocks_override must be an int >= 2 (block 0 is the reserved null "
+                f"block), got {self.num_gpu_blocks_override!r}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 = off), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def num_kv_blocks(args: EngineArgs, bytes_per_block: int, max_model_len: int) -> int:
+    """How many KV blocks (null block included) the pool gets."""
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    budget = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+    # More than every sequence at full length could ever use is wasted memory.
+    useful = args.max_num_seqs * -(-max_model_len // args.block_size) + 1
+    num_blocks = min(budget // bytes_per_block, useful)
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} holds no KV block of {bytes_per_block} bytes; "
+            "raise kv_cache_memory_bytes"
+        )
+    return num_blocks

@@ -1,0 +1,55 @@
+"""Validation and tokenization at the edge: nothing half-enters the engine."""
+
+from jvllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[str | None, list[int]]:
+    """(prompt text or None, prompt token ids) for a str, a token-id list, or vLLM's dict forms."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("this model ships no tokenizer: pass the prompt as token ids")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return None, _token_list(prompt)
+    raise TypeError(
+        f"prompt must be a str, a list of token ids, or a dict, got {type(prompt).__name__}"
+    )
+
+
+def _token_list(ids) -> list[int]:
+    ids = list(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids must be a list of ints")
+    return ids
+
+
+def validate_request(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty (it has 0 tokens)")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt token ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
+        )
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+            f"is {total} tokens, more than max_model_len ({max_model_len}); shorten the prompt, "
+            "lower max_tokens, or raise max_model_len"
+        )

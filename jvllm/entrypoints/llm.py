@@ -1,0 +1,88 @@
+"""`LLM`: vLLM's offline API. Add every prompt, step the engine until all finish, return in order."""
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An offline engine: `LLM()` loads the default model (SmolLM2-135M-Instruct).
+
+    Keyword arguments are `EngineArgs` fields (dtype, max_model_len, block_size,
+    kv_cache_memory_bytes, max_num_seqs, attention_backend, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.llm_engine = LLMEngine(model, **kwargs)
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in the order of `prompts`."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(self._request_counter)
+                engine.add_request(request_id, prompt, params)
+                self._request_counter += 1
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)  # a bad prompt leaves nothing behind
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                        dynamic_ncols=True)
+        num_output_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        num_output_tokens += len(output.outputs[0].token_ids)
+                        progress.update(1)
+                        elapsed = progress.format_dict["elapsed"] or 1e-9
+                        progress.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} tok/s")
+        except BaseException:
+            engine.abort_request([i for i in request_ids if i not in finished])
+            raise
+        finally:
+            progress.close()
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,62 @@
+"""The fixed set of padded shapes the jitted step is compiled for."""
+
+import dataclasses
+
+_MIN_TOKENS = 16
+_MIN_SEQS = 8
+# Queries per attention tile in mixed steps; decode-only steps use tiles of one query.
+MIXED_TILE_Q = 16
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    num_tokens: int  # T
+    num_seqs: int  # S
+    tile_q: int  # Q
+
+    @property
+    def num_tiles(self) -> int:
+        """NT: enough tiles for any split of T tokens among S sequences into tiles of Q."""
+        if self.tile_q == 1:
+            return self.num_tokens
+        return self.num_tokens // self.tile_q + self.num_seqs
+
+    @property
+    def is_decode(self) -> bool:
+        return self.tile_q == 1
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    sizes, size = [], lo
+    while size < hi:
+        sizes.append(size)
+        size *= 2
+    return sizes + [hi]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def token_sizes(self) -> list[int]:
+        return _powers_of_two(min(_MIN_TOKENS, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    def seq_sizes(self) -> list[int]:
+        hi = min(self.max_num_seqs, self.max_num_batched_tokens)
+        return _powers_of_two(min(_MIN_SEQS, hi), hi)
+
+    def all_buckets(self) -> list[Bucket]:
+        decode = [Bucket(s, s, 1) for s in self.seq_sizes()]
+        mixed = [self._mixed(t) for t in self.token_sizes()]
+        return decode + mixed
+
+    def _mixed(self, num_tokens: int) -> Bucket:
+        return Bucket(num_tokens, min(num_tokens, self.max_num_seqs), MIXED_TILE_Q)
+
+    def select(self, num_tokens: int, num_seqs: int) -> Bucket:
+        """The smallest bucket that holds a step of `num_tokens` over `num_seqs` sequences."""
+        if num_tokens == num_seqs:  # every sequence decodes one token
+            size = next(s for s in self.seq_sizes() if s >= num_seqs)
+            return Bucket(size, size, 1)
+        return self._mixed(next(t for t in self.token_sizes() if t >= num_tokens))

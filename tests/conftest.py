@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random HF models made on the fly, and the real default model."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from jvllm.model_loader.default_model import default_model_dir
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (stops at EOS like the engine)."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_token_ids]), attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+        )
+    return out[0, len(prompt_token_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The default model converted to an HF directory (with its tokenizer)."""
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
+    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer, so string prompts work."""
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=49152, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # O(1) random weights everywhere: greedy choices are then far from ties.
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
+    model.save_pretrained(path)
+    for name in _TOKENIZER_FILES:
+        src = os.path.join(smollm2_dir, name)
+        if os.path.exists(src):
+            shutil.copy(src, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
