@@ -1,0 +1,273 @@
+"""The vLLM v1 scheduler: one token budget per step shared by every request, no prefill or
+decode phases. Each request's `num_computed_tokens` chases its `num_tokens`; a request samples
+a token in the step where it catches up."""
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from jvllm.core.config import SchedulerConfig
+from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.core.request import Request, RequestStatus
+
+logger = logging.getLogger("jvllm.scheduler")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes. Request `r` computes tokens `all_token_ids[c : c + n]` at positions
+    `c .. c + n - 1`, with `c = r.num_computed_tokens` (not yet advanced: `update_from_output`
+    does that) and `n = num_scheduled_tokens[r.request_id]`."""
+
+    # In the row order the model runner uses.
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Each scheduled request's block table after this step's allocation.
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted_requests: list[Request] = field(default_factory=list)
+    # Requests finished by schedule() itself (FINISHED_IGNORED: they can never fit).
+    finished_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every scheduled request computes exactly one token (the runner's T = S buckets)."""
+        return all(n == 1 for n in self.num_scheduled_tokens.values())
+
+    def will_sample(self, request: Request) -> bool:
+        """True when this step's tokens catch the request up, so its last logits are sampled.
+        Valid between `schedule()` and `update_from_output()`."""
+        num_computed = request.num_computed_tokens + self.num_scheduled_tokens[request.request_id]
+        return num_computed == request.num_tokens
+
+
+class Scheduler:
+    """Decides each step which requests compute how many tokens, and owns their lifecycle:
+    `waiting` (FCFS queue, preempted requests re-enter at its front) -> `running` -> finished."""
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager
+    ) -> None:
+        self.config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # A step that had to preempt is short of blocks: admitting now would only thrash.
+        if not output.preempted_requests:
+            self._schedule_waiting(output, token_budget)
+        for request in output.scheduled_requests:
+            output.block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
+                request.request_id
+            )
+        logger.debug(
+            "schedule: %d requests, %d tokens, %d preempted, %d ignored; %d running, %d waiting, "
+            "KV usage %.1f%%",
+            len(output.scheduled_requests),
+            output.total_num_scheduled_tokens,
+            len(output.preempted_requests),
+            len(output.finished_requests),
+            len(self.running),
+            len(self.waiting),
+            100 * self.kv_cache_manager.usage,
+        )
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance the counters, append the tokens of requests that caught up, check stops.
+
+        Returns every request finished in this step: the IGNORED ones from `schedule()`, then
+        those that stopped now. They have left `running` and their blocks are freed.
+        """
+        stopped = []
+        for request in scheduler_output.scheduled_requests:
+            if request.is_finished:  # aborted between schedule() and now
+                continue
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            # A mid-prefill chunk samples nothing, whatever the runner returned for it.
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request):
+                stopped.append(request)
+                self._free_finished(request)
+        if stopped:
+            self.running = [r for r in self.running if not r.is_finished]
+        return scheduler_output.finished_requests + stopped
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_finished(request)
+
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if num_new_tokens == 0:  # caught up, but the runner returned no token for it
+                index += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                # FCFS: the newest running request gives its blocks back.
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted_requests.append(victim)
+                if victim is request:
+                    return token_budget
+            output.scheduled_requests.append(request)
+            output.num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
+        return token_budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._finish_if_never_fits(request):
+                self.waiting.popleft()
+                output.finished_requests.append(request)
+                continue
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+                break
+            num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
+            if kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
+                break  # FCFS: nobody overtakes the head of the queue.
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            output.scheduled_requests.append(request)
+            output.num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+    def _num_new_tokens(
+        self, request: Request, token_budget: int, num_computed: int | None = None
+    ) -> int:
+        """What the request still lacks, capped by the long-prefill threshold and the budget."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_new_tokens = request.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold > 0:
+            num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
+        return min(num_new_tokens, token_budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens, requeue at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "preempted %s (%d tokens, preemption #%d)",
+            request.request_id,
+            request.num_tokens,
+            request.num_preemptions,
+        )
+
+    def _finish_if_never_fits(self, request: Request) -> bool:
+        """Finish a waiting request that could never be scheduled, instead of letting it block
+        the queue forever. A new prompt needs room for its first decode step too, unless
+        max_model_len ends it before that."""
+        kv = self.kv_cache_manager
+        has_outputs = request.num_output_tokens > 0
+        num_tokens_needed = request.num_tokens + (0 if has_outputs else 1)
+        num_blocks_needed = cdiv(min(num_tokens_needed, self.config.max_model_len), kv.block_size)
+        if request.num_prompt_tokens > self.config.max_model_len:
+            status = RequestStatus.FINISHED_IGNORED
+            message = (
+                f"prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        elif num_blocks_needed > kv.num_usable_blocks:
+            # A preempted request that outgrew the whole pool ends with what it has.
+            status = (
+                RequestStatus.FINISHED_LENGTH if has_outputs else RequestStatus.FINISHED_IGNORED
+            )
+            message = (
+                f"request needs {num_blocks_needed} KV blocks of {kv.block_size} tokens, "
+                f"the KV cache has {kv.num_usable_blocks}"
+            )
+        else:
+            return False
+        request.status = status
+        request.status_message = message
+        self._free_finished(request)
+        logger.warning("finished %s as %s: %s", request.request_id, status.name, message)
+        return True
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop checks after a token was appended; sets the final status when one fires."""
+        params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last_token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        if request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _free_finished(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,264 @@
+"""Scheduler behaviour, driven by a deterministic fake model."""
+
+import pytest
+
+from jvllm.core.config import SchedulerConfig
+from jvllm.core.kv_cache_manager import KVCacheManager
+from jvllm.core.request import Request, RequestStatus
+from jvllm.core.scheduler import Scheduler
+from jvllm.sampling_params import SamplingParams
+
+EOS = 7
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+    return Scheduler(SchedulerConfig(max_model_len=max_model_len, **config), kv)
+
+
+def add(scheduler, request_id, num_prompt_tokens=5, first_token=100, **params) -> Request:
+    params.setdefault("ignore_eos", True)
+    prompt = list(range(first_token, first_token + num_prompt_tokens))
+    request = Request(request_id, prompt, SamplingParams(**params), eos_token_id=EOS)
+    scheduler.add_request(request)
+    return request
+
+
+def fake_next_token(request: Request) -> int:
+    """Depends only on the sequence so far, so outputs do not depend on scheduling."""
+    return (request.all_token_ids[-1] * 31 + request.num_tokens - 1) % 1000
+
+
+def step(scheduler, token_id=None):
+    """One engine step. Like a real runner, returns a token for every row, mid-prefill too."""
+    output = scheduler.schedule()
+    sampled = {
+        r.request_id: fake_next_token(r) if token_id is None else token_id
+        for r in output.scheduled_requests
+    }
+    return output, scheduler.update_from_output(output, sampled)
+
+
+def run_to_completion(scheduler, max_steps=1000):
+    finished = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return finished
+        finished += step(scheduler)[1]
+    raise AssertionError("requests did not finish")
+
+
+def test_lifecycle_trace_of_one_request():
+    scheduler = make_scheduler()
+    request = add(scheduler, "req-0", num_prompt_tokens=5, max_tokens=4)
+    events = []
+    while scheduler.has_unfinished_requests():
+        _, finished = step(scheduler)
+        for r in scheduler.running + finished:
+            events.append((r.status.name, r.num_computed_tokens, r.num_tokens))
+    assert events == [
+        ("RUNNING", 5, 6),
+        ("RUNNING", 6, 7),
+        ("RUNNING", 7, 8),
+        ("FINISHED_LENGTH", 8, 9),
+    ]
+    assert request.finish_reason == "length"
+    assert scheduler.kv_cache_manager.num_free_blocks == 63
+
+
+def test_long_prefill_threshold_chunks_the_prompt():
+    scheduler = make_scheduler(long_prefill_token_threshold=2)
+    request = add(scheduler, "a", num_prompt_tokens=10, max_tokens=2)
+    trace = []
+    for _ in range(5):
+        output, _ = step(scheduler)
+        assert output.num_scheduled_tokens["a"] == 2
+        trace.append((request.num_computed_tokens, request.num_tokens))
+    assert trace == [(2, 10), (4, 10), (6, 10), (8, 10), (10, 11)]
+
+
+def test_token_budget_is_shared_and_running_goes_first():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    add(scheduler, "a", num_prompt_tokens=6)
+    add(scheduler, "b", num_prompt_tokens=6, first_token=200)
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 6, "b": 2}
+    output, _ = step(scheduler)
+    assert [r.request_id for r in output.scheduled_requests] == ["a", "b"]
+    assert output.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert output.total_num_scheduled_tokens == 5
+
+
+def test_prefill_and_decode_share_a_step():
+    scheduler = make_scheduler()
+    add(scheduler, "a")
+    step(scheduler)
+    add(scheduler, "b", num_prompt_tokens=9, first_token=200)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"a": 1, "b": 9}
+    assert not output.is_decode_only
+    assert all(output.will_sample(r) for r in output.scheduled_requests)
+
+
+def test_max_num_seqs_caps_running_requests():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        add(scheduler, f"r{i}", first_token=100 * (i + 1))
+    output, _ = step(scheduler)
+    assert [r.request_id for r in output.scheduled_requests] == ["r0", "r1"]
+    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_budget():
+    scheduler = make_scheduler(
+        max_model_len=16, max_num_batched_tokens=16, enable_chunked_prefill=False
+    )
+    add(scheduler, "a", num_prompt_tokens=10)
+    add(scheduler, "b", num_prompt_tokens=10, first_token=200)
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 10}
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 1, "b": 10}
+
+
+def test_preempted_request_resumes_with_identical_tokens():
+    def start(num_blocks):
+        scheduler = make_scheduler(num_blocks=num_blocks)
+        requests = [add(scheduler, name, first_token=t, max_tokens=12)
+                    for name, t in (("a", 100), ("b", 200), ("c", 300))]
+        return scheduler, requests
+
+    # 8 usable blocks of 4 tokens; each request grows to 17 tokens (5 blocks).
+    scheduler, requests = start(num_blocks=9)
+    preempted = []
+    while scheduler.has_unfinished_requests():
+        running_before = {r.request_id for r in scheduler.running}
+        output, _ = step(scheduler)
+        for victim in output.preempted_requests:
+            assert victim.status == RequestStatus.PREEMPTED
+            assert victim.num_computed_tokens == 0
+            preempted.append(victim.request_id)
+        if output.preempted_requests:
+            assert scheduler.waiting[0] is output.preempted_requests[-1]
+            # No admissions in a step that preempted.
+            assert set(output.num_scheduled_tokens) <= running_before
+    assert preempted[0] == "c"
+    assert scheduler.num_preemptions_total == len(preempted)
+    assert scheduler.kv_cache_manager.num_free_blocks == 8
+
+    reference_scheduler, reference = start(num_blocks=64)
+    run_to_completion(reference_scheduler)
+    assert reference_scheduler.num_preemptions_total == 0
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in reference]
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
+
+
+def test_prompt_that_can_never_fit_is_ignored_and_the_next_runs():
+    scheduler = make_scheduler(num_blocks=5, max_model_len=64)
+    # 16 tokens fill the 4 usable blocks, leaving no room for the first decode step.
+    too_long = add(scheduler, "big", num_prompt_tokens=16)
+    small = add(scheduler, "small", num_prompt_tokens=3, first_token=200)
+    output, finished = step(scheduler)
+    assert output.finished_requests == [too_long]
+    assert finished[0] is too_long
+    assert too_long.status == RequestStatus.FINISHED_IGNORED
+    assert too_long.finish_reason == "length"
+    assert "KV blocks" in too_long.status_message
+    assert output.scheduled_requests == [small]
+    assert scheduler.get_request("big") is None
+
+
+def test_prompt_longer_than_max_model_len_is_ignored():
+    scheduler = make_scheduler(max_model_len=8)
+    request = add(scheduler, "a", num_prompt_tokens=9)
+    output, _ = step(scheduler)
+    assert request.status == RequestStatus.FINISHED_IGNORED
+    assert "max_model_len" in request.status_message
+    assert output.is_empty
+
+
+def test_eos_stops_the_request():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", ignore_eos=False)
+    _, finished = step(scheduler, token_id=EOS)
+    assert finished == [request]
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.finish_reason == "stop"
+    assert request.output_token_ids == [EOS]
+    assert not scheduler.running
+
+
+def test_ignore_eos_keeps_generating():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", ignore_eos=True, max_tokens=3)
+    assert step(scheduler, token_id=EOS)[1] == []
+    assert step(scheduler, token_id=EOS)[1] == []
+    assert step(scheduler, token_id=EOS)[1] == [request]
+    assert request.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_eos_is_ignored_before_min_tokens():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", ignore_eos=False, min_tokens=2)
+    assert step(scheduler, token_id=EOS)[1] == []
+    assert step(scheduler, token_id=EOS)[1] == [request]
+    assert request.num_output_tokens == 2
+
+
+def test_stop_token_ids_stop_with_a_reason():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", stop_token_ids=[9])
+    step(scheduler, token_id=3)
+    assert step(scheduler, token_id=9)[1] == [request]
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.stop_reason == 9
+
+
+def test_max_model_len_ends_the_request():
+    scheduler = make_scheduler(max_model_len=8)
+    request = add(scheduler, "a", num_prompt_tokens=5, max_tokens=20)
+    run_to_completion(scheduler)
+    assert request.status == RequestStatus.FINISHED_LENGTH
+    assert request.num_tokens == 8
+
+
+def test_mid_prefill_chunks_sample_nothing():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    request = add(scheduler, "a", num_prompt_tokens=10)
+    output = scheduler.schedule()
+    assert not output.will_sample(request)
+    scheduler.update_from_output(output, {"a": 5})
+    assert request.output_token_ids == []
+    assert request.num_computed_tokens == 4
+
+
+@pytest.mark.parametrize("steps_before_abort", [0, 1])
+def test_abort_frees_blocks(steps_before_abort):
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    request = add(scheduler, "a", num_prompt_tokens=12)
+    for _ in range(steps_before_abort):
+        step(scheduler)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert request.finish_reason == "abort"
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.running and not scheduler.waiting
+    assert scheduler.kv_cache_manager.num_free_blocks == 63
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    scheduler = make_scheduler()
+    add(scheduler, "a", num_prompt_tokens=10)
+    step(scheduler)
+    second = add(scheduler, "b", num_prompt_tokens=10)
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens["b"] == 2
+    assert second.num_cached_tokens == 8
+    assert output.block_ids["b"][:2] == output.block_ids["a"][:2]
+
+
+def test_duplicate_request_id_is_rejected():
+    scheduler = make_scheduler()
+    add(scheduler, "a")
+    with pytest.raises(ValueError, match="already"):
+        add(scheduler, "a")
