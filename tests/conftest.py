@@ -60,3 +60,14 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_hf(tiny_llama_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """HF transformers' own reading of the default model's GGUF (independent of our loader)."""
+    from jvllm.model_loader.default_model import resolve_default_model
+
+    gguf = resolve_default_model()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+    ).eval()

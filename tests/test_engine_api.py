@@ -1,0 +1,105 @@
+"""The engine's public API: validation at the edge, aborts, seeded sampling, output shape."""
+
+import pytest
+
+from jvllm import LLM, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=128, max_num_seqs=8,
+               max_model_len=256)
+
+
+def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
+    prompts = ["one two three", "a", [5, 6, 7, 8, 9]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["one two three", "a", None]
+    assert outs[2].prompt_token_ids == [5, 6, 7, 8, 9]
+    for o in outs:
+        assert o.finished and len(o.outputs) == 1
+        c = o.outputs[0]
+        assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
+        assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
+                            ignore_eos=True)
+    alone = llm.generate(["the seed prompt"], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
+    batch = llm.generate(["x y z", "the seed prompt", "lorem ipsum dolor"],
+                         [others, params, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = llm.generate(["the seed prompt"] * 2, SamplingParams(temperature=1.0, max_tokens=12,
+                            ignore_eos=True), use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_stop_token_ids_and_stop_strings_end_requests(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = llm.generate(["stop here"], greedy, use_tqdm=False)[0].outputs[0]
+    stop_id = ref.token_ids[3]
+    out = llm.generate(["stop here"], SamplingParams(temperature=0.0, max_tokens=12,
+                       ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    first = ref.token_ids.index(stop_id)
+    assert out.token_ids == ref.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    stop_str = ref.text[len(ref.text) // 2 :][:3]
+    assert stop_str.strip()
+    out = llm.generate(["stop here"], SamplingParams(temperature=0.0, max_tokens=12,
+                       ignore_eos=True, stop=[stop_str]), use_tqdm=False)[0].outputs[0]
+    assert out.text == ref.text[: ref.text.index(stop_str)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_str
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 49152], SamplingParams(), r"\[0, 49152\)"),
+        ([-1], SamplingParams(), r"\[0, 49152\)"),
+        ("hi", SamplingParams(max_tokens=300), "max_model_len"),
+    ],
+)
+def test_bad_requests_are_rejected_before_entering_the_engine(llm, prompt, params, match):
+    engine: LLMEngine = llm.llm_engine
+    free = engine.scheduler.kv_cache_manager.num_free_blocks
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == free
+    engine.add_request("bad", "now fine", SamplingParams(max_tokens=2))  # the id was not taken
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_abort_frees_blocks_and_the_loop_keeps_serving(llm):
+    engine: LLMEngine = llm.llm_engine
+    manager = engine.scheduler.kv_cache_manager
+    free = manager.num_free_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", "first request", params)
+    engine.add_request("b", "second request", params)
+    engine.step()
+    engine.step()
+    assert manager.num_free_blocks < free
+    engine.abort_request("a")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["b"]
+    assert manager.num_free_blocks == free
+
+
+def test_sampling_params_errors_name_the_field():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)

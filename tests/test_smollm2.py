@@ -1,0 +1,35 @@
+"""The real default model: greedy output token for token against HF transformers."""
+
+import pytest
+
+from conftest import hf_greedy
+from jvllm import LLM, SamplingParams
+
+PROMPTS = ["Hello, my name is", "The president of the United States is",
+           "The capital of France is", "The future of AI is"]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
+
+
+def test_default_model_greedy_matches_hf_transformers(llm, hf_smollm2):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for prompt, out in zip(PROMPTS, outs):
+        expected = hf_greedy(hf_smollm2, out.prompt_token_ids, MAX_TOKENS)
+        assert out.outputs[0].token_ids == expected, prompt
+    assert outs[2].outputs[0].text.startswith(" Paris")
+
+
+def test_default_model_tokenizes_like_hf(llm):
+    from transformers import AutoTokenizer
+
+    from jvllm.model_loader.default_model import resolve_default_model
+    import os
+
+    gguf = resolve_default_model()
+    hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    for prompt in PROMPTS:
+        assert llm.get_tokenizer().encode(prompt) == hf_tok.encode(prompt)
