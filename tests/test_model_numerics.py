@@ -1,0 +1,141 @@
+"""Our pure-JAX Llama-family forward vs HF transformers on tiny random checkpoints."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jvllm.config import ModelConfig
+from jvllm.model_loader.hf import load_hf_dir
+from jvllm.models.llama import compute_logits, forward
+
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so that the tiny model's frequencies fall in all three llama3 bands.
+    "original_max_position_embeddings": 64,
+}
+
+
+def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
+    """Test-local attention: causal over the T tokens of one sequence, cache untouched."""
+    num_tokens, num_heads, head_dim = q.shape
+    k = jnp.repeat(k, num_heads // k.shape[1], axis=1)  # [T, N, H]
+    v = jnp.repeat(v, num_heads // v.shape[1], axis=1)  # [T, N, H]
+    scores = jnp.einsum("tnh,snh->nts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(head_dim)  # [N, T, T]
+    causal = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("nts,snh->tnh", probs, v.astype(jnp.float32)), kv_cache
+
+
+def _save_random_model(tmp_path, config, seed=0, **save_kwargs):
+    """Save an HF model whose every weight (biases and norms too) is random and O(0.1), so that
+    a wrong bias, norm or permutation cannot hide behind HF's zero/one initialisation."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(tmp_path, **save_kwargs)
+    return model
+
+
+def _our_logits(path, token_ids, positions, dtype="float32"):
+    config, params = load_hf_dir(str(path), dtype)
+
+    @jax.jit
+    def run(params, token_ids, positions):
+        hidden, _ = forward(
+            params,
+            jnp.zeros(()),
+            token_ids,
+            positions,
+            None,
+            config=config,
+            attn=_dense_causal_attn,
+        )
+        return compute_logits(params, hidden, config=config)
+
+    return config, np.asarray(run(params, jnp.asarray(token_ids), jnp.asarray(positions)))
+
+
+def _hf_logits(model, token_ids, positions):
+    with torch.no_grad():
+        out = model(torch.tensor(token_ids)[None], position_ids=torch.tensor(positions)[None])
+    return out.logits[0].float().numpy()
+
+
+def _configs():
+    cases = {
+        "llama": transformers.LlamaConfig(**TINY),
+        "llama_tied": transformers.LlamaConfig(**TINY, tie_word_embeddings=True),
+        "llama3_rope": transformers.LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE),
+        "mistral": transformers.MistralConfig(**TINY),
+        "qwen2_bias": transformers.Qwen2Config(**TINY),
+    }
+    if hasattr(transformers, "Qwen3Config"):
+        cases["qwen3_qk_norm"] = transformers.Qwen3Config(**TINY, head_dim=16)
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_forward_matches_hf_logits(tmp_path, name):
+    hf_config = _configs()[name]
+    model = _save_random_model(tmp_path, hf_config)
+    rng = np.random.default_rng(0)
+    token_ids = rng.integers(0, TINY["vocab_size"], size=12).astype(np.int32)
+    # Positions far from 0 exercise RoPE (and llama3 scaling) beyond the first few angles.
+    positions = np.arange(100, 112, dtype=np.int32)
+    _, ours = _our_logits(tmp_path, token_ids, positions)
+    np.testing.assert_allclose(ours, _hf_logits(model, token_ids, positions), rtol=1e-4, atol=1e-4)
+
+
+def test_config_flags_follow_architecture():
+    configs = _configs()
+    qwen2 = ModelConfig.from_hf_config(configs["qwen2_bias"], "float32")
+    assert qwen2.attention_bias and not qwen2.qk_norm
+    llama3 = ModelConfig.from_hf_config(configs["llama3_rope"], "float32")
+    assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 8.0
+    assert ModelConfig.from_hf_config(configs["llama_tied"], "float32").tie_word_embeddings
+    hash(llama3)  # static argument of jax.jit
+
+
+def test_sharded_bfloat16_checkpoint_loads_in_bfloat16(tmp_path):
+    model = _save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
+    model.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    token_ids = np.arange(10, dtype=np.int32)
+    positions = np.arange(10, dtype=np.int32)
+    config, ours = _our_logits(tmp_path, token_ids, positions, dtype="auto")
+    assert config.dtype == "bfloat16"
+    reference = _hf_logits(model.float(), token_ids, positions)  # bf16 weights, f32 math
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=5e-2)
+
+
+def test_unsupported_architecture_and_bad_fields_are_named():
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        ModelConfig.from_hf_config({"architectures": ["GPT2LMHeadModel"]}, "float32")
+    bad_heads = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig.from_hf_config(bad_heads, "float32")
