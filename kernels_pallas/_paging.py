@@ -1,0 +1,155 @@
+"""Pieces shared by the paged attention kernels: input checks, page loads, the online softmax step.
+
+Everything here runs both under the Triton lowering and in `interpret=True` mode, so it sticks to
+generic Pallas (ref indexing, jnp ops, `lax.dot_general`).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Finite, so that a fully masked row gives exp(MASK - MASK) = 1 instead of exp(-inf + inf) = NaN;
+# any real logit beats it and zeroes what such rows accumulated.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# Triton dots need M, N and K >= 16.
+MIN_DOT_DIM = 16
+
+# The kernels keep the running max in log2 units so that the inner loop uses exp2.
+LOG2_E = 1.4426950408889634
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def validate_paged_inputs(
+    name: str,
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+) -> tuple[int, int, int, int, int, int]:
+    """Checks what both kernels share; returns (L, K, P, B, H, G)."""
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [tokens, N, H], got shape {q.shape}")
+    if kv_cache.ndim != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(f"{name}: kv_cache must be [L, 2, K, P, B, H], got shape {kv_cache.shape}")
+    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"{name}: q head dim {q.shape[2]} != kv_cache head dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{name}: N={num_heads} query heads is not a multiple of K={num_kv_heads}")
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"{name}: q and kv_cache must share one dtype of bfloat16/float16/float32, "
+            f"got {q.dtype} and {kv_cache.dtype}"
+        )
+    if page_size < 8 or page_size & (page_size - 1):
+        raise ValueError(f"{name}: page size B={page_size} must be a power of two >= 8")
+    if jnp.shape(layer) not in ((), (1,)) or not jnp.issubdtype(
+        jnp.result_type(layer), jnp.integer
+    ):
+        raise ValueError(f"{name}: layer must be an integer scalar, got {jnp.shape(layer)}")
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(
+            f"{name}: block_tables must be i32[S, M], got {block_tables.dtype}{block_tables.shape}"
+        )
+    if seq_lens.shape != block_tables.shape[:1] or seq_lens.dtype != jnp.int32:
+        raise ValueError(
+            f"{name}: seq_lens must be i32[S] with S={block_tables.shape[0]}, "
+            f"got {seq_lens.dtype}{seq_lens.shape}"
+        )
+    return num_layers, num_kv_heads, num_pages, page_size, head_dim, num_heads // num_kv_heads
+
+
+def pad_block_tables(block_tables: jax.Array, num_extra: int) -> jax.Array:
+    """Appends null-page columns so that a block of pages starting before M stays in bounds."""
+    return jnp.pad(block_tables, ((0, 0), (0, num_extra)))  # [S, M + num_extra]
+
+
+def load_pages(
+    kv_ref,  # [L, 2, K, P, B, H]
+    layer: jax.Array,
+    kv_index: int,
+    head: jax.Array,
+    pages: jax.Array,  # i32[n]
+    head_dim_padded: int,
+) -> jax.Array:
+    """Reads pages of one layer, K or V, and KV head from the whole cache -> [n * B, Hp]."""
+    *_, page_size, head_dim = kv_ref.shape
+    num_rows = pages.shape[0] * page_size
+    if head_dim == head_dim_padded:
+        return kv_ref[layer, kv_index, head, pages].reshape(num_rows, head_dim)  # [n, B, H]
+    # Triton blocks are powers of two: gather H -> Hp columns, repeating the last one. The padded
+    # columns of q are zero, so they add nothing to the logits, and the wrapper drops them from
+    # the output.
+    rows = jnp.arange(page_size, dtype=jnp.int32)
+    cols = jnp.minimum(jnp.arange(head_dim_padded, dtype=jnp.int32), head_dim - 1)
+    block = kv_ref[
+        layer, kv_index, head, pages[:, None, None], rows[None, :, None], cols[None, None, :]
+    ]
+    return block.reshape(num_rows, head_dim_padded)  # [n, B, Hp]
+
+
+def online_softmax_step(
+    q: jax.Array,  # [R, Hp]
+    k: jax.Array,  # [C, Hp]
+    v: jax.Array,  # [C, Hp]
+    is_visible: jax.Array,  # bool[R, C] or bool[1, C]
+    is_valid_kv: jax.Array,  # bool[C]: slots visible to some row; the others may hold NaN
+    acc: jax.Array,  # f32[R, Hp], unnormalized output
+    row_max: jax.Array,  # f32[R], running max of the logits, in log2 units
+    row_sum: jax.Array,  # f32[R], running sum of exp2(logit - row_max)
+    sm_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block of flash attention; the scale is applied to the f32 logits, not to a rounded q."""
+    # TF32 would be Triton's default for float32 dots; ask for IEEE so f32 matches the reference.
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    logits = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )  # [R, C]
+    logits = jnp.where(is_visible, logits * (sm_scale * LOG2_E), MASK_VALUE)
+    max_next = jnp.maximum(row_max, logits.max(axis=1))
+    alpha = jnp.exp2(row_max - max_next)
+    p = jnp.exp2(logits - max_next[:, None])  # [R, C]
+    # Slots past a length may hold anything (NaN included), and 0 * NaN = NaN: zero them.
+    v = jnp.where(is_valid_kv[:, None], v, jnp.zeros_like(v))
+    pv = lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )  # [R, Hp]
+    return alpha[:, None] * acc + pv, max_next, alpha * row_sum + p.sum(axis=1)
+
+
+def reference_attention(
+    q: jax.Array,  # [Q, N, H]
+    keys: jax.Array,  # [C, K, H]
+    values: jax.Array,  # [C, K, H]
+    is_visible: jax.Array,  # bool[Q, C]
+    sm_scale: float,
+) -> jax.Array:
+    """Dense masked softmax attention in float32, for the references -> f32[Q, N, H]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    qg = q.astype(jnp.float32).reshape(
+        num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim
+    )
+    logits = (
+        jnp.einsum("qkgh,ckh->kgqc", qg, keys.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        * sm_scale
+    )
+    logits = jnp.where(is_visible, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1, where=is_visible)
+    probs = jnp.where(is_visible, probs, 0.0)
+    # Zero the values where invisible too: NaN in unused slots must not leak through 0 * NaN.
+    values = jnp.where(jnp.any(is_visible, axis=0)[:, None, None], values.astype(jnp.float32), 0.0)
+    out = jnp.einsum("kgqc,ckh->qkgh", probs, values, precision=lax.Precision.HIGHEST)
+    return out.reshape(num_tokens, num_heads, head_dim)

@@ -1,0 +1,212 @@
+"""Paged decode attention (one query per sequence) over the engine's whole-model KV cache.
+
+Flash decoding: one program per (sequence, KV head, KV split) runs an online softmax over its share
+of the sequence's pages for the G query heads of that KV head at once (one dot of [Gp, H] x [H, C]
+instead of G matrix-vector products), then plain JAX merges the splits by log-sum-exp.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas._paging import (
+    MASK_VALUE,
+    MIN_DOT_DIM,
+    load_pages,
+    next_power_of_2,
+    online_softmax_step,
+    pad_block_tables,
+    reference_attention,
+    validate_paged_inputs,
+)
+
+# KV tokens per inner-loop step: large enough to keep many loads in flight, small enough that the
+# [C, H] K and V tiles stay in registers at H = 128.
+_BLOCK_KV = 128
+# Enough programs for two waves on an H100 (132 SMs); past that, splitting only adds merge work.
+_TARGET_NUM_PROGRAMS = 264
+_MAX_KV_SPLITS = 16
+
+
+def _decode_kernel(
+    # inputs
+    layer_ref,  # i32[1]
+    seq_lens_ref,  # i32[S]
+    block_tables_ref,  # i32[S, M + pages_per_block]
+    q_ref,  # [Gp, Hp]: the query heads of this KV head, zero padded
+    kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
+    # outputs
+    acc_ref,  # f32[Gp, Hp]: unnormalized output of this split
+    max_ref,  # f32[Gp]: max logit (log2 units)
+    sum_ref,  # f32[Gp]: softmax denominator relative to that max
+    *,
+    sm_scale: float,
+    pages_per_block: int,
+    num_kv_splits: int,
+):
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    seq_len = seq_lens_ref[seq]
+    page_size = kv_ref.shape[4]
+    max_pages = block_tables_ref.shape[1] - pages_per_block
+    block_kv = pages_per_block * page_size
+    num_rows, head_dim_padded = q_ref.shape
+
+    # Splits share this sequence's own pages (not M), so short and long sequences both use every
+    # split; a split's share is a whole number of blocks so that only the last block is ragged.
+    num_pages = jnp.minimum(pl.cdiv(seq_len, page_size), max_pages)
+    pages_per_split = pl.cdiv(pl.cdiv(num_pages, num_kv_splits), pages_per_block) * pages_per_block
+    first_page = split * pages_per_split
+    end_page = jnp.minimum(first_page + pages_per_split, num_pages)
+    num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
+
+    q = q_ref[...]
+
+    def body(i, carry):
+        page = first_page + i * pages_per_block
+        pages = block_tables_ref[seq, pl.ds(page, pages_per_block)]  # i32[pages_per_block]
+        k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)  # [C, Hp]
+        v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)  # [C, Hp]
+        positions = page * page_size + jnp.arange(block_kv, dtype=jnp.int32)
+        is_valid = positions < seq_len  # [C]
+        return online_softmax_step(q, k, v, is_valid[None, :], is_valid, *carry, sm_scale=sm_scale)
+
+    init = (
+        jnp.zeros((num_rows, head_dim_padded), jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+    acc, row_max, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc_ref[...] = acc
+    max_ref[...] = row_max
+    sum_ref[...] = row_sum
+
+
+def _default_num_kv_splits(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
+    wanted = pl.cdiv(_TARGET_NUM_PROGRAMS, num_seqs * num_kv_heads)
+    return max(1, min(next_power_of_2(wanted), _MAX_KV_SPLITS, num_blocks))
+
+
+def merge_kv_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """Log-sum-exp merge of flash-decoding splits.
+
+    acc f32[J, ..., H]; row_max (log2 units), row_sum f32[J, ...] -> f32[..., H].
+    """
+    weights = jnp.exp2(row_max - row_max.max(axis=0))  # [J, ...]; 0 for splits that saw no key
+    denominator = (weights * row_sum).sum(axis=0)
+    numerator = (weights[..., None] * acc).sum(axis=0)
+    # Padding sequences (seq_len 0) have denominator 0: give them 0 rather than NaN.
+    return numerator / jnp.where(denominator == 0, 1.0, denominator)[..., None]
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float,
+    num_kv_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of one new query per sequence over its paged KV.
+
+    q [S, N, H]; kv_cache [L, 2, K, P, B, H]; layer i32[]; block_tables i32[S, M]; seq_lens i32[S]
+    (KV length including the query's own token; 0 = padding sequence). Returns [S, N, H] in q's
+    dtype. `num_kv_splits=None` picks enough splits to fill the GPU.
+    """
+    name = "paged_decode_attention"
+    _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
+        name, q, kv_cache, layer, block_tables, seq_lens
+    )
+    num_seqs, num_heads, _ = q.shape
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{name}: q has S={num_seqs} rows but block_tables has {block_tables.shape[0]}"
+        )
+    max_pages = block_tables.shape[1]
+    pages_per_block = max(1, _BLOCK_KV // page_size)
+    num_blocks = pl.cdiv(max_pages, pages_per_block)
+    if num_kv_splits is None:
+        num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_blocks)
+    if num_kv_splits < 1:
+        raise ValueError(f"{name}: num_kv_splits must be >= 1, got {num_kv_splits}")
+
+    # Triton blocks are powers of two and dots need >= 16 rows: pad G and H of q (not the cache).
+    group_padded = max(MIN_DOT_DIM, next_power_of_2(group))
+    head_dim_padded = max(MIN_DOT_DIM, next_power_of_2(head_dim))
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_padded - group), (0, head_dim_padded - head_dim)))
+
+    kernel = functools.partial(
+        _decode_kernel,
+        sm_scale=sm_scale,
+        pages_per_block=pages_per_block,
+        num_kv_splits=num_kv_splits,
+    )
+    split_shape = (num_kv_splits, num_seqs, num_kv_heads, group_padded)
+    acc, row_max, row_sum = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_kv_splits),
+        in_specs=[
+            pl.no_block_spec,  # layer
+            pl.no_block_spec,  # seq_lens
+            pl.no_block_spec,  # block_tables
+            pl.BlockSpec((None, None, group_padded, head_dim_padded), lambda s, k, j: (s, k, 0, 0)),
+            pl.no_block_spec,  # kv_cache: pages are gathered inside the kernel
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, None, group_padded, head_dim_padded), lambda s, k, j: (j, s, k, 0, 0)
+            ),
+            pl.BlockSpec((None, None, None, group_padded), lambda s, k, j: (j, s, k, 0)),
+            pl.BlockSpec((None, None, None, group_padded), lambda s, k, j: (j, s, k, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*split_shape, head_dim_padded), jnp.float32),
+            jax.ShapeDtypeStruct(split_shape, jnp.float32),
+            jax.ShapeDtypeStruct(split_shape, jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        seq_lens,
+        pad_block_tables(block_tables, pages_per_block),
+        qg,
+        kv_cache,
+    )
+    out = merge_kv_splits(acc, row_max, row_sum)[:, :, :group, :head_dim]  # [S, K, G, H]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+    """Pure jnp: gather every page of the block table, dense softmax masked by seq_len."""
+    _, num_kv_heads, _, page_size, head_dim, _ = validate_paged_inputs(
+        "paged_decode_attention_reference", q, kv_cache, layer, block_tables, seq_lens
+    )
+    max_len = block_tables.shape[1] * page_size
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+
+    def one_sequence(q_s, pages, seq_len):  # [N, H], i32[M], i32[]
+        keys, values = kv_cache[layer][:, :, pages]  # each [K, M, B, H]
+        keys = keys.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)  # [C, K, H]
+        values = values.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)
+        is_visible = (jnp.arange(max_len) < seq_len)[None, :]  # [1, C]
+        return reference_attention(q_s[None], keys, values, is_visible, sm_scale)[0]
+
+    out = jax.vmap(one_sequence)(q, block_tables, seq_lens)  # [S, N, H]
+    return out.astype(q.dtype)

@@ -1,0 +1,244 @@
+"""Ragged paged attention: mixed prefill, chunked prefill and decode in one call.
+
+The queries of all sequences are flattened into q [T, N, H]; sequence s owns rows
+query_start_loc[s]:query_start_loc[s+1], the last q_len of its seq_lens[s] KV positions (causal).
+A tile is up to `block_q` consecutive queries of one sequence; one program per (tile, KV head) runs
+an online softmax over the pages up to the tile's causal limit, with the [block_q, G] query heads of
+that KV head flattened into the rows of one dot. The tile -> sequence map is computed in jnp from
+query_start_loc, over a static number of tiles (cdiv(T, block_q) + S bounds it; spare tiles idle).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas._paging import (
+    MASK_VALUE,
+    MIN_DOT_DIM,
+    load_pages,
+    next_power_of_2,
+    online_softmax_step,
+    pad_block_tables,
+    reference_attention,
+    validate_paged_inputs,
+)
+
+# Rows (queries x query heads) per tile and KV tokens per inner step: the FlashAttention-2 Triton
+# tile sizes that keep a [64, 128] f32 accumulator and [64, 128] K, V tiles in registers.
+_BLOCK_ROWS = 64
+_BLOCK_KV = 64
+
+
+def _ragged_kernel(
+    # inputs
+    layer_ref,  # i32[1]
+    seq_lens_ref,  # i32[S]
+    block_tables_ref,  # i32[S, M + pages_per_block]
+    tile_seq_ref,  # i32[num_tiles]: sequence of the tile
+    tile_q_start_ref,  # i32[num_tiles]: row in q of the tile's first query
+    tile_num_q_ref,  # i32[num_tiles]: queries in the tile (0 for a spare tile)
+    tile_pos_ref,  # i32[num_tiles]: KV position of the tile's first query
+    q_ref,  # [T + block_q, K, Gp, Hp]: all queries, zero padded
+    kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
+    # outputs
+    o_ref,  # [block_q * Gp, Hp]: rows ordered (query, query head)
+    *,
+    sm_scale: float,
+    block_q: int,
+    pages_per_block: int,
+):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    seq = tile_seq_ref[tile]
+    num_q = tile_num_q_ref[tile]
+    first_pos = tile_pos_ref[tile]
+    page_size = kv_ref.shape[4]
+    max_pages = block_tables_ref.shape[1] - pages_per_block
+    block_kv = pages_per_block * page_size
+    _, _, group_padded, head_dim_padded = q_ref.shape
+    num_rows = block_q * group_padded
+
+    q = q_ref[pl.ds(tile_q_start_ref[tile], block_q), head].reshape(num_rows, head_dim_padded)
+    row_query = jnp.arange(num_rows, dtype=jnp.int32) // group_padded  # [R]
+    row_pos = first_pos + row_query
+    is_row_valid = row_query < num_q
+
+    # Causal: the tile's last query sees positions < first_pos + num_q, and nothing past seq_len.
+    kv_end = jnp.minimum(jnp.minimum(seq_lens_ref[seq], first_pos + num_q), max_pages * page_size)
+    kv_end = jnp.where(num_q > 0, kv_end, 0)
+    num_blocks = pl.cdiv(jnp.maximum(kv_end, 0), block_kv)
+
+    def body(i, carry):
+        page = i * pages_per_block
+        pages = block_tables_ref[seq, pl.ds(page, pages_per_block)]  # i32[pages_per_block]
+        k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)  # [C, Hp]
+        v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)  # [C, Hp]
+        positions = page * page_size + jnp.arange(block_kv, dtype=jnp.int32)  # [C]
+        is_valid_kv = positions < kv_end
+        is_visible = (
+            (positions[None, :] <= row_pos[:, None]) & is_row_valid[:, None] & is_valid_kv[None, :]
+        )  # [R, C]
+        return online_softmax_step(q, k, v, is_visible, is_valid_kv, *carry, sm_scale=sm_scale)
+
+    init = (
+        jnp.zeros((num_rows, head_dim_padded), jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+    acc, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = (acc / jnp.where(row_sum == 0, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
+
+
+def _tile_schedule(
+    query_start_loc: jax.Array, seq_lens: jax.Array, block_q: int, num_tiles: int
+) -> tuple[jax.Array, ...]:
+    """Splits each sequence's queries into tiles of block_q.
+
+    Returns per tile i32[num_tiles]: sequence, first q row, number of queries, first KV position;
+    and per sequence i32[S]: its first tile.
+    """
+    num_seqs = seq_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    tiles_per_seq = pl.cdiv(jnp.maximum(q_lens, 0), block_q)
+    tile_end = jnp.cumsum(tiles_per_seq)
+    tile_begin = tile_end - tiles_per_seq
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tile_end, tiles, side="right"), num_seqs - 1)
+    index_in_seq = tiles - tile_begin[seq]
+    q_start = query_start_loc[seq] + index_in_seq * block_q
+    num_q = jnp.minimum(block_q, query_start_loc[seq + 1] - q_start)
+    is_real = tiles < tile_end[-1]
+    first_pos = seq_lens[seq] - q_lens[seq] + index_in_seq * block_q
+    return (
+        seq.astype(jnp.int32),
+        jnp.where(is_real, q_start, 0).astype(jnp.int32),
+        jnp.where(is_real, num_q, 0).astype(jnp.int32),
+        first_pos.astype(jnp.int32),
+        tile_begin.astype(jnp.int32),
+    )
+
+
+def _validate_query_start_loc(name: str, query_start_loc: jax.Array, num_seqs: int) -> None:
+    if query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype != jnp.int32:
+        raise ValueError(
+            f"{name}: query_start_loc must be i32[S+1] with S={num_seqs}, "
+            f"got {query_start_loc.dtype}{query_start_loc.shape}"
+        )
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of flattened ragged queries over their sequences' paged KV.
+
+    q [T, N, H]; kv_cache [L, 2, K, P, B, H]; layer i32[]; block_tables i32[S, M]; seq_lens i32[S]
+    (KV length after this step; 0 = padding); query_start_loc i32[S+1]. Returns [T, N, H] in q's
+    dtype; rows past query_start_loc[S] are padding and come back as 0.
+    """
+    name = "ragged_paged_attention"
+    _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
+        name, q, kv_cache, layer, block_tables, seq_lens
+    )
+    num_tokens, num_heads, _ = q.shape
+    num_seqs = block_tables.shape[0]
+    _validate_query_start_loc(name, query_start_loc, num_seqs)
+
+    group_padded = next_power_of_2(group)
+    head_dim_padded = max(MIN_DOT_DIM, next_power_of_2(head_dim))
+    # At least 16 rows for the Triton dot, even for one query with G = 1.
+    block_q = max(1, _BLOCK_ROWS // group_padded)
+    num_rows = block_q * group_padded
+    pages_per_block = max(1, _BLOCK_KV // page_size)
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
+    tile_seq, tile_q_start, tile_num_q, tile_pos, seq_first_tile = _tile_schedule(
+        query_start_loc, seq_lens, block_q, num_tiles
+    )
+
+    # Rows past T keep the last tile's [block_q] slice in bounds.
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(
+        qg, ((0, block_q), (0, 0), (0, group_padded - group), (0, head_dim_padded - head_dim))
+    )
+    kernel = functools.partial(
+        _ragged_kernel, sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block
+    )
+    out_tiles = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[pl.no_block_spec] * 9,  # every operand is indexed inside the kernel
+        out_specs=pl.BlockSpec((None, None, num_rows, head_dim_padded), lambda t, k: (t, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(
+            (num_tiles, num_kv_heads, num_rows, head_dim_padded), q.dtype
+        ),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        seq_lens,
+        pad_block_tables(block_tables, pages_per_block),
+        tile_seq,
+        tile_q_start,
+        tile_num_q,
+        tile_pos,
+        qg,
+        kv_cache,
+    )
+
+    # Back from tiles to rows of q: row r of sequence s is query (r - start_s) of s.
+    out_tiles = out_tiles.reshape(num_tiles, num_kv_heads, block_q, group_padded, head_dim_padded)
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    row_seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], rows, side="right"), num_seqs - 1)
+    offset = rows - query_start_loc[row_seq]
+    row_tile = jnp.clip(seq_first_tile[row_seq] + offset // block_q, 0, num_tiles - 1)
+    out = out_tiles[row_tile, :, offset % block_q]  # [T, K, Gp, Hp]
+    out = out[:, :, :group, :head_dim].reshape(num_tokens, num_heads, head_dim)
+    is_padding_row = rows >= query_start_loc[-1]
+    return jnp.where(is_padding_row[:, None, None], jnp.zeros_like(out), out)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+    """Pure jnp: every query gathers its sequence's pages and runs a dense causal softmax."""
+    name = "ragged_paged_attention_reference"
+    _, num_kv_heads, _, page_size, head_dim, _ = validate_paged_inputs(
+        name, q, kv_cache, layer, block_tables, seq_lens
+    )
+    num_seqs = block_tables.shape[0]
+    _validate_query_start_loc(name, query_start_loc, num_seqs)
+    max_len = block_tables.shape[1] * page_size
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    row_seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], rows, side="right"), num_seqs - 1)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    row_pos = seq_lens[row_seq] - q_lens[row_seq] + rows - query_start_loc[row_seq]
+    is_real_row = rows < query_start_loc[-1]
+
+    def one_query(q_t, pages, pos, is_real):  # [N, H], i32[M], i32[], bool[]
+        keys, values = kv_cache[layer][:, :, pages]  # each [K, M, B, H]
+        keys = keys.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)  # [C, K, H]
+        values = values.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)
+        is_visible = ((jnp.arange(max_len) <= pos) & is_real)[None, :]  # [1, C]
+        return reference_attention(q_t[None], keys, values, is_visible, sm_scale)[0]
+
+    out = jax.vmap(one_query)(q, block_tables[row_seq], row_pos, is_real_row)  # [T, N, H]
+    return out.astype(q.dtype)

@@ -1,0 +1,142 @@
+"""paged_decode_attention in interpret mode against its pure-jnp reference (CPU)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import paged_decode_attention, paged_decode_attention_reference
+from kernels_pallas.testing import make_paged_kv
+
+NUM_LAYERS = 3
+LAYER = 2  # not 0: the kernel must index the layer inside the whole cache
+NUM_KV_HEADS = 2
+PAGE_SIZE = 8
+MAX_PAGES = 8  # max length 64
+NUM_PAGES = 48
+# 1, a page boundary -1/0/+1, two pages -1, the maximum, a padding sequence, something in between.
+SEQ_LENS = [
+    1,
+    PAGE_SIZE - 1,
+    PAGE_SIZE,
+    PAGE_SIZE + 1,
+    2 * PAGE_SIZE - 1,
+    MAX_PAGES * PAGE_SIZE,
+    0,
+    37,
+]
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def _case(
+    seed: int, seq_lens: list[int], group: int, head_dim: int, dtype, page_size: int = PAGE_SIZE
+):
+    rng = np.random.default_rng(seed)
+    kv_cache, block_tables = make_paged_kv(
+        rng,
+        seq_lens,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        num_pages=NUM_PAGES,
+        page_size=page_size,
+        head_dim=head_dim,
+        max_pages_per_seq=MAX_PAGES,
+    )
+    q = rng.standard_normal((len(seq_lens), NUM_KV_HEADS * group, head_dim), dtype=np.float32)
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(kv_cache, dtype),
+        jnp.int32(LAYER),
+        jnp.asarray(block_tables),
+        jnp.asarray(seq_lens, jnp.int32),
+    )
+
+
+@functools.cache
+def _kernel(sm_scale: float, num_kv_splits: int | None):
+    return jax.jit(
+        functools.partial(
+            paged_decode_attention, sm_scale=sm_scale, num_kv_splits=num_kv_splits, interpret=True
+        )
+    )
+
+
+def _check(args, *, num_kv_splits: int | None = None, sm_scale: float = 0.125):
+    out = _kernel(sm_scale, num_kv_splits)(*args)
+    ref = paged_decode_attention_reference(*args, sm_scale=sm_scale)
+    assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), "the kernel read a NaN slot past a length or the null page"
+    tol = TOLERANCE[args[0].dtype.type]
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+    padding = np.asarray(args[4]) == 0
+    np.testing.assert_array_equal(out[padding], 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_matches_reference_on_ragged_lengths_and_shuffled_pages(group, dtype):
+    _check(_case(0, SEQ_LENS, group, 64, dtype))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 4])
+def test_decode_is_independent_of_the_number_of_kv_splits(num_kv_splits):
+    _check(_case(1, SEQ_LENS, 3, 64, jnp.float32), num_kv_splits=num_kv_splits)
+
+
+def test_decode_with_large_pages_and_head_dim_128():
+    seq_lens = [1, 15, 16, 17, 33, 128, 0, 100]
+    _check(_case(2, seq_lens, 4, 128, jnp.bfloat16, page_size=16), sm_scale=128**-0.5)
+
+
+def test_decode_pads_a_head_dim_that_is_not_a_power_of_two():
+    _check(_case(3, SEQ_LENS, 3, 48, jnp.float32), sm_scale=48**-0.5)
+
+
+def test_decode_reads_the_requested_layer():
+    args = _case(4, SEQ_LENS, 3, 64, jnp.float32)
+    other_layer = _kernel(0.125, None)(args[0], args[1], jnp.int32(0), *args[3:])
+    out = _kernel(0.125, None)(*args)
+    assert not np.allclose(np.asarray(out), np.asarray(other_layer))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "q": a["q"].astype(jnp.float16)}, "share one dtype"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, "not a multiple of K"),
+        (lambda a: {**a, "q": a["q"][..., :32]}, "head dim"),
+        (lambda a: {**a, "kv_cache": a["kv_cache"][:, :, :, :, :6]}, "page size"),
+        (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "block_tables"),
+        (lambda a: {**a, "block_tables": a["block_tables"][:-1]}, "seq_lens"),
+        (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.float32)}, "seq_lens"),
+        (lambda a: {**a, "layer": jnp.zeros((2,), jnp.int32)}, "layer"),
+    ],
+)
+def test_decode_rejects_bad_inputs_with_a_clear_error(change, message):
+    q, kv_cache, layer, block_tables, seq_lens = _case(5, [3, 9], 2, 64, jnp.float32)
+    args = dict(q=q, kv_cache=kv_cache, layer=layer, block_tables=block_tables, seq_lens=seq_lens)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**change(args), sm_scale=0.1, interpret=True)
+
+
+def test_decode_rejects_zero_kv_splits():
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        paged_decode_attention(*_case(6, [3], 1, 64, jnp.float32), sm_scale=0.1, num_kv_splits=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="needs a CUDA GPU (compiled Triton kernel)"
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_compiled_on_gpu_matches_reference(dtype):
+    args = _case(7, SEQ_LENS, 4, 128, dtype)
+    out = jax.jit(functools.partial(paged_decode_attention, sm_scale=0.1))(*args)
+    ref = paged_decode_attention_reference(*args, sm_scale=0.1)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol
+    )

@@ -1,0 +1,81 @@
+"""Both kernels lower for CUDA (Triton) at production shapes, through an abstract H100 on CPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas import paged_decode_attention, ragged_paged_attention
+from kernels_pallas.lowering import lower_for_cuda, num_triton_calls
+
+SDS = jax.ShapeDtypeStruct
+NUM_LAYERS = 32
+NUM_PAGES = 8192
+
+# (name, N, K, H, B): SmolLM2-135M, Llama-3-8B, and page sizes / head dims at the edges.
+MODELS = [
+    ("smollm2", 9, 3, 64, 16),
+    ("llama-8b", 32, 8, 128, 16),
+    ("llama-8b-page8", 32, 8, 128, 8),
+    ("llama-8b-page128", 32, 8, 128, 128),
+    ("gqa-8-to-1", 64, 8, 128, 16),
+    ("head-dim-80", 32, 32, 80, 16),
+]
+
+
+def _kv(num_kv_heads: int, head_dim: int, page_size: int, dtype) -> SDS:
+    return SDS((NUM_LAYERS, 2, num_kv_heads, NUM_PAGES, page_size, head_dim), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(("name", "num_heads", "num_kv_heads", "head_dim", "page_size"), MODELS)
+@pytest.mark.parametrize("num_seqs", [8, 256])
+def test_decode_lowers_for_cuda(
+    name, num_heads, num_kv_heads, head_dim, page_size, num_seqs, dtype
+):
+    max_pages = 32768 // page_size
+    lowered = lower_for_cuda(
+        functools.partial(paged_decode_attention, sm_scale=head_dim**-0.5),
+        SDS((num_seqs, num_heads, head_dim), dtype),
+        _kv(num_kv_heads, head_dim, page_size, dtype),
+        SDS((), jnp.int32),
+        SDS((num_seqs, max_pages), jnp.int32),
+        SDS((num_seqs,), jnp.int32),
+    )
+    assert num_triton_calls(lowered) == 1
+
+
+@pytest.mark.parametrize(("name", "num_heads", "num_kv_heads", "head_dim", "page_size"), MODELS)
+@pytest.mark.parametrize(("num_tokens", "num_seqs"), [(16, 16), (2048, 256)])
+def test_ragged_lowers_for_cuda(
+    name, num_heads, num_kv_heads, head_dim, page_size, num_tokens, num_seqs
+):
+    max_pages = 8192 // page_size
+    lowered = lower_for_cuda(
+        functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5),
+        SDS((num_tokens, num_heads, head_dim), jnp.bfloat16),
+        _kv(num_kv_heads, head_dim, page_size, jnp.bfloat16),
+        SDS((), jnp.int32),
+        SDS((num_seqs, max_pages), jnp.int32),
+        SDS((num_seqs,), jnp.int32),
+        SDS((num_seqs + 1,), jnp.int32),
+    )
+    assert num_triton_calls(lowered) == 1
+
+
+def test_lowering_check_catches_a_block_that_is_not_a_power_of_two():
+    def copy_kernel(x_ref, o_ref):  # [24, 16]
+        o_ref[...] = x_ref[...]
+
+    def copy(x):
+        return pl.pallas_call(
+            copy_kernel,
+            out_shape=SDS(x.shape, x.dtype),
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        )(x)
+
+    with pytest.raises(ValueError, match="power of 2"):
+        lower_for_cuda(copy, SDS((24, 16), jnp.float32))
