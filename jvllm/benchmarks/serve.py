@@ -1,0 +1,174 @@
+"""Online serving benchmark: N streamed completions at a given concurrency (or request rate)
+against a jvllm server, then the same workload through offline `LLM.generate` for the ratio.
+
+    python -m jvllm.benchmarks.serve --num-prompts 64 --input-len 64 --output-len 64 \
+        --max-concurrency 32                      # starts `jvllm serve` itself
+    jvllm bench serve --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct
+
+Prompts are random token ids, generation is greedy with ignore_eos, so every request produces
+exactly output-len tokens. TTFT and inter-token latency are measured by the client on the SSE stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from jvllm.benchmarks.throughput import _random_prompts
+from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+               output_len: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    token_times = []
+    num_tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                token_times.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"ttft": token_times[0] - start, "itl": list(np.diff(token_times)),
+            "latency": end - start, "num_tokens": num_tokens}
+
+
+async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
+                   max_concurrency: int, request_rate: float, seed: int) -> dict:
+    semaphore = asyncio.Semaphore(max_concurrency)
+    rng = np.random.default_rng(seed)
+    limits = httpx.Limits(max_connections=max_concurrency + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        await _one(client, url, model, prompts[0], 2)  # warm-up
+
+        async def limited(prompt):
+            async with semaphore:
+                return await _one(client, url, model, prompt, output_len)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    itl = [x for r in results for x in r["itl"]]
+    num_tokens = sum(r["num_tokens"] for r in results)
+    return {
+        "elapsed": elapsed, "num_tokens": num_tokens, "tok_s": num_tokens / elapsed,
+        "req_s": len(results) / elapsed,
+        "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
+        "itl_p50": np.percentile(itl, 50), "itl_p99": np.percentile(itl, 99),
+    }
+
+
+def offline_tok_s(args, prompts) -> float:
+    from jvllm import LLM, SamplingParams
+
+    llm = LLM(args.model_path, **_engine_kwargs(args))
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def _engine_kwargs(args) -> dict:
+    kwargs = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs}
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    return kwargs
+
+
+def _start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jvllm.entrypoints.cli", "serve", args.model_path or "",
+           "--port", str(port), "--served-model-name", args.model, "--uvicorn-log-level", "warning",
+           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if not args.model_path:
+        cmd.remove("")
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the server did not become healthy in 900 s")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default=None, help="a running server (default: start one)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
+    parser.add_argument("--model-path", default=None, help="model dir/gguf (default model if unset)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests/s, Poisson arrivals (default: all at once)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    with open(os.path.join(args.model_path or default_model_dir(), "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    prompts = _random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    proc = None
+    url = args.base_url
+    if url is None:
+        proc, url = _start_server(args)
+    try:
+        online = asyncio.run(run_load(url, args.model, prompts, args.output_len,
+                                      args.max_concurrency, args.request_rate, args.seed))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print(f"workload: {args.num_prompts} requests x {args.input_len} in x {args.output_len} out, "
+          f"greedy, ignore_eos, concurrency {args.max_concurrency}, rate {args.request_rate}")
+    print(f"server: {online['tok_s']:.1f} output tok/s, {online['req_s']:.2f} req/s "
+          f"({online['elapsed']:.2f}s, {online['num_tokens']} tokens)")
+    print(f"TTFT p50 {1000 * online['ttft_p50']:.0f} ms, p99 {1000 * online['ttft_p99']:.0f} ms; "
+          f"ITL p50 {1000 * online['itl_p50']:.1f} ms, p99 {1000 * online['itl_p99']:.1f} ms")
+    if not args.skip_offline:
+        offline = offline_tok_s(args, prompts)
+        print(f"offline LLM.generate: {offline:.1f} output tok/s; "
+              f"server / offline = {online['tok_s'] / offline:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""AsyncLLM: an `LLMEngine` driven by a background thread while requests come and go.
+
+The engine thread owns the engine: it applies queued commands (add, abort) between steps, runs
+`step()` while anything is unfinished and sleeps otherwise. After each step it hands that step's
+outputs to the event loop of each request in one `call_soon_threadsafe` call; everything after
+that (metrics, delta/cumulative shaping, JSON) runs on the event loop, off the step loop.
+
+A consumer that falls behind skips outputs, never tokens: the engine reports cumulative outputs
+and each stream keeps only the latest one, from which `generate()` cuts the deltas it yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.logger import init_logger
+from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+try:
+    from jvllm.sampling_params import RequestOutputKind
+except ImportError:  # the engine has no output kinds yet: AsyncLLM shapes outputs itself
+
+    class RequestOutputKind(enum.IntEnum):
+        CUMULATIVE = 0
+        DELTA = 1
+        FINAL_ONLY = 2
+
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step raised, or the engine was shut down)."""
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """What the engine looked like after a step; read by the metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class _Stream:
+    """One request's mailbox on its event loop. Outputs the consumer has not taken yet are merged
+    (per completion index, the latest cumulative one wins), so a slow consumer skips outputs,
+    never completions or tokens."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, arrival: float):
+        self.request_id = request_id
+        self.loop = loop
+        self.arrival_time = arrival
+        self.header: RequestOutput | None = None  # the latest output, for its request fields
+        self.pending: dict[int, CompletionOutput] = {}
+        self.finished = False
+        self.aborted = False
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+        # Metrics bookkeeping (event loop side): tokens seen per completion index.
+        self.num_tokens_seen: dict[int, int] = {}
+        self.last_token_time: float | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        self.header = output
+        for completion in output.outputs:
+            self.pending[completion.index] = completion
+        self.finished = self.finished or output.finished
+        self.ready.set()
+
+    def take(self) -> tuple[RequestOutput | None, list[CompletionOutput]]:
+        changed = [self.pending[i] for i in sorted(self.pending)]
+        self.pending = {}
+        return self.header, changed
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+
+class AsyncLLM:
+    """vLLM's async engine API: `generate()` streams `RequestOutput`s, `abort()` ends a request.
+
+    `stat_loggers` have `record(items, now)`, called on the event loop with each step's
+    `(stream, output)` pairs (see `jvllm.engine.metrics`); `stats` is the latest `SchedulerStats`.
+    """
+
+    def __init__(self, engine: LLMEngine, stat_loggers: list[Any] | None = None):
+        self.engine = engine
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = engine.max_model_len
+        self.stat_loggers = list(stat_loggers or [])
+        self.stats = SchedulerStats()
+        self._commands: collections.deque = collections.deque()
+        self._wakeup = threading.Event()
+        self._live: dict[str, _Stream] = {}  # engine thread only
+        self._dead: BaseException | None = None
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **kwargs) -> AsyncLLM:
+        return cls(LLMEngine(model, **kwargs))
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        output_kind: RequestOutputKind | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Add the request and yield its outputs as they come; the last one has `finished`.
+
+        `output_kind` (default: `sampling_params.output_kind`, else CUMULATIVE) picks what each
+        output holds: everything so far, only what is new (DELTA), or only the final output.
+        Invalid input raises here (ValueError/TypeError) before anything is yielded. Leaving the
+        generator early (break, cancellation, a client gone) aborts the request.
+        """
+        kind = output_kind
+        if kind is None:
+            kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
+        kind = RequestOutputKind(int(kind))
+        if hasattr(sampling_params, "output_kind"):
+            # The engine always reports cumulative outputs; shaping happens here.
+            engine_kind = type(sampling_params.output_kind).CUMULATIVE
+            if sampling_params.output_kind != engine_kind:
+                sampling_params = dataclasses.replace(sampling_params, output_kind=engine_kind)
+        stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic())
+        shaper = _OutputShaper(kind, sampling_params)
+        added = concurrent.futures.Future()
+        self._submit(("add", stream, prompt, sampling_params, added))
+        finished = False
+        try:
+            await asyncio.wrap_future(added)
+            while not finished:
+                await stream.ready.wait()
+                stream.ready.clear()
+                if stream.error is not None:
+                    finished = True  # the engine has already let go of it
+                    raise stream.error
+                header, changed = stream.take()
+                if stream.aborted:
+                    finished = True
+                    yield shaper.abort(header, request_id)
+                    return
+                finished = stream.finished
+                shaped = shaper.shape(header, changed, finished)
+                if shaped is not None:
+                    yield shaped
+        finally:
+            if not finished:
+                self._submit(("abort", stream))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: its KV blocks are freed and its `generate()` ends with "abort"."""
+        self._submit(("abort_id", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; unfinished requests get an `EngineDeadError`."""
+        self._shutdown = True
+        self._wakeup.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    async def check_health(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self._dead!r}")
+
+    # ---- engine thread ----
+
+    def _submit(self, command: tuple) -> None:
+        if self._dead is not None or self._shutdown:
+            if command[0] == "add":
+                command[-1].set_exception(EngineDeadError(f"the engine is not running: {self._dead}"))
+            return
+        self._commands.append(command)
+        self._wakeup.set()
+        if self._dead is not None:  # the loop stopped while we queued: nothing may hang
+            self._fail_all(self._dead)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._shutdown:
+                self._apply_commands()
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self._dispatch(outputs)
+        except BaseException as e:  # an engine bug: every request learns of it, nothing hangs
+            logger.exception("the engine loop died")
+            self._dead = e
+        finally:
+            self._dead = self._dead or EngineDeadError("the engine was shut down")
+            try:  # leave the engine clean for whoever holds it next
+                self.engine.abort_request(list(self._live))
+            except Exception:
+                logger.exception("could not abort the requests left in the engine")
+            self._fail_all(self._dead)
+
+    def _apply_commands(self) -> None:
+        engine = self.engine
+        while self._commands:
+            command = self._commands.popleft()
+            op = command[0]
+            if op == "add":
+                _, stream, prompt, params, added = command
+                if not added.set_running_or_notify_cancel():
+                    continue
+                try:
+                    engine.add_request(stream.request_id, prompt, params)
+                except Exception as e:  # noqa: BLE001 - the caller's bad input reaches that caller only
+                    added.set_exception(e)
+                    continue
+                self._live[stream.request_id] = stream
+                added.set_result(None)
+            elif op == "abort":  # from the stream itself: only if it is still that stream's
+                stream = command[1]
+                if self._live.get(stream.request_id) is stream:
+                    del self._live[stream.request_id]
+                    engine.abort_request(stream.request_id)
+            elif op == "abort_id":
+                stream = self._live.pop(command[1], None)
+                if stream is not None:
+                    engine.abort_request(command[1])
+                    stream.loop.call_soon_threadsafe(stream.abort)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        pairs = []
+        for output in outputs:
+            stream = self._live.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._live[output.request_id]
+            pairs.append((stream, output))
+        lost = [s for rid, s in self._live.items() if not self._engine_has(rid)]
+        for stream in lost:  # the engine dropped it (its output processing failed)
+            del self._live[stream.request_id]
+            self._fail(stream, RuntimeError(
+                f"request {stream.request_id} failed in the engine and was aborted"))
+        self.stats = self._snapshot()
+        self._deliver_many(pairs, now)
+
+    def _engine_has(self, request_id: str) -> bool:
+        """Whether the engine still knows the request (or, with n > 1, its children)."""
+        engine = self.engine
+        return request_id in engine._requests or request_id in getattr(engine, "_children", ())
+
+    def _snapshot(self) -> SchedulerStats:
+        scheduler = self.engine.scheduler
+        kv = scheduler.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions_total,
+        )
+
+    def _deliver_many(self, pairs: list[tuple[_Stream, RequestOutput]], now: float) -> None:
+        """One wake-up per event loop per step; the loop puts outputs and records metrics."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, output in pairs:
+            by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._on_loop, items, now)
+            except RuntimeError:  # that loop is closed: its consumers are gone
+                pass
+
+    def _on_loop(self, items: list[tuple[_Stream, RequestOutput]], now: float) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(items, now)
+        for stream, output in items:
+            stream.put(output)
+
+    def _fail(self, stream: _Stream, error: BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.fail, error)
+        except RuntimeError:
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+                command[-1].set_exception(EngineDeadError(str(error)))
+        for stream in self._live.values():
+            self._fail(stream, EngineDeadError(f"the engine loop stopped: {error!r}"))
+        self._live.clear()
+
+
+
+class _OutputShaper:
+    """Turns a request's cumulative outputs into the kind its consumer asked for: everything so far
+    (CUMULATIVE), what is new (DELTA), or all completions once, at the end (FINAL_ONLY)."""
+
+    def __init__(self, kind: RequestOutputKind, params: SamplingParams):
+        self.kind = kind
+        stops = getattr(params, "stop", None) or []
+        # Text that could still turn out to be the start of a stop string is held back.
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.completions: dict[int, CompletionOutput] = {}  # latest cumulative, per index
+        self._num_chars: dict[int, int] = {}
+        self._num_tokens: dict[int, int] = {}
+        self._done: set[int] = set()
+
+    def shape(self, header: RequestOutput, changed: list[CompletionOutput],
+              finished: bool) -> RequestOutput | None:
+        for completion in changed:
+            self.completions[completion.index] = completion
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if self.kind != RequestOutputKind.DELTA:
+            outputs = [self.completions[i] for i in sorted(self.completions)]
+            return dataclasses.replace(header, outputs=outputs, finished=finished)
+        deltas = [d for d in map(self._delta, changed) if d is not None]
+        if not deltas and not finished:
+            return None
+        return dataclasses.replace(header, outputs=deltas, finished=finished)
+
+    def _delta(self, completion: CompletionOutput) -> CompletionOutput | None:
+        index = completion.index
+        num_chars = self._num_chars.get(index, 0)
+        num_tokens = self._num_tokens.get(index, 0)
+        text = completion.text
+        is_done = completion.finish_reason is not None
+        end = len(text) if is_done else max(num_chars, len(text) - self.holdback)
+        if end == num_chars and len(completion.token_ids) == num_tokens and (
+            not is_done or index in self._done
+        ):
+            return None
+        changes: dict[str, Any] = {
+            "text": text[num_chars:end],
+            "token_ids": list(completion.token_ids[num_tokens:]),
+        }
+        logprobs = getattr(completion, "logprobs", None)
+        if logprobs is not None:
+            changes["logprobs"] = list(logprobs[num_tokens:])
+        self._num_chars[index] = end
+        self._num_tokens[index] = len(completion.token_ids)
+        if is_done:
+            self._done.add(index)
+        return dataclasses.replace(completion, **changes)
+
+    def abort(self, header: RequestOutput | None, request_id: str) -> RequestOutput:
+        """The final output of a request ended by `AsyncLLM.abort()`."""
+        ended = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
+                 for c in (self.completions[i] for i in sorted(self.completions))]
+        if self.kind == RequestOutputKind.DELTA:
+            ended = [dataclasses.replace(c, text="", token_ids=[]) for c in ended]
+        ended = ended or [CompletionOutput(0, "", [], finish_reason="abort")]
+        if header is None:
+            return RequestOutput(request_id, None, [], ended, finished=True)
+        return dataclasses.replace(header, outputs=ended, finished=True)

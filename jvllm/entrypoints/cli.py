@@ -1,0 +1,85 @@
+"""The `jvllm` command: `jvllm serve [MODEL] ...` and `jvllm bench serve ...`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from jvllm.engine.arg_utils import EngineArgs
+
+# EngineArgs fields exposed as flags (vLLM's flag names).
+_ENGINE_FLAGS = {
+    "dtype": {"choices": ["auto", "float32", "bfloat16"]},
+    "max_model_len": {"type": int},
+    "max_num_seqs": {"type": int},
+    "max_num_batched_tokens": {"type": int},
+    "block_size": {"type": int},
+    "kv_cache_memory_bytes": {"type": int},
+    "num_gpu_blocks_override": {"type": int},
+    "long_prefill_token_threshold": {"type": int},
+    "attention_backend": {},
+    "seed": {"type": int},
+    "enable_prefix_caching": {"action": argparse.BooleanOptionalAction},
+    "enable_chunked_prefill": {"action": argparse.BooleanOptionalAction},
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineArgs()
+    group = parser.add_argument_group("engine")
+    for name, kwargs in _ENGINE_FLAGS.items():
+        default = getattr(defaults, name)
+        group.add_argument(f"--{name.replace('_', '-')}", default=default,
+                           help=f"(default: {default})", **kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    return {name: getattr(args, name) for name in _ENGINE_FLAGS if name in fields}
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from jvllm.entrypoints.openai.api_server import run_server
+
+    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
+               served_model_name=args.served_model_name, log_level=args.uvicorn_log_level,
+               **engine_kwargs(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jvllm", description="jvllm: vLLM's engine in JAX")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients pass (default: MODEL, or the default model's)")
+    serve.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench.add_argument("which", choices=["serve", "throughput"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> None:
+    if args.which == "serve":
+        from jvllm.benchmarks.serve import main as bench_main
+    else:
+        from jvllm.benchmarks.throughput import main as bench_main
+    bench_main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The OpenAI-compatible server: FastAPI routes over an `AsyncLLM`, run by uvicorn.
+
+    jvllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [engine options]
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import jvllm
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.metrics import ServingMetrics
+from jvllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
+from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jvllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class _ApiKeyMiddleware:
+    """401 on /v1/* without `Authorization: Bearer <key>` (health, metrics stay open, as in vLLM)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                error = OpenAIError("Invalid or missing API key: pass `Authorization: Bearer <key>`.",
+                                    status_code=401, code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    messages = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors[:5])
+    return messages, param
+
+
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
+              metrics: ServingMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name`. Pass the `ServingMetrics` that the
+    engine records into (its `stat_loggers`) to expose them on /metrics."""
+    app = FastAPI(title="jvllm", version=jvllm.__version__)
+    completion = OpenAIServingCompletion(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name)
+    tokenizer = engine.get_tokenizer()
+    created = int(time.time())
+    app.state.engine = engine
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        error = OpenAIError(str(exc.detail), status_code=exc.status_code,
+                            type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        logger.exception("internal error")
+        error = OpenAIError(f"internal server error: {exc!r}", status_code=500,
+                            type="internal_server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    def _respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest):
+        return _respond(await completion.create(request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest):
+        return _respond(await chat.create(request))
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "jvllm",
+            "root": engine.engine.args.model or model_name, "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jvllm.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        completion.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("pass exactly one of prompt and messages", param="prompt")
+        if request.messages is not None:
+            tokens = chat.render(request.messages, request.add_generation_prompt)
+        else:
+            tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        completion.check_model(request.model)
+        vocab_size = engine.engine.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"token ids must be in [0, {vocab_size}), got {bad[:5]}",
+                              param="tokens")
+        return {"prompt": tokenizer.decode(request.tokens)}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        if metrics is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def build_server_engine(model: str | None, served_model_name: str | None = None, **engine_kwargs):
+    """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords."""
+    from jvllm.engine.llm_engine import LLMEngine
+    from jvllm.model_loader.default_model import DEFAULT_MODEL
+
+    name = served_model_name or model or DEFAULT_MODEL
+    engine = AsyncLLM(LLMEngine(model, **engine_kwargs))
+    metrics = ServingMetrics(engine, name)
+    engine.stat_loggers.append(metrics)
+    return engine, metrics, name
+
+
+def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, served_model_name: str | None = None,
+               log_level: str = "info", **engine_kwargs) -> None:
+    import uvicorn
+
+    engine, metrics, name = build_server_engine(model, served_model_name, **engine_kwargs)
+    app = build_app(engine, name, api_key, metrics)
+    logger.info("serving %s on http://%s:%d", name, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+
+
+class ServerThread:
+    """uvicorn serving `app` from a background thread of this process (tests, notebooks)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.host, self.port = host, port
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.thread = threading.Thread(target=self.server.run, name="jvllm-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,0 +1,166 @@
+"""POST /v1/completions: one or several prompts (text or token ids), streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from jvllm.engine.async_llm import RequestOutputKind
+from jvllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
+from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, random_id, sse
+from jvllm.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompts(self, request: CompletionRequest) -> list[dict]:
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise OpenAIError("prompt must not be empty", param="prompt")
+                out.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
+            else:
+                if not p:
+                    raise OpenAIError("prompt must not be empty (it has 0 tokens)", param="prompt")
+                out.append({"prompt": None, "prompt_token_ids": list(p)})
+        return out
+
+    async def create(self, request: CompletionRequest):
+        """A response dict, or an async iterator of SSE lines when streaming."""
+        self.check_model(request.model)
+        if request.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError("best_of must equal n (no beam search)", param="best_of")
+        prompts = self._prompts(request)
+        max_tokens = request.max_tokens
+        for p in prompts:
+            max_tokens = self.check_length(len(p["prompt_token_ids"]), request.max_tokens, "prompt")
+        echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        params = self.sampling_params(request, max_tokens, request.logprobs, echo_logprobs)
+        request_id = random_id("cmpl")
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        outputs = self.generate_all(prompts, params, request_id, kind)
+        try:
+            first = await anext(outputs)  # errors at admission become a 400, not a broken stream
+        except StopAsyncIteration:
+            first = None
+        if request.stream:
+            return self._stream(request, request_id, params.n, first, outputs)
+        results: dict[int, RequestOutput] = {}
+        item = first
+        try:
+            while item is not None:
+                results[item[0]] = item[1]
+                item = await anext(outputs, None)
+        finally:
+            await outputs.aclose()
+        return self._response(request, request_id, params.n, [results[i] for i in range(len(prompts))])
+
+    def _response(self, request, request_id: str, n: int, results: list[RequestOutput]) -> dict:
+        choices = []
+        num_prompt = num_completion = 0
+        for prompt_index, result in enumerate(results):
+            num_prompt += len(result.prompt_token_ids)
+            for completion in result.outputs:
+                num_completion += len(completion.token_ids)
+                choices.append(self._choice(request, result, completion, prompt_index * n, True))
+        choices.sort(key=lambda c: c["index"])
+        return {
+            "id": request_id, "object": "text_completion", "created": now(),
+            "model": self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                      "total_tokens": num_prompt + num_completion},
+        }
+
+    def _choice(self, request, result: RequestOutput, completion: CompletionOutput, base: int,
+                first: bool) -> dict:
+        text = completion.text
+        echo = request.echo and first
+        if echo:
+            text = self._prompt_text(result) + text
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = self._logprobs(result, completion, request.logprobs, echo)
+        return {"index": base + completion.index, "text": text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def _prompt_text(self, result: RequestOutput) -> str:
+        if result.prompt is not None:
+            return result.prompt
+        return self.tokenizer.decode(result.prompt_token_ids)
+
+    def _logprobs(self, result: RequestOutput, completion: CompletionOutput, num: int,
+                  echo: bool) -> dict:
+        """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+        token_ids: list[int] = []
+        positions: list = []
+        if echo:
+            prompt_lps = getattr(result, "prompt_logprobs", None) or []
+            token_ids += list(result.prompt_token_ids)
+            positions += list(prompt_lps) + [None] * (len(result.prompt_token_ids) - len(prompt_lps))
+        token_ids += list(completion.token_ids)
+        positions += list(completion.logprobs or [None] * len(completion.token_ids))
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, position in zip(token_ids, positions):
+            chosen = position.get(token_id) if position else None
+            text = self.token_text(token_id, chosen)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if position is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(self.logprob_value(chosen) if chosen is not None else None)
+            # The top `num` and the sampled token (k + 1 entries when it is not among them).
+            top.append({self.token_text(t, lp): self.logprob_value(lp)
+                        for t, lp in self.top_entries(position, len(position))})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    async def _stream(self, request, request_id: str, n: int, first,
+                      outputs: AsyncIterator) -> AsyncIterator[str]:
+        created = now()
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        num_prompt: dict[int, int] = {}
+        num_completion = 0
+        started: set[int] = set()
+        item = first
+        try:
+            while item is not None:
+                prompt_index, result = item
+                num_prompt[prompt_index] = len(result.prompt_token_ids)
+                choices = []
+                for completion in result.outputs:
+                    num_completion += len(completion.token_ids)
+                    index = prompt_index * n + completion.index
+                    choices.append(self._choice(request, result, completion, prompt_index * n,
+                                                index not in started))
+                    started.add(index)
+                chunk = {"id": request_id, "object": "text_completion", "created": created,
+                         "model": self.model_name, "choices": choices}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+                item = await anext(outputs, None)
+            if include_usage:
+                total_prompt = sum(num_prompt.values())
+                yield sse({"id": request_id, "object": "text_completion", "created": created,
+                            "model": self.model_name, "choices": [],
+                            "usage": {"prompt_tokens": total_prompt,
+                                      "completion_tokens": num_completion,
+                                      "total_tokens": total_prompt + num_completion}})
+        except OpenAIError as e:
+            yield sse(e.body())
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,176 @@
+"""AsyncLLM: concurrent requests share steps, outputs shape as asked, errors stay per request."""
+
+import asyncio
+
+import pytest
+
+from jvllm import LLMEngine, SamplingParams
+from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return LLMEngine(tiny_llama_dir, max_model_len=256, max_num_seqs=16,
+                     max_num_batched_tokens=256, compile_all_buckets=False)
+
+
+@pytest.fixture
+def async_llm(engine):
+    llm = AsyncLLM(engine)
+    yield llm
+    llm.shutdown()
+
+
+async def _collect(llm, prompt, request_id, params=GREEDY, kind=None):
+    return [o async for o in llm.generate(prompt, params, request_id, output_kind=kind)]
+
+
+def test_concurrent_requests_share_steps_and_deltas_join_to_final_text(async_llm, engine):
+    num_steps = 0
+    step = engine.step
+
+    def counting_step():
+        nonlocal num_steps
+        num_steps += 1
+        return step()
+
+    engine.step = counting_step
+    try:
+        async def main():
+            prompts = [f"prompt {i} goes here" for i in range(8)]
+            finals = await asyncio.gather(*(
+                _collect(async_llm, p, f"final-{i}", kind=RequestOutputKind.FINAL_ONLY)
+                for i, p in enumerate(prompts)))
+            deltas = await asyncio.gather(*(
+                _collect(async_llm, p, f"delta-{i}", kind=RequestOutputKind.DELTA)
+                for i, p in enumerate(prompts)))
+            return finals, deltas
+
+        finals, deltas = asyncio.run(main())
+    finally:
+        del engine.step
+    for final, delta in zip(finals, deltas):
+        assert len(final) == 1 and final[0].finished
+        assert "".join(o.outputs[0].text for o in delta) == final[0].outputs[0].text
+        assert sum(len(o.outputs[0].token_ids) for o in delta) == 8
+    # 16 requests x 8 tokens in two waves of 8: batched, far fewer steps than tokens.
+    assert num_steps <= 2 * (8 + 2)
+
+
+def test_cumulative_outputs_grow(async_llm):
+    outputs = asyncio.run(_collect(async_llm, "grow", "cum", kind=RequestOutputKind.CUMULATIVE))
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert lengths == sorted(lengths) and lengths[-1] == 8 and outputs[-1].finished
+
+
+def test_abort_ends_the_stream_and_frees_blocks(async_llm, engine):
+    kv = engine.scheduler.kv_cache_manager
+    free_before = kv.num_free_blocks
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        outputs = []
+        async for output in async_llm.generate("abort me", long, "victim"):
+            outputs.append(output)
+            if len(outputs) == 2:
+                async_llm.abort("victim")
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests() and kv.num_free_blocks == free_before
+
+
+def test_breaking_out_of_generate_aborts_the_request(async_llm, engine):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        agen = async_llm.generate("leave early", long, "leaver")
+        async for _ in agen:
+            break
+        await agen.aclose()
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_request_fails_alone(async_llm):
+    async def main():
+        good = asyncio.create_task(_collect(async_llm, "fine", "good"))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(async_llm, list(range(100, 400)), "too-long")
+        with pytest.raises(ValueError):
+            await _collect(async_llm, "dup", "good")  # its id is in use
+        return await good
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
+
+
+def test_output_failure_of_one_request_reaches_only_it(async_llm, engine):
+    detokenize = engine.output_processor.detokenize
+
+    def failing(request):
+        if request.request_id == "broken":
+            raise RuntimeError("boom")
+        return detokenize(request)
+
+    engine.output_processor.detokenize = failing
+    try:
+        async def main():
+            good = asyncio.create_task(_collect(async_llm, "fine", "fine-1"))
+            with pytest.raises(RuntimeError, match="broken"):
+                await _collect(async_llm, "bad", "broken")
+            return await good
+
+        outputs = asyncio.run(main())
+    finally:
+        del engine.output_processor.detokenize
+    assert outputs[-1].finished
+
+
+def test_shutdown_fails_pending_and_new_requests(engine):
+    llm = AsyncLLM(engine)
+
+    async def main():
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        agen = llm.generate("running", long, "pending")
+        await agen.__anext__()
+        llm.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in agen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, "after", "after")
+
+    asyncio.run(main())
+    assert not llm.is_running
+    assert not engine.has_unfinished_requests()  # shutdown aborted what was left
+
+
+def test_engine_step_error_reaches_every_request(engine):
+    llm = AsyncLLM(engine)
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    try:
+        async def main():
+            results = await asyncio.gather(
+                _collect(llm, "a", "x1"), _collect(llm, "b", "x2"), return_exceptions=True)
+            return results
+
+        results = asyncio.run(main())
+    finally:
+        del engine.step
+        llm.shutdown()
+    assert all(isinstance(r, EngineDeadError) for r in results)
+    assert llm.errored and not llm.is_running
+    assert not engine.has_unfinished_requests()
