@@ -19,14 +19,51 @@ def pages_per_chunk(block_size: int) -> int:
     return max(1, _CHUNK_POSITIONS // block_size)
 
 
+def _to_storage(x: jax.Array, storage_dtype) -> jax.Array:
+    """Values as the cache stores them; a uint16 cache holds bfloat16 bits (see kv_cache_dtype)."""
+    if storage_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(storage_dtype)
+
+
+def _from_storage(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(jnp.float32)
+
+
+def _page_rows(kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
+    """Row ids [*pages.shape, K] of `pages` (K or V by `kv`) in the [L*2*K*P, B*H] view.
+
+    Taking whole rows of that view moves a contiguous page per head: several times faster on
+    CPU than advanced indexing of the 6-D array.
+    """
+    _, _, num_kv_heads, num_pages, _, _ = kv_cache.shape
+    heads = jnp.arange(num_kv_heads)
+    return ((layer * 2 + kv) * num_kv_heads + heads) * num_pages + pages[..., None]
+
+
 def write_kv(
     kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> jax.Array:
     """Scatter this step's k, v [T, K, H] into kv_cache[L, 2, K, P, B, H] at their slots."""
-    block_size = kv_cache.shape[4]
+    shape, block_size, head_dim = kv_cache.shape, kv_cache.shape[4], kv_cache.shape[5]
     pages, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
-    kv_cache = kv_cache.at[layer, 0, :, pages, offsets].set(k.astype(kv_cache.dtype))
-    return kv_cache.at[layer, 1, :, pages, offsets].set(v.astype(kv_cache.dtype))
+    flat = kv_cache.reshape(-1, head_dim)  # [L*2*K*P*B, H]
+    for kv, new in ((0, k), (1, v)):
+        rows = _page_rows(kv_cache, layer, kv, pages) * block_size + offsets[:, None]  # [T, K]
+        flat = flat.at[rows].set(_to_storage(new, kv_cache.dtype))
+    return flat.reshape(shape)
+
+
+def _gather_pages(kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
+    """K (kv=0) or V (kv=1) of `pages` i32[NT, C] at `layer` -> f32[NT, K, C*B, H]."""
+    _, _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_tiles, chunk = pages.shape
+    flat = kv_cache.reshape(-1, block_size * head_dim)  # [L*2*K*P, B*H]
+    rows = _page_rows(kv_cache, layer, kv, pages).transpose(0, 2, 1)  # [NT, K, C]
+    out = _from_storage(jnp.take(flat, rows, axis=0))  # [NT, K, C, B*H]
+    return out.reshape(num_tiles, num_kv_heads, chunk * block_size, head_dim)
 
 
 def paged_attention(
@@ -48,12 +85,7 @@ def paged_attention(
     def body(j, carry):
         m, l, acc = carry  # [NT, K, G, Q], [NT, K, G, Q], [NT, K, G, Q, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [NT, C]
-        kv = kv_cache[layer, :, :, pages]  # [NT, C, 2, K, B, H]
-        kv = kv.reshape(num_tiles, chunk, 2, num_kv_heads, block_size, head_dim)
-        kv = kv.transpose(2, 0, 3, 1, 4, 5).reshape(
-            2, num_tiles, num_kv_heads, chunk * block_size, head_dim
-        )
-        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # [NT, K, C*B, H]
+        k = _gather_pages(kv_cache, layer, 0, pages)  # [NT, K, C*B, H]
         s = jnp.einsum("tqkgh,tkch->tkgqc", qt, k)  # [NT, K, G, Q, C*B]
         kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
         visible = kv_pos[None, None, :] <= md.tile_positions[:, :, None]  # [NT, Q, C*B]
@@ -62,7 +94,9 @@ def paged_attention(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgqc,tkch->tkgqh", p, v)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "tkgqc,tkch->tkgqh", p, _gather_pages(kv_cache, layer, 1, pages)
+        )
         return m_new, l, acc
 
     shape = (num_tiles, num_kv_heads, group, tile_q)
