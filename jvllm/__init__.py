@@ -3,8 +3,8 @@
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.entrypoints.llm import LLM
-from jvllm.outputs import CompletionOutput, RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -13,5 +13,9 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
+    "RequestOutputKind",
+    "BeamSearchParams",
+    "BeamSearchOutput",
 ]
 __version__ = "0.1.0"

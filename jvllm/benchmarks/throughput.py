@@ -40,7 +40,11 @@ def bench_jvllm(args, prompts) -> dict:
               attention_backend=args.attention_backend)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+    )
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)  # first call: page-in of the executables
     elapsed = _median_time(lambda: llm.generate(prompts, params, use_tqdm=False), args.num_iters)
@@ -97,6 +101,11 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
+    # Sampling features whose cost to measure (off by default: the plain greedy path).
+    parser.add_argument("--logprobs", type=int, default=None)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
     args = parser.parse_args(argv)
 
     # The vocabulary size is needed before any engine exists; read it from the model's config.
@@ -104,8 +113,12 @@ def main(argv=None) -> None:
         vocab = json.load(f)["vocab_size"]
     prompts = _random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     ours = bench_jvllm(args, prompts)
+    extras = [f"{name}={getattr(args, name)}" for name, off in (
+        ("logprobs", None), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0)) if getattr(args, name) != off]
     print(f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
-          f"greedy, ignore_eos, {args.dtype}, median of {args.num_iters}")
+          f"greedy, ignore_eos, {args.dtype}, median of {args.num_iters}"
+          + (f", {', '.join(extras)}" if extras else ""))
     print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
     print(f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
           f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets)")

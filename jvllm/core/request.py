@@ -79,6 +79,10 @@ class Request:
         # Chain hashes of the request's full blocks, in order; filled by the KV cache manager
         # and kept across preemption so a resumed request finds its own blocks again.
         self.block_hashes: list[int] = []
+        # `sampling_params.bad_words` as token id sequences (the engine tokenizes them).
+        self.bad_words_token_ids: list[list[int]] = []
+        # Milestone times (a jvllm.outputs.RequestMetrics); the engine fills it in.
+        self.metrics = None
 
     @property
     def num_tokens(self) -> int:

@@ -174,7 +174,10 @@ class Scheduler:
                 self.waiting.popleft()
                 output.finished_requests.append(request)
                 continue
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            hit_blocks, num_hit_tokens = [], 0
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            if request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break

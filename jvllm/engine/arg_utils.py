@@ -24,6 +24,7 @@ class EngineArgs:
     attention_backend: str | None = None  # None = "pallas" on GPU, "reference" elsewhere
     seed: int = 0
     compile_all_buckets: bool = True
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -42,6 +43,8 @@ class EngineArgs:
                 "num_gpu_blocks_override must be an int >= 2 (block 0 is the reserved null "
                 f"block), got {self.num_gpu_blocks_override!r}"
             )
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = off), "

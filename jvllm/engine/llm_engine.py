@@ -11,12 +11,14 @@ from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jvllm.engine.arg_utils import EngineArgs, num_kv_blocks
 from jvllm.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from jvllm.engine.output_processor import OutputProcessor
+from jvllm.engine.parallel_sampling import ParentRequest, child_params
 from jvllm.logger import init_logger
 from jvllm.model_loader import load_model
-from jvllm.outputs import RequestOutput
+from jvllm.outputs import RequestMetrics, RequestOutput
 from jvllm.sampling_params import SamplingParams
+from jvllm.worker.bias_rows import bad_words_token_ids
 from jvllm.worker.buckets import BucketSpec
-from jvllm.worker.model_runner import ModelRunner
+from jvllm.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_dtype
 
 logger = init_logger(__name__)
 
@@ -29,7 +31,8 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - start
         config = self.model_config
         self.max_model_len = args.max_model_len or config.max_position_embeddings
-        itemsize = 2 if config.dtype == "bfloat16" else 4
+        self.attention_backend = args.attention_backend or default_backend()
+        itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
         bytes_per_block = (
             config.num_layers * 2 * config.num_kv_heads * args.block_size * config.head_dim * itemsize
         )
@@ -49,7 +52,6 @@ class LLMEngine:
             ),
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
         )
-        self.attention_backend = args.attention_backend or default_backend()
         self.model_runner = ModelRunner(
             config,
             params,
@@ -58,12 +60,17 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             buckets=BucketSpec(args.max_num_batched_tokens, args.max_num_seqs),
             attention_backend=self.attention_backend,
+            max_logprobs=args.max_logprobs,
+            max_num_seqs=args.max_num_seqs,
         )
         if args.compile_all_buckets:
             self.model_runner.compile_all()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_rng = np.random.default_rng(args.seed)
         self._requests: dict[str, Request] = {}
+        # n > 1: parent request id -> child ids, and each live child's parent.
+        self._children: dict[str, list[str]] = {}
+        self._parent_of: dict[str, str] = {}
         # Requests that finished in the last step, for observers such as jvllm.tracing.
         self.last_finished_requests: list[Request] = []
 
@@ -83,28 +90,50 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and enqueue a request; raises ValueError/TypeError without side effects."""
+        """Validate and enqueue a request; raises ValueError/TypeError without side effects.
+
+        With `n > 1` the request runs as n child requests that share the prompt's KV blocks
+        through the prefix cache; its outputs still carry `request_id`."""
         params = SamplingParams() if params is None else params
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
-            eos_token_id=self._eos_token_id(),
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            prompt=prompt_text,
-            seed=seed,
-        )
-        self._requests[request_id] = request
-        self.output_processor.add_request(request)
-        self.scheduler.add_request(request)
-        logger.debug("added request %s (%d prompt tokens)", request_id, len(prompt_token_ids))
+        params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+        bad_words = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer; this model ships none")
+            bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        if params.n == 1:
+            children = [(request_id, params)]
+            parent = None
+        else:
+            parent = ParentRequest(request_id, params)
+            children = [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
+            self._children[request_id] = parent.child_ids
+            self._parent_of.update((c, request_id) for c in parent.child_ids)
+        for index, (child_id, child) in enumerate(children):
+            seed = child.seed if child.seed is not None else int(self._seed_rng.integers(2**31))
+            request = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=child,
+                eos_token_id=self._eos_token_id(),
+                arrival_time=metrics.arrival_time,
+                prompt=prompt_text,
+                seed=seed,
+            )
+            request.bad_words_token_ids = bad_words
+            request.metrics = metrics  # shared by the n samples: the parent's milestones
+            self._requests[child_id] = request
+            self.output_processor.add_request(request, parent, index)
+            self.scheduler.add_request(request)
+        logger.debug("added request %s (%d prompt tokens, n=%d)", request_id,
+                     len(prompt_token_ids), params.n)
 
     def _eos_token_id(self) -> int | None:
         eos = self.model_config.eos_token_id
@@ -115,10 +144,18 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Finish requests as FINISHED_ABORTED and free their KV blocks; unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [child for i in ids for child in self._children.get(i, [i])]
         live = [i for i in ids if i in self._requests]
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        for request_id in live:
-            self.output_processor.make_output(self._requests.pop(request_id))
+        for child_id in live:
+            self._finish(self._requests[child_id])
+            self.output_processor.make_output(self._requests.pop(child_id))
+
+    def _finish(self, request: Request) -> None:
+        request.metrics.finished_time = time.time()
+        parent_id = self._parent_of.pop(request.request_id, None)
+        if parent_id is not None and not any(c in self._parent_of for c in self._children[parent_id]):
+            del self._children[parent_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -128,19 +165,60 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        sampled = self._execute(scheduler_output)
+        now = time.time()
+        for request in scheduler_output.scheduled_requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        sampling = [r for r in scheduler_output.scheduled_requests if scheduler_output.will_sample(r)]
+        runner_output = self._execute(scheduler_output)
+        sampled = {}
+        if runner_output is not None:
+            tokens = runner_output.sampled_token_ids
+            sampled = {r.request_id: int(t) for r, t in zip(scheduler_output.scheduled_requests, tokens)}
+            self._record_prompt_logprobs(scheduler_output, runner_output)
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
+        if runner_output is not None:
+            self._record_logprobs(scheduler_output, runner_output, sampling)
         return self._process_outputs(scheduler_output, sampled, finished)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        """Run the model on the scheduled tokens and sample: {request_id: token id}."""
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the model on the scheduled tokens and sample."""
         requests = scheduler_output.scheduled_requests
         if not requests:
-            return {}
+            return None
         manager = self.scheduler.kv_cache_manager
         block_ids = [manager.get_block_ids(r.request_id) for r in requests]
-        tokens = self.model_runner.execute_model(scheduler_output, block_ids)
-        return {r.request_id: int(t) for r, t in zip(requests, tokens)}
+        return self.model_runner.execute_model(scheduler_output, block_ids)
+
+    def _record_prompt_logprobs(self, scheduler_output: SchedulerOutput,
+                                runner_output: ModelRunnerOutput) -> None:
+        if runner_output.prompt_logprobs is None:
+            return
+        row = 0
+        for request in scheduler_output.scheduled_requests:
+            n = scheduler_output.num_scheduled_tokens[request.request_id]
+            if request.sampling_params.prompt_logprobs is not None and not request.is_finished:
+                self.output_processor.add_prompt_logprobs(
+                    request, request.num_computed_tokens, runner_output.prompt_logprobs, row, n
+                )
+            row += n
+
+    def _record_logprobs(self, scheduler_output: SchedulerOutput,
+                         runner_output: ModelRunnerOutput, sampling: list[Request]) -> None:
+        """Metrics of every request that got a token, and logprobs of those that asked."""
+        now = time.time()
+        rows = {r.request_id: i for i, r in enumerate(scheduler_output.scheduled_requests)}
+        for request in sampling:
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            if runner_output.logprobs is not None and request.sampling_params.logprobs is not None:
+                top_ids, top_lps, token_lps, ranks = runner_output.logprobs
+                i = rows[request.request_id]
+                self.output_processor.add_logprobs(request, top_ids[i], top_lps[i], token_lps[i],
+                                                   ranks[i])
 
     def _process_outputs(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
@@ -151,13 +229,14 @@ class LLMEngine:
         outputs = []
         self.last_finished_requests = []
         for request in changed.values():
+            if request.request_id not in self._requests:
+                continue  # aborted during this step: its output was made then
             output = self._output_for(request)
-            if output is None:
-                continue
-            outputs.append(output)
-            if output.finished:
+            if request.is_finished:
                 self.last_finished_requests.append(request)
-                del self._requests[request.request_id]
+                self._requests.pop(request.request_id, None)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _output_for(self, request: Request) -> RequestOutput | None:
@@ -169,12 +248,14 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
+            if request.is_finished:
+                self._finish(request)
             return self.output_processor.make_output(request)
         except Exception:
             logger.exception("request %s failed while processing its output; aborting it",
                              request.request_id)
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            self._finish(request)
             self.output_processor.make_output(request)
-            self._requests.pop(request.request_id, None)
             return None

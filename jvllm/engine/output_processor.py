@@ -1,17 +1,32 @@
-"""Turns requests' new tokens into `RequestOutput`s: detokenization and stop strings."""
+"""Turns requests' new tokens into `RequestOutput`s: detokenization, stop strings, logprobs,
+output kinds, and the gathering of parallel samples."""
 
 import dataclasses
 
+import numpy as np
+
 from jvllm.core.request import Request, RequestStatus
 from jvllm.engine.detokenizer import IncrementalDetokenizer
-from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.engine.logprobs import TokenDecoder, logprobs_entry
+from jvllm.engine.parallel_sampling import ParentRequest
+from jvllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from jvllm.sampling_params import RequestOutputKind
 
 
 @dataclasses.dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer | None
+    parent: ParentRequest | None
+    index: int  # which of the parent's n samples
     num_processed: int = 0  # output tokens already detokenized
     text: str = ""  # output text, cut at a stop string
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
+    # DELTA outputs: what earlier outputs already carried.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 def _find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[str, int] | None:
@@ -27,9 +42,12 @@ def _find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[str, in
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decode = TokenDecoder(tokenizer)
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request) -> None:
+    def add_request(
+        self, request: Request, parent: ParentRequest | None = None, index: int = 0
+    ) -> None:
         params = request.sampling_params
         detok = None
         if params.detokenize and self.tokenizer is not None:
@@ -39,10 +57,48 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
-        self._states[request.request_id] = _RequestState(detok)
+        state = _RequestState(detok, parent, index)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * request.num_prompt_tokens
+        self._states[request.request_id] = state
 
     def has_new_tokens(self, request: Request) -> bool:
         return self._states[request.request_id].num_processed < request.num_output_tokens
+
+    def _decoder(self, request: Request):
+        return self._decode if request.sampling_params.detokenize else (lambda _: None)
+
+    def add_logprobs(self, request: Request, top_ids, top_logprobs, token_logprob, rank) -> None:
+        """Record the logprobs of the request's newest output token (one row of the runner's)."""
+        state = self._states[request.request_id]
+        if state.logprobs is None:
+            return
+        token_id = request.output_token_ids[-1]
+        state.logprobs.append(logprobs_entry(
+            request.sampling_params.logprobs, top_ids, top_logprobs, token_id, token_logprob,
+            rank, self._decoder(request),
+        ))
+        state.cumulative_logprob += float(token_logprob)
+
+    def add_prompt_logprobs(self, request: Request, start: int, arrays: tuple[np.ndarray, ...],
+                            row_start: int, num_rows: int) -> None:
+        """Record prompt logprobs from this step's rows `row_start ..` (the scheduled tokens at
+        positions `start ..`; row i predicts prompt position start + i + 1)."""
+        state = self._states[request.request_id]
+        top_ids, top_lps, target_lps, ranks = arrays
+        prompt = request.prompt_token_ids
+        decode = self._decoder(request)
+        k = request.sampling_params.prompt_logprobs
+        for i in range(num_rows):
+            position = start + i + 1
+            if position >= len(prompt) or state.prompt_logprobs[position] is not None:
+                continue  # past the prompt, or already recorded before a preemption
+            row = row_start + i
+            state.prompt_logprobs[position] = logprobs_entry(
+                k, top_ids[row], top_lps[row], prompt[position], target_lps[row], ranks[row], decode
+            )
 
     def detokenize(self, request: Request) -> str | None:
         """Detokenize the request's new tokens; returns the stop string it hit, if any."""
@@ -64,23 +120,62 @@ class OutputProcessor:
                 return stop
         return None
 
-    def make_output(self, request: Request) -> RequestOutput:
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """This step's output of the request under its output kind; None when there is nothing
+        to report (FINAL_ONLY before the end, or parallel samples still running)."""
         state = self._states[request.request_id]
-        finished = RequestStatus.is_finished(request.status)
-        completion = CompletionOutput(
-            index=0,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=RequestStatus.finish_reason(request.status) if finished else None,
-            stop_reason=request.stop_reason,
-        )
+        params = request.sampling_params
+        finished = request.is_finished
         if finished:
             del self._states[request.request_id]
+        kind = params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._completion(request, state, finished, kind == RequestOutputKind.DELTA)
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            prompt_logprobs = None if state.sent_prompt_logprobs else prompt_logprobs
+            state.sent_prompt_logprobs = True
+        request_id, outputs = request.request_id, [completion]
+        if state.parent is not None:
+            request_id = state.parent.request_id
+            outputs, finished = state.parent.get_outputs(request.request_id, completion)
+            if not outputs:
+                return None
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
+            outputs=outputs,
             finished=finished,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            metrics=request.metrics,
+        )
+
+    def _completion(self, request: Request, state: _RequestState, finished: bool,
+                    delta: bool) -> CompletionOutput:
+        text = state.text
+        hold = request.sampling_params.stop_buffer_length
+        if hold and not finished:
+            text = text[: max(len(text) - hold, 0)]
+        token_ids = list(request.output_token_ids)
+        logprobs = state.logprobs
+        if delta:
+            text = text[state.num_sent_chars :]
+            token_ids = token_ids[state.num_sent_tokens :]
+            if logprobs is not None:
+                logprobs = logprobs[state.num_sent_tokens :]
+            state.num_sent_chars += len(text)
+            state.num_sent_tokens += len(token_ids)
+        elif logprobs is not None:
+            logprobs = list(logprobs)
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=RequestStatus.finish_reason(request.status) if finished else None,
+            stop_reason=request.stop_reason,
         )

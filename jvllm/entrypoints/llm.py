@@ -1,13 +1,16 @@
 """`LLM`: vLLM's offline API. Add every prompt, step the engine until all finish, return in order."""
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
-from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.entrypoints.beam_search import beam_search
+from jvllm.entrypoints.chat import as_conversations, render_conversation
+from jvllm.outputs import BeamSearchOutput, RequestOutput
+from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -43,6 +46,12 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
+        # Only final outputs are collected (vLLM does the same); the caller's objects stay as given.
+        params_list = [
+            p if not isinstance(p, SamplingParams) or p.output_kind == RequestOutputKind.FINAL_ONLY
+            else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in params_list
+        ]
         engine = self.llm_engine
         request_ids = []
         try:
@@ -56,6 +65,31 @@ class LLM:
             raise
         return self._run_engine(request_ids, use_tqdm)
 
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
+        of conversations, rendered through the tokenizer's chat template (or `chat_template`)."""
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            render_conversation(tokenizer, conversation, chat_template, add_generation_prompt,
+                                continue_final_message)
+            for conversation in as_conversations(messages)
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the `beam_width` best sequences of each prompt."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        return beam_search(self, _as_prompt_list(prompts), params)
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
@@ -67,7 +101,7 @@ class LLM:
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        num_output_tokens += len(output.outputs[0].token_ids)
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)
                         elapsed = progress.format_dict["elapsed"] or 1e-9
                         progress.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} tok/s")

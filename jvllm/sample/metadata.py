@@ -14,4 +14,32 @@ class SamplingMetadata:
     min_p: jax.Array  # f32[S]; 0 = off
     seeds: jax.Array  # u32[S] each request's seed
     output_index: jax.Array  # i32[S] how many tokens the request has output so far
+    presence_penalty: jax.Array  # f32[S]; 0 = off
+    frequency_penalty: jax.Array  # f32[S]; 0 = off
+    repetition_penalty: jax.Array  # f32[S]; 1 = off
+    num_prompt_tokens: jax.Array  # i32[S] positions at or past this are outputs (penalties)
+    bias_slot: jax.Array  # i32[S] row of the engine's logit-bias table; 0 = the zero row
+    prompt_target_ids: jax.Array  # i32[T] the prompt token each position predicts; -1 = none
+    # Batch-level switches: a step whose requests ask for none of it skips the work (lax.cond).
     all_greedy: jax.Array  # bool[] every row is greedy: skip the sort and the noise
+    any_penalties: jax.Array  # bool[]
+    any_bias: jax.Array  # bool[]
+    any_logprobs: jax.Array  # bool[]
+    any_prompt_logprobs: jax.Array  # bool[]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """What one step returns besides the KV cache. K = the engine's max_logprobs (at least 1);
+    the logprob fields are zeros in steps where no request asked for them."""
+
+    sampled_token_ids: jax.Array  # i32[S]
+    topk_token_ids: jax.Array  # i32[S, K] raw-logprob top-k of each sequence's next token
+    topk_logprobs: jax.Array  # f32[S, K]
+    sampled_logprobs: jax.Array  # f32[S]
+    sampled_ranks: jax.Array  # i32[S] 1 = the most likely token
+    prompt_topk_token_ids: jax.Array  # i32[T, K] per scheduled token: top-k of the next position
+    prompt_topk_logprobs: jax.Array  # f32[T, K]
+    prompt_target_logprobs: jax.Array  # f32[T] logprob of prompt_target_ids
+    prompt_target_ranks: jax.Array  # i32[T]

@@ -1,5 +1,6 @@
 """The model runner: owns the parameters, the paged KV array and every `jax.jit` of the engine."""
 
+import dataclasses
 import functools
 import math
 import os
@@ -15,7 +16,8 @@ from jvllm.config import ModelConfig
 from jvllm.core.scheduler import SchedulerOutput
 from jvllm.logger import init_logger
 from jvllm.models.llama import compute_logits, forward
-from jvllm.sample.sampler import sample
+from jvllm.sample.sampler import sample_step
+from jvllm.worker.bias_rows import BiasRows
 from jvllm.worker.buckets import Bucket, BucketSpec
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
@@ -35,13 +37,50 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(params, kv_cache, inputs: StepInputs, *, config: ModelConfig, attn):
-    """forward + sample for one padded step -> (i32[S] sampled token ids, kv_cache)."""
+def _step(params, kv_cache, token_cache, bias_rows, inputs: StepInputs, *, config: ModelConfig,
+          attn, max_logprobs: int):
+    """forward + sample for one padded step -> (SamplerOutput, kv_cache, token_cache).
+
+    `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it)."""
+    md = inputs.attn
     hidden, kv_cache = forward(
-        params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn, config=config, attn=attn
+        params, kv_cache, inputs.token_ids, inputs.positions, md, config=config, attn=attn
     )
-    logits = compute_logits(params, hidden[inputs.attn.logits_indices], config=config)  # [S, V]
-    return sample(logits, inputs.sampling), kv_cache
+    num_pages, block_size = token_cache.shape
+    token_cache = (
+        token_cache.reshape(-1).at[md.slot_mapping].set(inputs.token_ids)
+        .reshape(num_pages, block_size)
+    )
+    logits = compute_logits(params, hidden[md.logits_indices], config=config)  # [S, V]
+    out = sample_step(
+        logits, hidden, inputs.sampling,
+        bias_rows=bias_rows, token_cache=token_cache, block_tables=md.block_tables,
+        seq_lens=md.seq_lens, logits_fn=lambda h: compute_logits(params, h, config=config),
+        max_logprobs=max_logprobs,
+    )
+    return out, kv_cache, token_cache
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """One step's results on the host, rows in scheduled-request order; the logprob fields are
+    None when no request of the step asked for them."""
+
+    sampled_token_ids: np.ndarray  # i32[num_reqs]
+    logprobs: tuple[np.ndarray, ...] | None = None  # top ids, top logprobs, sampled lp, rank
+    prompt_logprobs: tuple[np.ndarray, ...] | None = None  # the same per scheduled token [T]
+
+
+def kv_cache_dtype(model_dtype: str, attention_backend: str) -> jnp.dtype:
+    """The KV cache stores the model dtype, except a bfloat16 cache for the reference backend on
+    CPU, which stores the same bits as uint16: XLA:CPU copies a whole bfloat16 cache to float32
+    and back around every scatter into it (measured: 1.8 s a SmolLM2 decode step instead of
+    0.2 s). The reference backend converts only the pages it reads."""
+    if model_dtype != "bfloat16":
+        return jnp.dtype(jnp.float32)
+    if attention_backend == "reference" and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.uint16)
+    return jnp.dtype(jnp.bfloat16)
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -60,6 +99,8 @@ class ModelRunner:
         max_model_len: int,
         buckets: BucketSpec,
         attention_backend: str,
+        max_logprobs: int = 20,
+        max_num_seqs: int = 128,
     ):
         self.config = config
         self.params = params
@@ -69,12 +110,18 @@ class ModelRunner:
         chunk = pages_per_chunk(block_size)
         # Block tables are padded so the reference backend's page chunks tile them exactly.
         self.max_pages = math.ceil(math.ceil(max_model_len / block_size) / chunk) * chunk
-        dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-        self.kv_cache = jnp.zeros(kv_cache_shape(config, num_blocks, block_size), dtype)
+        self.kv_cache = jnp.zeros(
+            kv_cache_shape(config, num_blocks, block_size), kv_cache_dtype(config.dtype, attention_backend)
+        )
+        self.token_cache = jnp.zeros((num_blocks, block_size), jnp.int32)  # [P, B]
+        # One row per running request at most, plus the shared zero row.
+        self.bias_rows = BiasRows(max_num_seqs + 1, config.vocab_size)
+        self.max_logprobs = max_logprobs
         enable_compilation_cache()
         attn = get_attention(attention_backend, sm_scale=config.head_dim**-0.5)
         self._step_fn = jax.jit(
-            functools.partial(_step, config=config, attn=attn), donate_argnums=(1,)
+            functools.partial(_step, config=config, attn=attn, max_logprobs=max_logprobs),
+            donate_argnums=(1, 2),
         )
         self._executables: dict[Bucket, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
@@ -88,7 +135,9 @@ class ModelRunner:
         if exe is None:
             start = time.perf_counter()
             dummy = prepare_step_inputs([], [], [], bucket, self.block_size, self.max_pages)
-            exe = self._step_fn.lower(self.params, self.kv_cache, dummy).compile()
+            exe = self._step_fn.lower(
+                self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, dummy
+            ).compile()
             self.compile_seconds += time.perf_counter() - start
             self._executables[bucket] = exe
             logger.debug("compiled %s in %.2fs", bucket, time.perf_counter() - start)
@@ -105,17 +154,33 @@ class ModelRunner:
                     i + 1, len(buckets), bucket.num_tokens, bucket.num_seqs,
                 )
             self._executable(bucket)
+        self.bias_rows.compile()
         logger.info(
             "compiled %d buckets in %.1fs", len(buckets), time.perf_counter() - start
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
-        """Run one scheduled step; returns the sampled token of every scheduled request, in order."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
+    ) -> ModelRunnerOutput:
+        """Run one scheduled step: the sampled token of every scheduled request, in order, and
+        the logprobs that any of them asked for."""
         requests = scheduler_output.scheduled_requests
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         bucket = self.buckets.select(sum(counts), len(requests))
         inputs = prepare_step_inputs(
-            requests, counts, block_ids, bucket, self.block_size, self.max_pages
+            requests, counts, block_ids, bucket, self.block_size, self.max_pages,
+            self.bias_rows.slots_for(requests),
         )
-        sampled, self.kv_cache = self._executable(bucket)(self.params, self.kv_cache, inputs)
-        return np.asarray(sampled)[: len(requests)]
+        out, self.kv_cache, self.token_cache = self._executable(bucket)(
+            self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs
+        )
+        num_reqs = len(requests)
+        result = ModelRunnerOutput(np.asarray(out.sampled_token_ids)[:num_reqs])
+        if inputs.sampling.any_logprobs:
+            fields = (out.topk_token_ids, out.topk_logprobs, out.sampled_logprobs, out.sampled_ranks)
+            result.logprobs = tuple(np.asarray(f)[:num_reqs] for f in fields)
+        if inputs.sampling.any_prompt_logprobs:
+            fields = (out.prompt_topk_token_ids, out.prompt_topk_logprobs,
+                      out.prompt_target_logprobs, out.prompt_target_ranks)
+            result.prompt_logprobs = tuple(np.asarray(f) for f in fields)
+        return result

@@ -27,8 +27,11 @@ def prepare_step_inputs(
     bucket: Bucket,
     block_size: int,
     max_pages: int,
+    bias_slots: np.ndarray | None = None,
 ) -> StepInputs:
-    """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`."""
+    """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`.
+
+    `bias_slots` (i32, one per request) are the requests' rows of the logit-bias table."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
@@ -42,6 +45,13 @@ def prepare_step_inputs(
     min_p = np.zeros(num_seqs, np.float32)
     seeds = np.zeros(num_seqs, np.uint32)
     output_index = np.zeros(num_seqs, np.int32)
+    presence = np.zeros(num_seqs, np.float32)
+    frequency = np.zeros(num_seqs, np.float32)
+    repetition = np.ones(num_seqs, np.float32)
+    num_prompt = np.zeros(num_seqs, np.int32)
+    bias_slot = np.zeros(num_seqs, np.int32)
+    prompt_target_ids = np.full(num_tokens, -1, np.int32)
+    any_penalties = any_logprobs = any_prompt_logprobs = False
 
     t = 0
     for s, (req, n, blocks) in enumerate(zip(requests, num_scheduled, block_ids)):
@@ -62,7 +72,20 @@ def prepare_step_inputs(
         min_p[s] = params.min_p
         seeds[s] = req.seed
         output_index[s] = req.num_output_tokens
+        num_prompt[s] = req.num_prompt_tokens
+        if params.has_penalties:
+            any_penalties = True
+            presence[s] = params.presence_penalty
+            frequency[s] = params.frequency_penalty
+            repetition[s] = params.repetition_penalty
+        any_logprobs |= params.logprobs is not None
+        if params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            any_prompt_logprobs = True
+            end = min(start + n, req.num_prompt_tokens - 1)
+            prompt_target_ids[t - n : t - n + end - start] = req.prompt_token_ids[start + 1 : end + 1]
     num_real = len(requests)
+    if bias_slots is not None:
+        bias_slot[:num_real] = bias_slots
     query_start_loc[num_real + 1 :] = t
     logits_indices = np.maximum(query_start_loc[1:] - 1, 0)
 
@@ -86,6 +109,16 @@ def prepare_step_inputs(
         min_p=min_p,
         seeds=seeds,
         output_index=output_index,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        num_prompt_tokens=num_prompt,
+        bias_slot=bias_slot,
+        prompt_target_ids=prompt_target_ids,
         all_greedy=np.bool_(bool(np.all(temperature[:num_real] < 1e-5))),
+        any_penalties=np.bool_(any_penalties),
+        any_bias=np.bool_(bool(bias_slot.any())),
+        any_logprobs=np.bool_(any_logprobs),
+        any_prompt_logprobs=np.bool_(any_prompt_logprobs),
     )
     return StepInputs(token_ids, positions, attn, sampling)

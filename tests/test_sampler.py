@@ -1,0 +1,143 @@
+"""The sampler's device functions on hand-made logits: penalties against a NumPy reference of
+vLLM's definitions, and sampled frequencies against the distributions the filters define."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm.sample.metadata import SamplingMetadata
+from jvllm.sample.penalties import apply_penalties, token_counts
+from jvllm.sample.sampler import sample
+
+VOCAB = 8
+LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+
+
+def _metadata(num_seqs: int, **fields) -> SamplingMetadata:
+    defaults = {
+        "temperature": np.ones(num_seqs, np.float32),
+        "top_k": np.zeros(num_seqs, np.int32),
+        "top_p": np.ones(num_seqs, np.float32),
+        "min_p": np.zeros(num_seqs, np.float32),
+        "seeds": np.arange(num_seqs, dtype=np.uint32),
+        "output_index": np.zeros(num_seqs, np.int32),
+        "presence_penalty": np.zeros(num_seqs, np.float32),
+        "frequency_penalty": np.zeros(num_seqs, np.float32),
+        "repetition_penalty": np.ones(num_seqs, np.float32),
+        "num_prompt_tokens": np.zeros(num_seqs, np.int32),
+        "bias_slot": np.zeros(num_seqs, np.int32),
+        "prompt_target_ids": np.full(num_seqs, -1, np.int32),
+        "all_greedy": np.bool_(False),
+        "any_penalties": np.bool_(False),
+        "any_bias": np.bool_(False),
+        "any_logprobs": np.bool_(False),
+        "any_prompt_logprobs": np.bool_(False),
+    }
+    for name, value in fields.items():
+        defaults[name] = np.full(num_seqs, value, defaults[name].dtype)
+    return SamplingMetadata(**defaults)
+
+
+def _expected_probs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """vLLM's filters written out plainly: top-k, then top-p over the renormalised top-k set,
+    then min-p against the most likely token."""
+    probs = np.exp(LOGITS / temperature) / np.exp(LOGITS / temperature).sum()
+    order = np.argsort(-probs)
+    keep = np.zeros(VOCAB, bool)
+    keep[order[: top_k or VOCAB]] = True
+    p = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+    mass = 0.0
+    for i in order:
+        if keep[i]:
+            if mass >= top_p:
+                keep[i] = False
+            mass += p[i]
+    keep &= probs >= min_p * probs.max()
+    out = np.where(keep, probs, 0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.5},
+        {"temperature": 2.0},
+        {"top_k": 3},
+        {"top_p": 0.7},
+        {"top_k": 5, "top_p": 0.8},
+        {"min_p": 0.2},
+        {"temperature": 1.5, "top_k": 6, "min_p": 0.05},
+    ],
+)
+def test_sampled_frequencies_match_the_filtered_distribution(filters):
+    num_draws = 20000
+    md = _metadata(num_draws, **filters)
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (num_draws, VOCAB))
+    counts = np.bincount(np.asarray(sample(logits, md)), minlength=VOCAB)
+    expected = _expected_probs(**filters)
+    assert counts[expected == 0].sum() == 0, "a filtered-out token was sampled"
+    support = expected > 0
+    observed, wanted = counts[support], num_draws * expected[support]
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    dof = max(int(support.sum()) - 1, 1)
+    # Far beyond the 1e-6 tail of chi-square(dof); an off-by-one mask scores in the hundreds.
+    assert chi2 < dof + 10 * math.sqrt(2 * dof), (chi2, counts, expected)
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    md = _metadata(4, seeds=7)
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (4, VOCAB))
+    tokens = np.asarray(sample(logits, md))
+    assert (tokens == tokens[0]).all()
+
+
+def _reference_penalties(logits, prompt, output, presence, frequency, repetition):
+    """vLLM's definitions, one row at a time."""
+    logits = logits.copy()
+    counts = np.bincount(output, minlength=logits.size).astype(np.float32) if output else \
+        np.zeros(logits.size, np.float32)
+    seen = set(prompt) | set(output)
+    for t in seen:
+        logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+    logits -= frequency * counts
+    logits -= presence * (counts > 0)
+    return logits
+
+
+def test_penalties_match_vllm_definitions_on_hand_made_logits():
+    rng = np.random.default_rng(0)
+    vocab, block_size, max_pages = 16, 4, 4
+    rows = [  # (prompt, output, presence, frequency, repetition)
+        ([1, 2, 3], [3, 3, 5], 0.5, 0.0, 1.0),
+        ([4, 4, 7, 9, 10], [7, 1], 0.0, 0.7, 1.0),
+        ([0, 15], [2, 2, 2, 14], 0.0, 0.0, 1.8),
+        ([6, 8, 6, 11, 12, 13], [8, 6, 6, 0, 0], -0.4, 0.3, 0.6),
+        ([5], [], 1.0, 1.0, 2.0),
+    ]
+    num_seqs = len(rows)
+    logits = rng.normal(0, 2, size=(num_seqs, vocab)).astype(np.float32)
+    # A paged token cache as the engine keeps it: request s owns pages 1 + s*max_pages ...
+    token_cache = np.zeros((1 + num_seqs * max_pages, block_size), np.int32)
+    block_tables = np.zeros((num_seqs, max_pages), np.int32)
+    seq_lens = np.zeros(num_seqs, np.int32)
+    num_prompt = np.zeros(num_seqs, np.int32)
+    for s, (prompt, output, *_) in enumerate(rows):
+        tokens = prompt + output
+        pages = 1 + s * max_pages + np.arange(max_pages)
+        block_tables[s] = pages
+        token_cache[pages] = np.pad(tokens, (0, max_pages * block_size - len(tokens))).reshape(
+            max_pages, block_size
+        )
+        seq_lens[s], num_prompt[s] = len(tokens), len(prompt)
+    counts, prompt_mask = token_counts(token_cache, block_tables, seq_lens, num_prompt, vocab)
+    got = apply_penalties(
+        jnp.asarray(logits), counts, prompt_mask,
+        jnp.asarray([r[2] for r in rows], jnp.float32),
+        jnp.asarray([r[3] for r in rows], jnp.float32),
+        jnp.asarray([r[4] for r in rows], jnp.float32),
+    )
+    want = np.stack([_reference_penalties(logits[s], *rows[s]) for s in range(num_seqs)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
