@@ -25,7 +25,7 @@ def _dense_attention(q, k, v, q_pos, scale):
 def test_tiled_paged_attention_matches_dense_on_ragged_batches(tile_q, num_heads, num_kv_heads):
     rng = np.random.default_rng(tile_q * 100 + num_heads)
     block_size, head_dim, num_pages, num_layers, layer = 4, 8, 64, 2, 1
-    max_pages = 16
+    max_pages = 64  # a multiple of the decode chunk (256 positions / B)
     # (kv length after the step, queries this step): decodes, page boundaries, a long prefill
     if tile_q == 1:
         seqs = [(1, 1), (4, 1), (5, 1), (33, 1), (17, 1)]

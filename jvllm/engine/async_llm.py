@@ -15,7 +15,6 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import enum
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -25,17 +24,7 @@ from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.logger import init_logger
 from jvllm.outputs import CompletionOutput, RequestOutput
-from jvllm.sampling_params import SamplingParams
-
-try:
-    from jvllm.sampling_params import RequestOutputKind
-except ImportError:  # the engine has no output kinds yet: AsyncLLM shapes outputs itself
-
-    class RequestOutputKind(enum.IntEnum):
-        CUMULATIVE = 0
-        DELTA = 1
-        FINAL_ONLY = 2
-
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -147,15 +136,12 @@ class AsyncLLM:
         Invalid input raises here (ValueError/TypeError) before anything is yielded. Leaving the
         generator early (break, cancellation, a client gone) aborts the request.
         """
-        kind = output_kind
-        if kind is None:
-            kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
-        kind = RequestOutputKind(int(kind))
-        if hasattr(sampling_params, "output_kind"):
+        kind = RequestOutputKind(output_kind if output_kind is not None else sampling_params.output_kind)
+        if sampling_params.output_kind != RequestOutputKind.CUMULATIVE:
             # The engine always reports cumulative outputs; shaping happens here.
-            engine_kind = type(sampling_params.output_kind).CUMULATIVE
-            if sampling_params.output_kind != engine_kind:
-                sampling_params = dataclasses.replace(sampling_params, output_kind=engine_kind)
+            sampling_params = dataclasses.replace(
+                sampling_params, output_kind=RequestOutputKind.CUMULATIVE
+            )
         stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic())
         shaper = _OutputShaper(kind, sampling_params)
         added = concurrent.futures.Future()
@@ -278,8 +264,7 @@ class AsyncLLM:
 
     def _engine_has(self, request_id: str) -> bool:
         """Whether the engine still knows the request (or, with n > 1, its children)."""
-        engine = self.engine
-        return request_id in engine._requests or request_id in getattr(engine, "_children", ())
+        return self.engine.has_request(request_id)
 
     def _snapshot(self) -> SchedulerStats:
         scheduler = self.engine.scheduler

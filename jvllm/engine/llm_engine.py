@@ -160,6 +160,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` (a request, or the parent of n > 1 samples) is still live."""
+        return request_id in self._requests or request_id in self._children
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 

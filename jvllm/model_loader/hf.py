@@ -71,18 +71,10 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
 def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
     """Build jax Params from HF-named torch-layout ([out, in]) tensors returned by `get(name)`.
 
-    Each stacked [L, ...] array is filled layer by layer in the target dtype, so the host never
-    holds a second full-precision copy of the model.
+    Each layer's arrays are built in the target dtype one at a time, so the host never holds a
+    second full-precision copy of the model.
     """
     dtype = jnp.dtype(config.dtype)
-    num_layers = config.num_layers
-
-    def stack(fn: Callable[[str], np.ndarray], out_dtype: Any = dtype) -> jnp.ndarray:
-        first = fn("model.layers.0.")
-        out = np.empty((num_layers, *first.shape), dtype=out_dtype)
-        for i in range(num_layers):
-            out[i] = fn(f"model.layers.{i}.")
-        return jnp.asarray(out)
 
     def cat(*names: str) -> Callable[[str], np.ndarray]:
         # Biases: [out] pieces -> [sum(out)]
@@ -96,22 +88,29 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
         return lambda p: get(p + name)
 
     attn_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    layers = LayerParams(
-        # Norm weights stay float32: they are tiny and feed float32 RMSNorm math.
-        input_norm=stack(vec("input_layernorm.weight"), np.float32),  # [L, D]
-        qkv=stack(cat_t(*(n + ".weight" for n in attn_names))),  # [L, D, (N+2K)*H]
-        qkv_bias=(  # [L, (N+2K)*H]
-            stack(cat(*(n + ".bias" for n in attn_names)), np.float32)
-            if config.attention_bias
-            else None
-        ),
-        q_norm=stack(vec("self_attn.q_norm.weight"), np.float32) if config.qk_norm else None,
-        k_norm=stack(vec("self_attn.k_norm.weight"), np.float32) if config.qk_norm else None,
-        o=stack(cat_t("self_attn.o_proj.weight")),  # [L, N*H, D]
-        post_attention_norm=stack(vec("post_attention_layernorm.weight"), np.float32),
-        gate_up=stack(cat_t("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [L, D, 2F]
-        down=stack(cat_t("mlp.down_proj.weight")),  # [L, F, D]
-    )
+
+    def layer(prefix: str) -> LayerParams:
+        def load(fn: Callable[[str], np.ndarray], out_dtype: Any = dtype) -> jnp.ndarray:
+            return jnp.asarray(fn(prefix), dtype=out_dtype)
+
+        return LayerParams(
+            # Norm weights stay float32: they are tiny and feed float32 RMSNorm math.
+            input_norm=load(vec("input_layernorm.weight"), jnp.float32),  # [D]
+            qkv=load(cat_t(*(n + ".weight" for n in attn_names))),  # [D, (N+2K)*H]
+            qkv_bias=(  # [(N+2K)*H]
+                load(cat(*(n + ".bias" for n in attn_names)), jnp.float32)
+                if config.attention_bias
+                else None
+            ),
+            q_norm=load(vec("self_attn.q_norm.weight"), jnp.float32) if config.qk_norm else None,
+            k_norm=load(vec("self_attn.k_norm.weight"), jnp.float32) if config.qk_norm else None,
+            o=load(cat_t("self_attn.o_proj.weight")),  # [N*H, D]
+            post_attention_norm=load(vec("post_attention_layernorm.weight"), jnp.float32),
+            gate_up=load(cat_t("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [D, 2F]
+            down=load(cat_t("mlp.down_proj.weight")),  # [F, D]
+        )
+
+    layers = tuple(layer(f"model.layers.{i}.") for i in range(config.num_layers))
     return Params(
         embed=jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),  # [V, D]
         layers=layers,
