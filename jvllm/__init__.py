@@ -8,14 +8,14 @@ from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingP
 
 __all__ = [
     "LLM",
-    "LLMEngine",
-    "EngineArgs",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "Logprob",
-    "RequestOutputKind",
-    "BeamSearchParams",
     "BeamSearchOutput",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
 ]
 __version__ = "0.1.0"

@@ -19,10 +19,13 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
     """HF transformers' greedy continuation of one prompt (stops at EOS like the engine)."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_token_ids]), attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+            torch.tensor([prompt_token_ids]),
+            attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
         )
-    return out[0, len(prompt_token_ids):].tolist()
+    return out[0, len(prompt_token_ids) :].tolist()
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +39,16 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
     """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer, so string prompts work."""
     path = str(tmp_path_factory.mktemp("tiny_llama"))
     config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=49152, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=49152,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float().eval()
@@ -59,7 +69,9 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llama_hf(tiny_llama_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    return LLMEngine(tiny_llama_dir, max_model_len=256, max_num_seqs=16,
-                     max_num_batched_tokens=256, compile_all_buckets=False)
+    return LLMEngine(
+        tiny_llama_dir,
+        max_model_len=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        compile_all_buckets=False,
+    )
 
 
 @pytest.fixture
@@ -38,14 +43,21 @@ def test_concurrent_requests_share_steps_and_deltas_join_to_final_text(async_llm
 
     engine.step = counting_step
     try:
+
         async def main():
             prompts = [f"prompt {i} goes here" for i in range(8)]
-            finals = await asyncio.gather(*(
-                _collect(async_llm, p, f"final-{i}", kind=RequestOutputKind.FINAL_ONLY)
-                for i, p in enumerate(prompts)))
-            deltas = await asyncio.gather(*(
-                _collect(async_llm, p, f"delta-{i}", kind=RequestOutputKind.DELTA)
-                for i, p in enumerate(prompts)))
+            finals = await asyncio.gather(
+                *(
+                    _collect(async_llm, p, f"final-{i}", kind=RequestOutputKind.FINAL_ONLY)
+                    for i, p in enumerate(prompts)
+                )
+            )
+            deltas = await asyncio.gather(
+                *(
+                    _collect(async_llm, p, f"delta-{i}", kind=RequestOutputKind.DELTA)
+                    for i, p in enumerate(prompts)
+                )
+            )
             return finals, deltas
 
         finals, deltas = asyncio.run(main())
@@ -123,6 +135,7 @@ def test_output_failure_of_one_request_reaches_only_it(async_llm, engine):
 
     engine.output_processor.detokenize = failing
     try:
+
         async def main():
             good = asyncio.create_task(_collect(async_llm, "fine", "fine-1"))
             with pytest.raises(RuntimeError, match="broken"):
@@ -162,9 +175,11 @@ def test_engine_step_error_reaches_every_request(engine):
 
     engine.step = broken_step
     try:
+
         async def main():
             results = await asyncio.gather(
-                _collect(llm, "a", "x1"), _collect(llm, "b", "x2"), return_exceptions=True)
+                _collect(llm, "a", "x1"), _collect(llm, "b", "x2"), return_exceptions=True
+            )
             return results
 
         results = asyncio.run(main())

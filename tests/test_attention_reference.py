@@ -66,16 +66,21 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(tile_q, num_heads
     )
     scale = head_dim**-0.5
     layer_idx = jnp.int32(layer)
-    cache = jax.jit(write_kv)(kv_cache, layer_idx, jnp.asarray(new_k), jnp.asarray(new_v), md.slot_mapping)
-    out = np.asarray(jax.jit(paged_attention, static_argnums=4)(jnp.asarray(q), cache, layer_idx, md, scale))
+    cache = jax.jit(write_kv)(
+        kv_cache, layer_idx, jnp.asarray(new_k), jnp.asarray(new_v), md.slot_mapping
+    )
+    out = np.asarray(
+        jax.jit(paged_attention, static_argnums=4)(jnp.asarray(q), cache, layer_idx, md, scale)
+    )
 
     cache_np = np.asarray(cache)
     for s, (kv_len, ql) in enumerate(seqs):
         pages = tables[s, : -(-kv_len // block_size)]
         k = cache_np[layer, 0][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
         v = cache_np[layer, 1][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
-        want = _dense_attention(q[qsl[s] : qsl[s + 1]], k[:kv_len], v[:kv_len],
-                                np.arange(kv_len - ql, kv_len), scale)
+        want = _dense_attention(
+            q[qsl[s] : qsl[s + 1]], k[:kv_len], v[:kv_len], np.arange(kv_len - ql, kv_len), scale
+        )
         np.testing.assert_allclose(out[qsl[s] : qsl[s + 1]], want, rtol=1e-5, atol=1e-5)
     # the other layer is untouched by the write
     np.testing.assert_array_equal(cache_np[0], np.asarray(kv_cache)[0])

@@ -23,22 +23,29 @@ def test_chat_matches_hf_apply_chat_template_and_generate(hf_smollm2):
     tokenizer = llm.get_tokenizer()
     outs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     for conversation, out in zip(CONVERSATIONS, outs):
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert out.prompt_token_ids == list(ids)
         assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, list(ids), 12)
     assert "Paris" in outs[0].outputs[0].text
-    one = llm.chat(CONVERSATIONS[0], SamplingParams(temperature=0.0, max_tokens=12),
-                   use_tqdm=False)
+    one = llm.chat(CONVERSATIONS[0], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("beam_width", [2, 4])
 def test_beam_search_matches_hf_num_beams(tiny_llama_dir, tiny_llama_hf, beam_width):
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=128, max_num_seqs=8,
-              max_model_len=256)
-    prompts = [[5, 900, 77, 12000, 3, 444, 1234, 98, 20000, 31, 7, 8, 9, 10, 11, 12, 13, 14],
-               [17, 18, 19]]
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
+    prompts = [
+        [5, 900, 77, 12000, 3, 444, 1234, 98, 20000, 31, 7, 8, 9, 10, 11, 12, 13, 14],
+        [17, 18, 19],
+    ]
     max_tokens = 6
     # ignore_eos on our side and no EOS on HF's: every beam runs max_tokens, so the two
     # searches keep the same beams and rank them by the same cumulative logprob.
@@ -47,10 +54,17 @@ def test_beam_search_matches_hf_num_beams(tiny_llama_dir, tiny_llama_hf, beam_wi
     for prompt, out in zip(prompts, outs):
         with torch.inference_mode():
             hf = tiny_llama_hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, num_beams=beam_width, num_return_sequences=beam_width,
-                max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
-                length_penalty=1.0, early_stopping=False, output_scores=True,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                num_beams=beam_width,
+                num_return_sequences=beam_width,
+                max_new_tokens=max_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                length_penalty=1.0,
+                early_stopping=False,
+                output_scores=True,
                 return_dict_in_generate=True,
             )
         expected = [seq.tolist() for seq in hf.sequences]

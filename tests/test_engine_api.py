@@ -7,14 +7,20 @@ from jvllm import LLM, LLMEngine, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=128, max_num_seqs=8,
-               max_model_len=256)
+    return LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
 
 
 def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
     prompts = ["one two three", "a", [5, 6, 7, 8, 9]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     assert [o.prompt for o in outs] == ["one two three", "a", None]
     assert outs[2].prompt_token_ids == [5, 6, 7, 8, 9]
     for o in outs:
@@ -25,15 +31,20 @@ def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm):
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True
+    )
     alone = llm.generate(["the seed prompt"], params, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
-    batch = llm.generate(["x y z", "the seed prompt", "lorem ipsum dolor"],
-                         [others, params, others], use_tqdm=False)
+    batch = llm.generate(
+        ["x y z", "the seed prompt", "lorem ipsum dolor"], [others, params, others], use_tqdm=False
+    )
     assert batch[1].outputs[0].token_ids == alone
-    unseeded = llm.generate(["the seed prompt"] * 2, SamplingParams(temperature=1.0, max_tokens=12,
-                            ignore_eos=True), use_tqdm=False)
+    unseeded = llm.generate(
+        ["the seed prompt"] * 2,
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 
 
@@ -41,15 +52,21 @@ def test_stop_token_ids_and_stop_strings_end_requests(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = llm.generate(["stop here"], greedy, use_tqdm=False)[0].outputs[0]
     stop_id = ref.token_ids[3]
-    out = llm.generate(["stop here"], SamplingParams(temperature=0.0, max_tokens=12,
-                       ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["stop here"],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     first = ref.token_ids.index(stop_id)
     assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     stop_str = ref.text[len(ref.text) // 2 :][:3]
     assert stop_str.strip()
-    out = llm.generate(["stop here"], SamplingParams(temperature=0.0, max_tokens=12,
-                       ignore_eos=True, stop=[stop_str]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["stop here"],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop_str]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == ref.text[: ref.text.index(stop_str)]
     assert out.finish_reason == "stop" and out.stop_reason == stop_str
 

@@ -1,8 +1,8 @@
 """Greedy outputs of the whole engine, token for token against HF transformers."""
 
 import pytest
-
 from conftest import hf_greedy
+
 from jvllm import LLM, SamplingParams
 
 # Prompts of different lengths in one batch: 1 token, under a page, page boundaries, longer.
@@ -35,15 +35,26 @@ def test_greedy_batch_matches_hf_token_for_token(tiny_llama_dir, hf_expected):
 
 
 def test_chunked_prefill_gives_identical_tokens(tiny_llama_dir, hf_expected):
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8,
-              long_prefill_token_threshold=5)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        long_prefill_token_threshold=5,
+    )
     assert _generate(llm) == hf_expected
 
 
 def test_preempted_requests_resume_with_identical_tokens(tiny_llama_dir, hf_expected):
     # 14 usable blocks of 4 tokens: the five requests (up to 69 tokens each) cannot all fit.
-    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_gpu_blocks_override=24,
-              max_num_batched_tokens=64, max_num_seqs=8)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
     assert _generate(llm) == hf_expected
     scheduler = llm.llm_engine.scheduler
     assert scheduler.num_preemptions_total > 0
@@ -57,7 +68,9 @@ def test_repeated_prefix_hits_the_prefix_cache(tiny_llama_dir, tiny_llama_hf):
     manager = llm.llm_engine.scheduler.kv_cache_manager
     assert _generate(llm, [first]) == [hf_greedy(tiny_llama_hf, first, MAX_TOKENS)]
     hits_before = manager.prefix_cache_hits
-    out = llm.generate([second], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    out = llm.generate(
+        [second], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama_hf, second, MAX_TOKENS)
     assert manager.prefix_cache_hits - hits_before == 32  # two full blocks of 16 reused
     assert out[0].num_cached_tokens == 32

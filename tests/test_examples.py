@@ -10,14 +10,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script: str, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", script), *args],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
 def test_offline_inference_example_prints_the_four_prompts():
-    lines = [line for line in _run("offline_inference.py").splitlines() if line.startswith("Prompt:")]
+    lines = [
+        line for line in _run("offline_inference.py").splitlines() if line.startswith("Prompt:")
+    ]
     assert len(lines) == 4
     assert "The capital of France is" in lines[2]
     assert all("Generated: ''" not in line for line in lines)

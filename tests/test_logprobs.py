@@ -11,8 +11,13 @@ PROMPT = [5, 900, 77, 12000, 3, 444, 1234, 98, 20000, 31, 7, 8, 9, 10, 11, 12, 1
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
-               max_model_len=256)
+    return LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
 
 
 def _hf_logprobs(model, token_ids: list[int]) -> np.ndarray:
@@ -23,8 +28,9 @@ def _hf_logprobs(model, token_ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_sample_logprobs_match_hf_log_softmax(llm, tiny_llama_hf, temperature):
-    params = SamplingParams(temperature=temperature, seed=3, max_tokens=6, ignore_eos=True,
-                            logprobs=5)
+    params = SamplingParams(
+        temperature=temperature, seed=3, max_tokens=6, ignore_eos=True, logprobs=5
+    )
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     ref = _hf_logprobs(tiny_llama_hf, PROMPT + out.token_ids)
     assert len(out.logprobs) == 6
@@ -44,10 +50,19 @@ def test_sample_logprobs_match_hf_log_softmax(llm, tiny_llama_hf, temperature):
 
 def test_prompt_logprobs_match_hf_even_when_chunked(tiny_llama_dir, tiny_llama_hf):
     # A 10-token prefill budget splits the prompt across steps.
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=8,
-              max_model_len=256, long_prefill_token_threshold=10)
-    out = llm.generate([PROMPT, PROMPT[:7]], SamplingParams(temperature=0.0, max_tokens=2,
-                       prompt_logprobs=3), use_tqdm=False)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=256,
+        long_prefill_token_threshold=10,
+    )
+    out = llm.generate(
+        [PROMPT, PROMPT[:7]],
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
+        use_tqdm=False,
+    )
     for prompt, result in zip([PROMPT, PROMPT[:7]], out):
         ref = _hf_logprobs(tiny_llama_hf, prompt)
         assert result.prompt_logprobs[0] is None
@@ -63,8 +78,9 @@ def test_prompt_logprobs_match_hf_even_when_chunked(tiny_llama_dir, tiny_llama_h
 
 
 def test_logprobs_zero_gives_only_the_sampled_token(llm):
-    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=0),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=0), use_tqdm=False
+    )[0].outputs[0]
     assert [list(e) for e in out.logprobs] == [[t] for t in out.token_ids]
 
 

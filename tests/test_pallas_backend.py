@@ -7,8 +7,15 @@ PROMPTS = [[17, 4000, 25], PREFIX + [1, 2], list(range(5000, 5021)), PREFIX + [3
 
 
 def _run(model_dir: str, backend: str) -> tuple[list[list[int]], int]:
-    llm = LLM(model_dir, dtype="float32", attention_backend=backend, max_num_batched_tokens=32,
-              max_num_seqs=8, long_prefill_token_threshold=12, max_model_len=128)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        attention_backend=backend,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        long_prefill_token_threshold=12,
+        max_model_len=128,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     second = llm.generate(PROMPTS[2:], params, use_tqdm=False)  # the last one hits PREFIX

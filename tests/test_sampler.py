@@ -97,8 +97,11 @@ def test_seeded_draws_do_not_depend_on_the_batch():
 def _reference_penalties(logits, prompt, output, presence, frequency, repetition):
     """vLLM's definitions, one row at a time."""
     logits = logits.copy()
-    counts = np.bincount(output, minlength=logits.size).astype(np.float32) if output else \
-        np.zeros(logits.size, np.float32)
+    counts = (
+        np.bincount(output, minlength=logits.size).astype(np.float32)
+        if output
+        else np.zeros(logits.size, np.float32)
+    )
     seen = set(prompt) | set(output)
     for t in seen:
         logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
@@ -134,7 +137,9 @@ def test_penalties_match_vllm_definitions_on_hand_made_logits():
         seq_lens[s], num_prompt[s] = len(tokens), len(prompt)
     counts, prompt_mask = token_counts(token_cache, block_tables, seq_lens, num_prompt, vocab)
     got = apply_penalties(
-        jnp.asarray(logits), counts, prompt_mask,
+        jnp.asarray(logits),
+        counts,
+        prompt_mask,
         jnp.asarray([r[2] for r in rows], jnp.float32),
         jnp.asarray([r[3] for r in rows], jnp.float32),
         jnp.asarray([r[4] for r in rows], jnp.float32),

@@ -18,8 +18,13 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
-               max_model_len=256)
+    return LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
 
 
 def _one(llm, params, prompt=PROMPT):
@@ -32,7 +37,9 @@ def test_n_samples_are_reproducible_and_share_the_prompt_blocks(llm):
     assert [c.index for c in first.outputs] == [0, 1, 2]
     assert _one(llm, params).outputs == first.outputs
     for i, completion in enumerate(first.outputs):  # child i samples with seed + i
-        alone = _one(llm, SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8, ignore_eos=True))
+        alone = _one(
+            llm, SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8, ignore_eos=True)
+        )
         assert alone.outputs[0].token_ids == completion.token_ids
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
@@ -60,9 +67,18 @@ def _reference_penalties(logits, prompt, output, presence, frequency, repetition
 def test_greedy_with_penalties_follows_the_penalised_hf_logits(llm, tiny_llama_hf, penalties):
     presence, frequency, repetition = penalties
     prompt = [300, 301, 302, 300, 301, 302] * 3
-    out = _one(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                   presence_penalty=presence, frequency_penalty=frequency,
-                                   repetition_penalty=repetition), prompt).outputs[0]
+    out = _one(
+        llm,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            ignore_eos=True,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+        ),
+        prompt,
+    ).outputs[0]
     tokens = []
     for token in out.token_ids:
         with torch.inference_mode():
@@ -73,25 +89,40 @@ def test_greedy_with_penalties_follows_the_penalised_hf_logits(llm, tiny_llama_h
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids(llm):
-    out = _one(llm, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4,
-                                   logit_bias={EOS: 100.0})).outputs[0]
+    out = _one(
+        llm, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4, logit_bias={EOS: 100.0})
+    ).outputs[0]
     assert out.token_ids == out.token_ids[:4] + [EOS] and EOS not in out.token_ids[:4]
     assert out.finish_reason == "stop"
     ref = _one(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)).outputs[0]
     stop_id = ref.token_ids[0]
-    out = _one(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, min_tokens=3,
-                                   stop_token_ids=[stop_id], logit_bias={stop_id: 50.0})).outputs[0]
+    out = _one(
+        llm,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            ignore_eos=True,
+            min_tokens=3,
+            stop_token_ids=[stop_id],
+            logit_bias={stop_id: 50.0},
+        ),
+    ).outputs[0]
     assert stop_id not in out.token_ids[:3] and out.token_ids[3] == stop_id
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
 def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     allowed = [1000, 2000, 3000, 4000]
-    out = _one(llm, SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True,
-                                   allowed_token_ids=allowed)).outputs[0]
+    out = _one(
+        llm,
+        SamplingParams(
+            temperature=1.0, seed=1, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed
+        ),
+    ).outputs[0]
     assert set(out.token_ids) <= set(allowed)
-    out = _one(llm, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
-                                   logit_bias={777: 100.0})).outputs[0]
+    out = _one(
+        llm, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={777: 100.0})
+    ).outputs[0]
     assert out.token_ids == [777] * 3
     tokenizer = llm.get_tokenizer()
     banned = bad_words_token_ids(tokenizer, ["hello"])
@@ -102,9 +133,14 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     out = _one(llm, SamplingParams(bad_words=["hello"], **params)).outputs[0]
     assert not set(out.token_ids) & set(boost)
     # A two-token bad word: its last token is banned right after its first, and only there.
-    (first, second), = bad_words_token_ids(tokenizer, ["homelessness"])
-    params = {"temperature": 50.0, "seed": 3, "max_tokens": 30, "ignore_eos": True,
-                  "allowed_token_ids": [first, second]}
+    ((first, second),) = bad_words_token_ids(tokenizer, ["homelessness"])
+    params = {
+        "temperature": 50.0,
+        "seed": 3,
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "allowed_token_ids": [first, second],
+    }
 
     def has_pair(tokens):
         return any(a == first and b == second for a, b in itertools.pairwise(tokens))
@@ -118,20 +154,35 @@ def test_stop_strings_split_across_tokens(llm):
     ref = _one(llm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)).outputs[0]
     tokenizer = llm.get_tokenizer()
     pieces = [tokenizer.decode([t]) for t in ref.token_ids]
-    k = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    k = next(
+        i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+    )
     stop = pieces[k][-2:] + pieces[k + 1][:2]
     start = ref.text.index(stop)
     for include in (False, True):
-        out = _one(llm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
-                                       stop=["never-there", stop],
-                                       include_stop_str_in_output=include)).outputs[0]
+        out = _one(
+            llm,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=16,
+                ignore_eos=True,
+                stop=["never-there", stop],
+                include_stop_str_in_output=include,
+            ),
+        ).outputs[0]
         assert out.text == ref.text[: start + (len(stop) if include else 0)]
         assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
     engine = llm.llm_engine
-    base = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True, "logprobs": 2, "stop": ["zzzz"]}
+    base = {
+        "temperature": 0.0,
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "stop": ["zzzz"],
+    }
     engine.add_request("delta", PROMPT, SamplingParams(output_kind=RequestOutputKind.DELTA, **base))
     engine.add_request("cum", PROMPT, SamplingParams(**base))
     outs = {"delta": [], "cum": []}
@@ -147,14 +198,24 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
     for o in outs["cum"][:-1]:
         assert final.text.startswith(o.outputs[0].text)
     metrics = outs["cum"][-1].metrics
-    assert (metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time
-            <= metrics.last_token_time <= metrics.finished_time)
+    assert (
+        metrics.arrival_time
+        <= metrics.first_scheduled_time
+        <= metrics.first_token_time
+        <= metrics.last_token_time
+        <= metrics.finished_time
+    )
 
 
 def test_final_only_reports_once_and_skip_detokenize(llm):
     engine = llm.llm_engine
-    engine.add_request("final", PROMPT, SamplingParams(max_tokens=5, detokenize=False,
-                       output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1))
+    engine.add_request(
+        "final",
+        PROMPT,
+        SamplingParams(
+            max_tokens=5, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1
+        ),
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

@@ -124,8 +124,10 @@ def test_without_chunked_prefill_a_prompt_waits_for_budget():
 def test_preempted_request_resumes_with_identical_tokens():
     def start(num_blocks):
         scheduler = make_scheduler(num_blocks=num_blocks)
-        requests = [add(scheduler, name, first_token=t, max_tokens=12)
-                    for name, t in (("a", 100), ("b", 200), ("c", 300))]
+        requests = [
+            add(scheduler, name, first_token=t, max_tokens=12)
+            for name, t in (("a", 100), ("b", 200), ("c", 300))
+        ]
         return scheduler, requests
 
     # 8 usable blocks of 4 tokens; each request grows to 17 tokens (5 blocks).

@@ -25,8 +25,13 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def setup(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=512,
-              compile_all_buckets=False)
+    llm = LLM(
+        tiny_llama_dir,
+        max_model_len=256,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        compile_all_buckets=False,
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     offline = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     engine = AsyncLLM(llm.llm_engine)
@@ -46,8 +51,13 @@ def client(setup):
 
 
 def _greedy(**kw):
-    return {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS,
-            "extra_body": {"ignore_eos": True}, **kw}
+    return {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "extra_body": {"ignore_eos": True},
+        **kw,
+    }
 
 
 def _wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
@@ -82,8 +92,11 @@ def test_completion_prompt_list_token_ids_and_echo(setup, client):
 def test_chat_stream_has_role_deltas_finish_usage_and_done(setup, client):
     messages = [{"role": "user", "content": "Say something."}]
     full = client.chat.completions.create(messages=messages, **_greedy())
-    chunks = list(client.chat.completions.create(
-        messages=messages, stream=True, stream_options={"include_usage": True}, **_greedy()))
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **_greedy()
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
@@ -98,8 +111,13 @@ def test_chat_stream_has_role_deltas_finish_usage_and_done(setup, client):
 
 def test_chat_max_completion_tokens_wins_over_max_tokens(client):
     out = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
-        max_tokens=9, max_completion_tokens=3, extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0,
+        max_tokens=9,
+        max_completion_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
@@ -116,17 +134,34 @@ def test_n2_returns_two_choices_streamed_and_not(client):
         SamplingParams(n=2)
     except ValueError as e:
         pytest.skip(f"SamplingParams does not support n=2 yet (issue 4): {e}")
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[3], n=2, max_tokens=5,
-                                    temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[3],
+        n=2,
+        max_tokens=5,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 10
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5, seed=7,
-        stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            n=2,
+            max_tokens=5,
+            seed=7,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     finished = {c.index for ch in chunks for c in ch.choices if c.finish_reason}
     assert finished == {0, 1}
-    texts = ["".join(c.delta.content or "" for ch in chunks for c in ch.choices if c.index == i)
-             for i in (0, 1)]
+    texts = [
+        "".join(c.delta.content or "" for ch in chunks for c in ch.choices if c.index == i)
+        for i in (0, 1)
+    ]
     assert all(texts)
 
 
@@ -140,16 +175,29 @@ def test_logprobs_completions_and_chat(client):
         assert chosen <= 0 and len(top) >= 3
         assert max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy: the best token
     chat = client.chat.completions.create(
-        messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
-        **_greedy(max_tokens=4))
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        **_greedy(max_tokens=4),
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     assert "".join(t.token for t in content) == chat.choices[0].message.content
-    streamed = list(client.chat.completions.create(
-        messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, stream=True,
-        **_greedy(max_tokens=4)))
-    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs
-              for t in c.choices[0].logprobs.content]
+    streamed = list(
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}],
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            **_greedy(max_tokens=4),
+        )
+    )
+    tokens = [
+        t.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert tokens == [t.token for t in content]
 
 
@@ -159,8 +207,9 @@ def test_32_concurrent_streams_finish_with_offline_text(setup):
         return "".join([c.choices[0].text async for c in stream])
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=setup["url"] + "/v1", api_key="x",
-                                      max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=setup["url"] + "/v1", api_key="x", max_retries=0
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     assert asyncio.run(main()) == setup["offline"]
@@ -172,10 +221,17 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(setup):
     _wait_idle(engine)
     free_before = kv.num_free_blocks
     generated_before = _generation_tokens(setup["url"])
-    body = {"model": MODEL, "prompt": PROMPTS[5] * 4, "max_tokens": 200, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=30) as http, http.stream(
-            "POST", setup["url"] + "/v1/completions", json=body) as response:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[5] * 4,
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", setup["url"] + "/v1/completions", json=body) as response,
+    ):
         lines = response.iter_lines()
         for _ in range(3):
             assert next(lines).startswith("data: ")
@@ -201,15 +257,18 @@ def _error(response: httpx.Response, status: int) -> dict:
     return error
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "top_p": 2}, "top_p"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": "hi", "n": "many"}, "n"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": [10**9]}, None),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 2}, "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+        ({"prompt": "hi", "n": "many"}, "n"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [10**9]}, None),
+    ],
+)
 def test_out_of_range_params_are_400(setup, body, param):
     response = httpx.post(setup["url"] + "/v1/completions", json={"model": MODEL, **body})
     error = _error(response, 400)
@@ -220,18 +279,24 @@ def test_out_of_range_params_are_400(setup, body, param):
 
 def test_malformed_json_and_unknown_model_are_400(setup):
     url = setup["url"] + "/v1/chat/completions"
-    response = httpx.post(url, content=b'{"model": "tiny", "messages": [',
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        url,
+        content=b'{"model": "tiny", "messages": [',
+        headers={"Content-Type": "application/json"},
+    )
     assert "JSON" in _error(response, 400)["message"]
-    response = httpx.post(url, json={"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]})
+    response = httpx.post(
+        url, json={"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}
+    )
     error = _error(response, 400)
     assert error["param"] == "model" and "gpt-5" in error["message"]
 
 
 def test_prompt_longer_than_max_model_len_is_400_with_both_counts(setup):
     prompt = list(range(100, 400))  # 300 tokens > max_model_len 256
-    response = httpx.post(setup["url"] + "/v1/completions",
-                          json={"model": MODEL, "prompt": prompt, "max_tokens": 10})
+    response = httpx.post(
+        setup["url"] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10}
+    )
     message = _error(response, 400)["message"]
     assert "256" in message and "300" in message
 
@@ -257,8 +322,9 @@ def test_models_health_version_tokenize_detokenize(setup, client):
     assert tokens["count"] == len(tokens["tokens"]) > 0
     text = httpx.post(url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == "Hello world"
-    chat_tokens = httpx.post(url + "/tokenize",
-                             json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    chat_tokens = httpx.post(
+        url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
     assert chat_tokens["count"] > tokens["count"]
 
 
@@ -275,8 +341,12 @@ def test_metrics_parse_and_counters_move(setup, client):
     before = scrape()
     client.completions.create(prompt=PROMPTS[6], **_greedy())
     after = scrape()
-    for name in ("jvllm:num_requests_running", "jvllm:num_requests_waiting",
-                 "jvllm:kv_cache_usage_perc", "jvllm:prefix_cache_hit_rate"):
+    for name in (
+        "jvllm:num_requests_running",
+        "jvllm:num_requests_waiting",
+        "jvllm:kv_cache_usage_perc",
+        "jvllm:prefix_cache_hit_rate",
+    ):
         assert (name, label) in after
     generated = ("jvllm:generation_tokens_total", label)
     assert after[generated] - before.get(generated, 0) == MAX_TOKENS

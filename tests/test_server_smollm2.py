@@ -14,12 +14,23 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
-    llm = LLM(smollm2_dir, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128,
-              compile_all_buckets=False)
+    llm = LLM(
+        smollm2_dir,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        compile_all_buckets=False,
+    )
     prompt_ids = llm.get_tokenizer().apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    offline = llm.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=20),
-                           use_tqdm=False)[0].outputs[0].text
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    offline = (
+        llm.generate(
+            [list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     engine = AsyncLLM(llm.llm_engine)
     server = ServerThread(build_app(engine, DEFAULT_MODEL)).start()
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0), offline

@@ -1,12 +1,16 @@
 """The real default model: greedy output token for token against HF transformers."""
 
 import pytest
-
 from conftest import hf_greedy
+
 from jvllm import LLM, SamplingParams
 
-PROMPTS = ["Hello, my name is", "The president of the United States is",
-           "The capital of France is", "The future of AI is"]
+PROMPTS = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
 MAX_TOKENS = 32
 
 
@@ -24,10 +28,11 @@ def test_default_model_greedy_matches_hf_transformers(llm, hf_smollm2):
 
 
 def test_default_model_tokenizes_like_hf(llm):
+    import os
+
     from transformers import AutoTokenizer
 
     from jvllm.model_loader.default_model import resolve_default_model
-    import os
 
     gguf = resolve_default_model()
     hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))

@@ -12,13 +12,24 @@ def pallas_attention(sm_scale: float, interpret: bool):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
         if md.tile_token_idx.shape[1] == 1:
             out = paged_decode_attention(
-                q, kv_cache, layer, md.block_tables, md.seq_lens,
-                sm_scale=sm_scale, interpret=interpret,
+                q,
+                kv_cache,
+                layer,
+                md.block_tables,
+                md.seq_lens,
+                sm_scale=sm_scale,
+                interpret=interpret,
             )
         else:
             out = ragged_paged_attention(
-                q, kv_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
-                sm_scale=sm_scale, interpret=interpret,
+                q,
+                kv_cache,
+                layer,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                sm_scale=sm_scale,
+                interpret=interpret,
             )
         return out, kv_cache
 

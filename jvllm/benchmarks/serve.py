@@ -27,10 +27,18 @@ from jvllm.benchmarks.throughput import _random_prompts
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-               output_len: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int
+) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     token_times = []
     num_tokens = 0
@@ -45,12 +53,23 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
             if chunk.get("choices"):
                 token_times.append(time.perf_counter())
     end = time.perf_counter()
-    return {"ttft": token_times[0] - start, "itl": list(np.diff(token_times)),
-            "latency": end - start, "num_tokens": num_tokens}
+    return {
+        "ttft": token_times[0] - start,
+        "itl": list(np.diff(token_times)),
+        "latency": end - start,
+        "num_tokens": num_tokens,
+    }
 
 
-async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
-                   max_concurrency: int, request_rate: float, seed: int) -> dict:
+async def run_load(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    max_concurrency: int,
+    request_rate: float,
+    seed: int,
+) -> dict:
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=max_concurrency + 4)
@@ -73,10 +92,14 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
     itl = [x for r in results for x in r["itl"]]
     num_tokens = sum(r["num_tokens"] for r in results)
     return {
-        "elapsed": elapsed, "num_tokens": num_tokens, "tok_s": num_tokens / elapsed,
+        "elapsed": elapsed,
+        "num_tokens": num_tokens,
+        "tok_s": num_tokens / elapsed,
         "req_s": len(results) / elapsed,
-        "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
-        "itl_p50": np.percentile(itl, 50), "itl_p99": np.percentile(itl, 99),
+        "ttft_p50": np.percentile(ttft, 50),
+        "ttft_p99": np.percentile(ttft, 99),
+        "itl_p50": np.percentile(itl, 50),
+        "itl_p99": np.percentile(itl, 99),
     }
 
 
@@ -103,9 +126,23 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "jvllm.entrypoints.cli", "serve", args.model_path or "",
-           "--port", str(port), "--served-model-name", args.model, "--uvicorn-log-level", "warning",
-           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jvllm.entrypoints.cli",
+        "serve",
+        args.model_path or "",
+        "--port",
+        str(port),
+        "--served-model-name",
+        args.model,
+        "--uvicorn-log-level",
+        "warning",
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     if not args.model_path:
@@ -130,13 +167,19 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=None, help="a running server (default: start one)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
-    parser.add_argument("--model-path", default=None, help="model dir/gguf (default model if unset)")
+    parser.add_argument(
+        "--model-path", default=None, help="model dir/gguf (default model if unset)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=32)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests/s, Poisson arrivals (default: all at once)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals (default: all at once)",
+    )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -152,22 +195,39 @@ def main(argv=None) -> None:
     if url is None:
         proc, url = _start_server(args)
     try:
-        online = asyncio.run(run_load(url, args.model, prompts, args.output_len,
-                                      args.max_concurrency, args.request_rate, args.seed))
+        online = asyncio.run(
+            run_load(
+                url,
+                args.model,
+                prompts,
+                args.output_len,
+                args.max_concurrency,
+                args.request_rate,
+                args.seed,
+            )
+        )
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    print(f"workload: {args.num_prompts} requests x {args.input_len} in x {args.output_len} out, "
-          f"greedy, ignore_eos, concurrency {args.max_concurrency}, rate {args.request_rate}")
-    print(f"server: {online['tok_s']:.1f} output tok/s, {online['req_s']:.2f} req/s "
-          f"({online['elapsed']:.2f}s, {online['num_tokens']} tokens)")
-    print(f"TTFT p50 {1000 * online['ttft_p50']:.0f} ms, p99 {1000 * online['ttft_p99']:.0f} ms; "
-          f"ITL p50 {1000 * online['itl_p50']:.1f} ms, p99 {1000 * online['itl_p99']:.1f} ms")
+    print(
+        f"workload: {args.num_prompts} requests x {args.input_len} in x {args.output_len} out, "
+        f"greedy, ignore_eos, concurrency {args.max_concurrency}, rate {args.request_rate}"
+    )
+    print(
+        f"server: {online['tok_s']:.1f} output tok/s, {online['req_s']:.2f} req/s "
+        f"({online['elapsed']:.2f}s, {online['num_tokens']} tokens)"
+    )
+    print(
+        f"TTFT p50 {1000 * online['ttft_p50']:.0f} ms, p99 {1000 * online['ttft_p99']:.0f} ms; "
+        f"ITL p50 {1000 * online['itl_p50']:.1f} ms, p99 {1000 * online['itl_p99']:.1f} ms"
+    )
     if not args.skip_offline:
         offline = offline_tok_s(args, prompts)
-        print(f"offline LLM.generate: {offline:.1f} output tok/s; "
-              f"server / offline = {online['tok_s'] / offline:.2f}")
+        print(
+            f"offline LLM.generate: {offline:.1f} output tok/s; "
+            f"server / offline = {online['tok_s'] / offline:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ from jvllm import LLM, SamplingParams
 from jvllm.model_loader.default_model import default_model_dir
 
 
-def _random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+def _random_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, seed: int
+) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     # Stay clear of the special tokens at either end of the vocabulary.
     return rng.integers(100, vocab_size - 100, size=(num_prompts, input_len)).tolist()
@@ -36,17 +38,26 @@ def _median_time(fn, num_iters: int) -> float:
 
 def bench_jvllm(args, prompts) -> dict:
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 8),
-              attention_backend=args.attention_backend)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(args.num_prompts, 8),
+        attention_backend=args.attention_backend,
+    )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     params = SamplingParams(
-        temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=args.logprobs,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
     )
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)  # first call: page-in of the executables
+    llm.generate(
+        prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False
+    )  # first call: page-in of the executables
     elapsed = _median_time(lambda: llm.generate(prompts, params, use_tqdm=False), args.num_iters)
 
     one = prompts[:1]
@@ -80,8 +91,11 @@ def bench_hf(args, prompts) -> dict:
     def run():
         with torch.inference_mode():
             out = model.generate(
-                input_ids, attention_mask=attention_mask, do_sample=False,
-                max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
                 pad_token_id=0,
             )
         assert out.shape[1] == args.input_len + args.output_len
@@ -113,19 +127,32 @@ def main(argv=None) -> None:
         vocab = json.load(f)["vocab_size"]
     prompts = _random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     ours = bench_jvllm(args, prompts)
-    extras = [f"{name}={getattr(args, name)}" for name, off in (
-        ("logprobs", None), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-        ("repetition_penalty", 1.0)) if getattr(args, name) != off]
-    print(f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
-          f"greedy, ignore_eos, {args.dtype}, median of {args.num_iters}"
-          + (f", {', '.join(extras)}" if extras else ""))
+    extras = [
+        f"{name}={getattr(args, name)}"
+        for name, off in (
+            ("logprobs", None),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        )
+        if getattr(args, name) != off
+    ]
+    print(
+        f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
+        f"greedy, ignore_eos, {args.dtype}, median of {args.num_iters}"
+        + (f", {', '.join(extras)}" if extras else "")
+    )
     print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
-    print(f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
-          f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets)")
+    print(
+        f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
+        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets)"
+    )
     print(f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s")
     if not args.skip_hf:
         theirs = bench_hf(args, prompts)
-        print(f"HF transformers generate: {theirs['tok_s']:.1f} output tok/s ({theirs['elapsed']:.2f}s)")
+        print(
+            f"HF transformers generate: {theirs['tok_s']:.1f} output tok/s ({theirs['elapsed']:.2f}s)"
+        )
         print(f"ratio jvllm / HF: {ours['tok_s'] / theirs['tok_s']:.2f}x")
 
 

@@ -53,9 +53,7 @@ class Scheduler:
     """Decides each step which requests compute how many tokens, and owns their lifecycle:
     `waiting` (FCFS queue, preempted requests re-enter at its front) -> `running` -> finished."""
 
-    def __init__(
-        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager
-    ) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()

@@ -136,7 +136,9 @@ class AsyncLLM:
         Invalid input raises here (ValueError/TypeError) before anything is yielded. Leaving the
         generator early (break, cancellation, a client gone) aborts the request.
         """
-        kind = RequestOutputKind(output_kind if output_kind is not None else sampling_params.output_kind)
+        kind = RequestOutputKind(
+            output_kind if output_kind is not None else sampling_params.output_kind
+        )
         if sampling_params.output_kind != RequestOutputKind.CUMULATIVE:
             # The engine always reports cumulative outputs; shaping happens here.
             sampling_params = dataclasses.replace(
@@ -188,7 +190,9 @@ class AsyncLLM:
     def _submit(self, command: tuple) -> None:
         if self._dead is not None or self._shutdown:
             if command[0] == "add":
-                command[-1].set_exception(EngineDeadError(f"the engine is not running: {self._dead}"))
+                command[-1].set_exception(
+                    EngineDeadError(f"the engine is not running: {self._dead}")
+                )
             return
         self._commands.append(command)
         self._wakeup.set()
@@ -257,8 +261,10 @@ class AsyncLLM:
         lost = [s for rid, s in self._live.items() if not self._engine_has(rid)]
         for stream in lost:  # the engine dropped it (its output processing failed)
             del self._live[stream.request_id]
-            self._fail(stream, RuntimeError(
-                f"request {stream.request_id} failed in the engine and was aborted"))
+            self._fail(
+                stream,
+                RuntimeError(f"request {stream.request_id} failed in the engine and was aborted"),
+            )
         self.stats = self._snapshot()
         self._deliver_many(pairs, now)
 
@@ -311,7 +317,6 @@ class AsyncLLM:
         self._live.clear()
 
 
-
 class _OutputShaper:
     """Turns a request's cumulative outputs into the kind its consumer asked for: everything so far
     (CUMULATIVE), what is new (DELTA), or all completions once, at the end (FINAL_ONLY)."""
@@ -326,8 +331,9 @@ class _OutputShaper:
         self._num_tokens: dict[int, int] = {}
         self._done: set[int] = set()
 
-    def shape(self, header: RequestOutput, changed: list[CompletionOutput],
-              finished: bool) -> RequestOutput | None:
+    def shape(
+        self, header: RequestOutput, changed: list[CompletionOutput], finished: bool
+    ) -> RequestOutput | None:
         for completion in changed:
             self.completions[completion.index] = completion
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -347,8 +353,10 @@ class _OutputShaper:
         text = completion.text
         is_done = completion.finish_reason is not None
         end = len(text) if is_done else max(num_chars, len(text) - self.holdback)
-        if end == num_chars and len(completion.token_ids) == num_tokens and (
-            not is_done or index in self._done
+        if (
+            end == num_chars
+            and len(completion.token_ids) == num_tokens
+            and (not is_done or index in self._done)
         ):
             return None
         changes: dict[str, Any] = {
@@ -366,8 +374,10 @@ class _OutputShaper:
 
     def abort(self, header: RequestOutput | None, request_id: str) -> RequestOutput:
         """The final output of a request ended by `AsyncLLM.abort()`."""
-        ended = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
-                 for c in (self.completions[i] for i in sorted(self.completions))]
+        ended = [
+            dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
+            for c in (self.completions[i] for i in sorted(self.completions))
+        ]
         if self.kind == RequestOutputKind.DELTA:
             ended = [dataclasses.replace(c, text="", token_ids=[]) for c in ended]
         ended = ended or [CompletionOutput(0, "", [], finish_reason="abort")]

@@ -10,8 +10,13 @@ _INITIAL_CONTEXT = 5  # prompt tokens kept as left context for the first output 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._spaces_between_special = spaces_between_special_tokens

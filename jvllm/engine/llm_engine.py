@@ -34,13 +34,22 @@ class LLMEngine:
         self.attention_backend = args.attention_backend or default_backend()
         itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
         bytes_per_block = (
-            config.num_layers * 2 * config.num_kv_heads * args.block_size * config.head_dim * itemsize
+            config.num_layers
+            * 2
+            * config.num_kv_heads
+            * args.block_size
+            * config.head_dim
+            * itemsize
         )
         num_blocks = num_kv_blocks(args, bytes_per_block, self.max_model_len)
         logger.info(
             "loaded %s (%s) in %.1fs; KV cache: %d blocks of %d tokens (%.0f MiB)",
-            args.model or "the default model", config.dtype, self.load_seconds, num_blocks,
-            args.block_size, num_blocks * bytes_per_block / 2**20,
+            args.model or "the default model",
+            config.dtype,
+            self.load_seconds,
+            num_blocks,
+            args.block_size,
+            num_blocks * bytes_per_block / 2**20,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -132,8 +141,9 @@ class LLMEngine:
             self._requests[child_id] = request
             self.output_processor.add_request(request, parent, index)
             self.scheduler.add_request(request)
-        logger.debug("added request %s (%d prompt tokens, n=%d)", request_id,
-                     len(prompt_token_ids), params.n)
+        logger.debug(
+            "added request %s (%d prompt tokens, n=%d)", request_id, len(prompt_token_ids), params.n
+        )
 
     def _eos_token_id(self) -> int | None:
         eos = self.model_config.eos_token_id
@@ -154,7 +164,9 @@ class LLMEngine:
     def _finish(self, request: Request) -> None:
         request.metrics.finished_time = time.time()
         parent_id = self._parent_of.pop(request.request_id, None)
-        if parent_id is not None and not any(c in self._parent_of for c in self._children[parent_id]):
+        if parent_id is not None and not any(
+            c in self._parent_of for c in self._children[parent_id]
+        ):
             del self._children[parent_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -173,12 +185,16 @@ class LLMEngine:
         for request in scheduler_output.scheduled_requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-        sampling = [r for r in scheduler_output.scheduled_requests if scheduler_output.will_sample(r)]
+        sampling = [
+            r for r in scheduler_output.scheduled_requests if scheduler_output.will_sample(r)
+        ]
         runner_output = self._execute(scheduler_output)
         sampled = {}
         if runner_output is not None:
             tokens = runner_output.sampled_token_ids
-            sampled = {r.request_id: int(t) for r, t in zip(scheduler_output.scheduled_requests, tokens)}
+            sampled = {
+                r.request_id: int(t) for r, t in zip(scheduler_output.scheduled_requests, tokens)
+            }
             self._record_prompt_logprobs(scheduler_output, runner_output)
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         if runner_output is not None:
@@ -194,8 +210,9 @@ class LLMEngine:
         block_ids = [manager.get_block_ids(r.request_id) for r in requests]
         return self.model_runner.execute_model(scheduler_output, block_ids)
 
-    def _record_prompt_logprobs(self, scheduler_output: SchedulerOutput,
-                                runner_output: ModelRunnerOutput) -> None:
+    def _record_prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> None:
         if runner_output.prompt_logprobs is None:
             return
         row = 0
@@ -207,8 +224,12 @@ class LLMEngine:
                 )
             row += n
 
-    def _record_logprobs(self, scheduler_output: SchedulerOutput,
-                         runner_output: ModelRunnerOutput, sampling: list[Request]) -> None:
+    def _record_logprobs(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        sampling: list[Request],
+    ) -> None:
         """Metrics of every request that got a token, and logprobs of those that asked."""
         now = time.time()
         rows = {r.request_id: i for i, r in enumerate(scheduler_output.scheduled_requests)}
@@ -221,13 +242,16 @@ class LLMEngine:
             if runner_output.logprobs is not None and request.sampling_params.logprobs is not None:
                 top_ids, top_lps, token_lps, ranks = runner_output.logprobs
                 i = rows[request.request_id]
-                self.output_processor.add_logprobs(request, top_ids[i], top_lps[i], token_lps[i],
-                                                   ranks[i])
+                self.output_processor.add_logprobs(
+                    request, top_ids[i], top_lps[i], token_lps[i], ranks[i]
+                )
 
     def _process_outputs(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
     ) -> list[RequestOutput]:
-        changed = {r.request_id: r for r in scheduler_output.scheduled_requests if r.request_id in sampled}
+        changed = {
+            r.request_id: r for r in scheduler_output.scheduled_requests if r.request_id in sampled
+        }
         changed.update((r.request_id, r) for r in scheduler_output.finished_requests)
         changed.update((r.request_id, r) for r in finished)
         outputs = []
@@ -256,8 +280,9 @@ class LLMEngine:
                 self._finish(request)
             return self.output_processor.make_output(request)
         except Exception:
-            logger.exception("request %s failed while processing its output; aborting it",
-                             request.request_id)
+            logger.exception(
+                "request %s failed while processing its output; aborting it", request.request_id
+            )
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
             self._finish(request)

@@ -10,12 +10,74 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets, in seconds.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _SchedulerCollector:
@@ -33,21 +95,44 @@ class _SchedulerCollector:
     def collect(self):
         stats = self._async_llm.stats
         g, c = GaugeMetricFamily, CounterMetricFamily
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-        yield self._family(g, "jvllm:num_requests_running", "Requests in model execution batches.",
-                           stats.num_running)
-        yield self._family(g, "jvllm:num_requests_waiting", "Requests waiting to be processed.",
-                           stats.num_waiting)
-        yield self._family(g, "jvllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).",
-                           stats.kv_cache_usage)
-        yield self._family(g, "jvllm:prefix_cache_hit_rate",
-                           "Prefix cache hit rate over all queried tokens (0 to 1).", hit_rate)
-        yield self._family(c, "jvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                           stats.prefix_cache_queries)
-        yield self._family(c, "jvllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                           stats.prefix_cache_hits)
-        yield self._family(c, "jvllm:num_preemptions", "Preemptions (by recompute).",
-                           stats.num_preemptions)
+        hit_rate = (
+            stats.prefix_cache_hits / stats.prefix_cache_queries
+            if stats.prefix_cache_queries
+            else 0.0
+        )
+        yield self._family(
+            g,
+            "jvllm:num_requests_running",
+            "Requests in model execution batches.",
+            stats.num_running,
+        )
+        yield self._family(
+            g, "jvllm:num_requests_waiting", "Requests waiting to be processed.", stats.num_waiting
+        )
+        yield self._family(
+            g, "jvllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).", stats.kv_cache_usage
+        )
+        yield self._family(
+            g,
+            "jvllm:prefix_cache_hit_rate",
+            "Prefix cache hit rate over all queried tokens (0 to 1).",
+            hit_rate,
+        )
+        yield self._family(
+            c,
+            "jvllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield self._family(
+            c,
+            "jvllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hits,
+        )
+        yield self._family(
+            c, "jvllm:num_preemptions", "Preemptions (by recompute).", stats.num_preemptions
+        )
 
 
 class ServingMetrics:
@@ -61,15 +146,27 @@ class ServingMetrics:
         self.registry.register(_SchedulerCollector(async_llm, model_name))
         kw = {"labelnames": labels, "registry": self.registry}
         self.prompt_tokens = Counter("jvllm:prompt_tokens", "Prefill tokens processed.", **kw)
-        self.generation_tokens = Counter("jvllm:generation_tokens", "Generation tokens processed.", **kw)
-        self.request_success = Counter("jvllm:request_success", "Finished requests.",
-                                       labelnames=labels + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("jvllm:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_TTFT_BUCKETS, **kw)
-        self.itl = Histogram("jvllm:inter_token_latency_seconds", "Inter-token latency.",
-                             buckets=_ITL_BUCKETS, **kw)
-        self.e2e = Histogram("jvllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=_E2E_BUCKETS, **kw)
+        self.generation_tokens = Counter(
+            "jvllm:generation_tokens", "Generation tokens processed.", **kw
+        )
+        self.request_success = Counter(
+            "jvllm:request_success",
+            "Finished requests.",
+            labelnames=labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "jvllm:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS, **kw
+        )
+        self.itl = Histogram(
+            "jvllm:inter_token_latency_seconds", "Inter-token latency.", buckets=_ITL_BUCKETS, **kw
+        )
+        self.e2e = Histogram(
+            "jvllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=_E2E_BUCKETS,
+            **kw,
+        )
         self._model = model_name
 
     def record(self, items, now: float) -> None:

@@ -76,14 +76,27 @@ class OutputProcessor:
         if state.logprobs is None:
             return
         token_id = request.output_token_ids[-1]
-        state.logprobs.append(logprobs_entry(
-            request.sampling_params.logprobs, top_ids, top_logprobs, token_id, token_logprob,
-            rank, self._decoder(request),
-        ))
+        state.logprobs.append(
+            logprobs_entry(
+                request.sampling_params.logprobs,
+                top_ids,
+                top_logprobs,
+                token_id,
+                token_logprob,
+                rank,
+                self._decoder(request),
+            )
+        )
         state.cumulative_logprob += float(token_logprob)
 
-    def add_prompt_logprobs(self, request: Request, start: int, arrays: tuple[np.ndarray, ...],
-                            row_start: int, num_rows: int) -> None:
+    def add_prompt_logprobs(
+        self,
+        request: Request,
+        start: int,
+        arrays: tuple[np.ndarray, ...],
+        row_start: int,
+        num_rows: int,
+    ) -> None:
         """Record prompt logprobs from this step's rows `row_start ..` (the scheduled tokens at
         positions `start ..`; row i predicts prompt position start + i + 1)."""
         state = self._states[request.request_id]
@@ -116,7 +129,9 @@ class OutputProcessor:
             hit = _find_stop(state.text, len(delta), params.stop)
             if hit is not None:
                 stop, idx = hit
-                state.text = state.text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                state.text = state.text[
+                    : idx + len(stop) if params.include_stop_str_in_output else idx
+                ]
                 return stop
         return None
 
@@ -153,8 +168,9 @@ class OutputProcessor:
             metrics=request.metrics,
         )
 
-    def _completion(self, request: Request, state: _RequestState, finished: bool,
-                    delta: bool) -> CompletionOutput:
+    def _completion(
+        self, request: Request, state: _RequestState, finished: bool, delta: bool
+    ) -> CompletionOutput:
         text = state.text
         hold = request.sampling_params.stop_buffer_length
         if hold and not finished:

@@ -11,8 +11,9 @@ from jvllm.outputs import BeamSearchOutput, BeamSearchSequence
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
-def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None,
-               length_penalty: float) -> float:
+def beam_score(
+    tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float
+) -> float:
     """vLLM's score: the cumulative logprob over the length (prompt included, a final EOS not)
     to the power `length_penalty`."""
     seq_len = len(tokens)
@@ -39,8 +40,12 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
         return beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
 
     step_params = SamplingParams(
-        n=1, logprobs=2 * width, max_tokens=1, temperature=params.temperature,
-        output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+        n=1,
+        logprobs=2 * width,
+        max_tokens=1,
+        temperature=params.temperature,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
     )
     instances = []
     for prompt in prompts:
@@ -50,8 +55,9 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
         live = [(inst, beam) for inst in instances for beam in inst.beams]
         if not live:
             break
-        outputs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step_params,
-                               use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": b.tokens} for _, b in live], step_params, use_tqdm=False
+        )
         candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
         for (inst, beam), out in zip(live, outputs):
             for token_id, logprob in out.outputs[0].logprobs[0].items():

@@ -30,8 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, kwargs in _ENGINE_FLAGS.items():
         default = getattr(defaults, name)
-        group.add_argument(f"--{name.replace('_', '-')}", default=default,
-                           help=f"(default: {default})", **kwargs)
+        group.add_argument(
+            f"--{name.replace('_', '-')}", default=default, help=f"(default: {default})", **kwargs
+        )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -42,22 +43,35 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _serve(args: argparse.Namespace) -> None:
     from jvllm.entrypoints.openai.api_server import run_server
 
-    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=args.served_model_name, log_level=args.uvicorn_log_level,
-               **engine_kwargs(args))
+    run_server(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.uvicorn_log_level,
+        **engine_kwargs(args),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jvllm", description="jvllm: vLLM's engine in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients pass (default: MODEL, or the default model's)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients pass (default: MODEL, or the default model's)",
+    )
     serve.add_argument("--uvicorn-log-level", default="info")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

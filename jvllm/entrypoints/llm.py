@@ -48,7 +48,8 @@ class LLM:
                 )
         # Only final outputs are collected (vLLM does the same); the caller's objects stay as given.
         params_list = [
-            p if not isinstance(p, SamplingParams) or p.output_kind == RequestOutputKind.FINAL_ONLY
+            p
+            if not isinstance(p, SamplingParams) or p.output_kind == RequestOutputKind.FINAL_ONLY
             else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             for p in params_list
         ]
@@ -78,8 +79,13 @@ class LLM:
         of conversations, rendered through the tokenizer's chat template (or `chat_template`)."""
         tokenizer = self.get_tokenizer()
         prompts = [
-            render_conversation(tokenizer, conversation, chat_template, add_generation_prompt,
-                                continue_final_message)
+            render_conversation(
+                tokenizer,
+                conversation,
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
+            )
             for conversation in as_conversations(messages)
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -93,8 +99,12 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                        dynamic_ncols=True)
+        progress = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         num_output_tokens = 0
         try:
             while engine.has_unfinished_requests():

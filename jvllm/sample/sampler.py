@@ -65,16 +65,18 @@ def process_logits(
 ) -> jax.Array:
     """vLLM's order: logit processors (bias, allowed ids, bad words, min_tokens: one additive
     row per request in `bias_rows: f32[R, V]`), then penalties."""
-    logits = jax.lax.cond(
-        md.any_bias, lambda x: x + bias_rows[md.bias_slot], lambda x: x, logits
-    )
+    logits = jax.lax.cond(md.any_bias, lambda x: x + bias_rows[md.bias_slot], lambda x: x, logits)
 
     def penalize(x):
         counts, prompt_mask = token_counts(
             token_cache, block_tables, seq_lens, md.num_prompt_tokens, x.shape[-1]
         )
         return apply_penalties(
-            x, counts, prompt_mask, md.presence_penalty, md.frequency_penalty,
+            x,
+            counts,
+            prompt_mask,
+            md.presence_penalty,
+            md.frequency_penalty,
             md.repetition_penalty,
         )
 
@@ -100,8 +102,12 @@ def sample_step(
     sampled = sample(processed, md)
 
     def no_logprobs(n):
-        return (jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32),
-                jnp.zeros(n, jnp.float32), jnp.zeros(n, jnp.int32))
+        return (
+            jnp.zeros((n, k), jnp.int32),
+            jnp.zeros((n, k), jnp.float32),
+            jnp.zeros(n, jnp.float32),
+            jnp.zeros(n, jnp.int32),
+        )
 
     top = jax.lax.cond(
         md.any_logprobs,

@@ -62,7 +62,11 @@ def _dynamic_bans(request: Request) -> frozenset[int]:
     outputs = request.output_token_ids
     for sequence in request.bad_words_token_ids:
         prefix = sequence[:-1]
-        if prefix and len(outputs) >= len(prefix) and outputs[len(outputs) - len(prefix):] == prefix:
+        if (
+            prefix
+            and len(outputs) >= len(prefix)
+            and outputs[len(outputs) - len(prefix) :] == prefix
+        ):
             bans.add(sequence[-1])
     return frozenset(bans)
 

@@ -40,7 +40,9 @@ class BucketSpec:
     max_num_seqs: int
 
     def token_sizes(self) -> list[int]:
-        return _powers_of_two(min(_MIN_TOKENS, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        return _powers_of_two(
+            min(_MIN_TOKENS, self.max_num_batched_tokens), self.max_num_batched_tokens
+        )
 
     def seq_sizes(self) -> list[int]:
         hi = min(self.max_num_seqs, self.max_num_batched_tokens)

@@ -37,8 +37,17 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(params, kv_cache, token_cache, bias_rows, inputs: StepInputs, *, config: ModelConfig,
-          attn, max_logprobs: int):
+def _step(
+    params,
+    kv_cache,
+    token_cache,
+    bias_rows,
+    inputs: StepInputs,
+    *,
+    config: ModelConfig,
+    attn,
+    max_logprobs: int,
+):
     """forward + sample for one padded step -> (SamplerOutput, kv_cache, token_cache).
 
     `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it)."""
@@ -48,14 +57,21 @@ def _step(params, kv_cache, token_cache, bias_rows, inputs: StepInputs, *, confi
     )
     num_pages, block_size = token_cache.shape
     token_cache = (
-        token_cache.reshape(-1).at[md.slot_mapping].set(inputs.token_ids)
+        token_cache.reshape(-1)
+        .at[md.slot_mapping]
+        .set(inputs.token_ids)
         .reshape(num_pages, block_size)
     )
     logits = compute_logits(params, hidden[md.logits_indices], config=config)  # [S, V]
     out = sample_step(
-        logits, hidden, inputs.sampling,
-        bias_rows=bias_rows, token_cache=token_cache, block_tables=md.block_tables,
-        seq_lens=md.seq_lens, logits_fn=lambda h: compute_logits(params, h, config=config),
+        logits,
+        hidden,
+        inputs.sampling,
+        bias_rows=bias_rows,
+        token_cache=token_cache,
+        block_tables=md.block_tables,
+        seq_lens=md.seq_lens,
+        logits_fn=lambda h: compute_logits(params, h, config=config),
         max_logprobs=max_logprobs,
     )
     return out, kv_cache, token_cache
@@ -111,7 +127,8 @@ class ModelRunner:
         # Block tables are padded so the reference backend's page chunks tile them exactly.
         self.max_pages = math.ceil(math.ceil(max_model_len / block_size) / chunk) * chunk
         self.kv_cache = jnp.zeros(
-            kv_cache_shape(config, num_blocks, block_size), kv_cache_dtype(config.dtype, attention_backend)
+            kv_cache_shape(config, num_blocks, block_size),
+            kv_cache_dtype(config.dtype, attention_backend),
         )
         self.token_cache = jnp.zeros((num_blocks, block_size), jnp.int32)  # [P, B]
         # One row per running request at most, plus the shared zero row.
@@ -151,13 +168,14 @@ class ModelRunner:
             if progress:
                 logger.info(
                     "compiling bucket %d/%d (tokens=%d, seqs=%d)",
-                    i + 1, len(buckets), bucket.num_tokens, bucket.num_seqs,
+                    i + 1,
+                    len(buckets),
+                    bucket.num_tokens,
+                    bucket.num_seqs,
                 )
             self._executable(bucket)
         self.bias_rows.compile()
-        logger.info(
-            "compiled %d buckets in %.1fs", len(buckets), time.perf_counter() - start
-        )
+        logger.info("compiled %d buckets in %.1fs", len(buckets), time.perf_counter() - start)
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
@@ -168,7 +186,12 @@ class ModelRunner:
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         bucket = self.buckets.select(sum(counts), len(requests))
         inputs = prepare_step_inputs(
-            requests, counts, block_ids, bucket, self.block_size, self.max_pages,
+            requests,
+            counts,
+            block_ids,
+            bucket,
+            self.block_size,
+            self.max_pages,
             self.bias_rows.slots_for(requests),
         )
         out, self.kv_cache, self.token_cache = self._executable(bucket)(
@@ -177,10 +200,19 @@ class ModelRunner:
         num_reqs = len(requests)
         result = ModelRunnerOutput(np.asarray(out.sampled_token_ids)[:num_reqs])
         if inputs.sampling.any_logprobs:
-            fields = (out.topk_token_ids, out.topk_logprobs, out.sampled_logprobs, out.sampled_ranks)
+            fields = (
+                out.topk_token_ids,
+                out.topk_logprobs,
+                out.sampled_logprobs,
+                out.sampled_ranks,
+            )
             result.logprobs = tuple(np.asarray(f)[:num_reqs] for f in fields)
         if inputs.sampling.any_prompt_logprobs:
-            fields = (out.prompt_topk_token_ids, out.prompt_topk_logprobs,
-                      out.prompt_target_logprobs, out.prompt_target_ranks)
+            fields = (
+                out.prompt_topk_token_ids,
+                out.prompt_topk_logprobs,
+                out.prompt_target_logprobs,
+                out.prompt_target_ranks,
+            )
             result.prompt_logprobs = tuple(np.asarray(f) for f in fields)
         return result

@@ -82,7 +82,9 @@ def prepare_step_inputs(
         if params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
             any_prompt_logprobs = True
             end = min(start + n, req.num_prompt_tokens - 1)
-            prompt_target_ids[t - n : t - n + end - start] = req.prompt_token_ids[start + 1 : end + 1]
+            prompt_target_ids[t - n : t - n + end - start] = req.prompt_token_ids[
+                start + 1 : end + 1
+            ]
     num_real = len(requests)
     if bias_slots is not None:
         bias_slot[:num_real] = bias_slots

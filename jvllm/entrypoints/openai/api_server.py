@@ -1,6 +1,6 @@
 """The OpenAI-compatible server: FastAPI routes over an `AsyncLLM`, run by uvicorn.
 
-    jvllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [engine options]
+jvllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [engine options]
 """
 
 from __future__ import annotations
@@ -39,11 +39,18 @@ class _ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+        ):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
-                error = OpenAIError("Invalid or missing API key: pass `Authorization: Bearer <key>`.",
-                                    status_code=401, code="invalid_api_key")
+                error = OpenAIError(
+                    "Invalid or missing API key: pass `Authorization: Bearer <key>`.",
+                    status_code=401,
+                    code="invalid_api_key",
+                )
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -60,12 +67,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     messages = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-        for e in errors[:5])
+        for e in errors[:5]
+    )
     return messages, param
 
 
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-              metrics: ServingMetrics | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    metrics: ServingMetrics | None = None,
+) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. Pass the `ServingMetrics` that the
     engine records into (its `stat_loggers`) to expose them on /metrics."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
@@ -89,22 +101,27 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        error = OpenAIError(str(exc.detail), status_code=exc.status_code,
-                            type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        error = OpenAIError(
+            str(exc.detail),
+            status_code=exc.status_code,
+            type="not_found_error" if exc.status_code == 404 else "invalid_request_error",
+        )
         return JSONResponse(error.body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
         logger.exception("internal error")
-        error = OpenAIError(f"internal server error: {exc!r}", status_code=500,
-                            type="internal_server_error")
+        error = OpenAIError(
+            f"internal server error: {exc!r}", status_code=500, type="internal_server_error"
+        )
         return JSONResponse(error.body(), status_code=500)
 
     def _respond(result):
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest):
@@ -116,10 +133,19 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "jvllm",
-            "root": engine.engine.args.model or model_name, "max_model_len": engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "jvllm",
+                    "root": engine.engine.args.model or model_name,
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -148,8 +174,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         vocab_size = engine.engine.model_config.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise OpenAIError(f"token ids must be in [0, {vocab_size}), got {bad[:5]}",
-                              param="tokens")
+            raise OpenAIError(
+                f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param="tokens"
+            )
         return {"prompt": tokenizer.decode(request.tokens)}
 
     @app.get("/metrics")
@@ -173,9 +200,15 @@ def build_server_engine(model: str | None, served_model_name: str | None = None,
     return engine, metrics, name
 
 
-def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, served_model_name: str | None = None,
-               log_level: str = "info", **engine_kwargs) -> None:
+def run_server(
+    model: str | None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+    **engine_kwargs,
+) -> None:
     import uvicorn
 
     engine, metrics, name = build_server_engine(model, served_model_name, **engine_kwargs)
@@ -201,8 +234,9 @@ class ServerThread:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.host, self.port = host, port
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2
+        )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self.server.run, name="jvllm-uvicorn", daemon=True)

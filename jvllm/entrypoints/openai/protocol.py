@@ -8,8 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field
 class OpenAIError(Exception):
     """An error a client caused, sent back as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | int | None = None):
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
@@ -18,8 +24,14 @@ class OpenAIError(Exception):
         self.code = code if code is not None else status_code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class _Request(BaseModel):

@@ -61,7 +61,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 item = await anext(outputs, None)
         finally:
             await outputs.aclose()
-        return self._response(request, request_id, params.n, [results[i] for i in range(len(prompts))])
+        return self._response(
+            request, request_id, params.n, [results[i] for i in range(len(prompts))]
+        )
 
     def _response(self, request, request_id: str, n: int, results: list[RequestOutput]) -> dict:
         choices = []
@@ -73,14 +75,21 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(self._choice(request, result, completion, prompt_index * n, True))
         choices.sort(key=lambda c: c["index"])
         return {
-            "id": request_id, "object": "text_completion", "created": now(),
-            "model": self.model_name, "choices": choices,
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                      "total_tokens": num_prompt + num_completion},
+            "id": request_id,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": num_prompt,
+                "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion,
+            },
         }
 
-    def _choice(self, request, result: RequestOutput, completion: CompletionOutput, base: int,
-                first: bool) -> dict:
+    def _choice(
+        self, request, result: RequestOutput, completion: CompletionOutput, base: int, first: bool
+    ) -> dict:
         text = completion.text
         echo = request.echo and first
         if echo:
@@ -88,24 +97,31 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if request.logprobs is not None:
             logprobs = self._logprobs(result, completion, request.logprobs, echo)
-        return {"index": base + completion.index, "text": text, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason}
+        return {
+            "index": base + completion.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
 
     def _prompt_text(self, result: RequestOutput) -> str:
         if result.prompt is not None:
             return result.prompt
         return self.tokenizer.decode(result.prompt_token_ids)
 
-    def _logprobs(self, result: RequestOutput, completion: CompletionOutput, num: int,
-                  echo: bool) -> dict:
+    def _logprobs(
+        self, result: RequestOutput, completion: CompletionOutput, num: int, echo: bool
+    ) -> dict:
         """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
         token_ids: list[int] = []
         positions: list = []
         if echo:
             prompt_lps = getattr(result, "prompt_logprobs", None) or []
             token_ids += list(result.prompt_token_ids)
-            positions += list(prompt_lps) + [None] * (len(result.prompt_token_ids) - len(prompt_lps))
+            positions += list(prompt_lps) + [None] * (
+                len(result.prompt_token_ids) - len(prompt_lps)
+            )
         token_ids += list(completion.token_ids)
         positions += list(completion.logprobs or [None] * len(completion.token_ids))
         tokens, token_logprobs, top, offsets = [], [], [], []
@@ -122,13 +138,22 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             token_logprobs.append(self.logprob_value(chosen) if chosen is not None else None)
             # The top `num` and the sampled token (k + 1 entries when it is not among them).
-            top.append({self.token_text(t, lp): self.logprob_value(lp)
-                        for t, lp in self.top_entries(position, len(position))})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}
+            top.append(
+                {
+                    self.token_text(t, lp): self.logprob_value(lp)
+                    for t, lp in self.top_entries(position, len(position))
+                }
+            )
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
-    async def _stream(self, request, request_id: str, n: int, first,
-                      outputs: AsyncIterator) -> AsyncIterator[str]:
+    async def _stream(
+        self, request, request_id: str, n: int, first, outputs: AsyncIterator
+    ) -> AsyncIterator[str]:
         created = now()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         num_prompt: dict[int, int] = {}
@@ -143,22 +168,39 @@ class OpenAIServingCompletion(OpenAIServing):
                 for completion in result.outputs:
                     num_completion += len(completion.token_ids)
                     index = prompt_index * n + completion.index
-                    choices.append(self._choice(request, result, completion, prompt_index * n,
-                                                index not in started))
+                    choices.append(
+                        self._choice(
+                            request, result, completion, prompt_index * n, index not in started
+                        )
+                    )
                     started.add(index)
-                chunk = {"id": request_id, "object": "text_completion", "created": created,
-                         "model": self.model_name, "choices": choices}
+                chunk = {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": choices,
+                }
                 if include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
                 item = await anext(outputs, None)
             if include_usage:
                 total_prompt = sum(num_prompt.values())
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                            "model": self.model_name, "choices": [],
-                            "usage": {"prompt_tokens": total_prompt,
-                                      "completion_tokens": num_completion,
-                                      "total_tokens": total_prompt + num_completion}})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": total_prompt,
+                            "completion_tokens": num_completion,
+                            "total_tokens": total_prompt + num_completion,
+                        },
+                    }
+                )
         except OpenAIError as e:
             yield sse(e.body())
         finally:

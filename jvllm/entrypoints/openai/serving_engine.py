@@ -17,8 +17,15 @@ from jvllm.sampling_params import SamplingParams
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Request fields the engine may not know yet; at these values they change nothing.
-_NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-            "logit_bias": {}, "logprobs": None, "prompt_logprobs": None}
+_NEUTRAL = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": {},
+    "logprobs": None,
+    "prompt_logprobs": None,
+}
 MAX_LOGPROBS = 20
 
 
@@ -37,23 +44,34 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise OpenAIError(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                param="model", code="model_not_found")
+                param="model",
+                code="model_not_found",
+            )
 
-    def sampling_params(self, request, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, request, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's SamplingParams for a request; out-of-range values become a 400 that
         names the parameter."""
         values = {
-            "n": request.n, "temperature": request.temperature, "top_p": request.top_p,
-            "top_k": request.top_k, "min_p": request.min_p, "seed": request.seed,
-            "stop": request.stop, "stop_token_ids": request.stop_token_ids,
-            "max_tokens": max_tokens, "min_tokens": request.min_tokens,
-            "ignore_eos": request.ignore_eos, "skip_special_tokens": request.skip_special_tokens,
+            "n": request.n,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": request.top_k,
+            "min_p": request.min_p,
+            "seed": request.seed,
+            "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids,
+            "max_tokens": max_tokens,
+            "min_tokens": request.min_tokens,
+            "ignore_eos": request.ignore_eos,
+            "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "presence_penalty": request.presence_penalty,
             "frequency_penalty": request.frequency_penalty,
             "repetition_penalty": request.repetition_penalty,
-            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
         if request.logit_bias:
             try:
@@ -61,8 +79,9 @@ class OpenAIServing:
             except ValueError:
                 raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise OpenAIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
-                              param="logprobs")
+            raise OpenAIError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs"
+            )
         kwargs = {}
         for name, value in values.items():
             if value is None:
@@ -86,18 +105,24 @@ class OpenAIServing:
                 raise OpenAIError(
                     f"This model's maximum context length is {self.max_model_len} tokens; your "
                     f"prompt has {num_prompt_tokens} tokens, which leaves no room for output.",
-                    param=param, code="context_length_exceeded")
+                    param=param,
+                    code="context_length_exceeded",
+                )
             return room
         if max_tokens > room:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
                 f"the prompt, {max_tokens} for the completion). Please reduce the prompt or "
-                "max_tokens.", param=param, code="context_length_exceeded")
+                "max_tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
         return max_tokens
 
-    async def generate_all(self, prompts: list[dict], params: SamplingParams, request_id: str,
-                           kind: RequestOutputKind) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def generate_all(
+        self, prompts: list[dict], params: SamplingParams, request_id: str, kind: RequestOutputKind
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all."""
         if len(prompts) == 1:
             async for output in self._generate(prompts[0], params, request_id, kind):
@@ -130,8 +155,9 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                        kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+    async def _generate(
+        self, prompt: dict, params: SamplingParams, request_id: str, kind: RequestOutputKind
+    ) -> AsyncIterator[RequestOutput]:
         try:
             async for output in self.engine.generate(prompt, params, request_id, output_kind=kind):
                 yield output
