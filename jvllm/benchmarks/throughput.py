@@ -84,7 +84,7 @@ def bench_hf(args, prompts) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     path = args.model or default_model_dir()
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
     input_ids = torch.tensor(prompts)  # equal lengths: no padding needed
     attention_mask = torch.ones_like(input_ids)
 

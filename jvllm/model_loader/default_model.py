@@ -56,7 +56,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         json.dump(hf_config, f, indent=2)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), local_files_only=True
     )
     tokenizer.save_pretrained(out_dir)
 

@@ -20,7 +20,8 @@ def _load_dir_tokenizer(path: str) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    # local_files_only: never ask a hub (it costs seconds of failed lookups offline).
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def load_model(model: str | None, dtype: str = "auto") -> tuple[ModelConfig, Params, Any | None]:
@@ -45,7 +46,9 @@ def load_model(model: str | None, dtype: str = "auto") -> tuple[ModelConfig, Par
 
         config, params = load_gguf(model, dtype)
         tokenizer = AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(model)), gguf_file=os.path.basename(model)
+            os.path.dirname(os.path.abspath(model)),
+            gguf_file=os.path.basename(model),
+            local_files_only=True,
         )
         return config, params, tokenizer
     raise ValueError(
