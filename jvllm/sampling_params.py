@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 # Below this temperature sampling is greedy (argmax): dividing logits by ~0 only overflows.
-_GREEDY_TEMPERATURE = 1e-5
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (argmax)
 # OpenAI's ranges for the additive penalties, as vLLM enforces them.
 _MAX_ABS_PENALTY = 2.0
 _MAX_ABS_LOGIT_BIAS = 100.0
@@ -99,8 +99,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -186,7 +186,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_TEMPERATURE
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -19,7 +19,7 @@ _CHUNK_POSITIONS = 64
 
 
 def pages_per_chunk(block_size: int, tile_q: int = 1) -> int:
-    """Pages per loop iteration; the decode chunk (tile_q == 1) is a multiple of the others."""
+    """Pages gathered per loop iteration for tiles of `tile_q` queries."""
     positions = _DECODE_CHUNK_POSITIONS if tile_q == 1 else _CHUNK_POSITIONS
     return max(1, positions // block_size)
 

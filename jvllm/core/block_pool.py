@@ -110,6 +110,10 @@ class BlockPool:
         self._cached_blocks.clear()
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: its KV was never written (the step computing it failed)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -111,6 +111,16 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def uncache_uncomputed_blocks(self, request: Request) -> None:
+        """Drop the prefix-cache entries of the blocks past `num_computed_tokens`: they were
+        registered at allocation for KV that a failed step never wrote."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        for block in blocks[first:]:
+            self.block_pool.uncache(block)
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        self._num_cached_blocks[request.request_id] = min(num_cached, first)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 

@@ -196,8 +196,15 @@ class AsyncLLM:
             return
         self._commands.append(command)
         self._wakeup.set()
-        if self._dead is not None:  # the loop stopped while we queued: nothing may hang
-            self._fail_all(self._dead)
+        if self._dead is not None and command[0] == "add":
+            # The loop stopped while we queued: fail this future here (the engine thread owns
+            # the rest of the state and fails everything else on its way out).
+            try:
+                command[-1].set_exception(
+                    EngineDeadError(f"the engine is not running: {self._dead}")
+                )
+            except concurrent.futures.InvalidStateError:
+                pass  # the engine thread got to it first
 
     def _run(self) -> None:
         engine = self.engine

@@ -1,5 +1,6 @@
 """LLMEngine: vLLM's synchronous engine. `step()` = schedule -> execute -> sample -> update."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -31,6 +32,11 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - start
         config = self.model_config
         self.max_model_len = args.max_model_len or config.max_position_embeddings
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({config.max_position_embeddings}); lower max_model_len"
+            )
         self.attention_backend = args.attention_backend or default_backend()
         itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
         bytes_per_block = (
@@ -85,8 +91,6 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        import dataclasses
-
         return cls(**dataclasses.asdict(engine_args))
 
     def get_tokenizer(self):
@@ -111,6 +115,13 @@ class LLMEngine:
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+        eos_ids = self._eos_token_ids()
+        extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            # The other EOS ids stop the request like the first (and min_tokens holds them back).
+            params = dataclasses.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *extra_eos]
+            )
         bad_words = []
         if params.bad_words:
             if self.tokenizer is None:
@@ -122,6 +133,12 @@ class LLMEngine:
             parent = None
         else:
             parent = ParentRequest(request_id, params)
+            taken = [c for c in parent.child_ids if c in self._requests or c in self._children]
+            if taken:
+                raise ValueError(
+                    f"request_id {request_id!r} with n={params.n} needs the ids {taken}, "
+                    "which are already in use"
+                )
             children = [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
             self._children[request_id] = parent.child_ids
             self._parent_of.update((c, request_id) for c in parent.child_ids)
@@ -131,7 +148,7 @@ class LLMEngine:
                 request_id=child_id,
                 prompt_token_ids=prompt_token_ids,
                 sampling_params=child,
-                eos_token_id=self._eos_token_id(),
+                eos_token_id=eos_ids[0] if eos_ids else None,
                 arrival_time=metrics.arrival_time,
                 prompt=prompt_text,
                 seed=seed,
@@ -145,11 +162,13 @@ class LLMEngine:
             "added request %s (%d prompt tokens, n=%d)", request_id, len(prompt_token_ids), params.n
         )
 
-    def _eos_token_id(self) -> int | None:
-        eos = self.model_config.eos_token_id
-        if isinstance(eos, tuple):
-            eos = eos[0] if eos else None
-        return eos if eos is not None else self.tokenizer.eos_token_id
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id of the model (Llama 3 has several), the tokenizer's included."""
+        ids = list(self.model_config.eos_token_ids)
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tokenizer_eos is not None and tokenizer_eos not in ids:
+            ids.append(tokenizer_eos)
+        return tuple(ids)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Finish requests as FINISHED_ABORTED and free their KV blocks; unknown ids are ignored."""
@@ -188,7 +207,10 @@ class LLMEngine:
         sampling = [
             r for r in scheduler_output.scheduled_requests if scheduler_output.will_sample(r)
         ]
-        runner_output = self._execute(scheduler_output)
+        try:
+            runner_output = self._execute(scheduler_output)
+        except Exception:
+            return self._fail_step(scheduler_output)
         sampled = {}
         if runner_output is not None:
             tokens = runner_output.sampled_token_ids
@@ -206,9 +228,32 @@ class LLMEngine:
         requests = scheduler_output.scheduled_requests
         if not requests:
             return None
-        manager = self.scheduler.kv_cache_manager
-        block_ids = [manager.get_block_ids(r.request_id) for r in requests]
+        block_ids = [scheduler_output.block_ids[r.request_id] for r in requests]
         return self.model_runner.execute_model(scheduler_output, block_ids)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """The model step raised: abort the step's requests (and forget the cache entries of
+        blocks it did not write), report them as aborted, and keep the engine serving."""
+        requests = scheduler_output.scheduled_requests
+        logger.exception(
+            "the model step failed; aborting its %d requests: %s",
+            len(requests),
+            ", ".join(r.request_id for r in requests),
+        )
+        manager = self.scheduler.kv_cache_manager
+        for request in requests:
+            manager.uncache_uncomputed_blocks(request)
+        self.scheduler.finish_requests(
+            [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
+        )
+        outputs = []
+        for request in requests:
+            self._finish(request)
+            output = self.output_processor.make_output(request)
+            if output is not None:
+                outputs.append(output)
+            del self._requests[request.request_id]
+        return outputs
 
     def _record_prompt_logprobs(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -273,8 +318,13 @@ class LLMEngine:
             if not request.is_finished and not self.output_processor.has_new_tokens(request):
                 return None  # a prefill (or recompute) chunk: nothing to report yet
             stop = self.output_processor.detokenize(request)
-            if stop is not None and not request.is_finished:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            if stop is not None:
+                if not request.is_finished:
+                    self.scheduler.finish_requests(
+                        [request.request_id], RequestStatus.FINISHED_STOPPED
+                    )
+                elif request.status == RequestStatus.FINISHED_LENGTH:
+                    request.status = RequestStatus.FINISHED_STOPPED  # the text stopped first
                 request.stop_reason = stop
             if request.is_finished:
                 self._finish(request)

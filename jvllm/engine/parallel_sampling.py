@@ -14,7 +14,7 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """One sample of the n: a seeded parent gives child i the seed `seed + i`, as vLLM does."""
-    seed = None if params.seed is None else params.seed + index
+    seed = None if params.seed is None else (params.seed + index) % 2**32
     return dataclasses.replace(params, n=1, seed=seed)
 
 

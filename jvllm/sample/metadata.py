@@ -22,6 +22,7 @@ class SamplingMetadata:
     prompt_target_ids: jax.Array  # i32[T] the prompt token each position predicts; -1 = none
     # Batch-level switches: a step whose requests ask for none of it skips the work (lax.cond).
     all_greedy: jax.Array  # bool[] every row is greedy: skip the sort and the noise
+    any_filter: jax.Array  # bool[] some row uses top-k, top-p or min-p: sort the vocabulary
     any_penalties: jax.Array  # bool[]
     any_bias: jax.Array  # bool[]
     any_logprobs: jax.Array  # bool[]

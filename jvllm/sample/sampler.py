@@ -8,8 +8,7 @@ import jax.numpy as jnp
 from jvllm.sample.logprobs import prompt_logprobs, topk_and_target
 from jvllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jvllm.sample.penalties import apply_penalties, token_counts
-
-_GREEDY_EPS = 1e-5
+from jvllm.sampling_params import GREEDY_TEMPERATURE
 
 
 def _request_keys(seeds: jax.Array, output_index: jax.Array) -> jax.Array:
@@ -44,9 +43,14 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def random_sample() -> jax.Array:
-        is_greedy = md.temperature < _GREEDY_EPS
+        is_greedy = md.temperature < GREEDY_TEMPERATURE
         temperature = jnp.where(is_greedy, 1.0, md.temperature)
-        scaled = apply_top_k_top_p_min_p(logits / temperature[:, None], md)
+        scaled = jax.lax.cond(
+            md.any_filter,
+            lambda x: apply_top_k_top_p_min_p(x, md),
+            lambda x: x,
+            logits / temperature[:, None],
+        )
         keys = _request_keys(md.seeds, md.output_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)  # [S, V]
         sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)

@@ -18,7 +18,7 @@ from jvllm.logger import init_logger
 from jvllm.models.llama import compute_logits, forward
 from jvllm.sample.sampler import sample_step
 from jvllm.worker.bias_rows import BiasRows
-from jvllm.worker.buckets import Bucket, BucketSpec
+from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
@@ -123,8 +123,9 @@ class ModelRunner:
         self.block_size = block_size
         self.buckets = buckets
         self.attention_backend = attention_backend
-        chunk = pages_per_chunk(block_size)
-        # Block tables are padded so the reference backend's page chunks tile them exactly.
+        # Block tables are padded so that the reference backend's page chunks (decode and mixed)
+        # tile them exactly: a chunk that ran past the end would be clamped back onto other pages.
+        chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
         self.max_pages = math.ceil(math.ceil(max_model_len / block_size) / chunk) * chunk
         self.kv_cache = jnp.zeros(
             kv_cache_shape(config, num_blocks, block_size),

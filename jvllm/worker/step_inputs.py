@@ -8,6 +8,7 @@ import numpy as np
 from jvllm.attention.metadata import AttentionMetadata, build_tiles
 from jvllm.core.request import Request
 from jvllm.sample.metadata import SamplingMetadata
+from jvllm.sampling_params import GREEDY_TEMPERATURE
 from jvllm.worker.buckets import Bucket
 
 
@@ -117,7 +118,10 @@ def prepare_step_inputs(
         num_prompt_tokens=num_prompt,
         bias_slot=bias_slot,
         prompt_target_ids=prompt_target_ids,
-        all_greedy=np.bool_(bool(np.all(temperature[:num_real] < 1e-5))),
+        all_greedy=np.bool_(bool(np.all(temperature[:num_real] < GREEDY_TEMPERATURE))),
+        any_filter=np.bool_(
+            bool(np.any((top_k[:num_real] > 0) | (top_p[:num_real] < 1) | (min_p[:num_real] > 0)))
+        ),
         any_penalties=np.bool_(any_penalties),
         any_bias=np.bool_(bool(bias_slot.any())),
         any_logprobs=np.bool_(any_logprobs),

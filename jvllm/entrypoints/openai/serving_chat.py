@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from jvllm.engine.async_llm import RequestOutputKind
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.serving_engine import (
-    MAX_LOGPROBS,
     OpenAIServing,
     now,
     random_id,
     sse,
 )
 from jvllm.outputs import CompletionOutput
+from jvllm.sampling_params import RequestOutputKind
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -59,9 +58,9 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_tokens
         max_tokens = self.check_length(len(prompt_token_ids), max_tokens, "messages")
         top = request.top_logprobs
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        if top is not None and not 0 <= top <= self.max_logprobs:
             raise OpenAIError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs"
+                f"top_logprobs must be in [0, {self.max_logprobs}], got {top}", param="top_logprobs"
             )
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")

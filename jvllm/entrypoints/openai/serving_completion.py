@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from jvllm.engine.async_llm import RequestOutputKind
 from jvllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, random_id, sse
 from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.sampling_params import RequestOutputKind
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -39,9 +39,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n (no beam search)", param="best_of")
         prompts = self._prompts(request)
-        max_tokens = request.max_tokens
-        for p in prompts:
-            max_tokens = self.check_length(len(p["prompt_token_ids"]), request.max_tokens, "prompt")
+        # One SamplingParams serves every prompt: without max_tokens, the room the longest leaves.
+        max_tokens = min(
+            self.check_length(len(p["prompt_token_ids"]), request.max_tokens, "prompt")
+            for p in prompts
+        )
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = self.sampling_params(request, max_tokens, request.logprobs, echo_logprobs)
         request_id = random_id("cmpl")

@@ -4,7 +4,6 @@ and running several prompts (or choices) of one HTTP request through the engine 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -14,19 +13,6 @@ from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
-
-_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Request fields the engine may not know yet; at these values they change nothing.
-_NEUTRAL = {
-    "n": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": {},
-    "logprobs": None,
-    "prompt_logprobs": None,
-}
-MAX_LOGPROBS = 20
 
 
 def random_id(prefix: str) -> str:
@@ -39,6 +25,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
+        self.max_logprobs = engine.engine.args.max_logprobs
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -78,18 +65,11 @@ class OpenAIServing:
                 values["logit_bias"] = {int(k): float(v) for k, v in request.logit_bias.items()}
             except ValueError:
                 raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
             raise OpenAIError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs"
+                f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}", param="logprobs"
             )
-        kwargs = {}
-        for name, value in values.items():
-            if value is None:
-                continue
-            if name in _PARAM_FIELDS:
-                kwargs[name] = value
-            elif value != _NEUTRAL.get(name, object()):
-                raise OpenAIError(f"{name} is not supported by this server yet", param=name)
+        kwargs = {name: value for name, value in values.items() if value is not None}
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
