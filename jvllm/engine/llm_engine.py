@@ -115,7 +115,7 @@ class LLMEngine:
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
-        eos_ids = self._eos_token_ids()
+        eos_ids = self.eos_token_ids
         extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
         if extra_eos and not params.ignore_eos:
             # The other EOS ids stop the request like the first (and min_tokens holds them back).
@@ -162,7 +162,8 @@ class LLMEngine:
             "added request %s (%d prompt tokens, n=%d)", request_id, len(prompt_token_ids), params.n
         )
 
-    def _eos_token_ids(self) -> tuple[int, ...]:
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
         """Every EOS id of the model (Llama 3 has several), the tokenizer's included."""
         ids = list(self.model_config.eos_token_ids)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)

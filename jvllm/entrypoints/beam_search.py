@@ -12,12 +12,12 @@ from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingP
 
 
 def beam_score(
-    tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float
+    tokens: list[int], cum_logprob: float, eos_token_ids: tuple[int, ...], length_penalty: float
 ) -> float:
     """vLLM's score: the cumulative logprob over the length (prompt included, a final EOS not)
     to the power `length_penalty`."""
     seq_len = len(tokens)
-    if tokens[-1] == eos_token_id:
+    if tokens[-1] in eos_token_ids:
         seq_len -= 1
     return cum_logprob / (seq_len**length_penalty)
 
@@ -33,7 +33,7 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
 
     engine = llm.llm_engine
     tokenizer = engine.get_tokenizer()
-    eos = engine._eos_token_id()
+    eos = engine.eos_token_ids
     width = params.beam_width
 
     def key(beam: BeamSearchSequence) -> float:
@@ -66,7 +66,7 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
                     logprobs=beam.logprobs + [out.outputs[0].logprobs[0]],
                     cum_logprob=beam.cum_logprob + logprob.logprob,
                 )
-                if token_id == eos and not params.ignore_eos:
+                if token_id in eos and not params.ignore_eos:
                     new.finish_reason = "stop"
                     inst.completed.append(new)
                 else:
