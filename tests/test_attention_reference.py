@@ -20,17 +20,24 @@ def _dense_attention(q, k, v, q_pos, scale):
     return np.einsum("nqc,cnh->qnh", p, v)
 
 
-@pytest.mark.parametrize("tile_q", [1, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_tiled_paged_attention_matches_dense_on_ragged_batches(tile_q, num_heads, num_kv_heads):
-    rng = np.random.default_rng(tile_q * 100 + num_heads)
-    block_size, head_dim, num_pages, num_layers, layer = 4, 8, 64, 2, 1
-    max_pages = 64  # a multiple of the decode chunk (256 positions / B)
+_MANY = np.random.default_rng(7)
+CASES = {
     # (kv length after the step, queries this step): decodes, page boundaries, a long prefill
-    if tile_q == 1:
-        seqs = [(1, 1), (4, 1), (5, 1), (33, 1), (17, 1)]
-    else:
-        seqs = [(1, 1), (4, 4), (5, 1), (40, 37), (9, 3), (16, 16)]
+    "decode": (1, [(1, 1), (4, 1), (5, 1), (33, 1), (17, 1)]),
+    "mixed": (16, [(1, 1), (4, 4), (5, 1), (40, 37), (9, 3), (16, 16)]),
+    # more tiles than one tile block: several blocks, the last one partly padding
+    "many_decodes": (1, [(int(n), 1) for n in _MANY.integers(1, 9, 45)]),
+    "many_mixed": (16, [(int(n), min(int(n), 20)) for n in _MANY.integers(1, 25, 30)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, num_kv_heads):
+    tile_q, seqs = CASES[case]
+    rng = np.random.default_rng(len(case) * 100 + num_heads)
+    block_size, head_dim, num_pages, num_layers, layer = 4, 8, 256, 2, 1
+    max_pages = 64  # a multiple of the decode chunk (256 positions / B)
     perm = rng.permutation(np.arange(1, num_pages))  # shuffled pages, null page 0 unused
     tables = np.zeros((len(seqs), max_pages), np.int32)
     used = 0

@@ -12,8 +12,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def test_a_failed_step_aborts_its_requests_and_leaves_no_bad_cache_entries(
     tiny_llama_dir, tiny_llama_hf, monkeypatch
 ):
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
-              max_model_len=128)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=128,
+    )
     engine = llm.llm_engine
     manager = engine.scheduler.kv_cache_manager
     free = manager.num_free_blocks
@@ -37,8 +42,14 @@ def test_a_failed_step_aborts_its_requests_and_leaves_no_bad_cache_entries(
 
 def test_a_block_size_that_is_not_a_power_of_two_gives_hf_tokens(tiny_llama_dir, tiny_llama_hf):
     long_prompt = [(i * 7) % 40000 + 200 for i in range(240)]
-    llm = LLM(tiny_llama_dir, dtype="float32", block_size=11, max_model_len=250,
-              max_num_batched_tokens=256, max_num_seqs=8)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        block_size=11,
+        max_model_len=250,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+    )
     out = llm.generate([long_prompt, PROMPT], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama_hf, long_prompt, 6)
     assert out[1].outputs[0].token_ids == hf_greedy(tiny_llama_hf, PROMPT, 6)
