@@ -35,6 +35,11 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
     tokenizer = engine.get_tokenizer()
     eos = engine.eos_token_ids
     width = params.beam_width
+    if 2 * width > engine.args.max_logprobs:
+        raise ValueError(
+            f"beam_width must be at most max_logprobs / 2 = {engine.args.max_logprobs // 2} "
+            f"(each step ranks 2 * beam_width candidates), got {width}; raise max_logprobs"
+        )
 
     def key(beam: BeamSearchSequence) -> float:
         return beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
