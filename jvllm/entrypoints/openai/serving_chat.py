@@ -10,6 +10,7 @@ from jvllm.entrypoints.openai.serving_engine import (
     now,
     random_id,
     sse,
+    usage,
 )
 from jvllm.outputs import CompletionOutput
 from jvllm.sampling_params import RequestOutputKind
@@ -96,11 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": num_prompt,
-                "completion_tokens": num_completion,
-                "total_tokens": num_prompt + num_completion,
-            },
+            "usage": usage(num_prompt, num_completion),
         }
 
     def _logprobs(self, completion: CompletionOutput, num: int) -> dict:
@@ -132,7 +129,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         top = request.top_logprobs or 0
 
-        def chunk(choices: list[dict], usage=None) -> str:
+        def chunk(choices: list[dict], usage_body: dict | None = None) -> str:
             body = {
                 "id": request_id,
                 "object": "chat.completion.chunk",
@@ -141,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices,
             }
             if include_usage:
-                body["usage"] = usage
+                body["usage"] = usage_body
             return sse(body)
 
         yield chunk(
@@ -191,11 +188,7 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield chunk(
                     [],
-                    {
-                        "prompt_tokens": num_prompt,
-                        "completion_tokens": num_completion,
-                        "total_tokens": num_prompt + num_completion,
-                    },
+                    usage(num_prompt, num_completion),
                 )
         except OpenAIError as e:
             yield sse(e.body())

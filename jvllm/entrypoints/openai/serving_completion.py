@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from jvllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
-from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, random_id, sse
+from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, random_id, sse, usage
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import RequestOutputKind
 
@@ -82,11 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": num_prompt,
-                "completion_tokens": num_completion,
-                "total_tokens": num_prompt + num_completion,
-            },
+            "usage": usage(num_prompt, num_completion),
         }
 
     def _choice(
@@ -196,11 +192,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         "created": created,
                         "model": self.model_name,
                         "choices": [],
-                        "usage": {
-                            "prompt_tokens": total_prompt,
-                            "completion_tokens": num_completion,
-                            "total_tokens": total_prompt + num_completion,
-                        },
+                        "usage": usage(total_prompt, num_completion),
                     }
                 )
         except OpenAIError as e:

@@ -15,6 +15,15 @@ from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
 
 
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    """OpenAI's `usage` object."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
