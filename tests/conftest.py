@@ -6,11 +6,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
 import shutil
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from jvllm.model_loader.default_model import default_model_dir
+from jvllm.models.llama import compute_logits, forward
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -26,6 +30,39 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
             pad_token_id=0,
         )
     return out[0, len(prompt_token_ids) :].tolist()
+
+
+def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
+    """Causal attention over one sequence's T tokens; the cache is passed through untouched."""
+    num_tokens, num_heads, head_dim = q.shape
+    k = jnp.repeat(k, num_heads // k.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
+    v = jnp.repeat(v, num_heads // v.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
+    scores = jnp.einsum("tnh,snh->nts", q.astype(jnp.float32), k) / np.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))  # [T, T]
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)  # [N, T, T]
+    return jnp.einsum("nts,snh->tnh", probs, v), kv_cache
+
+
+def dense_logits(config, params, token_ids, positions=None) -> np.ndarray:
+    """Our forward on one sequence with plain causal attention (no pages) -> f32[T, V]."""
+    if positions is None:
+        positions = np.arange(len(token_ids))
+
+    @jax.jit
+    def run(params, token_ids, positions):
+        hidden, _ = forward(
+            params,
+            jnp.zeros(()),
+            token_ids,
+            positions,
+            None,
+            config=config,
+            attn=_dense_causal_attn,
+        )
+        return compute_logits(params, hidden, config=config)
+
+    ids = jnp.asarray(token_ids, dtype=jnp.int32)
+    return np.asarray(run(params, ids, jnp.asarray(positions, dtype=jnp.int32)))
 
 
 @pytest.fixture(scope="session")

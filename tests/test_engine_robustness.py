@@ -1,8 +1,8 @@
 """The engine survives what a user or a failing step can throw at it."""
 
 import pytest
-
 from conftest import hf_greedy
+
 from jvllm import LLM, SamplingParams
 
 PROMPT = [(i * 53) % 30000 + 700 for i in range(40)]

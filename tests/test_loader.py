@@ -12,40 +12,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import dense_logits
 
 from jvllm.model_loader import DEFAULT_MODEL, default_model, load_gguf, load_model
-from jvllm.models.llama import compute_logits, forward
 
 PROMPT = "The capital of France is"
-
-
-def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
-    """Causal attention over one sequence's T tokens; the cache is passed through untouched."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    k = jnp.repeat(k, num_heads // k.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
-    v = jnp.repeat(v, num_heads // v.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
-    scores = jnp.einsum("tnh,snh->nts", q.astype(jnp.float32), k) / np.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones(scores.shape[1:], dtype=bool))  # [T, T]
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)  # [N, T, T]
-    return jnp.einsum("nts,snh->tnh", probs, v), kv_cache
-
-
-def _logits(config, params, token_ids):
-    @jax.jit
-    def run(params, token_ids):
-        positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-        hidden, _ = forward(
-            params,
-            jnp.zeros(()),
-            token_ids,
-            positions,
-            None,
-            config=config,
-            attn=_dense_causal_attn,
-        )
-        return compute_logits(params, hidden, config=config)
-
-    return np.asarray(run(params, jnp.asarray(token_ids, dtype=jnp.int32)))
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +28,10 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2(gguf_path):
-    """HF transformers' own reading of the same GGUF (about 20 s), loaded once."""
+def hf_tokenizer(gguf_path):
+    """HF transformers' own reading of the GGUF's tokenizer (the model is conftest's)."""
     directory, name = os.path.split(gguf_path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
-    ).eval()
-    return model, tokenizer
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +49,13 @@ def cache_dir(tmp_path_factory):
         yield path
 
 
-def test_gguf_logits_match_hf_and_predict_paris(gguf_model, hf_smollm2):
-    model, tokenizer = hf_smollm2
+def test_gguf_logits_match_hf_and_predict_paris(gguf_model, hf_smollm2, hf_tokenizer):
+    model, tokenizer = hf_smollm2, hf_tokenizer
     token_ids = tokenizer(PROMPT)["input_ids"]
     config, params = gguf_model
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
     assert config.tie_word_embeddings and params.lm_head is None
-    ours = _logits(config, params, token_ids)
+    ours = dense_logits(config, params, token_ids)
     with torch.no_grad():
         reference = model(torch.tensor([token_ids])).logits[0].numpy()
     np.testing.assert_allclose(ours, reference, rtol=1e-3, atol=1e-3)
@@ -125,7 +92,7 @@ def test_default_model_in_bfloat16_still_predicts_paris(cache_dir):
     config, params, tokenizer = load_model(None, dtype="bfloat16")
     assert params.layers[0].qkv.dtype == jnp.bfloat16
     assert params.layers[0].input_norm.dtype == jnp.float32
-    logits = _logits(config, params, tokenizer(PROMPT)["input_ids"])
+    logits = dense_logits(config, params, tokenizer(PROMPT)["input_ids"])
     assert tokenizer.decode([int(logits[-1].argmax())]) == " Paris"
 
 

@@ -4,16 +4,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import dense_logits
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
-from jvllm.models.llama import compute_logits, forward
 
 TINY = {
     "num_hidden_layers": 2,
@@ -34,18 +32,6 @@ LLAMA3_ROPE = {
 }
 
 
-def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
-    """Test-local attention: causal over the T tokens of one sequence, cache untouched."""
-    num_tokens, num_heads, head_dim = q.shape
-    k = jnp.repeat(k, num_heads // k.shape[1], axis=1)  # [T, N, H]
-    v = jnp.repeat(v, num_heads // v.shape[1], axis=1)  # [T, N, H]
-    scores = jnp.einsum("tnh,snh->nts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / np.sqrt(head_dim)  # [N, T, T]
-    causal = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("nts,snh->tnh", probs, v.astype(jnp.float32)), kv_cache
-
-
 def _save_random_model(tmp_path, config, seed=0, **save_kwargs):
     """Save an HF model whose every weight (biases and norms too) is random and O(0.1), so that
     a wrong bias, norm or permutation cannot hide behind HF's zero/one initialisation."""
@@ -63,21 +49,7 @@ def _save_random_model(tmp_path, config, seed=0, **save_kwargs):
 
 def _our_logits(path, token_ids, positions, dtype="float32"):
     config, params = load_hf_dir(str(path), dtype)
-
-    @jax.jit
-    def run(params, token_ids, positions):
-        hidden, _ = forward(
-            params,
-            jnp.zeros(()),
-            token_ids,
-            positions,
-            None,
-            config=config,
-            attn=_dense_causal_attn,
-        )
-        return compute_logits(params, hidden, config=config)
-
-    return config, np.asarray(run(params, jnp.asarray(token_ids), jnp.asarray(positions)))
+    return config, dense_logits(config, params, token_ids, positions)
 
 
 def _hf_logits(model, token_ids, positions):
