@@ -1,6 +1,7 @@
 """The sampler's device functions on hand-made logits: penalties against a NumPy reference of
 vLLM's definitions, and sampled frequencies against the distributions the filters define."""
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 from jvllm.sample.metadata import SamplingMetadata
 from jvllm.sample.penalties import apply_penalties, token_counts
-from jvllm.sample.sampler import sample
+from jvllm.sample.sampler import apply_top_k_top_p_min_p, sample
 
 VOCAB = 8
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
@@ -41,13 +42,15 @@ def _metadata(num_seqs: int, **fields) -> SamplingMetadata:
     return SamplingMetadata(**defaults)
 
 
-def _expected_probs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
-    """vLLM's filters written out plainly: top-k, then top-p over the renormalised top-k set,
-    then min-p against the most likely token."""
-    probs = np.exp(LOGITS / temperature) / np.exp(LOGITS / temperature).sum()
-    order = np.argsort(-probs)
-    keep = np.zeros(VOCAB, bool)
-    keep[order[: top_k or VOCAB]] = True
+def _kept(logits: np.ndarray, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """vLLM's filters written out plainly, in float64: top-k, then top-p over the renormalised
+    top-k set, then min-p against the most likely token -> bool mask of the allowed tokens."""
+    logits = logits.astype(np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(logits.size, bool)
+    keep[order[: top_k or logits.size]] = True
     p = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
     mass = 0.0
     for i in order:
@@ -55,8 +58,12 @@ def _expected_probs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarra
             if mass >= top_p:
                 keep[i] = False
             mass += p[i]
-    keep &= probs >= min_p * probs.max()
-    out = np.where(keep, probs, 0)
+    return keep & (probs >= min_p * probs.max())
+
+
+def _expected_probs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    probs = np.exp(LOGITS / temperature) / np.exp(LOGITS / temperature).sum()
+    out = np.where(_kept(LOGITS / temperature, top_k, top_p, min_p), probs, 0)
     return out / out.sum()
 
 
@@ -86,6 +93,44 @@ def test_sampled_frequencies_match_the_filtered_distribution(filters):
     dof = max(int(support.sum()) - 1, 1)
     # Far beyond the 1e-6 tail of chi-square(dof); an off-by-one mask scores in the hundreds.
     assert chi2 < dof + 10 * math.sqrt(2 * dof), (chi2, counts, expected)
+
+
+# (logit scale, top_k, top_p, min_p): rows whose kept set lies among the 256 largest logits, and
+# rows that need the full sort (a wide nucleus, a large top-k).
+_LARGE_VOCAB_ROWS = [
+    (5.0, 50, 1.0, 0.0),
+    (5.0, 0, 0.9, 0.0),
+    (0.5, 0, 0.95, 0.0),
+    (1.0, 1000, 1.0, 0.0),
+    (3.0, 0, 1.0, 0.1),
+    (1.0, 0, 1.0, 0.0),
+    (2.0, 20, 0.5, 0.05),
+]
+
+
+def test_filters_on_a_large_vocabulary_match_the_reference_in_any_batch():
+    vocab = 4096
+    rng = np.random.default_rng(3)
+    logits = np.stack([rng.normal(0, scale, vocab) for scale, *_ in _LARGE_VOCAB_ROWS])
+    logits = logits.astype(np.float32)
+
+    def masks(rows):
+        md = _metadata(len(rows))
+        md = dataclasses.replace(
+            md,
+            top_k=np.array([_LARGE_VOCAB_ROWS[r][1] for r in rows], np.int32),
+            top_p=np.array([_LARGE_VOCAB_ROWS[r][2] for r in rows], np.float32),
+            min_p=np.array([_LARGE_VOCAB_ROWS[r][3] for r in rows], np.float32),
+        )
+        return np.isfinite(np.asarray(apply_top_k_top_p_min_p(jnp.asarray(logits[rows]), md)))
+
+    together = masks(list(range(len(_LARGE_VOCAB_ROWS))))
+    for r, (_, top_k, top_p, min_p) in enumerate(_LARGE_VOCAB_ROWS):
+        want = _kept(logits[r], top_k, top_p, min_p)
+        np.testing.assert_array_equal(together[r], want, err_msg=f"row {r}")
+        # Alone, a row that fits in the candidates skips the full sort: the same mask.
+        np.testing.assert_array_equal(masks([r])[0], want, err_msg=f"row {r} alone")
+    assert together[2].sum() > 256 and together[3].sum() == 1000  # the full sort was needed
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():

@@ -3,8 +3,9 @@
     python -m jvllm.benchmarks.throughput --num-prompts 64 --input-len 128 --output-len 128 \
         --dtype float32
 
-Prompts are random token ids (like vLLM's random dataset), generation is greedy with ignore_eos so
-both engines produce exactly output-len tokens per prompt. Figures are medians over --num-iters.
+Prompts are random token ids (like vLLM's random dataset), generation is greedy (or sampled with
+--temperature/--top-p/--top-k, in both engines) with ignore_eos so both engines produce exactly
+output-len tokens per prompt. Figures are medians over --num-iters.
 """
 
 import argparse
@@ -47,7 +48,10 @@ def bench_jvllm(args, prompts) -> dict:
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     params = SamplingParams(
-        temperature=0.0,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=0 if args.temperature > 0 else None,
         max_tokens=args.output_len,
         ignore_eos=True,
         logprobs=args.logprobs,
@@ -93,7 +97,12 @@ def bench_hf(args, prompts) -> dict:
             out = model.generate(
                 input_ids,
                 attention_mask=attention_mask,
-                do_sample=False,
+                do_sample=args.temperature > 0,
+                **(
+                    {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+                    if args.temperature > 0
+                    else {}
+                ),
                 max_new_tokens=args.output_len,
                 min_new_tokens=args.output_len,
                 pad_token_id=0,
@@ -116,6 +125,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
     # Sampling features whose cost to measure (off by default: the plain greedy path).
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
@@ -130,6 +142,9 @@ def main(argv=None) -> None:
     extras = [
         f"{name}={getattr(args, name)}"
         for name, off in (
+            ("temperature", 0.0),
+            ("top_p", 1.0),
+            ("top_k", 0),
             ("logprobs", None),
             ("presence_penalty", 0.0),
             ("frequency_penalty", 0.0),
@@ -139,8 +154,8 @@ def main(argv=None) -> None:
     ]
     print(
         f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
-        f"greedy, ignore_eos, {args.dtype}, median of {args.num_iters}"
-        + (f", {', '.join(extras)}" if extras else "")
+        f"{'sampled' if args.temperature > 0 else 'greedy'}, ignore_eos, {args.dtype}, "
+        f"median of {args.num_iters}" + (f", {', '.join(extras)}" if extras else "")
     )
     print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
     print(
