@@ -122,7 +122,7 @@ class SamplingParams:
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+                raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty str or a list of them, got {self.stop!r}")
         if self.stop and not self.detokenize:

@@ -110,14 +110,14 @@ def _make_inputs(case: Case, page_size: int, key: jax.Array) -> dict[str, jax.Ar
         pages.reshape(num_seqs, pages_per_seq), ((0, 0), (0, max_pages - pages_per_seq))
     )
     num_tokens = sum(q_lens)
-    return dict(
-        q=jax.random.normal(key_q, (num_tokens, case.num_heads, HEAD_DIM), DTYPE),
-        kv_cache=kv_cache,
-        layer=jnp.int32(LAYER),
-        block_tables=block_tables,
-        seq_lens=jnp.asarray(seq_lens, jnp.int32),
-        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-    )
+    return {
+        "q": jax.random.normal(key_q, (num_tokens, case.num_heads, HEAD_DIM), DTYPE),
+        "kv_cache": kv_cache,
+        "layer": jnp.int32(LAYER),
+        "block_tables": block_tables,
+        "seq_lens": jnp.asarray(seq_lens, jnp.int32),
+        "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+    }
 
 
 def _kv_bytes_read(case: Case) -> int:

@@ -11,6 +11,7 @@ def _run(script: str, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", script), *args],
         capture_output=True,
+        check=False,
         text=True,
         timeout=600,
         cwd=ROOT,

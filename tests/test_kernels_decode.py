@@ -117,7 +117,13 @@ def test_decode_reads_the_requested_layer():
 )
 def test_decode_rejects_bad_inputs_with_a_clear_error(change, message):
     q, kv_cache, layer, block_tables, seq_lens = _case(5, [3, 9], 2, 64, jnp.float32)
-    args = dict(q=q, kv_cache=kv_cache, layer=layer, block_tables=block_tables, seq_lens=seq_lens)
+    args = {
+        "q": q,
+        "kv_cache": kv_cache,
+        "layer": layer,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+    }
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(**change(args), sm_scale=0.1, interpret=True)
 

@@ -137,7 +137,7 @@ def paged_attention(
 
     def attend_block(b, out):
         start = b * tile_block
-        part = lambda a: jax.lax.dynamic_slice_in_dim(a, start, tile_block, axis=0)  # noqa: E731
+        part = lambda a: jax.lax.dynamic_slice_in_dim(a, start, tile_block, axis=0)
         result = _attend_tiles(part(qt), part(tables), part(positions), kv_cache, layer, chunk)
         return jax.lax.dynamic_update_slice_in_dim(out, result, start, axis=0)
 

@@ -30,7 +30,7 @@ class SchedulerConfig:
                 f"long_prefill_token_threshold must be an int >= 0 (0 = off), got {threshold!r}"
             )
         if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError, as in vLLM
                 f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
             )
         if not self.enable_chunked_prefill:

@@ -210,7 +210,7 @@ class LLMEngine:
         ]
         try:
             runner_output = self._execute(scheduler_output)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure of the step aborts its requests only
             return self._fail_step(scheduler_output)
         sampled = {}
         if runner_output is not None:
