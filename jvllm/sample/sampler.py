@@ -17,9 +17,19 @@ def _request_keys(seeds: jax.Array, output_index: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, k: jax.random.fold_in(jax.random.PRNGKey(s), k))(seeds, output_index)
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis of f32[S, V] -> i32[S] (the first maximum), as a max and a
+    min over indices: XLA:CPU's paired value/index reduction takes twice as long (5.2 against
+    2.7 ms for 64 x 49152). A row without a maximum (NaN) gives its last index."""
+    vocab = x.shape[-1]
+    is_max = x == x.max(axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(first, vocab - 1)
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Sample i32[S] token ids from f32[S, V] (processed) logits."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = _argmax(logits)
 
     def random_sample() -> jax.Array:
         is_greedy = md.temperature < GREEDY_TEMPERATURE
@@ -32,7 +42,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
         )
         keys = _request_keys(md.seeds, md.output_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)  # [S, V]
-        sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        sampled = _argmax(scaled + gumbel)
         return jnp.where(is_greedy, greedy, sampled)
 
     return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
