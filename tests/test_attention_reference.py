@@ -28,6 +28,11 @@ CASES = {
     # more tiles than one tile block: several blocks, the last one partly padding
     "many_decodes": (1, [(int(n), 1) for n in _MANY.integers(1, 9, 45)]),
     "many_mixed": (16, [(int(n), min(int(n), 20)) for n in _MANY.integers(1, 25, 30)]),
+    # prompts longer than the window (their early positions come from the pages), starting
+    # mid-block, with and without cached context, next to a decode
+    "long_prefills": (16, [(300, 290), (150, 150), (70, 1), (200, 64), (9, 9)]),
+    # fresh prompts that fit their windows: no query reads the pages
+    "fresh_prompts": (16, [(40, 40), (24, 24), (64, 64)]),
 }
 
 
@@ -37,7 +42,7 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
     tile_q, seqs = CASES[case]
     rng = np.random.default_rng(len(case) * 100 + num_heads)
     block_size, head_dim, num_pages, num_layers, layer = 4, 8, 256, 2, 1
-    max_pages = 64  # a multiple of the decode chunk (256 positions / B)
+    max_pages = 128  # a multiple of the decode chunk (256 positions / B)
     perm = rng.permutation(np.arange(1, num_pages))  # shuffled pages, null page 0 unused
     tables = np.zeros((len(seqs), max_pages), np.int32)
     used = 0
@@ -60,7 +65,11 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
     seq_of = np.repeat(np.arange(len(seqs)), q_lens)
     slots = tables[seq_of, pos // block_size] * block_size + pos % block_size
     num_tiles = num_tokens if tile_q == 1 else num_tokens // tile_q + len(seqs)
-    tok, tpos, tseq = build_tiles(qsl, seq_lens, len(seqs), num_tiles, tile_q)
+    tok, tkv, tseq = build_tiles(qsl, seq_lens, len(seqs), num_tiles, tile_q)
+    if case == "fresh_prompts":
+        assert not (tkv > 0).any()  # the window holds every key: the pages are skipped
+    if case == "long_prefills":
+        assert (tkv > 0).any() and (tkv == 0).any()  # both halves are exercised
     md = AttentionMetadata(
         slot_mapping=jnp.asarray(slots, jnp.int32),
         block_tables=jnp.asarray(tables),
@@ -68,7 +77,7 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
         query_start_loc=jnp.asarray(qsl),
         logits_indices=jnp.asarray(qsl[1:] - 1),
         tile_token_idx=jnp.asarray(tok),
-        tile_positions=jnp.asarray(tpos),
+        tile_kv_lens=jnp.asarray(tkv),
         tile_seq=jnp.asarray(tseq),
     )
     scale = head_dim**-0.5
@@ -77,7 +86,9 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
         kv_cache, layer_idx, jnp.asarray(new_k), jnp.asarray(new_v), md.slot_mapping
     )
     out = np.asarray(
-        jax.jit(paged_attention, static_argnums=4)(jnp.asarray(q), cache, layer_idx, md, scale)
+        jax.jit(paged_attention, static_argnums=6)(
+            jnp.asarray(q), jnp.asarray(new_k), jnp.asarray(new_v), cache, layer_idx, md, scale
+        )
     )
 
     cache_np = np.asarray(cache)

@@ -1,16 +1,20 @@
 """Pure-JAX paged attention over the block tables: the engine's portable backend.
 
-Queries arrive flat ([T, N, H]) and are regrouped into tiles of one sequence each ([NT, Q]); a loop
-walks the pages of every tile's sequence a chunk at a time with an online softmax, so memory stays
-O(tile x chunk) however long the context, and the loop runs only as far as the longest sequence.
+Queries arrive flat ([T, N, H]); those that read pages are regrouped into tiles of one sequence
+each ([NT, Q]), and a loop walks the pages of every tile's sequence a chunk at a time with an
+online softmax, so memory stays O(tile x chunk) however long the context, and the loop runs only
+as far as the longest context. In steps with prefills the step's recent tokens are attended
+directly from k, v (window.py), which XLA:CPU runs as dense matmuls: page gathers are what cost.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jvllm.attention.metadata import AttentionMetadata
+from jvllm.attention.window import MASKED, attend_window
 
-_MASKED = -1e30
 # KV positions gathered per loop iteration. Decode tiles hold one query, so a long chunk is cheap
 # and most decode steps finish in one iteration; 16-query tiles use shorter chunks. Measured on
 # SmolLM2 decode at batch 64, 256 positions is 12% faster than 64.
@@ -76,16 +80,17 @@ def _gather_pages(kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Arr
 def _attend_tiles(
     qt: jax.Array,
     tables: jax.Array,
-    positions: jax.Array,
+    kv_lens: jax.Array,
     kv_cache: jax.Array,
     layer: jax.Array,
     chunk: int,
-) -> jax.Array:
-    """Online-softmax attention of tiles qt [TB, Q, K, G, H] (pre-scaled) to their pages
-    tables [TB, M], walking only as many chunks as the tiles' furthest query needs."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Online-softmax attention of tiles qt [TB, Q, K, G, H] (pre-scaled) to the first
+    kv_lens i32[TB, Q] positions of their pages tables [TB, M], walking only as many chunks as
+    the longest needs -> unnormalised (max, sum [TB, K, G, Q], weighted values [TB, K, G, Q, H])."""
     num_tiles, tile_q, num_kv_heads, group, head_dim = qt.shape
     block_size = kv_cache.shape[4]
-    num_chunks = (jnp.max(positions) // block_size + chunk) // chunk  # 0 when all are padding
+    num_chunks = (jnp.max(kv_lens) + chunk * block_size - 1) // (chunk * block_size)
 
     def body(j, carry):
         m, l, acc = carry  # [TB, K, G, Q], [TB, K, G, Q], [TB, K, G, Q, H]
@@ -93,8 +98,8 @@ def _attend_tiles(
         k = _gather_pages(kv_cache, layer, 0, pages)  # [TB, K, C*B, H]
         s = jnp.einsum("tqkgh,tkch->tkgqc", qt, k)  # [TB, K, G, Q, C*B]
         kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
-        visible = kv_pos[None, None, :] <= positions[:, :, None]  # [TB, Q, C*B]
-        s = jnp.where(visible[:, None, None], s, _MASKED)
+        visible = kv_pos[None, None, :] < kv_lens[:, :, None]  # [TB, Q, C*B]
+        s = jnp.where(visible[:, None, None], s, MASKED)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
@@ -105,50 +110,110 @@ def _attend_tiles(
         return m_new, l, acc
 
     shape = (num_tiles, num_kv_heads, group, tile_q)
-    init = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    return acc / jnp.where(l > 0, l, 1.0)[..., None]  # [TB, K, G, Q, H]
+    init = (jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+    return jax.lax.fori_loop(0, num_chunks, body, init)
 
 
-def paged_attention(
-    q: jax.Array, kv_cache: jax.Array, layer: jax.Array, md: AttentionMetadata, sm_scale: float
-) -> jax.Array:
-    """Causal attention of q [T, N, H] to the paged KV of each query's sequence -> [T, N, H].
+def _normalize(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array]:
+    return (acc / jnp.where(l > 0, l, 1.0)[..., None],)
 
-    Tiles are processed a block of `_TILE_BLOCK` at a time, and only the blocks that hold real
-    tiles (the host packs them first): a bucket's padding tiles cost nothing, and each block
-    reads only as far as its own furthest query.
+
+def _attend_pages(
+    q: jax.Array, kv_cache: jax.Array, layer: jax.Array, md: AttentionMetadata, finish=None
+) -> tuple[jax.Array, ...]:
+    """Tiles of q [T, N, H] (pre-scaled f32) to the first tile_kv_lens positions of their
+    sequence's pages -> unnormalised (max, sum [NT, K, G, Q], weighted values [NT, K, G, Q, H]),
+    or what `finish` makes of them (applied to each block, so that only its result is kept).
+
+    Tiles are processed a block of `_TILE_BLOCK` at a time, and only the blocks that hold tiles
+    reading pages (the host packs them first): a bucket's padding tiles cost nothing, and each
+    block reads only as far as its own longest context.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     num_tiles, tile_q = md.tile_token_idx.shape
     chunk = pages_per_chunk(block_size, tile_q)
     tile_block = min(num_tiles, _TILE_BLOCK)
     num_blocks = -(-num_tiles // tile_block)
-    pad = num_blocks * tile_block - num_tiles
+    pad = ((0, num_blocks * tile_block - num_tiles),)
 
     qt = q[md.tile_token_idx].reshape(num_tiles, tile_q, num_kv_heads, group, head_dim)
-    qt = jnp.pad(qt.astype(jnp.float32) * sm_scale, ((0, pad),) + ((0, 0),) * 4)
-    tables = jnp.pad(md.block_tables[md.tile_seq], ((0, pad), (0, 0)))  # [NT', M]
-    positions = jnp.pad(md.tile_positions, ((0, pad), (0, 0)), constant_values=-1)  # [NT', Q]
-    num_used = jnp.sum(positions[:, 0] >= 0)
-    out = jnp.zeros((num_blocks * tile_block, num_kv_heads, group, tile_q, head_dim))
+    qt = jnp.pad(qt, pad + ((0, 0),) * 4)
+    tables = jnp.pad(md.block_tables[md.tile_seq], pad + ((0, 0),))  # [NT', M]
+    kv_lens = jnp.pad(md.tile_kv_lens, pad + ((0, 0),))  # [NT', Q]
+    finish = finish or (lambda *result: result)
+    if num_blocks == 1:
+        return finish(*_attend_tiles(qt, tables, kv_lens, kv_cache, layer, chunk))
 
     def attend_block(b, out):
         start = b * tile_block
         part = lambda a: jax.lax.dynamic_slice_in_dim(a, start, tile_block, axis=0)
-        result = _attend_tiles(part(qt), part(tables), part(positions), kv_cache, layer, chunk)
-        return jax.lax.dynamic_update_slice_in_dim(out, result, start, axis=0)
+        result = _attend_tiles(part(qt), part(tables), part(kv_lens), kv_cache, layer, chunk)
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(o, r, start, axis=0)
+            for o, r in zip(out, finish(*result))
+        )
 
-    out = jax.lax.fori_loop(0, (num_used + tile_block - 1) // tile_block, attend_block, out)
-    out = out[:num_tiles].transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile_q, num_heads, head_dim)
-    # Back to flat token order; padding slots of the tiles all point at token 0, so scatter
-    # only the real ones (position >= 0) and drop the rest out of range.
-    is_real = (md.tile_positions >= 0).reshape(-1)
+    shape = (num_blocks * tile_block, num_kv_heads, group, tile_q)
+    tile_shapes = jax.eval_shape(
+        lambda: finish(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+    )
+    init = tuple(jnp.zeros(x.shape, x.dtype) for x in tile_shapes)
+    num_used = jnp.sum(md.tile_kv_lens[:, 0] > 0)
+    out = jax.lax.fori_loop(0, (num_used + tile_block - 1) // tile_block, attend_block, init)
+    return tuple(x[:num_tiles] for x in out)
+
+
+def _tiles_to_flat(x: jax.Array, md: AttentionMetadata, num_tokens: int, fill) -> jax.Array:
+    """Per-query tile results [NT, K, G, Q, ...] -> [T, N, ...] in flat token order; tokens
+    without a tile slot get `fill`. Padding slots all point at token 0, so only slots that read
+    pages are scattered and the rest are dropped out of range."""
+    num_tiles, num_kv_heads, group, tile_q = x.shape[:4]
+    x = jnp.moveaxis(x, 3, 1).reshape(num_tiles * tile_q, num_kv_heads * group, *x.shape[4:])
+    is_real = (md.tile_kv_lens > 0).reshape(-1)
     dest = jnp.where(is_real, md.tile_token_idx.reshape(-1), num_tokens)
-    flat = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
-    return flat.at[dest].set(out.astype(q.dtype), mode="drop")
+    flat = jnp.full((num_tokens, *x.shape[1:]), fill, x.dtype)
+    return flat.at[dest].set(x, mode="drop")
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    md: AttentionMetadata,
+    sm_scale: float,
+) -> jax.Array:
+    """Causal attention of q [T, N, H] to the KV of each query's sequence -> [T, N, H].
+
+    `kv_cache` already holds this step's k, v [T, K, H]. A decode step reads everything, its
+    own key included, from the pages. A step with prefills reads the step's recent tokens from
+    k, v directly (window.py) and only older positions from the pages, and skips the pages
+    altogether when no query needs them (fresh prompts that fit their windows).
+    """
+    num_tokens = q.shape[0]
+    q_scaled = q.astype(jnp.float32) * sm_scale
+    if md.tile_token_idx.shape[1] == 1:
+        (out,) = _attend_pages(q_scaled, kv_cache, layer, md, finish=_normalize)
+        return _tiles_to_flat(out, md, num_tokens, 0.0).astype(q.dtype)
+
+    def from_pages():
+        m, l, acc = _attend_pages(q_scaled, kv_cache, layer, md)
+        flat = functools.partial(_tiles_to_flat, md=md, num_tokens=num_tokens)
+        return flat(m, fill=MASKED), flat(l, fill=0.0), flat(acc, fill=0.0)
+
+    def no_pages():
+        shape = q.shape[:2]
+        return jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(q.shape)
+
+    m1, l1, acc1 = jax.lax.cond(jnp.any(md.tile_kv_lens > 0), from_pages, no_pages)
+    m2, l2, acc2 = attend_window(q, k, v, md, sm_scale)
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
+    out = (acc1 * a1 + acc2 * a2) / (l1[..., None] * a1 + l2[..., None] * a2)
+    return out.astype(q.dtype)
 
 
 def reference_attention(sm_scale: float):
@@ -156,6 +221,6 @@ def reference_attention(sm_scale: float):
 
     def attn(layer, q, k, v, kv_cache, md: AttentionMetadata):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
-        return paged_attention(q, kv_cache, layer, md, sm_scale), kv_cache
+        return paged_attention(q, k, v, kv_cache, layer, md, sm_scale), kv_cache
 
     return attn

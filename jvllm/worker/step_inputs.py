@@ -92,7 +92,7 @@ def prepare_step_inputs(
     query_start_loc[num_real + 1 :] = t
     logits_indices = np.maximum(query_start_loc[1:] - 1, 0)
 
-    tile_token_idx, tile_positions, tile_seq = build_tiles(
+    tile_token_idx, tile_kv_lens, tile_seq = build_tiles(
         query_start_loc, seq_lens, num_real, bucket.num_tiles, bucket.tile_q
     )
     attn = AttentionMetadata(
@@ -102,7 +102,7 @@ def prepare_step_inputs(
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
         tile_token_idx=tile_token_idx,
-        tile_positions=tile_positions,
+        tile_kv_lens=tile_kv_lens,
         tile_seq=tile_seq,
     )
     sampling = SamplingMetadata(
