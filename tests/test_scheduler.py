@@ -259,6 +259,23 @@ def test_prefix_cache_hit_skips_computed_tokens():
     assert output.block_ids["b"][:2] == output.block_ids["a"][:2]
 
 
+def test_prefix_hit_counters_count_each_admitted_request_once():
+    # 5 usable blocks of 4: "b" (19 prompt tokens + 1, 5 blocks) waits until "a" finishes.
+    scheduler = make_scheduler(num_blocks=6, max_model_len=24)
+    add(scheduler, "a", num_prompt_tokens=10, max_tokens=10)
+    step(scheduler)
+    add(scheduler, "b", num_prompt_tokens=19, max_tokens=1)
+    num_waiting_steps = 0
+    while scheduler.waiting:
+        step(scheduler)
+        num_waiting_steps += bool(scheduler.waiting)
+    run_to_completion(scheduler)
+    assert num_waiting_steps > 1  # "b" was looked up in several steps before it got blocks
+    kv = scheduler.kv_cache_manager
+    assert kv.prefix_cache_queries == 10 + 19
+    assert kv.prefix_cache_hits == 8  # b's first two blocks are a's, cached after a finished
+
+
 def test_duplicate_request_id_is_rejected():
     scheduler = make_scheduler()
     add(scheduler, "a")

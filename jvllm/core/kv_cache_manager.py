@@ -55,7 +55,9 @@ class KVCacheManager:
         """The longest cached prefix of the request's full blocks and its length in tokens.
 
         The hit never covers the last token: it must be computed to get the logits to sample from.
-        The blocks are not referenced yet; pass them to `allocate_slots` in the same step.
+        The blocks are not referenced yet; pass them to `allocate_slots` in the same step, and
+        `record_prefix_lookup` once the request is admitted (a head of the queue that waits for
+        blocks is looked up again every step and must not count each time).
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -67,10 +69,13 @@ class KVCacheManager:
             if block is None:
                 break
             hit_blocks.append(block)
-        num_hit_tokens = len(hit_blocks) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hit_blocks, num_hit_tokens
+        return hit_blocks, len(hit_blocks) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup in the hit counters."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self,

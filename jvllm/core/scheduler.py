@@ -182,6 +182,7 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
             if kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
                 break  # FCFS: nobody overtakes the head of the queue.
+            kv.record_prefix_lookup(request, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
