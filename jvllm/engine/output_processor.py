@@ -175,17 +175,18 @@ class OutputProcessor:
         hold = request.sampling_params.stop_buffer_length
         if hold and not finished:
             text = text[: max(len(text) - hold, 0)]
-        token_ids = list(request.output_token_ids)
         logprobs = state.logprobs
-        if delta:
+        if delta:  # only the new tail is copied: a whole copy per step is quadratic per request
             text = text[state.num_sent_chars :]
-            token_ids = token_ids[state.num_sent_tokens :]
+            token_ids = request.output_token_ids[state.num_sent_tokens :]
             if logprobs is not None:
                 logprobs = logprobs[state.num_sent_tokens :]
             state.num_sent_chars += len(text)
             state.num_sent_tokens += len(token_ids)
-        elif logprobs is not None:
-            logprobs = list(logprobs)
+        else:
+            token_ids = list(request.output_token_ids)
+            if logprobs is not None:
+                logprobs = list(logprobs)
         return CompletionOutput(
             index=state.index,
             text=text,
