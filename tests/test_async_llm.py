@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from jvllm import LLMEngine, SamplingParams
-from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind, _OutputShaper
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -75,6 +75,26 @@ def test_cumulative_outputs_grow(async_llm):
     outputs = asyncio.run(_collect(async_llm, "grow", "cum", kind=RequestOutputKind.CUMULATIVE))
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     assert lengths == sorted(lengths) and lengths[-1] == 8 and outputs[-1].finished
+
+
+def test_streamed_text_holds_back_a_possible_stop_string_once(async_llm):
+    # The engine's running text already withholds what may start a stop string ("QQQQ": 3
+    # characters); the deltas made from it must not withhold them a second time.
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["QQQQ"])
+    prompt = "streaming with a stop string"
+    cumulative = asyncio.run(
+        _collect(async_llm, prompt, "cum", params, RequestOutputKind.CUMULATIVE)
+    )
+    full_text = cumulative[-1].outputs[0].text
+    assert all(len(o.outputs[0].text) <= len(full_text) - 3 for o in cumulative[:-1])
+    shaper = _OutputShaper(RequestOutputKind.DELTA)
+    sent = ""
+    for output in cumulative:
+        delta = shaper.shape(output, output.outputs, output.finished)
+        if delta is not None:
+            sent += delta.outputs[0].text
+        assert sent == output.outputs[0].text  # each step sends all the engine let through
+    assert sent == full_text
 
 
 def test_abort_ends_the_stream_and_frees_blocks(async_llm, engine):

@@ -145,7 +145,7 @@ class AsyncLLM:
                 sampling_params, output_kind=RequestOutputKind.CUMULATIVE
             )
         stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic())
-        shaper = _OutputShaper(kind, sampling_params)
+        shaper = _OutputShaper(kind)
         added = concurrent.futures.Future()
         self._submit(("add", stream, prompt, sampling_params, added))
         finished = False
@@ -328,11 +328,8 @@ class _OutputShaper:
     """Turns a request's cumulative outputs into the kind its consumer asked for: everything so far
     (CUMULATIVE), what is new (DELTA), or all completions once, at the end (FINAL_ONLY)."""
 
-    def __init__(self, kind: RequestOutputKind, params: SamplingParams):
+    def __init__(self, kind: RequestOutputKind):
         self.kind = kind
-        stops = getattr(params, "stop", None) or []
-        # Text that could still turn out to be the start of a stop string is held back.
-        self.holdback = max((len(s) for s in stops), default=1) - 1
         self.completions: dict[int, CompletionOutput] = {}  # latest cumulative, per index
         self._num_chars: dict[int, int] = {}
         self._num_tokens: dict[int, int] = {}
@@ -359,7 +356,8 @@ class _OutputShaper:
         num_tokens = self._num_tokens.get(index, 0)
         text = completion.text
         is_done = completion.finish_reason is not None
-        end = len(text) if is_done else max(num_chars, len(text) - self.holdback)
+        # The engine's running text already holds back what may start a stop string.
+        end = len(text)
         if (
             end == num_chars
             and len(completion.token_ids) == num_tokens
