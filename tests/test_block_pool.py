@@ -13,10 +13,12 @@ def make_request(request_id: str, prompt_token_ids: list[int]) -> Request:
 
 
 def allocate_prompt(kv: KVCacheManager, request: Request):
-    """Schedule a whole prompt as the scheduler does: prefix lookup, then allocate."""
+    """Schedule a whole prompt as the scheduler does: prefix lookup, allocate, and on admission
+    count the lookup."""
     hit_blocks, num_hit = kv.get_computed_blocks(request)
     new_blocks = kv.allocate_slots(request, request.num_tokens - num_hit, hit_blocks, num_hit)
     if new_blocks is not None:
+        kv.record_prefix_lookup(request, num_hit)
         request.num_computed_tokens = num_hit
     return new_blocks, num_hit
 
