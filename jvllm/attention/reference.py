@@ -156,10 +156,8 @@ def _attend_pages(
         )
 
     shape = (num_blocks * tile_block, num_kv_heads, group, tile_q)
-    tile_shapes = jax.eval_shape(
-        lambda: finish(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    )
-    init = tuple(jnp.zeros(x.shape, x.dtype) for x in tile_shapes)
+    # Never read for blocks the loop skips: their tiles are dropped by `_tiles_to_flat`.
+    init = finish(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
     num_used = jnp.sum(md.tile_kv_lens[:, 0] > 0)
     out = jax.lax.fori_loop(0, (num_used + tile_block - 1) // tile_block, attend_block, init)
     return tuple(x[:num_tiles] for x in out)
