@@ -125,4 +125,4 @@ def test_hf_dir_without_tokenizer_loads_with_none_tokenizer(tmp_path):
     transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path)
     config, params, tokenizer = load_model(str(tmp_path), dtype="bfloat16")
     assert tokenizer is None and config.dtype == "bfloat16"
-    assert len(params.layers) == 1 and params.layers[0].gate_up.shape == (32, 128)
+    assert len(params.layers) == 1 and params.layers[0].gate_up.shape == (128, 32)

@@ -80,9 +80,9 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
         # Biases: [out] pieces -> [sum(out)]
         return lambda p: np.concatenate([get(p + n) for n in names])
 
-    def cat_t(*names: str) -> Callable[[str], np.ndarray]:
-        # Weights: torch [out, in] pieces -> [in, sum(out)]
-        return lambda p: np.concatenate([get(p + n) for n in names], axis=0).T
+    def cat_w(*names: str) -> Callable[[str], np.ndarray]:
+        # Weights: torch [out, in] pieces -> [sum(out), in], the layout `dense` takes
+        return lambda p: np.concatenate([get(p + n) for n in names], axis=0)
 
     def vec(name: str) -> Callable[[str], np.ndarray]:
         return lambda p: get(p + name)
@@ -96,7 +96,7 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
         return LayerParams(
             # Norm weights stay float32: they are tiny and feed float32 RMSNorm math.
             input_norm=load(vec("input_layernorm.weight"), jnp.float32),  # [D]
-            qkv=load(cat_t(*(n + ".weight" for n in attn_names))),  # [D, (N+2K)*H]
+            qkv=load(cat_w(*(n + ".weight" for n in attn_names))),  # [(N+2K)*H, D]
             qkv_bias=(  # [(N+2K)*H]
                 load(cat(*(n + ".bias" for n in attn_names)), jnp.float32)
                 if config.attention_bias
@@ -104,10 +104,10 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
             ),
             q_norm=load(vec("self_attn.q_norm.weight"), jnp.float32) if config.qk_norm else None,
             k_norm=load(vec("self_attn.k_norm.weight"), jnp.float32) if config.qk_norm else None,
-            o=load(cat_t("self_attn.o_proj.weight")),  # [N*H, D]
+            o=load(cat_w("self_attn.o_proj.weight")),  # [D, N*H]
             post_attention_norm=load(vec("post_attention_layernorm.weight"), jnp.float32),
-            gate_up=load(cat_t("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [D, 2F]
-            down=load(cat_t("mlp.down_proj.weight")),  # [F, D]
+            gate_up=load(cat_w("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [2F, D]
+            down=load(cat_w("mlp.down_proj.weight")),  # [D, F]
         )
 
     layers = tuple(layer(f"model.layers.{i}.") for i in range(config.num_layers))
@@ -118,7 +118,7 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
         lm_head=(
             None
             if config.tie_word_embeddings
-            else jnp.asarray(np.asarray(get("lm_head.weight")).T, dtype=dtype)  # [D, V]
+            else jnp.asarray(get("lm_head.weight"), dtype=dtype)  # [V, D]
         ),
     )
 

@@ -29,20 +29,20 @@ AttentionFn = Callable[
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """One decoder layer's weights.
+    """One decoder layer's weights, projections in the torch layout [out, in] (see dense).
 
     Projections are fused (q|k|v and gate|up) so each layer does four matmuls, not seven.
     """
 
     input_norm: jax.Array  # [D]
-    qkv: jax.Array  # [D, (N+2K)*H]
+    qkv: jax.Array  # [(N+2K)*H, D]
     qkv_bias: jax.Array | None  # [(N+2K)*H], Qwen2
     q_norm: jax.Array | None  # [H], Qwen3
     k_norm: jax.Array | None  # [H], Qwen3
-    o: jax.Array  # [N*H, D]
+    o: jax.Array  # [D, N*H]
     post_attention_norm: jax.Array  # [D]
-    gate_up: jax.Array  # [D, 2F] (gate then up)
-    down: jax.Array  # [F, D]
+    gate_up: jax.Array  # [2F, D] (gate then up)
+    down: jax.Array  # [D, F]
 
 
 @jax.tree_util.register_dataclass
@@ -51,7 +51,7 @@ class Params:
     embed: jax.Array  # [V, D]
     layers: tuple[LayerParams, ...]  # L of them
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D, V]; None when tied to `embed`
+    lm_head: jax.Array | None  # [V, D]; None when tied to `embed`
 
 
 def _embed(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
@@ -130,13 +130,5 @@ def forward(
 
 def compute_logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
     """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
-    if params.lm_head is not None:
-        return dense(hidden, params.lm_head)  # [S, V]
-    # Tied head: contract D of embed [V, D] directly rather than materialising embed.T.
-    embed = params.embed
-    return jax.lax.dot_general(
-        hidden.astype(embed.dtype),
-        embed,
-        (((1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32,
-    )  # [S, V]
+    head = params.embed if params.lm_head is None else params.lm_head  # [V, D]
+    return dense(hidden, head)
