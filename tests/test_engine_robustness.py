@@ -1,5 +1,6 @@
 """The engine survives what a user or a failing step can throw at it."""
 
+import numpy as np
 import pytest
 from conftest import hf_greedy
 
@@ -64,3 +65,22 @@ def test_out_of_range_seeds_are_rejected_at_the_edge(seed):
 def test_max_model_len_beyond_the_model_is_rejected(tiny_llama_dir):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(tiny_llama_dir, max_model_len=4096, compile_all_buckets=False)
+
+
+def test_warm_up_runs_write_only_the_null_page(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, compile_all_buckets=False)
+    prompt = [[5, 6, 7] * 12]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.llm_engine.model_runner
+    kv_before = np.asarray(runner.kv_cache)[:, :, :, 1:]  # [L, 2, K, P-1, B, H]
+    tokens_before = np.asarray(runner.token_cache)[1:]  # [P-1, B]
+    for bucket in (runner.buckets.select(1, 1), runner.buckets.select(40, 2)):
+        runner._warm_up(bucket)
+    assert runner.warmup_seconds > 0
+    np.testing.assert_array_equal(np.asarray(runner.kv_cache)[:, :, :, 1:], kv_before)
+    np.testing.assert_array_equal(np.asarray(runner.token_cache)[1:], tokens_before)
+    # The prompt's cached blocks still give the same tokens.
+    after = llm.generate(prompt, params, use_tqdm=False)
+    assert after[0].outputs[0].token_ids == before
+    assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits > 0

@@ -82,6 +82,7 @@ def bench_jvllm(args, prompt_sets) -> dict:
         "startup": startup,
         "load": engine.load_seconds,
         "compile": engine.model_runner.compile_seconds,
+        "warmup": engine.model_runner.warmup_seconds,
         "num_compilations": engine.model_runner.num_compilations,
         "batch1_decode_tok_s": 64 / (t_long - t_short),
         "vocab_size": engine.model_config.vocab_size,
@@ -172,7 +173,8 @@ def main(argv=None) -> None:
     print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
     print(
         f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
-        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets)"
+        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, warm-up runs "
+        f"{ours['warmup']:.1f}s)"
     )
     print(f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s")
     if not args.skip_hf:
