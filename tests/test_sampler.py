@@ -10,7 +10,7 @@ import pytest
 
 from jvllm.sample.metadata import SamplingMetadata
 from jvllm.sample.penalties import apply_penalties, token_counts
-from jvllm.sample.sampler import apply_top_k_top_p_min_p, sample
+from jvllm.sample.sampler import _inverse_cdf, apply_top_k_top_p_min_p, sample
 
 VOCAB = 8
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
@@ -192,3 +192,36 @@ def test_penalties_match_vllm_definitions_on_hand_made_logits():
     )
     want = np.stack([_reference_penalties(logits[s], *rows[s]) for s in range(num_seqs)])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_inverse_cdf_picks_the_token_whose_interval_holds_u():
+    rng = np.random.default_rng(5)
+    vocab = 1000  # not a multiple of the search's block
+    weights = rng.exponential(1.0, (64, vocab)).astype(np.float32)
+    weights[rng.random((64, vocab)) < 0.7] = 0.0  # filtered-out tokens
+    weights[:, 999] = 0.0  # the last token can never be chosen
+    u = rng.random(64).astype(np.float32)
+    u[:4] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 1e-9]
+    tokens = np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.asarray(u)))
+    rows = np.arange(64)
+    assert (weights[rows, tokens] > 0).all()
+    ends = np.cumsum(weights.astype(np.float64), axis=1)
+    target = u * ends[:, -1]
+    starts = ends[rows, tokens] - weights[rows, tokens]
+    slack = 1e-5 * ends[:, -1]  # float32 running sums
+    assert (starts - slack <= target).all() and (target <= ends[rows, tokens] + slack).all()
+
+
+def test_sampled_frequencies_on_a_vocabulary_of_many_blocks():
+    num_draws, vocab = 20000, 600
+    logits = np.random.default_rng(4).normal(0.0, 1.0, vocab).astype(np.float32)
+    md = dataclasses.replace(_metadata(num_draws), any_filter=np.bool_(False))
+    counts = np.bincount(
+        np.asarray(sample(jnp.broadcast_to(jnp.asarray(logits), (num_draws, vocab)), md)),
+        minlength=vocab,
+    )
+    expected = np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum()
+    wanted = num_draws * expected
+    chi2 = float(((counts - wanted) ** 2 / wanted).sum())
+    dof = vocab - 1
+    assert chi2 < dof + 10 * math.sqrt(2 * dof), chi2

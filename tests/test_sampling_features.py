@@ -134,20 +134,22 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     assert not set(out.token_ids) & set(boost)
     # A two-token bad word: its last token is banned right after its first, and only there.
     ((first, second),) = bad_words_token_ids(tokenizer, ["homelessness"])
-    params = {
-        "temperature": 50.0,
-        "seed": 3,
-        "max_tokens": 30,
-        "ignore_eos": True,
-        "allowed_token_ids": [first, second],
-    }
+    params = {"temperature": 50.0, "max_tokens": 30, "ignore_eos": True}
+    params["allowed_token_ids"] = [first, second]
 
     def has_pair(tokens):
         return any(a == first and b == second for a, b in itertools.pairwise(tokens))
 
-    assert has_pair(_one(llm, SamplingParams(**params)).outputs[0].token_ids)
-    out = _one(llm, SamplingParams(bad_words=["homelessness"], **params)).outputs[0]
-    assert not has_pair(out.token_ids) and second in out.token_ids
+    def outputs(**extra):
+        # Eight seeds: a sequence that has drawn `first` can no longer draw `second` when the
+        # word is banned, so `second` shows only in sequences that drew it before any `first`.
+        batch = [SamplingParams(seed=seed, **params, **extra) for seed in range(8)]
+        return [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 8, batch, use_tqdm=False)]
+
+    assert any(has_pair(tokens) for tokens in outputs())
+    banned_outputs = outputs(bad_words=["homelessness"])
+    assert not any(has_pair(tokens) for tokens in banned_outputs)
+    assert any(second in tokens for tokens in banned_outputs)
 
 
 def test_stop_strings_split_across_tokens(llm):

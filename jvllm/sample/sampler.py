@@ -27,6 +27,35 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, vocab - 1)
 
 
+# Tokens per block of the two-level inverse-CDF search in `_inverse_cdf`.
+_CDF_BLOCK = 128
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """The token i32[S] at which u f32[S] in [0, 1) falls in each row's running sum of
+    weights f32[S, V] >= 0 (unnormalised, at least one positive per row).
+
+    Two levels, block sums and then the chosen block, so that no running sum is longer than
+    V / 128. The chosen token always has a positive weight: the first one whose running sum
+    exceeds the target has added to it, and rounding that leaves the block's end short of the
+    target falls back on the block's last positive weight.
+    """
+    num_seqs, vocab = weights.shape
+    num_blocks = -(-vocab // _CDF_BLOCK)
+    padded = jnp.pad(weights, ((0, 0), (0, num_blocks * _CDF_BLOCK - vocab)))
+    blocks = padded.reshape(num_seqs, num_blocks, _CDF_BLOCK)  # [S, NB, C]
+    block_ends = jnp.cumsum(blocks.sum(-1), axis=-1)  # [S, NB]
+    target = u * block_ends[:, -1]  # [S]
+    block = jnp.minimum(jnp.sum(block_ends <= target[:, None], axis=-1), num_blocks - 1)
+    before = jnp.take_along_axis(block_ends, jnp.maximum(block - 1, 0)[:, None], axis=1)[:, 0]
+    before = jnp.where(block > 0, before, 0.0)  # [S] weight of the blocks before
+    chosen = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, C]
+    ends = before[:, None] + jnp.cumsum(chosen, axis=-1)  # [S, C]
+    offset = jnp.sum(ends <= target[:, None], axis=-1)
+    last_positive = jnp.max(jnp.where(chosen > 0, jnp.arange(_CDF_BLOCK), -1), axis=-1)
+    return block * _CDF_BLOCK + jnp.minimum(offset, last_positive)
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Sample i32[S] token ids from f32[S, V] (processed) logits."""
     greedy = _argmax(logits)
@@ -40,10 +69,11 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
             lambda x: x,
             logits / temperature[:, None],
         )
-        keys = _request_keys(md.seeds, md.output_index)
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)  # [S, V]
-        sampled = _argmax(scaled + gumbel)
-        return jnp.where(is_greedy, greedy, sampled)
+        # One uniform per row and an inverse-CDF search: Gumbel noise for every vocabulary
+        # entry cost 31 ms for 64 x 49152 logits, this 1.6 ms.
+        u = jax.vmap(lambda key: jax.random.uniform(key))(_request_keys(md.seeds, md.output_index))
+        weights = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True))  # [S, V]
+        return jnp.where(is_greedy, greedy, _inverse_cdf(weights, u))
 
     return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
 
