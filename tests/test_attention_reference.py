@@ -7,6 +7,7 @@ import pytest
 
 from jvllm.attention.metadata import AttentionMetadata, build_tiles
 from jvllm.attention.reference import paged_attention, write_kv
+from jvllm.worker.buckets import Bucket
 
 
 def _dense_attention(q, k, v, q_pos, scale):
@@ -64,21 +65,22 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
     pos = np.concatenate([np.arange(kv - ql, kv) for kv, ql in seqs])
     seq_of = np.repeat(np.arange(len(seqs)), q_lens)
     slots = tables[seq_of, pos // block_size] * block_size + pos % block_size
-    num_tiles = num_tokens if tile_q == 1 else num_tokens // tile_q + len(seqs)
-    tok, tkv, tseq = build_tiles(qsl, seq_lens, len(seqs), num_tiles, tile_q)
+    groups = Bucket(num_tokens, len(seqs), tile_q).tile_groups
+    tiles = build_tiles(qsl, seq_lens, len(seqs), groups)
+    reads = [(t.kv_lens > 0).any() for t in tiles]
     if case == "fresh_prompts":
-        assert not (tkv > 0).any()  # the window holds every key: the pages are skipped
+        assert not any(reads)  # the window holds every key: the pages are skipped
     if case == "long_prefills":
-        assert (tkv > 0).any() and (tkv == 0).any()  # both halves are exercised
+        assert any(reads) and any((t.kv_lens == 0).any() for t in tiles)  # both halves
+    if case in ("mixed", "long_prefills"):
+        assert reads == [True, True]  # lone queries in one-query tiles, the others in 16s
     md = AttentionMetadata(
         slot_mapping=jnp.asarray(slots, jnp.int32),
         block_tables=jnp.asarray(tables),
         seq_lens=jnp.asarray(seq_lens),
         query_start_loc=jnp.asarray(qsl),
         logits_indices=jnp.asarray(qsl[1:] - 1),
-        tile_token_idx=jnp.asarray(tok),
-        tile_kv_lens=jnp.asarray(tkv),
-        tile_seq=jnp.asarray(tseq),
+        tiles=jax.tree.map(jnp.asarray, tiles),
     )
     scale = head_dim**-0.5
     layer_idx = jnp.int32(layer)

@@ -13,12 +13,24 @@ WINDOW_BLOCK = 64
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Queries that read pages, grouped into [NT, Q] tiles of one sequence each: the reference
+    backend attends a whole tile to a page at a time. Pads: token 0, reads nothing, sequence 0."""
+
+    token_idx: jax.Array  # i32[NT, Q] flat token index of each tile slot
+    kv_lens: jax.Array  # i32[NT, Q] leading positions each query reads from pages
+    seq: jax.Array  # i32[NT] sequence of each tile
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go in the paged KV cache and what each of them attends to.
 
     Built on the host (NumPy), padded to a bucket; see docs/design.md for the glossary.
-    The `tile_*` fields lay out the queries that read pages as [NT, Q] tiles, each holding
-    queries of one sequence only: the reference backend attends a whole tile to a page at a time.
+    `tiles` holds one group of tiles per tile size: a decode step has one group of one-query
+    tiles; a step with prefills has one-query tiles for sequences with a single query (decodes)
+    and 16-query tiles for the others, so that a decode next to prefills does not pay for 16.
     """
 
     slot_mapping: jax.Array  # i32[T] flat KV slot (page * B + offset); pad 0 = null page
@@ -26,48 +38,66 @@ class AttentionMetadata:
     seq_lens: jax.Array  # i32[S] KV length after this step; pad 0
     query_start_loc: jax.Array  # i32[S+1] cumulative query lengths
     logits_indices: jax.Array  # i32[S] flat index of each sequence's last scheduled token
-    tile_token_idx: jax.Array  # i32[NT, Q] flat token index of each tile slot; pad 0
-    tile_kv_lens: jax.Array  # i32[NT, Q] leading positions each query reads from pages; pad 0
-    tile_seq: jax.Array  # i32[NT] sequence of each tile; pad 0
+    tiles: tuple[Tiles, ...]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence decodes one token (static: it follows from the shapes)."""
+        return len(self.tiles) == 1 and self.tiles[0].token_idx.shape[1] == 1
 
 
-def paged_kv_lens(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_seqs: int, tile_q: int):
+def paged_kv_lens(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, num_seqs: int, is_decode: bool
+) -> np.ndarray:
     """How many leading positions of its sequence each real token reads from the pages -> i32[t].
 
-    Decode steps (tile_q 1) read everything from the pages, their own new key included. In other
-    steps a token reads the step's tokens of its window (its WINDOW_BLOCK-aligned block and the
-    one before) directly, so only the positions before the first of them come from the pages.
+    Decode steps read everything from the pages, their own new key included. In other steps a
+    token reads the step's tokens of its window (its WINDOW_BLOCK-aligned block and the one
+    before) directly, so only the positions before the first of them come from the pages.
     """
     num_real = int(query_start_loc[num_seqs])
     t = np.arange(num_real)
     seq = np.searchsorted(query_start_loc[1 : num_seqs + 1], t, side="right")
     position = seq_lens[seq] - (query_start_loc[seq + 1] - t)
-    if tile_q == 1:
+    if is_decode:
         return position + 1
     window_first = np.maximum(query_start_loc[seq], (t // WINDOW_BLOCK - 1) * WINDOW_BLOCK)
     return position - (t - window_first)
 
 
+def _group_for(num_queries: int, groups: tuple[tuple[int, int], ...]) -> int:
+    """The first group of one-query tiles for a lone query, else the first with larger tiles."""
+    return next(i for i, (tile_q, _) in enumerate(groups) if tile_q > 1 or num_queries == 1)
+
+
 def build_tiles(
-    query_start_loc: np.ndarray, seq_lens: np.ndarray, num_seqs: int, num_tiles: int, tile_q: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split each sequence's queries that read pages into tiles of `tile_q`, packed first, and
-    pad to `num_tiles` tiles -> (tile_token_idx, tile_kv_lens, tile_seq)."""
-    kv_lens = paged_kv_lens(query_start_loc, seq_lens, num_seqs, tile_q)
-    token_idx = np.zeros((num_tiles, tile_q), np.int32)
-    tile_kv_lens = np.zeros((num_tiles, tile_q), np.int32)
-    tile_seq = np.zeros((num_tiles,), np.int32)
-    tile = 0
-    offsets = np.arange(tile_q, dtype=np.int32)
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    num_seqs: int,
+    groups: tuple[tuple[int, int], ...],
+) -> tuple[Tiles, ...]:
+    """Tile the queries that read pages into `groups` of (tile_q, num_tiles), packed first and
+    padded. A sequence with one query goes to the group of one-query tiles when there is one,
+    the others to the first group of larger tiles. A single group of tile_q 1 is a decode step.
+    """
+    is_decode = len(groups) == 1 and groups[0][0] == 1
+    kv_lens = paged_kv_lens(query_start_loc, seq_lens, num_seqs, is_decode)
+    out = tuple(
+        Tiles(np.zeros((n, q), np.int32), np.zeros((n, q), np.int32), np.zeros(n, np.int32))
+        for q, n in groups
+    )
+    used = [0] * len(groups)
     for s in range(num_seqs):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         reads = np.flatnonzero(kv_lens[start:end] > 0)  # a suffix of the sequence's queries
         if reads.size == 0:
             continue
+        g = _group_for(end - start, groups)
+        tiles, tile_q = out[g], groups[g][0]
         for t0 in range(start + int(reads[0]), end, tile_q):
-            n = min(tile_q, end - t0)
-            token_idx[tile, :n] = t0 + offsets[:n]
-            tile_kv_lens[tile, :n] = kv_lens[t0 : t0 + n]
-            tile_seq[tile] = s
-            tile += 1
-    return token_idx, tile_kv_lens, tile_seq
+            n, tile = min(tile_q, end - t0), used[g]
+            tiles.token_idx[tile, :n] = t0 + np.arange(n, dtype=np.int32)
+            tiles.kv_lens[tile, :n] = kv_lens[t0 : t0 + n]
+            tiles.seq[tile] = s
+            used[g] += 1
+    return out

@@ -10,7 +10,7 @@ def pallas_attention(sm_scale: float, interpret: bool):
 
     def attn(layer, q, k, v, kv_cache, md: AttentionMetadata):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
-        if md.tile_token_idx.shape[1] == 1:
+        if md.is_decode:
             out = paged_decode_attention(
                 q,
                 kv_cache,

@@ -7,12 +7,10 @@ as far as the longest context. In steps with prefills the step's recent tokens a
 directly from k, v (window.py), which XLA:CPU runs as dense matmuls: page gathers are what cost.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jvllm.attention.metadata import AttentionMetadata
+from jvllm.attention.metadata import AttentionMetadata, Tiles
 from jvllm.attention.window import MASKED, attend_window
 
 # KV positions gathered per loop iteration. Decode tiles hold one query, so a long chunk is cheap
@@ -118,61 +116,53 @@ def _normalize(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array]:
     return (acc / jnp.where(l > 0, l, 1.0)[..., None],)
 
 
+def _to_rows(x: jax.Array) -> jax.Array:
+    """Per-tile results [TB, K, G, Q, ...] -> per-query rows [TB*Q, K*G, ...]."""
+    num_tiles, num_kv_heads, group, tile_q = x.shape[:4]
+    x = jnp.moveaxis(x, 3, 1)
+    return x.reshape(num_tiles * tile_q, num_kv_heads * group, *x.shape[4:])
+
+
 def _attend_pages(
-    q: jax.Array, kv_cache: jax.Array, layer: jax.Array, md: AttentionMetadata, finish=None
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array,
+    tiles: Tiles,
+    tables: jax.Array,
+    flat: tuple[jax.Array, ...],
+    finish=None,
 ) -> tuple[jax.Array, ...]:
-    """Tiles of q [T, N, H] (pre-scaled f32) to the first tile_kv_lens positions of their
-    sequence's pages -> unnormalised (max, sum [NT, K, G, Q], weighted values [NT, K, G, Q, H]),
-    or what `finish` makes of them (applied to each block, so that only its result is kept).
+    """Attend `tiles` of q [T, N, H] (pre-scaled f32) to the first kv_lens positions of their
+    sequence's pages `tables` [S, M], and write each query's unnormalised (max, sum [N],
+    weighted values [N, H]), or what `finish` makes of them, over its token's row of `flat`.
 
     Tiles are processed a block of `_TILE_BLOCK` at a time, and only the blocks that hold tiles
-    reading pages (the host packs them first): a bucket's padding tiles cost nothing, and each
-    block reads only as far as its own longest context.
+    reading pages (the host packs them first): work and memory follow the tiles in use, not the
+    bucket's capacity, and each block reads only as far as its own longest context.
     """
-    num_heads, head_dim = q.shape[1:]
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     group = num_heads // num_kv_heads
-    num_tiles, tile_q = md.tile_token_idx.shape
+    num_tiles, tile_q = tiles.token_idx.shape
     chunk = pages_per_chunk(block_size, tile_q)
     tile_block = min(num_tiles, _TILE_BLOCK)
-    num_blocks = -(-num_tiles // tile_block)
-    pad = ((0, num_blocks * tile_block - num_tiles),)
-
-    qt = q[md.tile_token_idx].reshape(num_tiles, tile_q, num_kv_heads, group, head_dim)
-    qt = jnp.pad(qt, pad + ((0, 0),) * 4)
-    tables = jnp.pad(md.block_tables[md.tile_seq], pad + ((0, 0),))  # [NT', M]
-    kv_lens = jnp.pad(md.tile_kv_lens, pad + ((0, 0),))  # [NT', Q]
+    pad = ((0, -num_tiles % tile_block), (0, 0))
+    token_idx = jnp.pad(tiles.token_idx, pad)  # [NT', Q]
+    kv_lens = jnp.pad(tiles.kv_lens, pad)  # [NT', Q]; padding tiles read nothing
+    seq = jnp.pad(tiles.seq, pad[:1])  # [NT']
     finish = finish or (lambda *result: result)
-    if num_blocks == 1:
-        return finish(*_attend_tiles(qt, tables, kv_lens, kv_cache, layer, chunk))
 
-    def attend_block(b, out):
-        start = b * tile_block
-        part = lambda a: jax.lax.dynamic_slice_in_dim(a, start, tile_block, axis=0)
-        result = _attend_tiles(part(qt), part(tables), part(kv_lens), kv_cache, layer, chunk)
-        return tuple(
-            jax.lax.dynamic_update_slice_in_dim(o, r, start, axis=0)
-            for o, r in zip(out, finish(*result))
-        )
+    def attend_block(b, flat):
+        part = lambda a: jax.lax.dynamic_slice_in_dim(a, b * tile_block, tile_block, axis=0)
+        idx, lens = part(token_idx), part(kv_lens)  # [TB, Q]
+        qt = q[idx].reshape(tile_block, tile_q, num_kv_heads, group, head_dim)
+        result = finish(*_attend_tiles(qt, tables[part(seq)], lens, kv_cache, layer, chunk))
+        # Slots that read nothing (padding) go out of range and are dropped.
+        dest = jnp.where(lens > 0, idx, num_tokens).reshape(-1)  # [TB*Q]
+        return tuple(f.at[dest].set(_to_rows(r), mode="drop") for f, r in zip(flat, result))
 
-    shape = (num_blocks * tile_block, num_kv_heads, group, tile_q)
-    # Never read for blocks the loop skips: their tiles are dropped by `_tiles_to_flat`.
-    init = finish(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    num_used = jnp.sum(md.tile_kv_lens[:, 0] > 0)
-    out = jax.lax.fori_loop(0, (num_used + tile_block - 1) // tile_block, attend_block, init)
-    return tuple(x[:num_tiles] for x in out)
-
-
-def _tiles_to_flat(x: jax.Array, md: AttentionMetadata, num_tokens: int, fill) -> jax.Array:
-    """Per-query tile results [NT, K, G, Q, ...] -> [T, N, ...] in flat token order; tokens
-    without a tile slot get `fill`. Padding slots all point at token 0, so only slots that read
-    pages are scattered and the rest are dropped out of range."""
-    num_tiles, num_kv_heads, group, tile_q = x.shape[:4]
-    x = jnp.moveaxis(x, 3, 1).reshape(num_tiles * tile_q, num_kv_heads * group, *x.shape[4:])
-    is_real = (md.tile_kv_lens > 0).reshape(-1)
-    dest = jnp.where(is_real, md.tile_token_idx.reshape(-1), num_tokens)
-    flat = jnp.full((num_tokens, *x.shape[1:]), fill, x.dtype)
-    return flat.at[dest].set(x, mode="drop")
+    num_used = jnp.sum(tiles.kv_lens[:, 0] > 0)
+    return jax.lax.fori_loop(0, (num_used + tile_block - 1) // tile_block, attend_block, flat)
 
 
 def paged_attention(
@@ -191,22 +181,25 @@ def paged_attention(
     k, v directly (window.py) and only older positions from the pages, and skips the pages
     altogether when no query needs them (fresh prompts that fit their windows).
     """
-    num_tokens = q.shape[0]
     q_scaled = q.astype(jnp.float32) * sm_scale
-    if md.tile_token_idx.shape[1] == 1:
-        (out,) = _attend_pages(q_scaled, kv_cache, layer, md, finish=_normalize)
-        return _tiles_to_flat(out, md, num_tokens, 0.0).astype(q.dtype)
-
-    def from_pages():
-        m, l, acc = _attend_pages(q_scaled, kv_cache, layer, md)
-        flat = functools.partial(_tiles_to_flat, md=md, num_tokens=num_tokens)
-        return flat(m, fill=MASKED), flat(l, fill=0.0), flat(acc, fill=0.0)
+    if md.is_decode:
+        (tiles,) = md.tiles
+        init = (jnp.zeros(q.shape),)
+        (out,) = _attend_pages(q_scaled, kv_cache, layer, tiles, md.block_tables, init, _normalize)
+        return out.astype(q.dtype)
 
     def no_pages():
         shape = q.shape[:2]
         return jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(q.shape)
 
-    m1, l1, acc1 = jax.lax.cond(jnp.any(md.tile_kv_lens > 0), from_pages, no_pages)
+    def from_pages():
+        flat = no_pages()  # each query is in one group at most: fill in the groups in turn
+        for tiles in md.tiles:
+            flat = _attend_pages(q_scaled, kv_cache, layer, tiles, md.block_tables, flat)
+        return flat
+
+    reads_pages = jnp.any(jnp.stack([jnp.any(tiles.kv_lens > 0) for tiles in md.tiles]))
+    m1, l1, acc1 = jax.lax.cond(reads_pages, from_pages, no_pages)
     m2, l2, acc2 = attend_window(q, k, v, md, sm_scale)
     m = jnp.maximum(m1, m2)
     a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]

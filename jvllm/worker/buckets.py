@@ -15,11 +15,13 @@ class Bucket:
     tile_q: int  # Q
 
     @property
-    def num_tiles(self) -> int:
-        """NT: enough tiles for any split of T tokens among S sequences into tiles of Q."""
+    def tile_groups(self) -> tuple[tuple[int, int], ...]:
+        """(tile_q, num_tiles) of each group of attention tiles (see build_tiles): a decode
+        bucket has T one-query tiles; a mixed bucket S one-query tiles for its decodes and
+        enough Q-query tiles for any split of T tokens among S sequences."""
         if self.tile_q == 1:
-            return self.num_tokens
-        return self.num_tokens // self.tile_q + self.num_seqs
+            return ((1, self.num_tokens),)
+        return ((1, self.num_seqs), (self.tile_q, self.num_tokens // self.tile_q + self.num_seqs))
 
     @property
     def is_decode(self) -> bool:

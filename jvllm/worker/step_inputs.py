@@ -92,18 +92,13 @@ def prepare_step_inputs(
     query_start_loc[num_real + 1 :] = t
     logits_indices = np.maximum(query_start_loc[1:] - 1, 0)
 
-    tile_token_idx, tile_kv_lens, tile_seq = build_tiles(
-        query_start_loc, seq_lens, num_real, bucket.num_tiles, bucket.tile_q
-    )
     attn = AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=block_tables,
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
-        tile_token_idx=tile_token_idx,
-        tile_kv_lens=tile_kv_lens,
-        tile_seq=tile_seq,
+        tiles=build_tiles(query_start_loc, seq_lens, num_real, bucket.tile_groups),
     )
     sampling = SamplingMetadata(
         temperature=temperature,
