@@ -134,8 +134,12 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     assert not set(out.token_ids) & set(boost)
     # A two-token bad word: its last token is banned right after its first, and only there.
     ((first, second),) = bad_words_token_ids(tokenizer, ["homelessness"])
-    params = {"temperature": 50.0, "max_tokens": 30, "ignore_eos": True}
-    params["allowed_token_ids"] = [first, second]
+    params = {
+        "temperature": 50.0,
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "allowed_token_ids": [first, second],
+    }
 
     def has_pair(tokens):
         return any(a == first and b == second for a, b in itertools.pairwise(tokens))

@@ -195,7 +195,7 @@ class ModelRunner:
         """
         start = time.perf_counter()
         dummy = prepare_step_inputs([], [], [], bucket, self.block_size, self.max_pages)
-        for tiles in dummy.attn.tiles:
+        for tiles in dummy.attn.tiles:  # padding token 0, in every group: its output is dropped
             tiles.kv_lens[0, 0] = 1
         out, self.kv_cache, self.token_cache = self._executable(bucket)(
             self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, dummy
