@@ -103,6 +103,13 @@ def _decoder_layer(
     return x, kv_cache
 
 
+# Not an entry point: a jit inside the traced step makes JAX trace and lower one layer once per
+# step shape and call it L times; XLA inlines the calls, so the compiled step is the same as with
+# the layer written out L times. Tracing and lowering the written-out layers took 1-2 s of every
+# bucket's start-up, from the compilation cache too.
+_decoder_layer_traced_once = jax.jit(_decoder_layer, static_argnames=("config", "attn"))
+
+
 def forward(
     params: Params,
     kv_cache: jax.Array,
@@ -122,8 +129,8 @@ def forward(
     x = _embed(params.embed, token_ids)  # [T, D]
     cos, sin = rope_cos_sin(positions, config)  # [T, H] each
     for layer, lp in enumerate(params.layers):
-        x, kv_cache = _decoder_layer(
-            x, kv_cache, lp, jnp.int32(layer), cos, sin, metadata, config, attn
+        x, kv_cache = _decoder_layer_traced_once(
+            x, kv_cache, lp, jnp.int32(layer), cos, sin, metadata, config=config, attn=attn
         )
     return rms_norm(x, params.final_norm, config.rms_norm_eps), kv_cache
 
