@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import shutil
 import time
 
 import jax
@@ -86,6 +87,27 @@ def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_mo
     leaf_pairs = zip(jax.tree.leaves(cached_params), jax.tree.leaves(gguf_model[1]), strict=True)
     for ours, direct in leaf_pairs:
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(direct))
+
+
+def test_default_model_cache_survives_a_reinstall_and_keeps_one_conversion(
+    cache_dir, gguf_path, tmp_path, monkeypatch
+):
+    root = cache_dir / DEFAULT_MODEL
+    current = default_model.default_model_dir()
+    stale = root / "0.0.1-1234"  # a conversion of another GGUF
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"old")
+    reinstalled = tmp_path / os.path.basename(gguf_path)
+    shutil.copyfile(gguf_path, reinstalled)  # the same bytes with a new mtime
+    assert os.stat(reinstalled).st_mtime_ns != os.stat(gguf_path).st_mtime_ns
+
+    def fail_convert(*args):
+        raise AssertionError("a reinstall of the same GGUF should reuse its conversion")
+
+    monkeypatch.setattr(default_model, "resolve_default_model", lambda: str(reinstalled))
+    monkeypatch.setattr(default_model, "_convert", fail_convert)
+    assert default_model.default_model_dir() == current
+    assert os.listdir(root) == [os.path.basename(current)]
 
 
 def test_default_model_in_bfloat16_still_predicts_paris(cache_dir):

