@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import math
-import os
 import time
 
 import jax
@@ -19,22 +18,10 @@ from jvllm.models.llama import compute_logits, forward
 from jvllm.sample.sampler import sample_step
 from jvllm.worker.bias_rows import BiasRows
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
+from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
-
-
-def enable_compilation_cache() -> None:
-    """Keep compiled buckets on disk so that a second start-up skips XLA (about 3 s a bucket on
-    2 CPU cores for SmolLM2). `JVLLM_COMPILATION_CACHE_DIR=""` turns it off; a cache the user
-    configured for JAX is left alone."""
-    if jax.config.jax_compilation_cache_dir:
-        return
-    default = os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla")
-    path = os.environ.get("JVLLM_COMPILATION_CACHE_DIR", default)
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _step(
