@@ -173,7 +173,7 @@ def main(argv=None) -> None:
     print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
     print(
         f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
-        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, warm-up runs "
+        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, waiting for warm-up runs "
         f"{ours['warmup']:.1f}s)"
     )
     print(f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s")
