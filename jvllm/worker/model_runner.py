@@ -24,7 +24,7 @@ from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
 
-# Buckets compiled at once by compile_all (this machine has 2 cores).
+# Buckets compiled at once by compile_all: XLA loads a cached executable on one core.
 _COMPILE_THREADS = 2
 
 
