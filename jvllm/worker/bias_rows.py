@@ -71,17 +71,20 @@ def _dynamic_bans(request: Request) -> frozenset[int]:
     return frozenset(bans)
 
 
+def set_row(rows: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
+    """rows f32[R, V] with rows[slot] = row f32[V]; the model runner jits it, `rows` donated."""
+    return rows.at[slot].set(row)
+
+
 class BiasRows:
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, num_slots: int, vocab_size: int, set_row_fn):
+        """`set_row_fn` is the model runner's jit of `set_row`."""
         self.vocab_size = vocab_size
         self.rows = jnp.zeros((num_slots, vocab_size), jnp.float32)  # [R, V]
-        self._set_row = jax.jit(lambda rows, slot, row: rows.at[slot].set(row), donate_argnums=0)
+        self._set_row = set_row_fn
         self._free = list(range(num_slots - 1, 0, -1))
         # request_id -> (request, slot, static row, bans last sent)
         self._owners: dict[str, tuple[Request, int, np.ndarray, frozenset[int]]] = {}
-
-    def compile(self) -> None:
-        self._set_row.lower(self.rows, np.int32(0), np.zeros(self.vocab_size, np.float32)).compile()
 
     def slots_for(self, requests: list[Request]) -> np.ndarray:
         """i32[len(requests)]: each request's row, sending new or changed rows to the device."""

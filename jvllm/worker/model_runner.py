@@ -1,4 +1,4 @@
-"""The model runner: owns the parameters, the paged KV array and every `jax.jit` of the engine."""
+"""The model runner: owns the parameters, the paged KV array and every `jax.jit` entry point."""
 
 import concurrent.futures
 import dataclasses
@@ -17,7 +17,7 @@ from jvllm.core.scheduler import SchedulerOutput
 from jvllm.logger import init_logger
 from jvllm.models.llama import compute_logits, forward
 from jvllm.sample.sampler import sample_step
-from jvllm.worker.bias_rows import BiasRows
+from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
@@ -123,8 +123,9 @@ class ModelRunner:
             kv_cache_dtype(config.dtype, attention_backend),
         )
         self.token_cache = jnp.zeros((num_blocks, block_size), jnp.int32)  # [P, B]
+        self._set_bias_row = jax.jit(set_row, donate_argnums=0)
         # One row per running request at most, plus the shared zero row.
-        self.bias_rows = BiasRows(max_num_seqs + 1, config.vocab_size)
+        self.bias_rows = BiasRows(max_num_seqs + 1, config.vocab_size, self._set_bias_row)
         self.max_logprobs = max_logprobs
         enable_compilation_cache()
         attn = get_attention(attention_backend, sm_scale=config.head_dim**-0.5)
@@ -184,7 +185,8 @@ class ModelRunner:
                         bucket.num_seqs,
                     )
                 self._warm_up(bucket)
-        self.bias_rows.compile()
+        rows = self.bias_rows.rows
+        self._set_bias_row.lower(rows, np.int32(0), np.zeros(rows.shape[1], np.float32)).compile()
         compile_seconds = time.perf_counter() - start
         jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
         self.compile_seconds += compile_seconds
