@@ -18,7 +18,7 @@ from jvllm.model_loader import load_model
 from jvllm.outputs import RequestMetrics, RequestOutput
 from jvllm.sampling_params import SamplingParams
 from jvllm.worker.bias_rows import bad_words_token_ids
-from jvllm.worker.buckets import BucketSpec, single_sequence_decode
+from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_dtype
 
 logger = init_logger(__name__)
@@ -73,11 +73,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=args.block_size,
             max_model_len=self.max_model_len,
-            buckets=BucketSpec(
-                args.max_num_batched_tokens,
-                args.max_num_seqs,
-                single_sequence_decode(config.dtype),
-            ),
+            buckets=BucketSpec(args.max_num_batched_tokens, args.max_num_seqs),
             attention_backend=self.attention_backend,
             max_logprobs=args.max_logprobs,
             max_num_seqs=args.max_num_seqs,

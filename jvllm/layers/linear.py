@@ -1,5 +1,7 @@
 """Dense projection with float32 accumulation."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -13,5 +15,18 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     float32: bfloat16 x bfloat16 -> float32 runs about 4x faster than float32, while asking XLA
     for a bfloat16 *result* is about 5x slower, so the output is always float32.
     """
+    if w.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
+        return _dense_one_bfloat16_row(x, w)
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     return jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
+
+
+def _dense_one_bfloat16_row(x: jax.Array, w: jax.Array) -> jax.Array:
+    """dense for one row and bfloat16 weights, as a multiply + reduce.
+
+    XLA:CPU runs a 1-row bfloat16 dot by converting the whole weight to float32 first, which
+    made SmolLM2's 30 layers and head take 139 ms a token; the reduction fuses the conversion and
+    reads the weight once (22 ms). The products and sums are the dot's, in float32.
+    """
+    xs = x.astype(w.dtype).astype(jnp.float32)  # [..., I], rounded as the dot would round it
+    return (w.astype(jnp.float32) * xs[..., None, :]).sum(-1)  # [..., O]

@@ -40,8 +40,6 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 class BucketSpec:
     max_num_batched_tokens: int
     max_num_seqs: int
-    # A decode bucket of one sequence below the _MIN_SEQS one (see single_sequence_decode).
-    single_sequence_decode: bool = False
 
     def token_sizes(self) -> list[int]:
         return _powers_of_two(
@@ -51,7 +49,9 @@ class BucketSpec:
     def seq_sizes(self) -> list[int]:
         hi = min(self.max_num_seqs, self.max_num_batched_tokens)
         sizes = _powers_of_two(min(_MIN_SEQS, hi), hi)
-        return [1] + sizes if self.single_sequence_decode and sizes[0] > 1 else sizes
+        # A lone decoding sequence gets its own 1-row bucket: a 1-row matmul streams the
+        # weights once, where 8 rows take twice as long (SmolLM2 float32: 23 against 44 ms).
+        return [1] + sizes if sizes[0] > 1 else sizes
 
     def all_buckets(self) -> list[Bucket]:
         decode = [Bucket(s, s, 1) for s in self.seq_sizes()]
@@ -67,13 +67,3 @@ class BucketSpec:
             size = next(s for s in self.seq_sizes() if s >= num_seqs)
             return Bucket(size, size, 1)
         return self._mixed(next(t for t in self.token_sizes() if t >= num_tokens))
-
-
-def single_sequence_decode(dtype: str) -> bool:
-    """Whether a lone decoding sequence gets its own 1-row bucket.
-
-    In float32 a 1-row matmul streams the weights at memory speed: SmolLM2's 30 layers and LM
-    head take 23 ms for 1 row against 44 for 8. Not in bfloat16, where XLA:CPU's 1-row matmul is
-    6x slower than an 8-row one (139 against 23 ms), so one sequence rides in the 8-row bucket.
-    """
-    return dtype == "float32"
