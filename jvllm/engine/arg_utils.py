@@ -25,6 +25,9 @@ class EngineArgs:
     seed: int = 0
     compile_all_buckets: bool = True
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
+    # "vllm": ignore it; or a directory holding one.
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -49,6 +52,11 @@ class EngineArgs:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = off), "
                 f"got {self.long_prefill_token_threshold}"
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a directory holding "
+                f"generation_config.json, got {self.generation_config!r}"
             )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

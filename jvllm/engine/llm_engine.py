@@ -15,6 +15,7 @@ from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
 from jvllm.logger import init_logger
 from jvllm.model_loader import load_model
+from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.outputs import RequestMetrics, RequestOutput
 from jvllm.sampling_params import SamplingParams
 from jvllm.worker.bias_rows import bad_words_token_ids
@@ -27,6 +28,7 @@ logger = init_logger(__name__)
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.args = args = EngineArgs(model=model, **kwargs)
+        self.generation_config = load_generation_config(args.generation_config, args.model)
         start = time.perf_counter()
         self.model_config, params, self.tokenizer = load_model(args.model, args.dtype)
         self.load_seconds = time.perf_counter() - start
@@ -57,6 +59,12 @@ class LLMEngine:
             args.block_size,
             num_blocks * bytes_per_block / 2**20,
         )
+        if self.generation_config.sampling_defaults:
+            logger.info(
+                "default sampling parameters from the model's generation_config.json: %s "
+                "(generation_config='vllm' ignores them)",
+                self.generation_config.sampling_defaults,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -107,7 +115,7 @@ class LLMEngine:
 
         With `n > 1` the request runs as n child requests that share the prompt's KV blocks
         through the prefix cache; its outputs still carry `request_id`."""
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests or request_id in self._children:
@@ -162,10 +170,16 @@ class LLMEngine:
             "added request %s (%d prompt tokens, n=%d)", request_id, len(prompt_token_ids), params.n
         )
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the defaults of the model's generation_config.json."""
+        return SamplingParams(**self.generation_config.sampling_defaults)
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Every EOS id of the model (Llama 3 has several), the tokenizer's included."""
+        """Every EOS id of the model (Llama 3 has several): config.json's, then
+        generation_config.json's, then the tokenizer's."""
         ids = list(self.model_config.eos_token_ids)
+        ids += [i for i in self.generation_config.eos_token_ids if i not in ids]
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         if tokenizer_eos is not None and tokenizer_eos not in ids:
             ids.append(tokenizer_eos)

@@ -20,6 +20,7 @@ _ENGINE_FLAGS = {
     "long_prefill_token_threshold": {"type": int},
     "attention_backend": {},
     "seed": {"type": int},
+    "generation_config": {},
     "enable_prefix_caching": {"action": argparse.BooleanOptionalAction},
     "enable_chunked_prefill": {"action": argparse.BooleanOptionalAction},
 }

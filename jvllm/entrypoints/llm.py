@@ -27,6 +27,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling_params: SamplingParams() with the
+        defaults of the model's generation_config.json (see EngineArgs.generation_config)."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -36,7 +41,7 @@ class LLM:
         """Generate for each prompt; outputs come back in the order of `prompts`."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -35,6 +35,8 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.max_logprobs = engine.engine.args.max_logprobs
+        # The model's generation_config.json defaults, for the fields a request leaves out.
+        self.defaults = engine.engine.generation_config.sampling_defaults
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -79,6 +81,7 @@ class OpenAIServing:
                 f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}", param="logprobs"
             )
         kwargs = {name: value for name, value in values.items() if value is not None}
+        kwargs = {**self.defaults, **kwargs}  # max_tokens is always the request's (check_length)
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
@@ -87,8 +90,11 @@ class OpenAIServing:
             raise OpenAIError(message, param=first if first in values else None) from None
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
-        """The request's max_tokens, checked against max_model_len (None: all the room left)."""
+        """The request's max_tokens, checked against max_model_len (None: all the room left),
+        and at most the model's max_new_tokens when its generation_config.json sets one (as
+        vLLM does)."""
         room = self.max_model_len - num_prompt_tokens
+        cap = self.defaults.get("max_tokens", room)
         if max_tokens is None:
             if room < 1:
                 raise OpenAIError(
@@ -97,7 +103,7 @@ class OpenAIServing:
                     param=param,
                     code="context_length_exceeded",
                 )
-            return room
+            return min(room, cap)
         if max_tokens > room:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -107,7 +113,7 @@ class OpenAIServing:
                 param=param,
                 code="context_length_exceeded",
             )
-        return max_tokens
+        return min(max_tokens, cap)
 
     async def generate_all(
         self, prompts: list[dict], params: SamplingParams, request_id: str, kind: RequestOutputKind
