@@ -60,6 +60,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # Prompt tokens computed (prefix-cache hits excluded) and tokens sampled, for stats.
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -111,7 +114,11 @@ class Scheduler:
         for request in scheduler_output.scheduled_requests:
             if request.is_finished:  # aborted between schedule() and now
                 continue
+            computed = request.num_computed_tokens
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            self.num_prompt_tokens_total += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - computed
+            )
             # A mid-prefill chunk samples nothing, whatever the runner returned for it.
             if request.num_computed_tokens < request.num_tokens:
                 continue
@@ -119,6 +126,7 @@ class Scheduler:
             if token_id is None:
                 continue
             request.append_output_token_ids(token_id)
+            self.num_generation_tokens_total += 1
             if self._check_stop(request):
                 stopped.append(request)
                 self._free_finished(request)

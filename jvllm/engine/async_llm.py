@@ -22,6 +22,7 @@ from typing import Any
 
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.stat_logger import LoggingStatLogger
 from jvllm.logger import init_logger
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -43,6 +44,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # computed so far (prefix-cache hits excluded)
+    num_generation_tokens: int = 0  # sampled so far
 
 
 class _Stream:
@@ -90,14 +93,20 @@ class AsyncLLM:
 
     `stat_loggers` have `record(items, now)`, called on the event loop with each step's
     `(stream, output)` pairs (see `jvllm.engine.metrics`); `stats` is the latest `SchedulerStats`.
+    With `log_stats`, the engine thread logs throughput and load every few seconds (stat_logger.py).
     """
 
-    def __init__(self, engine: LLMEngine, stat_loggers: list[Any] | None = None):
+    def __init__(
+        self, engine: LLMEngine, stat_loggers: list[Any] | None = None, log_stats: bool = False
+    ):
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.stat_loggers = list(stat_loggers or [])
         self.stats = SchedulerStats()
+        self._stat_logger = LoggingStatLogger() if log_stats else None
+        if self._stat_logger is not None:  # counting starts now, not at the first step's end
+            self._stat_logger.maybe_log(self._snapshot(), time.monotonic())
         self._commands: collections.deque = collections.deque()
         self._wakeup = threading.Event()
         self._live: dict[str, _Stream] = {}  # engine thread only
@@ -212,11 +221,12 @@ class AsyncLLM:
             while not self._shutdown:
                 self._apply_commands()
                 if not engine.has_unfinished_requests():
-                    self._wakeup.wait()
-                    self._wakeup.clear()
+                    self._idle()
                     continue
                 outputs = engine.step()
                 self._dispatch(outputs)
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(self.stats, time.monotonic())
         except BaseException as e:  # an engine bug: every request learns of it, nothing hangs
             logger.exception("the engine loop died")
             self._dead = e
@@ -227,6 +237,15 @@ class AsyncLLM:
             except Exception:
                 logger.exception("could not abort the requests left in the engine")
             self._fail_all(self._dead)
+
+    def _idle(self) -> None:
+        """Wait for a command; with log_stats, wake every interval to log the quiet too."""
+        if self._stat_logger is None:
+            self._wakeup.wait()
+        elif not self._wakeup.wait(self._stat_logger.interval):
+            self.stats = self._snapshot()
+            self._stat_logger.maybe_log(self.stats, time.monotonic())
+        self._wakeup.clear()
 
     def _apply_commands(self) -> None:
         engine = self.engine
@@ -289,6 +308,8 @@ class AsyncLLM:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions_total,
+            num_prompt_tokens=scheduler.num_prompt_tokens_total,
+            num_generation_tokens=scheduler.num_generation_tokens_total,
         )
 
     def _deliver_many(self, pairs: list[tuple[_Stream, RequestOutput]], now: float) -> None:

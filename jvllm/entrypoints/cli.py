@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.uvicorn_log_level,
+        log_stats=not args.disable_log_stats,
         **engine_kwargs(args),
     )
 
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model name clients pass (default: MODEL, or the default model's)",
     )
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic throughput / load line (JVLLM_LOG_STATS_INTERVAL sets its seconds)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     bench = commands.add_parser("bench", help="benchmarks")

@@ -188,13 +188,18 @@ def build_app(
     return app
 
 
-def build_server_engine(model: str | None, served_model_name: str | None = None, **engine_kwargs):
+def build_server_engine(
+    model: str | None,
+    served_model_name: str | None = None,
+    log_stats: bool = True,
+    **engine_kwargs,
+):
     """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords."""
     from jvllm.engine.llm_engine import LLMEngine
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
     name = served_model_name or model or DEFAULT_MODEL
-    engine = AsyncLLM(LLMEngine(model, **engine_kwargs))
+    engine = AsyncLLM(LLMEngine(model, **engine_kwargs), log_stats=log_stats)
     metrics = ServingMetrics(engine, name)
     engine.stat_loggers.append(metrics)
     return engine, metrics, name
@@ -207,11 +212,14 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    log_stats: bool = True,
     **engine_kwargs,
 ) -> None:
     import uvicorn
 
-    engine, metrics, name = build_server_engine(model, served_model_name, **engine_kwargs)
+    engine, metrics, name = build_server_engine(
+        model, served_model_name, log_stats, **engine_kwargs
+    )
     app = build_app(engine, name, api_key, metrics)
     logger.info("serving %s on http://%s:%d", name, host, port)
     try:

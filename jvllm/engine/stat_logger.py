@@ -1,0 +1,65 @@
+"""The line a server logs every few seconds about its engine, as vLLM's LoggingStatLogger does."""
+
+from __future__ import annotations
+
+import os
+
+from jvllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+INTERVAL_ENV = "JVLLM_LOG_STATS_INTERVAL"  # seconds between lines (vLLM's default: 10)
+
+
+class LoggingStatLogger:
+    """Logs throughput and scheduler state from the `SchedulerStats` the engine thread snapshots.
+
+    The first `maybe_log` call sets the baseline; then it is called after every step and while
+    idle, and logs at most once per interval, and once more after the engine goes quiet (the
+    line with zeros), then stays silent.
+    """
+
+    def __init__(self, interval: float | None = None):
+        self.interval = _interval_from_env() if interval is None else interval
+        self._last_time: float | None = None
+        self._last = None  # SchedulerStats at the last line
+        self._was_busy = False
+
+    def maybe_log(self, stats, now: float) -> None:
+        if self._last_time is None:
+            self._last_time, self._last = now, stats
+            return
+        elapsed = now - self._last_time
+        if elapsed < self.interval:
+            return
+        last = self._last
+        num_prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        num_generation = stats.num_generation_tokens - last.num_generation_tokens
+        is_busy = bool(num_prompt or num_generation or stats.num_running or stats.num_waiting)
+        if is_busy or self._was_busy:
+            queries = stats.prefix_cache_queries
+            hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                num_prompt / elapsed,
+                num_generation / elapsed,
+                stats.num_running,
+                stats.num_waiting,
+                100 * stats.kv_cache_usage,
+                100 * hit_rate,
+            )
+        self._was_busy = is_busy
+        self._last_time, self._last = now, stats
+
+
+def _interval_from_env() -> float:
+    raw = os.environ.get(INTERVAL_ENV, "10")
+    try:
+        interval = float(raw)
+    except ValueError:
+        interval = 0.0
+    if not interval > 0:
+        raise ValueError(f"{INTERVAL_ENV} must be a number of seconds > 0, got {raw!r}")
+    return interval
