@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.attention.metadata import AttentionMetadata, build_tiles
+from jvllm.attention.metadata import AttentionMetadata, build_tiles, paged_kv_lens
 from jvllm.attention.reference import paged_attention, write_kv
 from jvllm.worker.buckets import Bucket
 
@@ -104,3 +104,30 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
         np.testing.assert_allclose(out[qsl[s] : qsl[s + 1]], want, rtol=1e-5, atol=1e-5)
     # the other layer is untouched by the write
     np.testing.assert_array_equal(cache_np[0], np.asarray(kv_cache)[0])
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(int(n), 1) for n in np.random.default_rng(0).integers(1, 300, 40)],  # decode
+        [(300, 40), (50, 50), (700, 20), (120, 1), (900, 1), (64, 3), (1000, 130)],  # mixed
+    ],
+)
+def test_tiles_go_longest_read_first_and_hold_each_reading_query_once(seqs):
+    """The page loop walks each block of tiles as far as its longest: tiles come sorted."""
+    kv_lens, q_lens = (np.array(x, np.int32) for x in zip(*seqs))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    is_decode = (q_lens == 1).all()
+    tile_q = 1 if is_decode else 16
+    groups = Bucket(int(qsl[-1]), len(seqs), tile_q).tile_groups
+    reads = paged_kv_lens(qsl, kv_lens, len(seqs), is_decode)
+    placed = {}
+    for tiles in build_tiles(qsl, kv_lens, len(seqs), groups):
+        longest = tiles.kv_lens.max(axis=1)
+        assert (np.diff(longest) <= 0).all()  # longest first, padding (0) last
+        for token, kv_len in zip(
+            tiles.token_idx[tiles.kv_lens > 0], tiles.kv_lens[tiles.kv_lens > 0]
+        ):
+            assert token not in placed
+            placed[int(token)] = int(kv_len)
+    assert placed == {t: int(n) for t, n in enumerate(reads) if n > 0}

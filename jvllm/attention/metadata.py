@@ -76,8 +76,8 @@ def build_tiles(
     num_seqs: int,
     groups: tuple[tuple[int, int], ...],
 ) -> tuple[Tiles, ...]:
-    """Tile the queries that read pages into `groups` of (tile_q, num_tiles), packed first and
-    padded. A sequence with one query goes to the group of one-query tiles when there is one,
+    """Tile the queries that read pages into `groups` of (tile_q, num_tiles), packed first
+    (longest read first) and padded. A sequence with one query goes to the group of one-query tiles when there is one,
     the others to the first group of larger tiles. A single group of tile_q 1 is a decode step.
     """
     is_decode = len(groups) == 1 and groups[0][0] == 1
@@ -100,4 +100,15 @@ def build_tiles(
             tiles.kv_lens[tile, :n] = kv_lens[t0 : t0 + n]
             tiles.seq[tile] = s
             used[g] += 1
+    for tiles, num_used in zip(out, used):
+        _longest_first(tiles, num_used)
     return out
+
+
+def _longest_first(tiles: Tiles, num_used: int) -> None:
+    """Reorder the used tiles by the longest read among their queries, longest first: the page
+    loop walks each block of tiles only as far as that block's longest, so tiles of similar
+    lengths belong in the same block (the order of tiles changes nothing else)."""
+    order = np.argsort(-tiles.kv_lens[:num_used].max(axis=1), kind="stable")
+    for array in (tiles.token_idx, tiles.kv_lens, tiles.seq):
+        array[:num_used] = array[order]
