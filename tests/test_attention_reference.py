@@ -40,6 +40,17 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
 def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, num_kv_heads):
+    _check_against_dense(case, num_heads, num_kv_heads, jnp.float32)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bfloat16_cache_matches_dense_within_bfloat16_error(case):
+    """A bfloat16 model's cache (uint16 bits): one-query tiles in float32, the others in
+    bfloat16 with float32 accumulation."""
+    _check_against_dense(case, 6, 2, jnp.bfloat16)
+
+
+def _check_against_dense(case, num_heads, num_kv_heads, dtype):
     tile_q, seqs = CASES[case]
     rng = np.random.default_rng(len(case) * 100 + num_heads)
     block_size, head_dim, num_pages, num_layers, layer = 4, 8, 256, 2, 1
@@ -52,9 +63,10 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
         tables[s, :n] = perm[used : used + n]
         used += n
     kv_cache = jnp.asarray(
-        rng.standard_normal((num_layers, 2, num_kv_heads, num_pages, block_size, head_dim)),
-        jnp.float32,
+        rng.standard_normal((num_layers, 2, num_kv_heads, num_pages, block_size, head_dim)), dtype
     )
+    if dtype == jnp.bfloat16:  # stored as its bits, as the engine does (kv_cache_dtype)
+        kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
     q_lens = np.array([q for _, q in seqs])
     seq_lens = np.array([kv for kv, _ in seqs], np.int32)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -62,6 +74,10 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     new_k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
     new_v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    # What the model passes in: q, k, v in its dtype (the dense reference gets the same values).
+    q, new_k, new_v = (
+        np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, new_k, new_v)
+    )
     pos = np.concatenate([np.arange(kv - ql, kv) for kv, ql in seqs])
     seq_of = np.repeat(np.arange(len(seqs)), q_lens)
     slots = tables[seq_of, pos // block_size] * block_size + pos % block_size
@@ -84,16 +100,15 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
     )
     scale = head_dim**-0.5
     layer_idx = jnp.int32(layer)
-    cache = jax.jit(write_kv)(
-        kv_cache, layer_idx, jnp.asarray(new_k), jnp.asarray(new_v), md.slot_mapping
-    )
-    out = np.asarray(
-        jax.jit(paged_attention, static_argnums=6)(
-            jnp.asarray(q), jnp.asarray(new_k), jnp.asarray(new_v), cache, layer_idx, md, scale
-        )
-    )
+    q_in, k_in, v_in = (jnp.asarray(x, dtype) for x in (q, new_k, new_v))
+    cache = jax.jit(write_kv)(kv_cache, layer_idx, k_in, v_in, md.slot_mapping)
+    out = jax.jit(paged_attention, static_argnums=6)(q_in, k_in, v_in, cache, layer_idx, md, scale)
+    out = np.asarray(out.astype(jnp.float32))
 
     cache_np = np.asarray(cache)
+    if cache.dtype == jnp.uint16:
+        cache_np = np.asarray(jax.lax.bitcast_convert_type(cache, jnp.bfloat16).astype(jnp.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for s, (kv_len, ql) in enumerate(seqs):
         pages = tables[s, : -(-kv_len // block_size)]
         k = cache_np[layer, 0][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
@@ -101,9 +116,9 @@ def test_tiled_paged_attention_matches_dense_on_ragged_batches(case, num_heads, 
         want = _dense_attention(
             q[qsl[s] : qsl[s + 1]], k[:kv_len], v[:kv_len], np.arange(kv_len - ql, kv_len), scale
         )
-        np.testing.assert_allclose(out[qsl[s] : qsl[s + 1]], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[qsl[s] : qsl[s + 1]], want, rtol=tol, atol=tol)
     # the other layer is untouched by the write
-    np.testing.assert_array_equal(cache_np[0], np.asarray(kv_cache)[0])
+    np.testing.assert_array_equal(np.asarray(cache)[0], np.asarray(kv_cache)[0])
 
 
 @pytest.mark.parametrize(

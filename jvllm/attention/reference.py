@@ -35,10 +35,10 @@ def _to_storage(x: jax.Array, storage_dtype) -> jax.Array:
     return x.astype(storage_dtype)
 
 
-def _from_storage(x: jax.Array) -> jax.Array:
+def _from_storage(x: jax.Array, dtype) -> jax.Array:
     if x.dtype == jnp.uint16:
         x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x.astype(jnp.float32)
+    return x.astype(dtype)
 
 
 def _page_rows(kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
@@ -65,13 +65,15 @@ def write_kv(
     return flat.reshape(shape)
 
 
-def _gather_pages(kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
-    """K (kv=0) or V (kv=1) of `pages` i32[NT, C] at `layer` -> f32[NT, K, C*B, H]."""
+def _gather_pages(
+    kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array, dtype
+) -> jax.Array:
+    """K (kv=0) or V (kv=1) of `pages` i32[NT, C] at `layer` -> dtype[NT, K, C*B, H]."""
     _, _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_tiles, chunk = pages.shape
     flat = kv_cache.reshape(-1, block_size * head_dim)  # [L*2*K*P, B*H]
     rows = _page_rows(kv_cache, layer, kv, pages).transpose(0, 2, 1)  # [NT, K, C]
-    out = _from_storage(jnp.take(flat, rows, axis=0))  # [NT, K, C, B*H]
+    out = _from_storage(jnp.take(flat, rows, axis=0), dtype)  # [NT, K, C, B*H]
     return out.reshape(num_tiles, num_kv_heads, chunk * block_size, head_dim)
 
 
@@ -89,12 +91,17 @@ def _attend_tiles(
     num_tiles, tile_q, num_kv_heads, group, head_dim = qt.shape
     block_size = kv_cache.shape[4]
     num_chunks = (jnp.max(kv_lens) + chunk * block_size - 1) // (chunk * block_size)
+    # Multi-query tiles of a bfloat16 cache multiply in bfloat16 with float32 accumulation, as
+    # the window does (steps with long prompts 7% faster); one-query tiles stay float32, where
+    # XLA:CPU's bfloat16 matmuls of 3 rows ran the decode step 119 -> 157 ms.
+    dtype = jnp.bfloat16 if kv_cache.dtype == jnp.uint16 and tile_q > 1 else jnp.float32
+    qt = qt.astype(dtype)
 
     def body(j, carry):
         m, l, acc = carry  # [TB, K, G, Q], [TB, K, G, Q], [TB, K, G, Q, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [TB, C]
-        k = _gather_pages(kv_cache, layer, 0, pages)  # [TB, K, C*B, H]
-        s = jnp.einsum("tqkgh,tkch->tkgqc", qt, k)  # [TB, K, G, Q, C*B]
+        k = _gather_pages(kv_cache, layer, 0, pages, dtype)  # [TB, K, C*B, H]
+        s = jnp.einsum("tqkgh,tkch->tkgqc", qt, k, preferred_element_type=jnp.float32)
         kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
         visible = kv_pos[None, None, :] < kv_lens[:, :, None]  # [TB, Q, C*B]
         s = jnp.where(visible[:, None, None], s, MASKED)
@@ -102,9 +109,9 @@ def _attend_tiles(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum(
-            "tkgqc,tkch->tkgqh", p, _gather_pages(kv_cache, layer, 1, pages)
-        )
+        v = _gather_pages(kv_cache, layer, 1, pages, dtype)  # [TB, K, C*B, H]
+        pv = jnp.einsum("tkgqc,tkch->tkgqh", p.astype(dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * correction[..., None] + pv
         return m_new, l, acc
 
     shape = (num_tiles, num_kv_heads, group, tile_q)
