@@ -5,7 +5,9 @@
 
 Prompts are random token ids (like vLLM's random dataset), generation is greedy (or sampled with
 --temperature/--top-p/--top-k, in both engines) with ignore_eos so both engines produce exactly
-output-len tokens per prompt. Figures are medians over --num-iters.
+output-len tokens per prompt. With --random-range-ratio R (vLLM's name) prompt lengths are drawn
+uniformly from [input-len * (1 - R), input-len * (1 + R)]; HF then gets them left-padded.
+Figures are medians over --num-iters.
 """
 
 import argparse
@@ -21,11 +23,15 @@ from jvllm.model_loader.default_model import default_model_dir
 
 
 def _random_prompts(
-    num_prompts: int, input_len: int, vocab_size: int, seed: int
+    num_prompts: int, input_len: int, vocab_size: int, seed: int, range_ratio: float = 0.0
 ) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     # Stay clear of the special tokens at either end of the vocabulary.
-    return rng.integers(100, vocab_size - 100, size=(num_prompts, input_len)).tolist()
+    if not range_ratio:  # the same prompts as before the option existed, for comparisons
+        return rng.integers(100, vocab_size - 100, size=(num_prompts, input_len)).tolist()
+    low = max(1, int(input_len * (1 - range_ratio)))
+    lengths = rng.integers(low, int(input_len * (1 + range_ratio)) + 1, size=num_prompts)
+    return [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
 
 
 def _median_time(fn, num_iters: int) -> float:
@@ -99,8 +105,10 @@ def bench_hf(args, prompt_sets) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
 
     def run(i):
-        input_ids = torch.tensor(prompt_sets[i])  # equal lengths: no padding needed
-        attention_mask = torch.ones_like(input_ids)
+        prompts = prompt_sets[i]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
             out = model.generate(
                 input_ids,
@@ -115,7 +123,7 @@ def bench_hf(args, prompt_sets) -> dict:
                 min_new_tokens=args.output_len,
                 pad_token_id=0,
             )
-        assert out.shape[1] == args.input_len + args.output_len
+        assert out.shape[1] == width + args.output_len
 
     elapsed = _median_time(run, args.num_iters)
     return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
@@ -126,6 +134,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--num-iters", type=int, default=3)
@@ -141,6 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     args = parser.parse_args(argv)
+    if not 0 <= args.random_range_ratio < 1:
+        parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
 
     # The vocabulary size is needed before any engine exists; read it from the model's config.
     with open(os.path.join(args.model or default_model_dir(), "config.json")) as f:
@@ -148,7 +159,9 @@ def main(argv=None) -> None:
     # Fresh prompts for every timed iteration: repeating them would let jvllm's prefix cache
     # skip most of the prefill (HF has none).
     prompt_sets = [
-        _random_prompts(args.num_prompts, args.input_len, vocab, args.seed + i)
+        _random_prompts(
+            args.num_prompts, args.input_len, vocab, args.seed + i, args.random_range_ratio
+        )
         for i in range(args.num_iters)
     ]
     ours = bench_jvllm(args, prompt_sets)
@@ -166,7 +179,9 @@ def main(argv=None) -> None:
         if getattr(args, name) != off
     ]
     print(
-        f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
+        f"workload: {args.num_prompts} prompts x {args.input_len}"
+        + (f" (+-{args.random_range_ratio:.0%})" if args.random_range_ratio else "")
+        + f" in x {args.output_len} out, "
         f"{'sampled' if args.temperature > 0 else 'greedy'}, ignore_eos, {args.dtype}, "
         f"median of {args.num_iters}" + (f", {', '.join(extras)}" if extras else "")
     )
