@@ -77,8 +77,9 @@ def build_tiles(
     groups: tuple[tuple[int, int], ...],
 ) -> tuple[Tiles, ...]:
     """Tile the queries that read pages into `groups` of (tile_q, num_tiles), packed first
-    (longest read first) and padded. A sequence with one query goes to the group of one-query tiles when there is one,
-    the others to the first group of larger tiles. A single group of tile_q 1 is a decode step.
+    (longest read first) and padded. A sequence with one query goes to the group of one-query
+    tiles when there is one, the others to the first group of larger tiles. A single group of
+    tile_q 1 is a decode step.
     """
     is_decode = len(groups) == 1 and groups[0][0] == 1
     kv_lens = paged_kv_lens(query_start_loc, seq_lens, num_seqs, is_decode)

@@ -101,6 +101,7 @@ def _attend_tiles(
         m, l, acc = carry  # [TB, K, G, Q], [TB, K, G, Q], [TB, K, G, Q, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [TB, C]
         k = _gather_pages(kv_cache, layer, 0, pages, dtype)  # [TB, K, C*B, H]
+        # [TB, K, G, Q, C*B]
         s = jnp.einsum("tqkgh,tkch->tkgqc", qt, k, preferred_element_type=jnp.float32)
         kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
         visible = kv_pos[None, None, :] < kv_lens[:, :, None]  # [TB, Q, C*B]
