@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from jvllm import LLMEngine, SamplingParams
-from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind, _OutputShaper
+from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from jvllm.engine.output_shaper import OutputShaper
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -87,7 +88,7 @@ def test_streamed_text_holds_back_a_possible_stop_string_once(async_llm):
     )
     full_text = cumulative[-1].outputs[0].text
     assert all(len(o.outputs[0].text) <= len(full_text) - 3 for o in cumulative[:-1])
-    shaper = _OutputShaper(RequestOutputKind.DELTA)
+    shaper = OutputShaper(RequestOutputKind.DELTA)
     sent = ""
     for output in cumulative:
         delta = shaper.shape(output, output.outputs, output.finished)

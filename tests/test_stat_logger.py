@@ -6,8 +6,8 @@ import logging
 import pytest
 
 from jvllm import LLM, SamplingParams
-from jvllm.engine.async_llm import AsyncLLM, SchedulerStats
-from jvllm.engine.stat_logger import INTERVAL_ENV, LoggingStatLogger
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.stat_logger import INTERVAL_ENV, LoggingStatLogger, SchedulerStats
 
 
 @pytest.fixture

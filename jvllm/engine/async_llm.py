@@ -22,7 +22,8 @@ from typing import Any
 
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
-from jvllm.engine.stat_logger import LoggingStatLogger
+from jvllm.engine.output_shaper import OutputShaper
+from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats
 from jvllm.logger import init_logger
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -32,20 +33,6 @@ logger = init_logger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (a step raised, or the engine was shut down)."""
-
-
-@dataclasses.dataclass
-class SchedulerStats:
-    """What the engine looked like after a step; read by the metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # computed so far (prefix-cache hits excluded)
-    num_generation_tokens: int = 0  # sampled so far
 
 
 class _Stream:
@@ -154,7 +141,7 @@ class AsyncLLM:
                 sampling_params, output_kind=RequestOutputKind.CUMULATIVE
             )
         stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic())
-        shaper = _OutputShaper(kind)
+        shaper = OutputShaper(kind)
         added = concurrent.futures.Future()
         self._submit(("add", stream, prompt, sampling_params, added))
         finished = False
@@ -343,70 +330,3 @@ class AsyncLLM:
         for stream in self._live.values():
             self._fail(stream, EngineDeadError(f"the engine loop stopped: {error!r}"))
         self._live.clear()
-
-
-class _OutputShaper:
-    """Turns a request's cumulative outputs into the kind its consumer asked for: everything so far
-    (CUMULATIVE), what is new (DELTA), or all completions once, at the end (FINAL_ONLY)."""
-
-    def __init__(self, kind: RequestOutputKind):
-        self.kind = kind
-        self.completions: dict[int, CompletionOutput] = {}  # latest cumulative, per index
-        self._num_chars: dict[int, int] = {}
-        self._num_tokens: dict[int, int] = {}
-        self._done: set[int] = set()
-
-    def shape(
-        self, header: RequestOutput, changed: list[CompletionOutput], finished: bool
-    ) -> RequestOutput | None:
-        for completion in changed:
-            self.completions[completion.index] = completion
-        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        if self.kind != RequestOutputKind.DELTA:
-            outputs = [self.completions[i] for i in sorted(self.completions)]
-            return dataclasses.replace(header, outputs=outputs, finished=finished)
-        deltas = [d for d in map(self._delta, changed) if d is not None]
-        if not deltas and not finished:
-            return None
-        return dataclasses.replace(header, outputs=deltas, finished=finished)
-
-    def _delta(self, completion: CompletionOutput) -> CompletionOutput | None:
-        index = completion.index
-        num_chars = self._num_chars.get(index, 0)
-        num_tokens = self._num_tokens.get(index, 0)
-        text = completion.text
-        is_done = completion.finish_reason is not None
-        # The engine's running text already holds back what may start a stop string.
-        end = len(text)
-        if (
-            end == num_chars
-            and len(completion.token_ids) == num_tokens
-            and (not is_done or index in self._done)
-        ):
-            return None
-        changes: dict[str, Any] = {
-            "text": text[num_chars:end],
-            "token_ids": list(completion.token_ids[num_tokens:]),
-        }
-        logprobs = getattr(completion, "logprobs", None)
-        if logprobs is not None:
-            changes["logprobs"] = list(logprobs[num_tokens:])
-        self._num_chars[index] = end
-        self._num_tokens[index] = len(completion.token_ids)
-        if is_done:
-            self._done.add(index)
-        return dataclasses.replace(completion, **changes)
-
-    def abort(self, header: RequestOutput | None, request_id: str) -> RequestOutput:
-        """The final output of a request ended by `AsyncLLM.abort()`."""
-        ended = [
-            dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
-            for c in (self.completions[i] for i in sorted(self.completions))
-        ]
-        if self.kind == RequestOutputKind.DELTA:
-            ended = [dataclasses.replace(c, text="", token_ids=[]) for c in ended]
-        ended = ended or [CompletionOutput(0, "", [], finish_reason="abort")]
-        if header is None:
-            return RequestOutput(request_id, None, [], ended, finished=True)
-        return dataclasses.replace(header, outputs=ended, finished=True)

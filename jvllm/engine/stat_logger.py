@@ -1,7 +1,9 @@
-"""The line a server logs every few seconds about its engine, as vLLM's LoggingStatLogger does."""
+"""The engine's state after a step, and the line a server logs about it every few seconds, as
+vLLM's LoggingStatLogger does."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from jvllm.logger import init_logger
@@ -9,6 +11,20 @@ from jvllm.logger import init_logger
 logger = init_logger(__name__)
 
 INTERVAL_ENV = "JVLLM_LOG_STATS_INTERVAL"  # seconds between lines (vLLM's default: 10)
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """What the engine looked like after a step; read by the metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # computed so far (prefix-cache hits excluded)
+    num_generation_tokens: int = 0  # sampled so far
 
 
 class LoggingStatLogger:
@@ -25,7 +41,7 @@ class LoggingStatLogger:
         self._last = None  # SchedulerStats at the last line
         self._was_busy = False
 
-    def maybe_log(self, stats, now: float) -> None:
+    def maybe_log(self, stats: SchedulerStats, now: float) -> None:
         if self._last_time is None:
             self._last_time, self._last = now, stats
             return
