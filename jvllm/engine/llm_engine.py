@@ -214,37 +214,45 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute (forward + sample: one jitted call) -> update -> outputs."""
         scheduler_output = self.scheduler.schedule()
-        now = time.time()
-        for request in scheduler_output.scheduled_requests:
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-        sampling = [
-            r for r in scheduler_output.scheduled_requests if scheduler_output.will_sample(r)
-        ]
         try:
             runner_output = self._execute(scheduler_output)
         except Exception:  # noqa: BLE001 - any failure of the step aborts its requests only
             return self._fail_step(scheduler_output)
-        sampled = {}
-        if runner_output is not None:
-            tokens = runner_output.sampled_token_ids
-            sampled = {
-                r.request_id: int(t) for r, t in zip(scheduler_output.scheduled_requests, tokens)
-            }
-            self._record_prompt_logprobs(scheduler_output, runner_output)
-        finished = self.scheduler.update_from_output(scheduler_output, sampled)
-        if runner_output is not None:
-            self._record_logprobs(scheduler_output, runner_output, sampling)
+        sampled, finished = self._update(scheduler_output, runner_output)
         return self._process_outputs(scheduler_output, sampled, finished)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the model on the scheduled tokens and sample."""
         requests = scheduler_output.scheduled_requests
+        now = time.time()
+        for request in requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
         if not requests:
             return None
         block_ids = [scheduler_output.block_ids[r.request_id] for r in requests]
         return self.model_runner.execute_model(scheduler_output, block_ids)
+
+    def _update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
+    ) -> tuple[dict[str, int], list[Request]]:
+        """Hand the sampled tokens to the scheduler -> (request id -> token, finished requests).
+
+        Logprobs are recorded around it: the prompt's before (they belong to the tokens computed
+        so far), the sampled token's after it is appended, for the requests that sampled (known
+        only before the update)."""
+        if runner_output is None:
+            return {}, self.scheduler.update_from_output(scheduler_output, {})
+        requests = scheduler_output.scheduled_requests
+        sampling = [r for r in requests if scheduler_output.will_sample(r)]
+        tokens = runner_output.sampled_token_ids
+        sampled = {r.request_id: int(t) for r, t in zip(requests, tokens)}
+        self._record_prompt_logprobs(scheduler_output, runner_output)
+        finished = self.scheduler.update_from_output(scheduler_output, sampled)
+        self._record_logprobs(scheduler_output, runner_output, sampling)
+        return sampled, finished
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         """The model step raised: abort the step's requests (and forget the cache entries of
