@@ -53,8 +53,11 @@ def load_generation_config(option: str, model: str | None) -> GenerationConfig:
         raw = json.load(f)
     eos = raw.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    defaults = {ours: raw[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if theirs in raw}
-    defaults = {name: value for name, value in defaults.items() if value is not None}
+    defaults = {
+        ours: raw[theirs]
+        for theirs, ours in _SAMPLING_FIELDS.items()
+        if raw.get(theirs) is not None
+    }
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:
