@@ -29,11 +29,15 @@ CASES = {
     # more tiles than one tile block: several blocks, the last one partly padding
     "many_decodes": (1, [(int(n), 1) for n in _MANY.integers(1, 9, 45)]),
     "many_mixed": (16, [(int(n), min(int(n), 20)) for n in _MANY.integers(1, 25, 30)]),
-    # prompts longer than the window (their early positions come from the pages), starting
-    # mid-block, with and without cached context, next to a decode
+    # prompts longer than two window blocks, starting mid-block, with and without context from
+    # earlier steps (read from the pages), next to a decode
     "long_prefills": (16, [(300, 290), (150, 150), (70, 1), (200, 64), (9, 9)]),
-    # fresh prompts that fit their windows: no query reads the pages
-    "fresh_prompts": (16, [(40, 40), (24, 24), (64, 64)]),
+    # more query blocks walking earlier blocks than one group holds, of several depths
+    "deep_prefills": (16, [(400, 400), (300, 233), (3, 1), (260, 259), (20, 20)]),
+    # one long prompt, starting mid-block: more (query block, span) pairs than one pass holds
+    "many_passes": (16, [(60, 59), (900, 880), (3, 1)]),
+    # fresh prompts, short and long: every key is the step's own, no query reads the pages
+    "fresh_prompts": (16, [(40, 40), (24, 24), (64, 64), (330, 330)]),
 }
 
 
@@ -54,7 +58,7 @@ def _check_against_dense(case, num_heads, num_kv_heads, dtype):
     tile_q, seqs = CASES[case]
     rng = np.random.default_rng(len(case) * 100 + num_heads)
     block_size, head_dim, num_pages, num_layers, layer = 4, 8, 256, 2, 1
-    max_pages = 128  # a multiple of the decode chunk (256 positions / B)
+    max_pages = 256  # a multiple of the decode chunk (256 positions / B)
     perm = rng.permutation(np.arange(1, num_pages))  # shuffled pages, null page 0 unused
     tables = np.zeros((len(seqs), max_pages), np.int32)
     used = 0

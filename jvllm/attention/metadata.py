@@ -5,11 +5,6 @@ import dataclasses
 import jax
 import numpy as np
 
-# Tokens per block of a step's own tokens (see window.py): in a step with prefills each query
-# attends to the step's tokens in its own block and the one before directly, and reads only
-# older positions from the pages. The host needs it to know which queries read pages at all.
-WINDOW_BLOCK = 64
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +47,8 @@ def paged_kv_lens(
     """How many leading positions of its sequence each real token reads from the pages -> i32[t].
 
     Decode steps read everything from the pages, their own new key included. In other steps a
-    token reads the step's tokens of its window (its WINDOW_BLOCK-aligned block and the one
-    before) directly, so only the positions before the first of them come from the pages.
+    token reads its sequence's tokens of this step directly (window.py), so only the positions
+    computed in earlier steps come from the pages.
     """
     num_real = int(query_start_loc[num_seqs])
     t = np.arange(num_real)
@@ -61,8 +56,7 @@ def paged_kv_lens(
     position = seq_lens[seq] - (query_start_loc[seq + 1] - t)
     if is_decode:
         return position + 1
-    window_first = np.maximum(query_start_loc[seq], (t // WINDOW_BLOCK - 1) * WINDOW_BLOCK)
-    return position - (t - window_first)
+    return position - (t - query_start_loc[seq])
 
 
 def _group_for(num_queries: int, groups: tuple[tuple[int, int], ...]) -> int:
