@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jvllm.benchmarks.throughput import _median_time, _random_prompts, bench_hf
+from jvllm.benchmarks.throughput import bench_hf, median_time, random_prompts
 from jvllm.model_loader.loader import load_model
 from jvllm.models.llama import compute_logits, forward
 
@@ -49,7 +49,7 @@ def _step_seconds(params, config, num_tokens: int, num_sampling_rows: int, num_i
         jax.block_until_ready(out)
 
     run(None)
-    return _median_time(run, num_iters)
+    return median_time(run, num_iters)
 
 
 def main(argv=None) -> None:
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args(argv)
     # What jvllm.benchmarks.throughput's bench_hf reads from its arguments.
-    args.model, args.temperature, args.random_range_ratio = None, 0.0, 0.0
+    args.model, args.temperature = None, 0.0
 
     config, params, _ = load_model(None, args.dtype)
     prompt_tokens = args.num_prompts * args.input_len
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     )
     if not args.skip_hf:
         prompt_sets = [
-            _random_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed + i)
+            random_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed + i)
             for i in range(args.num_iters)
         ]
         theirs = bench_hf(args, prompt_sets)

@@ -23,7 +23,7 @@ import time
 import httpx
 import numpy as np
 
-from jvllm.benchmarks.throughput import _random_prompts
+from jvllm.benchmarks.throughput import random_prompts
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 
 
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
 
     with open(os.path.join(args.model_path or default_model_dir(), "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
-    prompts = _random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
     proc = None
     url = args.base_url
     if url is None:

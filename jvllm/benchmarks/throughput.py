@@ -22,7 +22,7 @@ from jvllm import LLM, SamplingParams
 from jvllm.model_loader.default_model import default_model_dir
 
 
-def _random_prompts(
+def random_prompts(
     num_prompts: int, input_len: int, vocab_size: int, seed: int, range_ratio: float = 0.0
 ) -> list[list[int]]:
     rng = np.random.default_rng(seed)
@@ -34,7 +34,7 @@ def _random_prompts(
     return [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
 
 
-def _median_time(fn, num_iters: int) -> float:
+def median_time(fn, num_iters: int) -> float:
     """Median wall time of fn(i) for i in range(num_iters)."""
     times = []
     for i in range(num_iters):
@@ -71,7 +71,7 @@ def bench_jvllm(args, prompt_sets) -> dict:
         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
         use_tqdm=False,
     )  # first call: page-in of the executables
-    elapsed = _median_time(
+    elapsed = median_time(
         lambda i: llm.generate(prompt_sets[i], params, use_tqdm=False), args.num_iters
     )
 
@@ -80,8 +80,8 @@ def bench_jvllm(args, prompt_sets) -> dict:
     one = prompt_sets[0][:1]
     short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     long = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
-    t_short = _median_time(lambda _: llm.generate(one, short, use_tqdm=False), args.num_iters)
-    t_long = _median_time(lambda _: llm.generate(one, long, use_tqdm=False), args.num_iters)
+    t_short = median_time(lambda _: llm.generate(one, short, use_tqdm=False), args.num_iters)
+    t_long = median_time(lambda _: llm.generate(one, long, use_tqdm=False), args.num_iters)
     return {
         "tok_s": args.num_prompts * args.output_len / elapsed,
         "elapsed": elapsed,
@@ -125,7 +125,7 @@ def bench_hf(args, prompt_sets) -> dict:
             )
         assert out.shape[1] == width + args.output_len
 
-    elapsed = _median_time(run, args.num_iters)
+    elapsed = median_time(run, args.num_iters)
     return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
 
 
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     # Fresh prompts for every timed iteration: repeating them would let jvllm's prefix cache
     # skip most of the prefill (HF has none).
     prompt_sets = [
-        _random_prompts(
+        random_prompts(
             args.num_prompts, args.input_len, vocab, args.seed + i, args.random_range_ratio
         )
         for i in range(args.num_iters)
