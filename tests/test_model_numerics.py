@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,7 @@ from conftest import dense_logits
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.models.llama import param_shapes
 
 TINY = {
     "num_hidden_layers": 2,
@@ -81,6 +83,19 @@ def test_forward_matches_hf_logits(tmp_path, name):
     positions = np.arange(100, 112, dtype=np.int32)
     _, ours = _our_logits(tmp_path, token_ids, positions)
     np.testing.assert_allclose(ours, _hf_logits(model, token_ids, positions), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2_bias", "qwen3_qk_norm"])
+def test_param_shapes_describe_what_the_loader_builds(tmp_path, name, dtype):
+    if name not in _configs():
+        pytest.skip("this transformers has no Qwen3")
+    _save_random_model(tmp_path, _configs()[name])
+    config, params = load_hf_dir(str(tmp_path), dtype)
+    loaded = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    declared = jax.tree.map(lambda x: (x.shape, x.dtype), param_shapes(config))
+    assert jax.tree.structure(loaded) == jax.tree.structure(declared)
+    assert jax.tree.leaves(loaded) == jax.tree.leaves(declared)
 
 
 def test_config_flags_follow_architecture():

@@ -54,6 +54,35 @@ class Params:
     lm_head: jax.Array | None  # [V, D]; None when tied to `embed`
 
 
+def param_shapes(config: ModelConfig) -> Params:
+    """The Params `forward` takes, as ShapeDtypeStructs: what every loader must produce."""
+    dtype = jnp.dtype(config.dtype)
+    d, f, v, h = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    n, k = config.num_heads, config.num_kv_heads
+
+    def shape(*dims: int, dtype: Any = dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    # Norm weights and biases are float32 (see fuse_hf_weights).
+    layer = LayerParams(
+        input_norm=shape(d, dtype=jnp.float32),
+        qkv=shape((n + 2 * k) * h, d),
+        qkv_bias=shape((n + 2 * k) * h, dtype=jnp.float32) if config.attention_bias else None,
+        q_norm=shape(h, dtype=jnp.float32) if config.qk_norm else None,
+        k_norm=shape(h, dtype=jnp.float32) if config.qk_norm else None,
+        o=shape(d, n * h),
+        post_attention_norm=shape(d, dtype=jnp.float32),
+        gate_up=shape(2 * f, d),
+        down=shape(d, f),
+    )
+    return Params(
+        embed=shape(v, d),
+        layers=(layer,) * config.num_layers,
+        final_norm=shape(d, dtype=jnp.float32),
+        lm_head=None if config.tie_word_embeddings else shape(v, d),
+    )
+
+
 def _embed(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
     """embed[token_ids] as float32 [T, D]. XLA:CPU cannot gather bfloat16 natively (it converts
     the whole table to float32 and back each call), so a bfloat16 table is gathered as uint16."""
