@@ -3,6 +3,7 @@
 import dataclasses
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
+from jvllm.model_loader.loader import LOAD_FORMATS
 
 _DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
@@ -12,6 +13,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 class EngineArgs:
     model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
     dtype: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights, only config.json read (benchmarks)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None = 1 GiB
@@ -32,6 +34,8 @@ class EngineArgs:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

