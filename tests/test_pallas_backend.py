@@ -1,4 +1,5 @@
-"""attention_backend="pallas" (interpret mode on CPU) gives the same tokens as "reference"."""
+"""attention_backend="pallas" gives the same tokens as "reference" (the kernels in interpret mode
+on CPU, compiled on a GPU)."""
 
 from jvllm import LLM, SamplingParams
 
@@ -23,8 +24,10 @@ def _run(model_dir: str, backend: str) -> tuple[list[list[int]], int]:
     return tokens, second[1].num_cached_tokens
 
 
-def test_pallas_backend_matches_reference_with_chunked_prefill_and_prefix_hits(tiny_llama_dir):
-    reference, _ = _run(tiny_llama_dir, "reference")
-    pallas, cached = _run(tiny_llama_dir, "pallas")
+def test_pallas_backend_matches_reference_with_chunked_prefill_and_prefix_hits(
+    tiny_llama_weights_dir,
+):
+    reference, _ = _run(tiny_llama_weights_dir, "reference")
+    pallas, cached = _run(tiny_llama_weights_dir, "pallas")
     assert cached == 32  # two full blocks of the shared prefix came from the cache
     assert pallas == reference
