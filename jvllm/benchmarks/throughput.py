@@ -16,10 +16,12 @@ import os
 import statistics
 import time
 
+import jax
 import numpy as np
 
 from jvllm import LLM, SamplingParams
 from jvllm.model_loader.default_model import default_model_dir
+from jvllm.model_loader.loader import LOAD_FORMATS
 
 
 def random_prompts(
@@ -49,8 +51,11 @@ def bench_jvllm(args, prompt_sets) -> dict:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        load_format=args.load_format,
         max_num_seqs=max(args.num_prompts, 8),
         attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -97,18 +102,27 @@ def bench_jvllm(args, prompt_sets) -> dict:
 
 def bench_hf(args, prompt_sets) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.model or default_model_dir()
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    if args.load_format == "dummy":  # random weights too: the same work per token
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device(device):  # drawn where it runs: an 8B model draws in seconds on a GPU
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = model.to(device).eval()
 
     def run(i):
         prompts = prompt_sets[i]
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        attention_mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+        )  # left-padded
         with torch.inference_mode():
             out = model.generate(
                 input_ids,
@@ -124,6 +138,8 @@ def bench_hf(args, prompt_sets) -> dict:
                 pad_token_id=0,
             )
         assert out.shape[1] == width + args.output_len
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     elapsed = median_time(run, args.num_iters)
     return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
@@ -137,8 +153,16 @@ def main(argv=None) -> None:
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights from the model directory's config.json alone (both engines)",
+    )
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
     # Sampling features whose cost to measure (off by default: the plain greedy path).
@@ -183,8 +207,11 @@ def main(argv=None) -> None:
         + (f" (+-{args.random_range_ratio:.0%})" if args.random_range_ratio else "")
         + f" in x {args.output_len} out, "
         f"{'sampled' if args.temperature > 0 else 'greedy'}, ignore_eos, {args.dtype}, "
-        f"median of {args.num_iters}" + (f", {', '.join(extras)}" if extras else "")
+        + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
+        + f"median of {args.num_iters}"
+        + (f", {', '.join(extras)}" if extras else "")
     )
+    print(f"device: {jax.devices()[0].device_kind}")
     print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
     print(
         f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
