@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs for issue #3, one step per `device` call (each < 10 min).
+#
+# The GPU machine has no package registry and no jvllm install: the repo runs from its root
+# (PYTHONPATH=.), on the image's python3 (3.12, jax 0.11 with CUDA, torch, transformers). Of our
+# dependencies only gguf is missing there; carry it as a wheel. Once, on the CPU machine:
+#     echo /.whl/ >> .git/info/exclude
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#         --implementation cp --platform manylinux_2_17_x86_64 -d .whl gguf
+# Then, per step, a `device` run with carry [".whl"] and the command
+#     bash tools/gpu_session.sh STEP
+# Steps, in the order to run them (logs land in $OUT/STEP.log; the reply shows the tail):
+#     check         versions, compiled kernels vs references, the engine's pallas vs reference
+#                   tokens, a small bench: proves the kernels compile before timing anything
+#     bench-decode  python -m kernels_pallas.bench --mode decode (the issue's table)
+#     bench-mixed   python -m kernels_pallas.bench --mode mixed
+#     engine        decode throughput, "pallas" vs "reference" vs HF generate on the GPU, on
+#                   random weights of SmolLM2-135M's and Llama-3-8B's shapes (load_format dummy)
+# Put every figure with its command and device in BENCHMARKS.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?"usage: bash tools/gpu_session.sh check|bench-decode|bench-mixed|engine"}
+out=${OUT:-/tmp/gpu_session}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# JAX takes 75% of the GPU by default; the engine step leaves half to torch (HF's peer run).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+
+throughput() {  # model directory (config.json only), then extra flags
+    local model=$1
+    shift
+    for backend in pallas reference; do
+        python3 -m jvllm.benchmarks.throughput --model "$model" --load-format dummy \
+            --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
+            --attention-backend "$backend" --skip-hf "$@"
+    done
+    python3 -m jvllm.benchmarks.throughput --model "$model" --load-format dummy \
+        --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 "$@"
+}
+
+case $step in
+check)
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python3 -c "import jax, jaxlib, torch, transformers; print('jax', jax.__version__, \
+jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__version__)"
+        python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+            tests/test_kernels_decode.py tests/test_kernels_ragged.py
+        python3 -m pytest -q -p no:cacheprovider tests/test_pallas_backend.py
+        python3 -m kernels_pallas.bench --small
+    } 2>&1 | tee "$out/check.log"
+    ;;
+bench-decode | bench-mixed)
+    python3 -m kernels_pallas.bench --mode "${step#bench-}" 2>&1 | tee "$out/$step.log"
+    ;;
+engine)
+    {
+        throughput jvllm/benchmarks/model_configs/smollm2-135m --max-model-len 2048
+        throughput jvllm/benchmarks/model_configs/llama-3-8b --max-model-len 2048 \
+            --kv-cache-memory-bytes $((8 << 30))
+    } 2>&1 | tee "$out/engine.log"
+    ;;
+*)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac
