@@ -1,6 +1,9 @@
 """attention_backend="pallas" gives the same tokens as "reference" (the kernels in interpret mode
 on CPU, compiled on a GPU)."""
 
+import jax
+import pytest
+
 from jvllm import LLM, SamplingParams
 
 PREFIX = [(i * 37) % 30000 + 300 for i in range(36)]
@@ -24,8 +27,19 @@ def _run(model_dir: str, backend: str) -> tuple[list[list[int]], int]:
     return tokens, second[1].num_cached_tokens
 
 
+@pytest.fixture
+def full_precision_dots():
+    """float32 dots at full precision in both engines: on a GPU, XLA's default rounds the
+    reference's to TF32, while the kernels ask for full precision (on CPU nothing changes). Set
+    globally, not by the context manager: the engine traces its steps on compile threads."""
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
+
+
 def test_pallas_backend_matches_reference_with_chunked_prefill_and_prefix_hits(
-    tiny_llama_weights_dir,
+    tiny_llama_weights_dir, full_precision_dots
 ):
     reference, _ = _run(tiny_llama_weights_dir, "reference")
     pallas, cached = _run(tiny_llama_weights_dir, "pallas")

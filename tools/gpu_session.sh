@@ -14,12 +14,15 @@
 #                   tokens, a small bench: proves the kernels compile before timing anything
 #     bench-decode  python -m kernels_pallas.bench --mode decode (the issue's table)
 #     bench-mixed   python -m kernels_pallas.bench --mode mixed
-#     engine        decode throughput, "pallas" vs "reference" vs HF generate on the GPU, on
-#                   random weights of SmolLM2-135M's and Llama-3-8B's shapes (load_format dummy)
+#     engine-small  throughput, "pallas" vs "reference" vs HF generate on the GPU, on random
+#                   weights of SmolLM2-135M's shapes (load_format dummy)
+#     engine-8b     the same on Llama-3-8B's shapes (head_dim 128, GQA 4:1)
+# A step that runs out of time still leaves its log up to there; the XLA cache (~/.cache/jvllm)
+# lives as long as the machine stays warm, so a rerun of an engine step compiles less.
 # Put every figure with its command and device in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?"usage: bash tools/gpu_session.sh check|bench-decode|bench-mixed|engine"}
+step=${1:?"usage: bash tools/gpu_session.sh check|bench-decode|bench-mixed|engine-small|engine-8b"}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -28,12 +31,12 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-# JAX takes 75% of the GPU by default; the engine step leaves half to torch (HF's peer run).
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
 
 throughput() {  # model directory (config.json only), then extra flags
     local model=$1
     shift
+    # JAX takes 75% of the GPU by default; leave half to torch for HF's run.
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
     for backend in pallas reference; do
         python3 -m jvllm.benchmarks.throughput --model "$model" --load-format dummy \
             --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
@@ -58,12 +61,13 @@ jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__versio
 bench-decode | bench-mixed)
     python3 -m kernels_pallas.bench --mode "${step#bench-}" 2>&1 | tee "$out/$step.log"
     ;;
-engine)
-    {
-        throughput jvllm/benchmarks/model_configs/smollm2-135m --max-model-len 2048
-        throughput jvllm/benchmarks/model_configs/llama-3-8b --max-model-len 2048 \
-            --kv-cache-memory-bytes $((8 << 30))
-    } 2>&1 | tee "$out/engine.log"
+engine-small)
+    throughput jvllm/benchmarks/model_configs/smollm2-135m --max-model-len 2048 2>&1 |
+        tee "$out/$step.log"
+    ;;
+engine-8b)
+    throughput jvllm/benchmarks/model_configs/llama-3-8b --max-model-len 2048 \
+        --kv-cache-memory-bytes $((8 << 30)) 2>&1 | tee "$out/$step.log"
     ;;
 *)
     echo "unknown step $step" >&2
