@@ -1,8 +1,11 @@
 """The engine's public API: validation at the edge, aborts, seeded sampling, output shape."""
 
+import logging
+
 import pytest
 
 from jvllm import LLM, LLMEngine, SamplingParams
+from jvllm.entrypoints.openai.api_server import build_server_engine
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,29 @@ def test_sampling_params_errors_name_the_field():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=1.5)
+
+
+def test_buckets_compile_on_first_use_by_default_and_up_front_for_a_server(
+    tiny_llama_weights_dir, monkeypatch
+):
+    kwargs = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+    llm = LLM(tiny_llama_weights_dir, **kwargs)
+    runner = llm.llm_engine.model_runner
+    assert runner.num_compilations == 0
+    records = []  # jvllm's loggers do not propagate to the root
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(logging.getLogger("jvllm.worker.model_runner"), "handlers", [handler])
+    llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    # The 3-token prefill and the 1-sequence decode: 2 of the 4 buckets.
+    assert runner.num_compilations == 2 < len(runner.buckets.all_buckets())
+    assert sum("on first use" in r.getMessage() for r in records) == 2
+
+    engine, _, _ = build_server_engine(tiny_llama_weights_dir, **kwargs)
+    try:
+        server_runner = engine.engine.model_runner
+        assert server_runner.num_compilations == len(server_runner.buckets.all_buckets())
+    finally:
+        engine.shutdown()

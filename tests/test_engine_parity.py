@@ -27,9 +27,16 @@ def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
 
 
 def test_greedy_batch_matches_hf_token_for_token(tiny_llama_dir, hf_expected):
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=256, max_num_seqs=8)
-    assert _generate(llm) == hf_expected
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        compile_all_buckets=True,
+    )
     compiled = llm.llm_engine.model_runner.num_compilations
+    assert compiled == len(llm.llm_engine.model_runner.buckets.all_buckets())
+    assert _generate(llm) == hf_expected
     _generate(llm)
     assert llm.llm_engine.model_runner.num_compilations == compiled  # nothing on the hot path
 

@@ -106,7 +106,8 @@ async def run_load(
 def offline_tok_s(args, prompts) -> float:
     from jvllm import LLM, SamplingParams
 
-    llm = LLM(args.model_path, **_engine_kwargs(args))
+    # Compiled up front like the server it is compared with.
+    llm = LLM(args.model_path, compile_all_buckets=True, **_engine_kwargs(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     start = time.perf_counter()

@@ -25,7 +25,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     attention_backend: str | None = None  # None = "pallas" on GPU, "reference" elsewhere
     seed: int = 0
-    compile_all_buckets: bool = True
+    # False: each bucket compiles when a step first needs it (a few prompts wait for two or
+    # three compiles, not all of them); True: every bucket at start-up, so that no step waits
+    # on a compile. The server sets True.
+    compile_all_buckets: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
     # "vllm": ignore it; or a directory holding one.

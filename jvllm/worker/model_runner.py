@@ -158,8 +158,15 @@ class ModelRunner:
         if exe is None:
             start = time.perf_counter()
             exe = self._executables[bucket] = self._compile(bucket, self._abstract_state())
-            self.compile_seconds += time.perf_counter() - start
-            logger.debug("compiled %s in %.2fs", bucket, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            logger.info(
+                "compiled bucket (tokens=%d, seqs=%d) on first use in %.1fs "
+                "(compile_all_buckets=True compiles every bucket at start-up)",
+                bucket.num_tokens,
+                bucket.num_seqs,
+                seconds,
+            )
         return exe
 
     def compile_all(self, progress: bool = True) -> None:

@@ -199,6 +199,8 @@ def build_server_engine(
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
     name = served_model_name or model or DEFAULT_MODEL
+    # A server compiles everything before it listens: no request waits for a compile.
+    engine_kwargs.setdefault("compile_all_buckets", True)
     engine = AsyncLLM(LLMEngine(model, **engine_kwargs), log_stats=log_stats)
     metrics = ServingMetrics(engine, name)
     engine.stat_loggers.append(metrics)
