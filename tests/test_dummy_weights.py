@@ -59,7 +59,6 @@ def test_engine_generates_from_a_directory_without_weights(config_only_dir):
             dtype="float32",
             max_num_seqs=4,
             max_num_batched_tokens=64,
-            compile_all_buckets=False,
         )
         outputs = llm.generate(
             [[5, 6, 7], list(range(10, 50))],
