@@ -81,6 +81,12 @@ def build_tiles(
         Tiles(np.zeros((n, q), np.int32), np.zeros((n, q), np.int32), np.zeros(n, np.int32))
         for q, n in groups
     )
+    if is_decode:  # token s is sequence s's only query, and every one reads the pages
+        (tiles,) = out
+        tiles.token_idx[:num_seqs, 0] = tiles.seq[:num_seqs] = np.arange(num_seqs)
+        tiles.kv_lens[:num_seqs, 0] = kv_lens
+        _longest_first(tiles, num_seqs)
+        return out
     used = [0] * len(groups)
     for s in range(num_seqs):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])

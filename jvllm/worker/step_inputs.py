@@ -34,62 +34,59 @@ def prepare_step_inputs(
 
     `bias_slots` (i32, one per request) are the requests' rows of the logit-bias table."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
+    num_real = len(requests)
+    params = [req.sampling_params for req in requests]
+
+    def per_seq(values, dtype, pad=0) -> np.ndarray:  # one value per request, then padding
+        out = np.full(num_seqs, pad, dtype)
+        out[:num_real] = values
+        return out
+
+    # Per token, built at once: a Python loop over the requests' tokens costs milliseconds a
+    # step at batch 64, which a GPU step does not hide.
+    lens = np.asarray(num_scheduled, np.int32)  # [R]
+    starts = np.fromiter((req.num_computed_tokens for req in requests), np.int32, num_real)
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    query_start_loc[1 : num_real + 1] = np.cumsum(lens)
+    num_real_tokens = int(query_start_loc[num_real])
+    query_start_loc[num_real + 1 :] = num_real_tokens
+    seq_of = np.repeat(np.arange(num_real), lens)  # [t] request of each real token
+    pos = np.arange(num_real_tokens) - np.repeat(query_start_loc[:num_real] - starts, lens)
+
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)  # pad -> null page 0
     block_tables = np.zeros((num_seqs, max_pages), np.int32)
-    seq_lens = np.zeros(num_seqs, np.int32)
-    query_start_loc = np.zeros(num_seqs + 1, np.int32)
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    min_p = np.zeros(num_seqs, np.float32)
-    seeds = np.zeros(num_seqs, np.uint32)
-    output_index = np.zeros(num_seqs, np.int32)
-    presence = np.zeros(num_seqs, np.float32)
-    frequency = np.zeros(num_seqs, np.float32)
-    repetition = np.ones(num_seqs, np.float32)
-    num_prompt = np.zeros(num_seqs, np.int32)
-    bias_slot = np.zeros(num_seqs, np.int32)
-    prompt_target_ids = np.full(num_tokens, -1, np.int32)
-    any_penalties = any_logprobs = any_prompt_logprobs = False
-
-    t = 0
-    for s, (req, n, blocks) in enumerate(zip(requests, num_scheduled, block_ids)):
+    for s, (req, blocks, t, n) in enumerate(
+        zip(requests, block_ids, query_start_loc.tolist(), num_scheduled)
+    ):
+        block_tables[s, : len(blocks)] = blocks
         start = req.num_computed_tokens
-        pos = np.arange(start, start + n, dtype=np.int32)
-        table = np.asarray(blocks, np.int32)
         token_ids[t : t + n] = req.all_token_ids[start : start + n]
-        positions[t : t + n] = pos
-        slot_mapping[t : t + n] = table[pos // block_size] * block_size + pos % block_size
-        block_tables[s, : len(table)] = table
-        seq_lens[s] = start + n
-        t += n
-        query_start_loc[s + 1] = t
-        params = req.sampling_params
-        temperature[s] = params.temperature
-        top_k[s] = max(params.top_k, 0)
-        top_p[s] = params.top_p
-        min_p[s] = params.min_p
-        seeds[s] = req.seed
-        output_index[s] = req.num_output_tokens
-        num_prompt[s] = req.num_prompt_tokens
-        if params.has_penalties:
-            any_penalties = True
-            presence[s] = params.presence_penalty
-            frequency[s] = params.frequency_penalty
-            repetition[s] = params.repetition_penalty
-        any_logprobs |= params.logprobs is not None
-        if params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+    positions[:num_real_tokens] = pos
+    page = block_tables[seq_of, pos // block_size]
+    slot_mapping[:num_real_tokens] = page * block_size + pos % block_size
+    seq_lens = per_seq(starts + lens, np.int32)
+
+    temperature = per_seq([p.temperature for p in params], np.float32)
+    top_k = per_seq([max(p.top_k, 0) for p in params], np.int32)
+    top_p = per_seq([p.top_p for p in params], np.float32, 1)
+    min_p = per_seq([p.min_p for p in params], np.float32)
+    penalized = [p if p.has_penalties else None for p in params]
+    any_penalties = any(p is not None for p in penalized)
+    presence = per_seq([p.presence_penalty if p else 0.0 for p in penalized], np.float32)
+    frequency = per_seq([p.frequency_penalty if p else 0.0 for p in penalized], np.float32)
+    repetition = per_seq([p.repetition_penalty if p else 1.0 for p in penalized], np.float32, 1)
+    any_logprobs = any(p.logprobs is not None for p in params)
+    prompt_target_ids = np.full(num_tokens, -1, np.int32)
+    any_prompt_logprobs = False
+    for s in (s for s, p in enumerate(params) if p.prompt_logprobs is not None):
+        req, start, n = requests[s], requests[s].num_computed_tokens, num_scheduled[s]
+        if start < req.num_prompt_tokens - 1:
             any_prompt_logprobs = True
-            end = min(start + n, req.num_prompt_tokens - 1)
-            prompt_target_ids[t - n : t - n + end - start] = req.prompt_token_ids[
-                start + 1 : end + 1
-            ]
-    num_real = len(requests)
-    if bias_slots is not None:
-        bias_slot[:num_real] = bias_slots
-    query_start_loc[num_real + 1 :] = t
+            end, t = min(start + n, req.num_prompt_tokens - 1), int(query_start_loc[s])
+            prompt_target_ids[t : t + end - start] = req.prompt_token_ids[start + 1 : end + 1]
+    bias_slot = per_seq(bias_slots if bias_slots is not None else 0, np.int32)
     logits_indices = np.maximum(query_start_loc[1:] - 1, 0)
 
     attn = AttentionMetadata(
@@ -105,12 +102,12 @@ def prepare_step_inputs(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
-        seeds=seeds,
-        output_index=output_index,
+        seeds=per_seq([req.seed for req in requests], np.uint32),
+        output_index=per_seq([req.num_output_tokens for req in requests], np.int32),
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        num_prompt_tokens=num_prompt,
+        num_prompt_tokens=per_seq([req.num_prompt_tokens for req in requests], np.int32),
         bias_slot=bias_slot,
         prompt_target_ids=prompt_target_ids,
         all_greedy=np.bool_(bool(np.all(temperature[:num_real] < GREEDY_TEMPERATURE))),
