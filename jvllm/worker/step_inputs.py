@@ -44,8 +44,8 @@ def prepare_step_inputs(
 
     # Per token, built at once: a Python loop over the requests' tokens costs milliseconds a
     # step at batch 64, which a GPU step does not hide.
-    lens = np.asarray(num_scheduled, np.int32)  # [R]
-    starts = np.fromiter((req.num_computed_tokens for req in requests), np.int32, num_real)
+    first = [req.num_computed_tokens for req in requests]  # each request's first position
+    lens, starts = np.asarray(num_scheduled, np.int32), np.asarray(first, np.int32)  # [R]
     query_start_loc = np.zeros(num_seqs + 1, np.int32)
     query_start_loc[1 : num_real + 1] = np.cumsum(lens)
     num_real_tokens = int(query_start_loc[num_real])
@@ -57,11 +57,10 @@ def prepare_step_inputs(
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)  # pad -> null page 0
     block_tables = np.zeros((num_seqs, max_pages), np.int32)
-    for s, (req, blocks, t, n) in enumerate(
-        zip(requests, block_ids, query_start_loc.tolist(), num_scheduled)
+    for s, (req, blocks, t, start, n) in enumerate(
+        zip(requests, block_ids, query_start_loc.tolist(), first, num_scheduled)
     ):
         block_tables[s, : len(blocks)] = blocks
-        start = req.num_computed_tokens
         token_ids[t : t + n] = req.all_token_ids[start : start + n]
     positions[:num_real_tokens] = pos
     page = block_tables[seq_of, pos // block_size]
@@ -81,7 +80,7 @@ def prepare_step_inputs(
     prompt_target_ids = np.full(num_tokens, -1, np.int32)
     any_prompt_logprobs = False
     for s in (s for s, p in enumerate(params) if p.prompt_logprobs is not None):
-        req, start, n = requests[s], requests[s].num_computed_tokens, num_scheduled[s]
+        req, start, n = requests[s], first[s], num_scheduled[s]
         if start < req.num_prompt_tokens - 1:
             any_prompt_logprobs = True
             end, t = min(start + n, req.num_prompt_tokens - 1), int(query_start_loc[s])
