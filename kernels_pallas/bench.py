@@ -1,5 +1,9 @@
 """Times the paged attention kernels: `python -m kernels_pallas.bench [--interpret] [--small]`.
 
+`--sweep-splits` prints decode times per KV split count instead, to check the split heuristic.
+Each timed round makes `--calls` back-to-back calls and waits once, so that the host's dispatch
+overlaps device work; the median round's time per call counts.
+
 Per case: median time, achieved GB/s from the bytes of K and V the sequences own (what a decode
 must read at least), that bandwidth as a fraction of the device-to-device copy bandwidth measured in
 the same run, and speedups (other time / our time) over the jnp reference under jit and, for
@@ -72,20 +76,29 @@ def _cases(small: bool, modes: tuple[str, ...]) -> list[Case]:
     return cases
 
 
-def _median_seconds(fn: Callable, *args, repeats: int) -> float:
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    repeats: int  # timed rounds; the median round counts
+    calls: int  # back-to-back calls per round, so that host dispatch overlaps device work
+
+
+def _median_seconds(fn: Callable, *args, timing: Timing) -> float:
+    """Median over rounds of the round's wall time per call."""
     jax.block_until_ready(fn(*args))  # compile and warm up
     times = []
-    for _ in range(repeats):
+    for _ in range(timing.repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(timing.calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / timing.calls)
     return statistics.median(times)
 
 
-def _copy_bandwidth(num_bytes: int, repeats: int) -> float:
+def _copy_bandwidth(num_bytes: int, timing: Timing) -> float:
     """Device-to-device copy, bytes read plus written per second."""
     x = jnp.ones((num_bytes // 4,), jnp.float32)
-    seconds = _median_seconds(jax.jit(jnp.copy), x, repeats=repeats)
+    seconds = _median_seconds(jax.jit(jnp.copy), x, timing=timing)
     return 2 * num_bytes / seconds
 
 
@@ -125,7 +138,9 @@ def _kv_bytes_read(case: Case) -> int:
     return num_seqs * case.context * case.num_kv_heads * HEAD_DIM * 2 * jnp.dtype(DTYPE).itemsize
 
 
-def _run_case(case: Case, page_size: int, interpret: bool, repeats: int) -> dict[str, float | None]:
+def _run_case(
+    case: Case, page_size: int, interpret: bool, timing: Timing
+) -> dict[str, float | None]:
     inputs = _make_inputs(case, page_size, jax.random.key(0))
     sm_scale = HEAD_DIM**-0.5
     if case.mode == "decode":
@@ -143,7 +158,7 @@ def _run_case(case: Case, page_size: int, interpret: bool, repeats: int) -> dict
             functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=interpret)
         )
         reference = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))
-    result: dict[str, float | None] = {"ours": _median_seconds(ours, *args, repeats=repeats)}
+    result: dict[str, float | None] = {"ours": _median_seconds(ours, *args, timing=timing)}
 
     num_queries, block_tables = args[0].shape[0], inputs["block_tables"]
     reference_bytes = (
@@ -151,7 +166,7 @@ def _run_case(case: Case, page_size: int, interpret: bool, repeats: int) -> dict
     )
     result["reference"] = result["error"] = None
     if reference_bytes <= MAX_REFERENCE_BYTES:
-        result["reference"] = _median_seconds(reference, *args, repeats=repeats)
+        result["reference"] = _median_seconds(reference, *args, timing=timing)
         diff = ours(*args).astype(jnp.float32) - reference(*args).astype(jnp.float32)
         result["error"] = float(jnp.abs(diff).max())
 
@@ -176,9 +191,34 @@ def _run_case(case: Case, page_size: int, interpret: bool, repeats: int) -> dict
             v_pages,
             block_tables,
             inputs["seq_lens"],
-            repeats=repeats,
+            timing=timing,
         )
     return result
+
+
+def _sweep_splits(cases: list[Case], page_size: int, interpret: bool, timing: Timing) -> None:
+    """Decode time per KV split count: what `_default_num_kv_splits` should pick per case."""
+    splits = (1, 2, 4, 8, 16, 32, 64)
+    print(
+        f"{'batch':>5} {'context':>7} {'N:K':>6} {'auto':>7}" + "".join(f"{j:>7}" for j in splits)
+    )
+    sm_scale = HEAD_DIM**-0.5
+    for case in cases:
+        inputs = _make_inputs(case, page_size, jax.random.key(0))
+        args = [inputs[k] for k in ("q", "kv_cache", "layer", "block_tables", "seq_lens")]
+        row = []
+        for num_kv_splits in (None, *splits):
+            fn = jax.jit(
+                functools.partial(
+                    paged_decode_attention,
+                    sm_scale=sm_scale,
+                    num_kv_splits=num_kv_splits,
+                    interpret=interpret,
+                )
+            )
+            row.append(f"{_median_seconds(fn, *args, timing=timing) * 1e6:>7.0f}")
+        heads = f"{case.num_heads}:{case.num_kv_heads}"
+        print(f"{case.batch:>5} {case.context:>7} {heads:>6} " + "".join(row))
 
 
 def _ratio(other: float | None, ours: float) -> str:
@@ -193,17 +233,28 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny cases, to check the script runs")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed round")
     parser.add_argument("--mode", choices=("decode", "mixed", "both"), default="both")
+    parser.add_argument(
+        "--sweep-splits",
+        action="store_true",
+        help="decode only: time (us) per KV split count instead of the comparison table",
+    )
     args = parser.parse_args()
-    repeats = 3 if args.interpret else args.repeats
+    timing = Timing(repeats=3, calls=1) if args.interpret else Timing(args.repeats, args.calls)
 
     print(
         f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"H={HEAD_DIM}, {jnp.dtype(DTYPE).name}, page size {args.page_size}"
     )
     copy_bytes = (16 << 20) if args.small else (2 << 30)
-    copy_bandwidth = _copy_bandwidth(copy_bytes, repeats)
+    copy_bandwidth = _copy_bandwidth(copy_bytes, timing)
     print(f"device-to-device copy: {copy_bandwidth / 1e9:.1f} GB/s (read + write)")
+    if args.sweep_splits:
+        # The split count matters through S * K programs; G is padded to 16 rows whatever N:K is.
+        cases = [c for c in _cases(args.small, ("decode",)) if c.num_heads == c.num_kv_heads * 4]
+        _sweep_splits(cases, args.page_size, args.interpret, timing)
+        return
     header = (
         f"{'mode':>6} {'batch':>5} {'context':>7} {'N:K':>6} {'time us':>10} {'GB/s':>8} "
         f"{'of copy':>7} {'vs ref':>7} {'vs jax':>7} {'max err':>8}"
@@ -211,7 +262,7 @@ def main() -> None:
     print(header)
     modes = ("decode", "mixed") if args.mode == "both" else (args.mode,)
     for case in _cases(args.small, modes):
-        r = _run_case(case, args.page_size, args.interpret, repeats)
+        r = _run_case(case, args.page_size, args.interpret, timing)
         bandwidth = _kv_bytes_read(case) / r["ours"]
         error = "-" if r["error"] is None else f"{r['error']:.1e}"
         print(
