@@ -241,6 +241,8 @@ def main() -> None:
         help="decode only: time (us) per KV split count instead of the comparison table",
     )
     args = parser.parse_args()
+    if args.repeats < 1 or args.calls < 1:
+        parser.error("--repeats and --calls must be >= 1")
     timing = Timing(repeats=3, calls=1) if args.interpret else Timing(args.repeats, args.calls)
 
     print(
