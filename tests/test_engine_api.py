@@ -1,6 +1,7 @@
 """The engine's public API: validation at the edge, aborts, seeded sampling, output shape."""
 
 import logging
+import time
 
 import pytest
 
@@ -31,6 +32,20 @@ def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
         c = o.outputs[0]
         assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
         assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_model_runner_counts_dispatch_and_device_wait_within_the_wall_time(llm):
+    runner = llm.llm_engine.model_runner
+    dispatch, wait = runner.dispatch_seconds, runner.device_wait_seconds
+    start = time.perf_counter()
+    llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    elapsed = time.perf_counter() - start
+    spent_dispatching = runner.dispatch_seconds - dispatch
+    spent_waiting = runner.device_wait_seconds - wait
+    assert spent_dispatching > 0 and spent_waiting >= 0
+    assert spent_dispatching + spent_waiting < elapsed
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm):

@@ -46,6 +46,21 @@ def median_time(fn, num_iters: int) -> float:
     return statistics.median(times)
 
 
+def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, float, float]:
+    """Medians over num_iters generates of (wall, dispatch, device wait) seconds; the last two
+    are the model runner's counters (ModelRunner.dispatch_seconds, device_wait_seconds)."""
+    runner = llm.llm_engine.model_runner
+    walls, dispatches, waits = [], [], []
+    for _ in range(num_iters):
+        dispatch, wait = runner.dispatch_seconds, runner.device_wait_seconds
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        dispatches.append(runner.dispatch_seconds - dispatch)
+        waits.append(runner.device_wait_seconds - wait)
+    return statistics.median(walls), statistics.median(dispatches), statistics.median(waits)
+
+
 def bench_jvllm(args, prompt_sets) -> dict:
     start = time.perf_counter()
     llm = LLM(
@@ -86,8 +101,14 @@ def bench_jvllm(args, prompt_sets) -> dict:
     one = prompt_sets[0][:1]
     short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     long = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
-    t_short = median_time(lambda _: llm.generate(one, short, use_tqdm=False), args.num_iters)
-    t_long = median_time(lambda _: llm.generate(one, long, use_tqdm=False), args.num_iters)
+    step = [
+        (t_long - t_short) / 64
+        for t_long, t_short in zip(
+            _timed_generate(llm, one, long, args.num_iters),
+            _timed_generate(llm, one, short, args.num_iters),
+            strict=True,
+        )
+    ]  # seconds a decode step: wall, calling the executable, waiting for the device
     return {
         "tok_s": args.num_prompts * args.output_len / elapsed,
         "elapsed": elapsed,
@@ -96,7 +117,8 @@ def bench_jvllm(args, prompt_sets) -> dict:
         "compile": engine.model_runner.compile_seconds,
         "warmup": engine.model_runner.warmup_seconds,
         "num_compilations": engine.model_runner.num_compilations,
-        "batch1_decode_tok_s": 64 / (t_long - t_short),
+        "batch1_decode_tok_s": 1 / step[0],
+        "batch1_step_split_ms": (1e3 * step[1], 1e3 * step[2], 1e3 * (step[0] - step[1] - step[2])),
         "vocab_size": engine.model_config.vocab_size,
     }
 
@@ -219,7 +241,12 @@ def main(argv=None) -> None:
         f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, waiting for warm-up runs "
         f"{ours['warmup']:.1f}s)"
     )
-    print(f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s")
+    dispatch, wait, engine = ours["batch1_step_split_ms"]
+    print(
+        f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s; a step "
+        f"{1e3 / ours['batch1_decode_tok_s']:.2f} ms: calling the model {dispatch:.2f} ms, "
+        f"waiting for the device {wait:.2f} ms, the engine around them {engine:.2f} ms"
+    )
     if not args.skip_hf:
         theirs = bench_hf(args, prompt_sets)
         print(

@@ -136,6 +136,12 @@ class ModelRunner:
         self._executables: dict[Bucket, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmup_seconds = 0.0
+        # Where execute_model's time goes: calling the executable until it returns (argument
+        # handling and host-to-device copies; on CPU the computation too, which XLA:CPU runs
+        # inline for small steps), then waiting for the sampled tokens (on a GPU, the device time
+        # that the host's work did not hide).
+        self.dispatch_seconds = 0.0
+        self.device_wait_seconds = 0.0
 
     @property
     def num_compilations(self) -> int:
@@ -241,11 +247,15 @@ class ModelRunner:
             self.max_pages,
             self.bias_rows.slots_for(requests),
         )
+        start = time.perf_counter()
         out, self.kv_cache, self.token_cache = self._executable(bucket)(
             self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs
         )
+        dispatched = time.perf_counter()
         num_reqs = len(requests)
         result = ModelRunnerOutput(np.asarray(out.sampled_token_ids)[:num_reqs])
+        self.dispatch_seconds += dispatched - start
+        self.device_wait_seconds += time.perf_counter() - dispatched
         if inputs.sampling.any_logprobs:
             fields = (
                 out.topk_token_ids,
