@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from jvllm import LLM
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.models.llama import compute_logits, forward
 
@@ -69,6 +70,22 @@ def dense_logits(config, params, token_ids, positions=None) -> np.ndarray:
 def smollm2_dir() -> str:
     """The default model converted to an HF directory (with its tokenizer)."""
     return default_model_dir()
+
+
+# The engine settings of every test engine on the default model: one set of shapes, so that XLA
+# compiles each of its buckets once a session (the persistent cache serves the other engines).
+SMOLLM2_ENGINE_KWARGS = {
+    "dtype": "float32",
+    "max_num_batched_tokens": 64,
+    "max_num_seqs": 8,
+    "max_model_len": 512,
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm() -> LLM:
+    """The default model as `LLM()` loads it with no model named, for the tests against HF."""
+    return LLM(**SMOLLM2_ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ CONVERSATIONS = [
 ]
 
 
-def test_chat_matches_hf_apply_chat_template_and_generate(hf_smollm2):
-    llm = LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+def test_chat_matches_hf_apply_chat_template_and_generate(smollm2_llm, hf_smollm2):
+    llm = smollm2_llm
     tokenizer = llm.get_tokenizer()
     outs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     for conversation, out in zip(CONVERSATIONS, outs):

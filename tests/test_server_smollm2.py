@@ -3,6 +3,7 @@ equal to offline `LLM.generate` on the same chat-templated prompt."""
 
 import openai
 import pytest
+from conftest import SMOLLM2_ENGINE_KWARGS
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
@@ -14,13 +15,8 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
-    llm = LLM(
-        smollm2_dir,
-        max_model_len=512,
-        max_num_seqs=8,
-        max_num_batched_tokens=128,
-        compile_all_buckets=False,
-    )
+    # Its own engine (AsyncLLM takes it over), with the shapes the other SmolLM2 tests compiled.
+    llm = LLM(smollm2_dir, **SMOLLM2_ENGINE_KWARGS)
     prompt_ids = llm.get_tokenizer().apply_chat_template(
         MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]

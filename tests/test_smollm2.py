@@ -2,10 +2,9 @@
 
 import os
 
-import pytest
 from conftest import hf_greedy
 
-from jvllm import LLM, SamplingParams
+from jvllm import SamplingParams
 
 PROMPTS = [
     "Hello, my name is",
@@ -16,20 +15,15 @@ PROMPTS = [
 MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
-
-
-def test_default_model_greedy_matches_hf_transformers(llm, hf_smollm2):
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+def test_default_model_greedy_matches_hf_transformers(smollm2_llm, hf_smollm2):
+    outs = smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     for prompt, out in zip(PROMPTS, outs):
         expected = hf_greedy(hf_smollm2, out.prompt_token_ids, MAX_TOKENS)
         assert out.outputs[0].token_ids == expected, prompt
     assert outs[2].outputs[0].text.startswith(" Paris")
 
 
-def test_default_model_tokenizes_like_hf(llm):
+def test_default_model_tokenizes_like_hf(smollm2_llm):
     """Our torch-free GGUF tokenizer against transformers' reading of the same GGUF."""
     from transformers import AutoTokenizer
 
@@ -37,7 +31,7 @@ def test_default_model_tokenizes_like_hf(llm):
 
     gguf = resolve_default_model()
     hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    ours = llm.get_tokenizer()
+    ours = smollm2_llm.get_tokenizer()
     texts = PROMPTS + [
         "The year 2050 has 12345 days!",
         "  spaces   and\ttabs\nnewlines",
