@@ -33,7 +33,13 @@ usage="usage: bash tools/gpu_session.sh STEP [STEP...] (check bench-decode bench
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
-if [ $# -gt 1 ] || [ -z "${GPU_SESSION_ONE:-}" ]; then
+if [ -z "${GPU_SESSION_ONE:-}" ]; then  # the parent: install once, then one child per step
+    export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
     deadline=$((SECONDS + ${BUDGET_S:-560}))
     status=0
     for step in "$@"; do
@@ -51,12 +57,6 @@ if [ $# -gt 1 ] || [ -z "${GPU_SESSION_ONE:-}" ]; then
     exit $status
 fi
 step=$1
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 
 throughput() {  # model directory (config.json only), then extra flags
     local model=$1
