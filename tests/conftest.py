@@ -20,6 +20,17 @@ from jvllm.models.llama import compute_logits, forward
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+# Token-id prompts of different lengths for one batch: 1 token, under a page, page boundaries,
+# longer than the others.
+RAGGED_PROMPTS = [
+    [17],
+    [5, 900, 77, 12000, 3],
+    list(range(1000, 1016)),
+    list(range(2000, 2017)),
+    [(i * 7919) % 40000 + 100 for i in range(45)],
+]
+
+
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' greedy continuation of one prompt (stops at EOS like the engine)."""
     with torch.inference_mode():

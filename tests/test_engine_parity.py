@@ -1,18 +1,11 @@
 """Greedy outputs of the whole engine, token for token against HF transformers."""
 
 import pytest
+from conftest import RAGGED_PROMPTS as PROMPTS
 from conftest import hf_greedy
 
 from jvllm import LLM, SamplingParams
 
-# Prompts of different lengths in one batch: 1 token, under a page, page boundaries, longer.
-PROMPTS = [
-    [17],
-    [5, 900, 77, 12000, 3],
-    list(range(1000, 1016)),
-    list(range(2000, 2017)),
-    [(i * 7919) % 40000 + 100 for i in range(45)],
-]
 MAX_TOKENS = 24
 
 

@@ -281,3 +281,62 @@ def test_duplicate_request_id_is_rejected():
     add(scheduler, "a")
     with pytest.raises(ValueError, match="already"):
         add(scheduler, "a")
+
+
+def _window_step(scheduler):
+    """A step whose window rows sample their whole limit of fake tokens (as the device would,
+    save for stops, which the scheduler checks itself)."""
+    output = scheduler.schedule()
+    sampled = {}
+    for r in output.scheduled_requests:
+        tokens, probe = [], Request("probe", r.all_token_ids, r.sampling_params, EOS)
+        for _ in range(output.window_limits.get(r.request_id, 1)):
+            tokens.append(fake_next_token(probe))
+            probe.append_output_token_ids(tokens[-1])
+        sampled[r.request_id] = tokens if output.num_steps > 1 else tokens[0]
+    return output, scheduler.update_from_output(output, sampled)
+
+
+def test_decode_windows_cover_their_tokens_with_blocks_and_stop_at_each_limit():
+    scheduler = make_scheduler(num_scheduler_steps=8, max_model_len=40)
+    short = add(scheduler, "short", max_tokens=5)
+    long = add(scheduler, "long", first_token=200, max_tokens=30)
+    held = add(scheduler, "held", first_token=300, max_tokens=20, min_tokens=4)
+    output, _ = _window_step(scheduler)  # the prefills: one step, one token each
+    assert output.num_steps == 1
+    output, finished = _window_step(scheduler)
+    assert output.num_steps == 8
+    # max_tokens, min_tokens (the window stops where the stop checks change) and the window.
+    assert output.window_limits == {"short": 4, "long": 8, "held": 3}
+    kv = scheduler.kv_cache_manager
+    assert len(kv.get_block_ids("long")) * 4 >= long.num_computed_tokens + 1
+    assert finished == [short] and short.num_output_tokens == 5
+    assert (long.num_output_tokens, held.num_output_tokens) == (9, 4)
+    for request in (long, held):
+        assert request.num_computed_tokens == request.num_tokens - 1
+    while scheduler.has_unfinished_requests():
+        _window_step(scheduler)
+    assert long.num_tokens == 35 and held.num_output_tokens == 20
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_a_waiting_request_that_fits_is_prefilled_before_any_window():
+    scheduler = make_scheduler(num_scheduler_steps=4)
+    add(scheduler, "a")
+    _window_step(scheduler)
+    add(scheduler, "b", first_token=200)
+    output, _ = _window_step(scheduler)
+    assert output.num_steps == 1 and output.num_scheduled_tokens == {"a": 1, "b": 5}
+    assert _window_step(scheduler)[0].num_steps == 4
+
+
+def test_a_window_short_of_blocks_falls_back_to_a_single_step():
+    # 8 usable blocks of 4: two prompts of 14 tokens hold 4 each; their next token still fits,
+    # a window of 4 would need a fifth block each.
+    scheduler = make_scheduler(num_blocks=9, num_scheduler_steps=4)
+    add(scheduler, "a", num_prompt_tokens=14, max_tokens=8)
+    add(scheduler, "b", num_prompt_tokens=14, first_token=200, max_tokens=8)
+    _window_step(scheduler)
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    output, _ = _window_step(scheduler)
+    assert output.num_steps == 1 and not output.preempted_requests

@@ -18,9 +18,17 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    # Decode steps one device call may run when every running request decodes (see
+    # core/decode_window.py); 1 = one step per call.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "num_scheduler_steps",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jvllm.core.config import SchedulerConfig
+from jvllm.core.decode_window import fits_window, window_limit
 from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.core.request import Request, RequestStatus
 
@@ -28,6 +29,11 @@ class SchedulerOutput:
     preempted_requests: list[Request] = field(default_factory=list)
     # Requests finished by schedule() itself (FINISHED_IGNORED: they can never fit).
     finished_requests: list[Request] = field(default_factory=list)
+    # A decode window (num_steps > 1): every request decodes, and request r samples up to
+    # window_limits[r] tokens in one device call, each fed back as the next input. Its blocks
+    # already cover them.
+    num_steps: int = 1
+    window_limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -81,17 +87,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # A step that had to preempt is short of blocks: admitting now would only thrash.
-        if not output.preempted_requests:
-            self._schedule_waiting(output, token_budget)
+        num_steps = self._window_steps()
+        if num_steps > 1:
+            self._schedule_window(output, num_steps)
+        else:
+            token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+            # A step that had to preempt is short of blocks: admitting now would only thrash.
+            if not output.preempted_requests:
+                self._schedule_waiting(output, token_budget)
         for request in output.scheduled_requests:
             output.block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
                 request.request_id
             )
         logger.debug(
-            "schedule: %d requests, %d tokens, %d preempted, %d ignored; %d running, %d waiting, "
+            "schedule: %d steps, %d requests, %d tokens, %d preempted, %d ignored; %d running, %d waiting, "
             "KV usage %.1f%%",
+            output.num_steps,
             len(output.scheduled_requests),
             output.total_num_scheduled_tokens,
             len(output.preempted_requests),
@@ -107,8 +118,11 @@ class Scheduler:
     ) -> list[Request]:
         """Advance the counters, append the tokens of requests that caught up, check stops.
 
-        Returns every request finished in this step: the IGNORED ones from `schedule()`, then
-        those that stopped now. They have left `running` and their blocks are freed.
+        A request's sampled tokens are an int, or a list of them from a decode window: each
+        token after the first was computed in the window (its KV is in the cache), and tokens
+        after one that stops the request are dropped. Returns every request finished in this
+        step: the IGNORED ones from `schedule()`, then those that stopped now. They have left
+        `running` and their blocks are freed.
         """
         stopped = []
         for request in scheduler_output.scheduled_requests:
@@ -122,14 +136,17 @@ class Scheduler:
             # A mid-prefill chunk samples nothing, whatever the runner returned for it.
             if request.num_computed_tokens < request.num_tokens:
                 continue
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            token_ids = sampled_token_ids.get(request.request_id)
+            if token_ids is None:
                 continue
-            request.append_output_token_ids(token_id)
-            self.num_generation_tokens_total += 1
-            if self._check_stop(request):
-                stopped.append(request)
-                self._free_finished(request)
+            for i, token_id in enumerate([token_ids] if isinstance(token_ids, int) else token_ids):
+                request.num_computed_tokens += i > 0
+                request.append_output_token_ids(token_id)
+                self.num_generation_tokens_total += 1
+                if self._check_stop(request):
+                    stopped.append(request)
+                    self._free_finished(request)
+                    break
         if stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return scheduler_output.finished_requests + stopped
@@ -150,6 +167,38 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._free_finished(request)
+
+    def _window_steps(self) -> int:
+        """k when this step can be a decode window of k = num_scheduler_steps, else 1: every
+        running request decodes and fits a window, no waiting request could be admitted now,
+        and the free blocks cover every request's window without preempting."""
+        num_steps, kv = self.config.num_scheduler_steps, self.kv_cache_manager
+        if num_steps == 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return 1  # prefill the newcomers now rather than after a window
+        if len(self.running) > self.config.max_num_batched_tokens:
+            return 1
+        num_blocks = 0
+        for request in self.running:
+            if request.num_computed_tokens != request.num_tokens - 1 or not fits_window(request):
+                return 1
+            limit = window_limit(request, num_steps, self.config.max_model_len)
+            num_tokens = request.num_computed_tokens + limit
+            num_blocks += cdiv(num_tokens, kv.block_size) - len(
+                kv.get_block_ids(request.request_id)
+            )
+        return num_steps if num_blocks <= kv.num_free_blocks else 1
+
+    def _schedule_window(self, output: SchedulerOutput, num_steps: int) -> None:
+        output.num_steps = num_steps
+        for request in self.running:
+            limit = window_limit(request, num_steps, self.config.max_model_len)
+            # Blocks for every token the window may compute: _window_steps counted them.
+            self.kv_cache_manager.allocate_slots(request, limit)
+            output.scheduled_requests.append(request)
+            output.num_scheduled_tokens[request.request_id] = 1
+            output.window_limits[request.request_id] = limit
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
         index = 0

@@ -30,6 +30,9 @@ class EngineArgs:
     # on a compile. The server sets True.
     compile_all_buckets: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # Decode steps per device call while every running request decodes (vLLM's multi-step
+    # scheduling; docs/design.md "Decode windows"); 1 = one step per call.
+    num_scheduler_steps: int = 1
     # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
     # "vllm": ignore it; or a directory holding one.
     generation_config: str = "auto"
@@ -42,6 +45,7 @@ class EngineArgs:
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("num_scheduler_steps", self.num_scheduler_steps)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory_bytes is not None:

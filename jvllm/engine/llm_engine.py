@@ -74,6 +74,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                num_scheduler_steps=args.num_scheduler_steps,
             ),
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
         )
@@ -87,6 +88,7 @@ class LLMEngine:
             attention_backend=self.attention_backend,
             max_logprobs=args.max_logprobs,
             max_num_seqs=args.max_num_seqs,
+            num_scheduler_steps=args.num_scheduler_steps,
         )
         if args.compile_all_buckets:
             self.model_runner.compile_all()
@@ -239,21 +241,25 @@ class LLMEngine:
 
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
-    ) -> tuple[dict[str, int], list[Request]]:
-        """Hand the sampled tokens to the scheduler -> (request id -> token, finished requests).
+    ) -> tuple[dict[str, int | list[int]], list[Request]]:
+        """Hand the sampled tokens to the scheduler -> (request id -> token(s), finished).
 
         Logprobs are recorded around it: the prompt's before (they belong to the tokens computed
-        so far), the sampled token's after it is appended, for the requests that sampled (known
-        only before the update)."""
+        so far), the sampled tokens' after they are appended, for the requests that sampled
+        (known only before the update)."""
         if runner_output is None:
             return {}, self.scheduler.update_from_output(scheduler_output, {})
         requests = scheduler_output.scheduled_requests
         sampling = [r for r in requests if scheduler_output.will_sample(r)]
+        num_outputs = {r.request_id: r.num_output_tokens for r in sampling}
         tokens = runner_output.sampled_token_ids
-        sampled = {r.request_id: int(t) for r, t in zip(requests, tokens)}
+        if scheduler_output.num_steps > 1:
+            sampled = {r.request_id: t for r, t in zip(requests, tokens)}
+        else:
+            sampled = {r.request_id: int(t) for r, t in zip(requests, tokens)}
         self._record_prompt_logprobs(scheduler_output, runner_output)
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
-        self._record_logprobs(scheduler_output, runner_output, sampling)
+        self._record_logprobs(scheduler_output, runner_output, sampling, num_outputs)
         return sampled, finished
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
@@ -299,8 +305,12 @@ class LLMEngine:
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
         sampling: list[Request],
+        num_outputs: dict[str, int],
     ) -> None:
-        """Metrics of every request that got a token, and logprobs of those that asked."""
+        """Metrics of every request that got tokens, and logprobs of those that asked.
+
+        `num_outputs` is each request's output count before the update: the tokens after it
+        are new (a decode window's logprob arrays have a step axis in front)."""
         now = time.time()
         rows = {r.request_id: i for i, r in enumerate(scheduler_output.scheduled_requests)}
         for request in sampling:
@@ -309,11 +319,14 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            if runner_output.logprobs is not None and request.sampling_params.logprobs is not None:
-                top_ids, top_lps, token_lps, ranks = runner_output.logprobs
-                i = rows[request.request_id]
+            if runner_output.logprobs is None or request.sampling_params.logprobs is None:
+                continue
+            top_ids, top_lps, token_lps, ranks = runner_output.logprobs
+            i, first = rows[request.request_id], num_outputs[request.request_id]
+            for j, token_id in enumerate(request.output_token_ids[first:]):
+                at = (j, i) if scheduler_output.num_steps > 1 else (i,)
                 self.output_processor.add_logprobs(
-                    request, top_ids[i], top_lps[i], token_lps[i], ranks[i]
+                    request, token_id, top_ids[at], top_lps[at], token_lps[at], ranks[at]
                 )
 
     def _process_outputs(

@@ -70,12 +70,13 @@ class OutputProcessor:
     def _decoder(self, request: Request):
         return self._decode if request.sampling_params.detokenize else (lambda _: None)
 
-    def add_logprobs(self, request: Request, top_ids, top_logprobs, token_logprob, rank) -> None:
-        """Record the logprobs of the request's newest output token (one row of the runner's)."""
+    def add_logprobs(
+        self, request: Request, token_id: int, top_ids, top_logprobs, token_logprob, rank
+    ) -> None:
+        """Record the logprobs of the request's next output token (one row of the runner's)."""
         state = self._states[request.request_id]
         if state.logprobs is None:
             return
-        token_id = request.output_token_ids[-1]
         state.logprobs.append(
             logprobs_entry(
                 request.sampling_params.logprobs,
@@ -114,14 +115,18 @@ class OutputProcessor:
             )
 
     def detokenize(self, request: Request) -> str | None:
-        """Detokenize the request's new tokens; returns the stop string it hit, if any."""
+        """Detokenize the request's new tokens; returns the stop string it hit, if any.
+
+        The output tokens after the one that completes a stop string are dropped from the
+        request (and from its logprobs): a decode window may have sampled some."""
         state = self._states[request.request_id]
         params = request.sampling_params
-        new_tokens = request.output_token_ids[state.num_processed :]
+        first = state.num_processed
+        new_tokens = request.output_token_ids[first:]
         state.num_processed = len(request.output_token_ids)
         if state.detokenizer is None or request.status == RequestStatus.FINISHED_ABORTED:
             return None
-        for token in new_tokens:
+        for i, token in enumerate(new_tokens):
             delta = state.detokenizer.add_token(token)
             state.text += delta
             if not delta or not params.stop:
@@ -132,8 +137,21 @@ class OutputProcessor:
                 state.text = state.text[
                     : idx + len(stop) if params.include_stop_str_in_output else idx
                 ]
+                self._drop_tokens_after(request, state, first + i + 1)
                 return stop
         return None
+
+    def _drop_tokens_after(self, request: Request, state: _RequestState, num_kept: int) -> None:
+        num_dropped = request.num_output_tokens - num_kept
+        if num_dropped <= 0:
+            return
+        del request.output_token_ids[num_kept:]
+        del request.all_token_ids[request.num_prompt_tokens + num_kept :]
+        state.num_processed = num_kept
+        if state.logprobs is not None:  # each entry's first key is its sampled token
+            dropped = state.logprobs[num_kept:]
+            del state.logprobs[num_kept:]
+            state.cumulative_logprob -= sum(next(iter(e.values())).logprob for e in dropped)
 
     def make_output(self, request: Request) -> RequestOutput | None:
         """This step's output of the request under its output kind; None when there is nothing

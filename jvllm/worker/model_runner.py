@@ -20,6 +20,7 @@ from jvllm.sample.sampler import sample_step
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.decode_loop import prepare_window_inputs, run_window
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
@@ -71,9 +72,12 @@ def _step(
 @dataclasses.dataclass
 class ModelRunnerOutput:
     """One step's results on the host, rows in scheduled-request order; the logprob fields are
-    None when no request of the step asked for them."""
+    None when no request of the step asked for them.
 
-    sampled_token_ids: np.ndarray  # i32[num_reqs]
+    A decode window returns each request's samples as a list (up to its window limit) and its
+    logprob arrays with a leading step axis [k, num_reqs, ...]."""
+
+    sampled_token_ids: np.ndarray | list[list[int]]  # i32[num_reqs], or a list per request
     logprobs: tuple[np.ndarray, ...] | None = None  # top ids, top logprobs, sampled lp, rank
     prompt_logprobs: tuple[np.ndarray, ...] | None = None  # the same per scheduled token [T]
 
@@ -108,6 +112,7 @@ class ModelRunner:
         attention_backend: str,
         max_logprobs: int = 20,
         max_num_seqs: int = 128,
+        num_scheduler_steps: int = 1,
     ):
         self.config = config
         self.params = params
@@ -129,11 +134,18 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         enable_compilation_cache()
         attn = get_attention(attention_backend, sm_scale=config.head_dim**-0.5)
-        self._step_fn = jax.jit(
-            functools.partial(_step, config=config, attn=attn, max_logprobs=max_logprobs),
+        step = functools.partial(_step, config=config, attn=attn, max_logprobs=max_logprobs)
+        self._step_fn = jax.jit(step, donate_argnums=(1, 2))
+        # Decode windows: one more executable per decode bucket, for up to k steps a call.
+        self.num_scheduler_steps = num_scheduler_steps
+        self._window_fn = jax.jit(
+            functools.partial(
+                run_window, step=step, num_steps=num_scheduler_steps, max_logprobs=max_logprobs
+            ),
             donate_argnums=(1, 2),
         )
-        self._executables: dict[Bucket, jax.stages.Compiled] = {}
+        # (bucket, is a decode window) -> executable
+        self._executables: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmup_seconds = 0.0
         # Where execute_model's time goes: calling the executable until it returns (argument
@@ -155,22 +167,32 @@ class ModelRunner:
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows),
         )
 
-    def _compile(self, bucket: Bucket, state) -> jax.stages.Compiled:
+    def _shapes(self) -> list[tuple[Bucket, bool]]:
+        """Every (bucket, is a decode window) this runner can run."""
+        buckets = self.buckets.all_buckets()
+        windows = [b for b in buckets if b.is_decode] if self.num_scheduler_steps > 1 else []
+        return [(b, False) for b in buckets] + [(b, True) for b in windows]
+
+    def _compile(self, shape: tuple[Bucket, bool], state) -> jax.stages.Compiled:
+        bucket, is_window = shape
         dummy = prepare_step_inputs([], [], [], bucket, self.block_size, self.max_pages)
+        if is_window:
+            window = prepare_window_inputs([], [], bucket.num_seqs)
+            return self._window_fn.lower(*state, dummy, window).compile()
         return self._step_fn.lower(*state, dummy).compile()
 
-    def _executable(self, bucket: Bucket) -> jax.stages.Compiled:
-        exe = self._executables.get(bucket)
+    def _executable(self, bucket: Bucket, is_window: bool = False) -> jax.stages.Compiled:
+        exe = self._executables.get((bucket, is_window))
         if exe is None:
             start = time.perf_counter()
-            exe = self._executables[bucket] = self._compile(bucket, self._abstract_state())
+            shape = (bucket, is_window)
+            exe = self._executables[shape] = self._compile(shape, self._abstract_state())
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             logger.info(
-                "compiled bucket (tokens=%d, seqs=%d) on first use in %.1fs "
+                "compiled %s on first use in %.1fs "
                 "(compile_all_buckets=True compiles every bucket at start-up)",
-                bucket.num_tokens,
-                bucket.num_seqs,
+                _describe(bucket, is_window, self.num_scheduler_steps),
                 seconds,
             )
         return exe
@@ -182,22 +204,22 @@ class ModelRunner:
         core (14 buckets of SmolLM2: 24 s one at a time, 16 s two at a time). Each bucket's
         warm-up run is dispatched as soon as it is ready and executes alongside the compiles.
         """
-        buckets = self.buckets.all_buckets()
+        shapes = self._shapes()
         start = time.perf_counter()
         state = self._abstract_state()
         with concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS) as pool:
-            futures = [pool.submit(self._compile, bucket, state) for bucket in buckets]
-            for i, (bucket, future) in enumerate(zip(buckets, futures, strict=True)):
-                self._executables[bucket] = future.result()
+            futures = [pool.submit(self._compile, shape, state) for shape in shapes]
+            for i, (shape, future) in enumerate(zip(shapes, futures, strict=True)):
+                self._executables[shape] = future.result()
                 if progress:
                     logger.info(
-                        "compiled bucket %d/%d (tokens=%d, seqs=%d)",
+                        "compiled %d/%d: %s",
                         i + 1,
-                        len(buckets),
-                        bucket.num_tokens,
-                        bucket.num_seqs,
+                        len(shapes),
+                        _describe(*shape, self.num_scheduler_steps),
                     )
-                self._warm_up(bucket)
+                if not shape[1]:
+                    self._warm_up(shape[0])
         rows = self.bias_rows.rows
         self._set_bias_row.lower(rows, np.int32(0), np.zeros(rows.shape[1], np.float32)).compile()
         compile_seconds = time.perf_counter() - start
@@ -205,8 +227,8 @@ class ModelRunner:
         self.compile_seconds += compile_seconds
         self.warmup_seconds += time.perf_counter() - start - compile_seconds
         logger.info(
-            "compiled %d buckets in %.1fs, then waited %.1fs for their warm-up runs",
-            len(buckets),
+            "compiled %d executables in %.1fs, then waited %.1fs for their warm-up runs",
+            len(shapes),
             compile_seconds,
             self.warmup_seconds,
         )
@@ -234,10 +256,12 @@ class ModelRunner:
         self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
     ) -> ModelRunnerOutput:
         """Run one scheduled step: the sampled token of every scheduled request, in order, and
-        the logprobs that any of them asked for."""
+        the logprobs that any of them asked for; a decode window's tokens as a list each."""
         requests = scheduler_output.scheduled_requests
+        num_reqs = len(requests)
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
-        bucket = self.buckets.select(sum(counts), len(requests))
+        is_window = scheduler_output.num_steps > 1
+        bucket = self.buckets.select(sum(counts), num_reqs)
         inputs = prepare_step_inputs(
             requests,
             counts,
@@ -247,15 +271,22 @@ class ModelRunner:
             self.max_pages,
             self.bias_rows.slots_for(requests),
         )
+        args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
+        if is_window:
+            limits = [scheduler_output.window_limits[r.request_id] for r in requests]
+            args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
         start = time.perf_counter()
-        out, self.kv_cache, self.token_cache = self._executable(bucket)(
-            self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs
-        )
+        out, self.kv_cache, self.token_cache = self._executable(bucket, is_window)(*args)
         dispatched = time.perf_counter()
-        num_reqs = len(requests)
-        result = ModelRunnerOutput(np.asarray(out.sampled_token_ids)[:num_reqs])
+        if is_window:
+            token_ids = np.asarray(out.token_ids)[:, :num_reqs]  # [k, R]
+            num_sampled = np.asarray(out.num_sampled)[:num_reqs].tolist()
+            sampled = [token_ids[:n, i].tolist() for i, n in enumerate(num_sampled)]
+        else:
+            sampled = np.asarray(out.sampled_token_ids)[:num_reqs]
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
+        result = ModelRunnerOutput(sampled)
         if inputs.sampling.any_logprobs:
             fields = (
                 out.topk_token_ids,
@@ -263,8 +294,9 @@ class ModelRunner:
                 out.sampled_logprobs,
                 out.sampled_ranks,
             )
-            result.logprobs = tuple(np.asarray(f)[:num_reqs] for f in fields)
-        if inputs.sampling.any_prompt_logprobs:
+            rows = (slice(None), slice(num_reqs)) if is_window else slice(num_reqs)
+            result.logprobs = tuple(np.asarray(f)[rows] for f in fields)
+        if not is_window and inputs.sampling.any_prompt_logprobs:
             fields = (
                 out.prompt_topk_token_ids,
                 out.prompt_topk_logprobs,
@@ -273,3 +305,11 @@ class ModelRunner:
             )
             result.prompt_logprobs = tuple(np.asarray(f) for f in fields)
         return result
+
+
+def _describe(bucket: Bucket, is_window: bool, num_steps: int) -> str:
+    """A shape's name in log lines; every executable gets its own."""
+    if bucket.is_decode:
+        what = f"decode bucket (seqs={bucket.num_seqs})"
+        return f"{what}, {num_steps}-step window" if is_window else what
+    return f"mixed bucket (tokens={bucket.num_tokens}, seqs={bucket.num_seqs})"

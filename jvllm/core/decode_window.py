@@ -1,0 +1,50 @@
+"""Multi-step decode on the host side: which requests a decode window can carry, and how far.
+
+A decode window (`num_scheduler_steps=k`) runs up to k decode steps in one device call, each
+sampled token fed back as the next input. The device stops a row by itself at its EOS, a stop
+token id or its limit, so everything that decides when a request stops must be known before the
+call; what cannot be (multi-token bad words, whose bans follow the tokens just sampled) makes
+the step a single one. Stop strings need the text: the host checks them afterwards and drops the
+tokens past a stop.
+"""
+
+from jvllm.core.request import Request
+
+# Stop token ids a row carries into the window (the request's own plus the model's other EOS
+# ids): a request with more runs in single steps.
+MAX_WINDOW_STOP_IDS = 16
+
+
+def fits_window(request: Request) -> bool:
+    """Whether the request's stops and logit processors can run inside a decode window."""
+    if any(len(word) > 1 for word in request.bad_words_token_ids):
+        return False
+    return len(window_stop_token_ids(request)) <= MAX_WINDOW_STOP_IDS
+
+
+def window_limit(request: Request, num_steps: int, max_model_len: int) -> int:
+    """The most tokens a decoding request may sample in a window of `num_steps` (>= 1).
+
+    Besides max_tokens and max_model_len, a request below min_tokens stops at min_tokens, so
+    that its banned stop ids and its stop checks stay the same for the whole window."""
+    params = request.sampling_params
+    limit = min(
+        num_steps,
+        params.max_tokens - request.num_output_tokens,
+        max_model_len - request.num_tokens,
+    )
+    if request.num_output_tokens < params.min_tokens:
+        limit = min(limit, params.min_tokens - request.num_output_tokens)
+    return max(limit, 1)
+
+
+def window_stop_token_ids(request: Request) -> list[int]:
+    """The token ids that end the request inside the window: none below min_tokens (they are
+    banned there), else its stop token ids and its EOS id unless it ignores EOS."""
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return []
+    ids = list(params.stop_token_ids)
+    if not params.ignore_eos and request.eos_token_id is not None:
+        ids.append(request.eos_token_id)
+    return ids

@@ -1,0 +1,152 @@
+"""Decode steps chained on the device: each sampled token is the next step's input.
+
+The engine's decode window (`num_scheduler_steps`) and the public step loop (jvllm/step_loop.py)
+both run `decode_step` over a `DecodeCarry`. A row decodes while it is active; it stops, on the
+device, after sampling one of its stop token ids or its limit of tokens, and from then on writes
+only the null page (slot 0) and its samples are ignored.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.core.decode_window import MAX_WINDOW_STOP_IDS, window_stop_token_ids
+from jvllm.core.request import Request
+from jvllm.sample.metadata import SamplerOutput
+from jvllm.worker.step_inputs import StepInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowInputs:
+    """Per-row stops of a decode window, one row per sequence of the decode bucket."""
+
+    limits: jax.Array  # i32[S] the most tokens each row samples; 0 = a padding row
+    stop_token_ids: jax.Array  # i32[S, W] ids that end the row; pad -1
+
+
+def prepare_window_inputs(
+    requests: list[Request], limits: list[int], num_seqs: int
+) -> WindowInputs:
+    stop_ids = np.full((num_seqs, MAX_WINDOW_STOP_IDS), -1, np.int32)
+    for s, request in enumerate(requests):
+        ids = window_stop_token_ids(request)
+        stop_ids[s, : len(ids)] = ids
+    padded_limits = np.zeros(num_seqs, np.int32)
+    padded_limits[: len(limits)] = limits
+    return WindowInputs(padded_limits, stop_ids)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeCarry:
+    """What changes from one decode step to the next."""
+
+    kv_cache: jax.Array  # [L, 2, K, P, B, H]
+    token_cache: jax.Array  # i32[P, B]
+    inputs: StepInputs  # the next step's inputs (a decode bucket: T = S)
+    num_sampled: jax.Array  # i32[S] tokens each row sampled so far
+    active: jax.Array  # bool[S] rows still decoding
+
+
+def advance_inputs(
+    inputs: StepInputs, sampled: jax.Array, active: jax.Array, block_size: int
+) -> StepInputs:
+    """The next decode step's inputs: each active row's sampled token i32[S] at its next
+    position, written at that position's slot; inactive rows write the null page."""
+    md = inputs.attn
+    positions = inputs.positions + active  # [S]
+    pages = jnp.take_along_axis(md.block_tables, (positions // block_size)[:, None], axis=1)[:, 0]
+    slot_mapping = jnp.where(active, pages * block_size + positions % block_size, 0)
+    (tiles,) = md.tiles  # one-query tiles; padding tiles read nothing and stay so
+    grows = active[tiles.seq][:, None] & (tiles.kv_lens > 0)  # [NT, 1]
+    attn = dataclasses.replace(
+        md,
+        slot_mapping=slot_mapping,
+        seq_lens=md.seq_lens + active,
+        tiles=(dataclasses.replace(tiles, kv_lens=tiles.kv_lens + grows),),
+    )
+    sampling = dataclasses.replace(
+        inputs.sampling, output_index=inputs.sampling.output_index + active
+    )
+    return StepInputs(sampled, positions, attn, sampling)
+
+
+def decode_step(
+    step, params, bias_rows, window: WindowInputs, carry: DecodeCarry
+) -> tuple[DecodeCarry, SamplerOutput]:
+    """One decode step of every row, then the inputs of the next -> (carry, this step's output).
+
+    `step` is the engine's jitted step body (model_runner._step with its statics bound)."""
+    out, kv_cache, token_cache = step(
+        params, carry.kv_cache, carry.token_cache, bias_rows, carry.inputs
+    )
+    sampled = out.sampled_token_ids  # [S]
+    num_sampled = carry.num_sampled + carry.active
+    stopped = jnp.any(sampled[:, None] == window.stop_token_ids, axis=1)
+    active = carry.active & ~stopped & (num_sampled < window.limits)
+    block_size = token_cache.shape[1]
+    inputs = advance_inputs(carry.inputs, sampled, active, block_size)
+    return DecodeCarry(kv_cache, token_cache, inputs, num_sampled, active), out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowOutput:
+    """A window's samples, step-major; entries past a row's `num_sampled` are meaningless."""
+
+    token_ids: jax.Array  # i32[k, S]
+    num_sampled: jax.Array  # i32[S]
+    topk_token_ids: jax.Array  # i32[k, S, K] (zeros unless some row asked for logprobs)
+    topk_logprobs: jax.Array  # f32[k, S, K]
+    sampled_logprobs: jax.Array  # f32[k, S]
+    sampled_ranks: jax.Array  # i32[k, S]
+
+
+def run_window(
+    params,
+    kv_cache,
+    token_cache,
+    bias_rows,
+    inputs: StepInputs,
+    window: WindowInputs,
+    *,
+    step,
+    num_steps: int,
+    max_logprobs: int,
+) -> tuple[WindowOutput, jax.Array, jax.Array]:
+    """Up to `num_steps` decode steps in one call, until every row has stopped
+    -> (WindowOutput, kv_cache, token_cache)."""
+    num_seqs, k = window.limits.shape[0], max(max_logprobs, 1)
+    active = window.limits > 0
+    carry = DecodeCarry(kv_cache, token_cache, inputs, jnp.zeros(num_seqs, jnp.int32), active)
+    out = WindowOutput(
+        token_ids=jnp.zeros((num_steps, num_seqs), jnp.int32),
+        num_sampled=carry.num_sampled,
+        topk_token_ids=jnp.zeros((num_steps, num_seqs, k), jnp.int32),
+        topk_logprobs=jnp.zeros((num_steps, num_seqs, k), jnp.float32),
+        sampled_logprobs=jnp.zeros((num_steps, num_seqs), jnp.float32),
+        sampled_ranks=jnp.zeros((num_steps, num_seqs), jnp.int32),
+    )
+
+    def keep_going(state):
+        j, carry, _ = state
+        return (j < num_steps) & jnp.any(carry.active)
+
+    def body(state):
+        j, carry, out = state
+        carry, step_out = decode_step(step, params, bias_rows, window, carry)
+        out = WindowOutput(
+            token_ids=out.token_ids.at[j].set(step_out.sampled_token_ids),
+            num_sampled=carry.num_sampled,
+            topk_token_ids=out.topk_token_ids.at[j].set(step_out.topk_token_ids),
+            topk_logprobs=out.topk_logprobs.at[j].set(step_out.topk_logprobs),
+            sampled_logprobs=out.sampled_logprobs.at[j].set(step_out.sampled_logprobs),
+            sampled_ranks=out.sampled_ranks.at[j].set(step_out.sampled_ranks),
+        )
+        return j + 1, carry, out
+
+    _, carry, out = jax.lax.while_loop(keep_going, body, (jnp.int32(0), carry, out))
+    return out, carry.kv_cache, carry.token_cache

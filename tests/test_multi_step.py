@@ -1,0 +1,200 @@
+"""Decode windows (`num_scheduler_steps=k`): the same tokens, logprobs and finishes as k = 1."""
+
+import json
+import os
+import shutil
+
+import pytest
+from conftest import RAGGED_PROMPTS as PROMPTS
+
+from jvllm import LLM, LLMEngine, SamplingParams
+
+ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    """One LLM per k on the tiny model, made on first use."""
+    made = {}
+
+    def get(k: int, model: str = tiny_llama_dir, **kwargs) -> LLM:
+        key = (k, model, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = LLM(model, num_scheduler_steps=k, **ENGINE_KWARGS, **kwargs)
+        return made[key]
+
+    return get
+
+
+def _summary(outputs) -> list[tuple]:
+    """Everything a request's output says, per sample, for comparisons across k."""
+    return [
+        [
+            (
+                c.index,
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
+                c.logprobs,
+                c.cumulative_logprob,
+            )
+            for c in o.outputs
+        ]
+        for o in outputs
+    ]
+
+
+def _generate(llm: LLM, params, prompts=PROMPTS) -> list[tuple]:
+    outputs = _summary(llm.generate(prompts, params, use_tqdm=False))
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks  # every block came back
+    return outputs
+
+
+@pytest.mark.parametrize("k", [2, 4, 16])
+def test_greedy_and_seeded_sampling_match_single_steps(engines, k):
+    greedy = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=40, seed=7, max_tokens=19, ignore_eos=True
+    )
+    for params in (greedy, seeded):
+        assert _generate(engines(k), params) == _generate(engines(1), params)
+
+
+def test_stops_inside_a_window_match_single_steps(engines):
+    """Stop token ids, stop strings and max_tokens that fall mid-window, min_tokens that holds
+    stops back, penalties, logit bias and logprobs."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    free = engines(1).generate(PROMPTS, greedy, use_tqdm=False)
+    # Ids and text that the free runs produce after their 7th token: windows of 4 start at
+    # tokens 2, 6, 10 (the prefill samples the first).
+    stop_ids = [o.outputs[0].token_ids[6] for o in free[:3]]
+    stop_text = free[3].outputs[0].text[len(free[3].outputs[0].text) // 3 :][:3]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=stop_ids),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_text], ignore_eos=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=30, stop=[stop_text], include_stop_str_in_output=True
+        ),
+        SamplingParams(temperature=0.0, max_tokens=13, min_tokens=9, stop_token_ids=stop_ids),
+        SamplingParams(
+            temperature=1.0,
+            seed=11,
+            max_tokens=22,
+            presence_penalty=0.8,
+            frequency_penalty=0.3,
+            repetition_penalty=1.3,
+            logit_bias={stop_ids[0]: 4.0, 500: -100.0},
+            logprobs=3,
+        ),
+        SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, bad_words=["the cat"]),
+    ]
+    for params in cases:
+        expected = _generate(engines(1), params)
+        assert _generate(engines(4), params) == expected
+        assert _generate(engines(16), params) == expected
+    by_id, by_text = _generate(engines(4), cases[0]), _generate(engines(4), cases[1])
+    assert any(c[0][3] == "stop" and len(c[0][1]) <= 7 for c in by_id)
+    assert any(c[0][4] == stop_text for c in by_text)
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(tmp_path_factory, tiny_llama_dir, engines):
+    """The tiny model with its EOS id set to a token its greedy runs produce mid-way."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = engines(1).generate(PROMPTS[1:2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    path = str(tmp_path_factory.mktemp("tiny_eos"))
+    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["eos_token_id"] = out[6]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def test_eos_inside_a_window_matches_single_steps(engines, eos_model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    expected = _generate(engines(1, eos_model_dir), params)
+    assert any(c[0][3] == "stop" for c in expected)
+    assert _generate(engines(4, eos_model_dir), params) == expected
+
+
+def test_parallel_samples_and_prefix_hits_match_single_steps(engines):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=15, ignore_eos=True)
+    shared = [(i * 31) % 30000 + 500 for i in range(40)]
+    prompts = [shared + [11, 12], shared + [13, 14, 15]]
+    for k in (1, 4):
+        engines(k).llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    expected = _generate(engines(1), params, prompts)
+    windowed = engines(4).generate(prompts, params, use_tqdm=False)
+    assert _summary(windowed) == expected
+    assert windowed[1].num_cached_tokens == 32
+
+
+def _step_engine(engine: LLMEngine, script: dict[int, callable]) -> dict[str, list[int]]:
+    """Step until done, running script[i] before step i; -> each request's final tokens."""
+    tokens, i = {}, 0
+    while engine.has_unfinished_requests() or i in script:
+        if i in script:
+            script[i](engine)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        i += 1
+    return tokens
+
+
+def test_aborts_and_arrivals_between_windows_match_single_steps(tiny_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for k in (1, 4):
+        engine = LLMEngine(tiny_llama_dir, num_scheduler_steps=k, **ENGINE_KWARGS)
+        script = {
+            0: lambda e: [e.add_request(f"a{i}", p, params) for i, p in enumerate(PROMPTS[:3])],
+            3: lambda e: e.abort_request("a1"),
+            4: lambda e: e.add_request("late", PROMPTS[4], params),
+            6: lambda e: e.add_request("later", PROMPTS[3], params),
+        }
+        results[k] = _step_engine(engine, script)
+        manager = engine.scheduler.kv_cache_manager
+        assert manager.num_free_blocks == manager.num_usable_blocks
+    # The abort lands after a different number of tokens; the others are untouched by it.
+    assert results[4] == results[1]
+    assert results[4].keys() == {"a0", "a2", "late", "later"}
+
+
+def test_forced_preemption_matches_single_steps(engines):
+    """A KV pool too small for every request: windows fall back to single steps when short of
+    blocks, and preempted requests resume with the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    small = {"block_size": 4, "num_gpu_blocks_override": 24}
+    expected = _generate(engines(1, **small), params)
+    llm = engines(4, **small)
+    assert _generate(llm, params) == expected
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_windows_run_fewer_device_calls_and_compile_a_bounded_set(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_scheduler_steps=8, compile_all_buckets=True, **ENGINE_KWARGS)
+    runner = llm.llm_engine.model_runner
+    decode_buckets = [b for b in runner.buckets.all_buckets() if b.is_decode]
+    compiled = runner.num_compilations
+    assert compiled == len(runner.buckets.all_buckets()) + len(decode_buckets)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=33, ignore_eos=True))
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps += 1
+    assert num_steps == 1 + 4  # the prefill samples one token, then 4 windows of 8
+    assert runner.num_compilations == compiled  # nothing compiled on the hot path
+
+
+def test_pallas_backend_windows_match_reference_single_steps(tiny_llama_weights_dir, engines):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = _generate(engines(1, tiny_llama_weights_dir), params, PROMPTS[:3])
+    pallas = engines(4, tiny_llama_weights_dir, attention_backend="pallas")
+    assert _generate(pallas, params, PROMPTS[:3]) == expected
