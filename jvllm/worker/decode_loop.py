@@ -79,7 +79,12 @@ def decode_step(
 ) -> tuple[DecodeCarry, SamplerOutput]:
     """One decode step of every row, then the inputs of the next -> (carry, this step's output).
 
-    `step` is the engine's jitted step body (model_runner._step with its statics bound)."""
+    `step` is the engine's jitted step body (model_runner._step with its statics bound).
+    The params pass an optimization barrier together with the carry, which makes them
+    loop-variant to XLA: in a loop, XLA otherwise hoists each bfloat16 weight's conversion to
+    float32 out of the loop, which runs the whole weights through memory as float32
+    temporaries every step (SmolLM2 bfloat16 on CPU: 30x slower; BENCHMARKS.md)."""
+    params, carry = jax.lax.optimization_barrier((params, carry))
     out, kv_cache, token_cache = step(
         params, carry.kv_cache, carry.token_cache, bias_rows, carry.inputs
     )
