@@ -68,6 +68,7 @@ def bench_jvllm(args, prompt_sets) -> dict:
         dtype=args.dtype,
         load_format=args.load_format,
         max_num_seqs=max(args.num_prompts, 8),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -123,7 +124,9 @@ def bench_jvllm(args, prompt_sets) -> dict:
     }
 
 
-def bench_hf(args, prompt_sets) -> dict:
+def bench_hf(args, prompt_sets, sampling: dict | None = None) -> dict:
+    """HF transformers `generate` on the workload of the options add_workload_args defines;
+    greedy, or sampled with sampling's temperature, top_p and top_k."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,12 +153,8 @@ def bench_hf(args, prompt_sets) -> dict:
             out = model.generate(
                 input_ids,
                 attention_mask=attention_mask,
-                do_sample=args.temperature > 0,
-                **(
-                    {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-                    if args.temperature > 0
-                    else {}
-                ),
+                do_sample=sampling is not None,
+                **(sampling or {}),
                 max_new_tokens=args.output_len,
                 min_new_tokens=args.output_len,
                 pad_token_id=0,
@@ -168,12 +167,11 @@ def bench_hf(args, prompt_sets) -> dict:
     return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The options throughput and dense_bound share: all that bench_hf reads."""
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
@@ -182,12 +180,21 @@ def main(argv=None) -> None:
         default="auto",
         help="dummy: random weights from the model directory's config.json alone (both engines)",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens a step at most"
+    )
     parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-hf", action="store_true")
     # Sampling features whose cost to measure (off by default: the plain greedy path).
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -248,7 +255,12 @@ def main(argv=None) -> None:
         f"waiting for the device {wait:.2f} ms, the engine around them {engine:.2f} ms"
     )
     if not args.skip_hf:
-        theirs = bench_hf(args, prompt_sets)
+        sampling = (
+            {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+            if args.temperature > 0
+            else None
+        )
+        theirs = bench_hf(args, prompt_sets, sampling)
         print(
             f"HF transformers generate: {theirs['tok_s']:.1f} output tok/s ({theirs['elapsed']:.2f}s)"
         )
