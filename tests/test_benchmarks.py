@@ -3,6 +3,8 @@ on a 2-layer model of width 64 it costs a second."""
 
 import os
 
+import pytest
+
 from jvllm.benchmarks import dense_bound, serve, throughput
 
 _TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
@@ -43,3 +45,16 @@ def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, cap
     out = capsys.readouterr().out
     assert "server:" in out and ", 8 tokens)" in out  # 2 requests x 4 tokens
     assert "server / offline" in out
+
+
+def _must_not_run(*_):
+    pytest.fail("jvllm's side ran before the check for HF's packages")
+
+
+@pytest.mark.parametrize("bench_main", [throughput.main, dense_bound.main])
+def test_benchmarks_without_torch_stop_before_jvllm_runs(bench_main, monkeypatch):
+    monkeypatch.setattr(throughput, "hf_available", lambda: False)
+    monkeypatch.setattr(throughput, "bench_jvllm", _must_not_run)
+    monkeypatch.setattr(dense_bound, "load_model", _must_not_run)
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[test\]'.*--skip-hf"):
+        bench_main(_TINY_WORKLOAD)

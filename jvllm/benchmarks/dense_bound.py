@@ -25,6 +25,7 @@ from jvllm.benchmarks.throughput import (
     bench_hf,
     median_time,
     random_prompts,
+    require_hf,
 )
 from jvllm.model_loader.loader import load_model
 from jvllm.models.llama import compute_logits, forward
@@ -62,6 +63,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
     args = parser.parse_args(argv)
+    if not args.skip_hf:
+        require_hf()
 
     config, params, _ = load_model(args.model, args.dtype, args.load_format)
     prompt_tokens = args.num_prompts * args.input_len

@@ -23,6 +23,12 @@ from jvllm import LLM, SamplingParams
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.model_loader.loader import LOAD_FORMATS
 
+HF_MISSING = (
+    "HF transformers' side of this benchmark needs torch, which is not installed here (or is "
+    "older than transformers takes): `pip install -e '.[test]'` installs it; or pass --skip-hf "
+    "to run jvllm alone"
+)
+
 
 def random_prompts(
     num_prompts: int, input_len: int, vocab_size: int, seed: int, range_ratio: float = 0.0
@@ -124,6 +130,19 @@ def bench_jvllm(args, prompt_sets) -> dict:
     }
 
 
+def hf_available() -> bool:
+    """Whether HF transformers can run its torch models here (torch, at a version it takes)."""
+    from transformers.utils import is_torch_available
+
+    return is_torch_available()
+
+
+def require_hf() -> None:
+    """Exit at once, not after jvllm's run, when HF `generate` cannot run here."""
+    if not hf_available():
+        raise SystemExit(HF_MISSING)
+
+
 def bench_hf(args, prompt_sets, sampling: dict | None = None) -> dict:
     """HF transformers `generate` on the workload of the options add_workload_args defines;
     greedy, or sampled with sampling's temperature, top_p and top_k."""
@@ -206,6 +225,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if not args.skip_hf:
+        require_hf()
 
     # The vocabulary size is needed before any engine exists; read it from the model's config.
     with open(os.path.join(args.model or default_model_dir(), "config.json")) as f:
