@@ -7,7 +7,9 @@ Prompts are random token ids (like vLLM's random dataset), generation is greedy 
 --temperature/--top-p/--top-k, in both engines) with ignore_eos so both engines produce exactly
 output-len tokens per prompt. With --random-range-ratio R (vLLM's name) prompt lengths are drawn
 uniformly from [input-len * (1 - R), input-len * (1 + R)]; HF then gets them left-padded.
-Figures are medians over --num-iters.
+Figures are medians over --num-iters. With --num-scheduler-steps K > 1 or --async-scheduling,
+jvllm runs twice, as it is (one scheduler step a model step) and then as set, and both are
+printed with their ratio.
 """
 
 import argparse
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 
 from jvllm import LLM, SamplingParams
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.model_loader.loader import LOAD_FORMATS
 
@@ -67,7 +70,20 @@ def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, f
     return statistics.median(walls), statistics.median(dispatches), statistics.median(waits)
 
 
-def bench_jvllm(args, prompt_sets) -> dict:
+def _scheduling_kwargs(num_scheduler_steps: int, async_scheduling: bool) -> dict:
+    """The engine arguments of a scheduling setting, only those off their defaults: the
+    benchmark then runs on engines without these EngineArgs fields (they are being added)."""
+    kwargs = {}
+    if num_scheduler_steps != 1:
+        kwargs["num_scheduler_steps"] = num_scheduler_steps
+    if async_scheduling:
+        kwargs["async_scheduling"] = True
+    return kwargs
+
+
+def bench_jvllm(
+    args, prompt_sets, num_scheduler_steps: int = 1, async_scheduling: bool = False
+) -> dict:
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -79,6 +95,7 @@ def bench_jvllm(args, prompt_sets) -> dict:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         compile_all_buckets=True,  # no compile inside the timed runs
+        **_scheduling_kwargs(num_scheduler_steps, async_scheduling),
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -207,6 +224,25 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true")
 
 
+def _setting_name(num_scheduler_steps: int, async_scheduling: bool) -> str:
+    return f"[k={num_scheduler_steps}{', async' if async_scheduling else ''}]"
+
+
+def _print_jvllm(label: str, ours: dict) -> None:
+    print(f"{label}: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
+    print(
+        f"{label} start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
+        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, waiting for warm-up runs "
+        f"{ours['warmup']:.1f}s)"
+    )
+    dispatch, wait, engine = ours["batch1_step_split_ms"]
+    print(
+        f"{label} batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s; a step "
+        f"{1e3 / ours['batch1_decode_tok_s']:.2f} ms: calling the model {dispatch:.2f} ms, "
+        f"waiting for the device {wait:.2f} ms, the engine around them {engine:.2f} ms"
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
@@ -214,6 +250,17 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="K > 1: also run jvllm with K model steps per scheduler step, against K = 1",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="also run jvllm with asynchronous scheduling, against it off",
+    )
     # Sampling features whose cost to measure (off by default: the plain greedy path).
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -225,6 +272,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    chosen = (args.num_scheduler_steps, args.async_scheduling)
+    try:  # the engine's own checks of the setting, before the minutes of the baseline's run
+        EngineArgs(**_scheduling_kwargs(*chosen))
+    except TypeError as e:  # an engine from before multi-step or async scheduling
+        parser.error(f"this engine has no such option: {e}")
+    except ValueError as e:
+        parser.error(str(e))
     if not args.skip_hf:
         require_hf()
 
@@ -239,7 +293,9 @@ def main(argv=None) -> None:
         )
         for i in range(args.num_iters)
     ]
-    ours = bench_jvllm(args, prompt_sets)
+    # The engine as it is, then (when set) with the scheduling options, each on its own engine.
+    settings = [(1, False)] + ([chosen] if chosen != (1, False) else [])
+    runs = [(_setting_name(*s), bench_jvllm(args, prompt_sets, *s)) for s in settings]
     extras = [
         f"{name}={getattr(args, name)}"
         for name, off in (
@@ -263,18 +319,15 @@ def main(argv=None) -> None:
         + (f", {', '.join(extras)}" if extras else "")
     )
     print(f"device: {jax.devices()[0].device_kind}")
-    print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
-    print(
-        f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
-        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, waiting for warm-up runs "
-        f"{ours['warmup']:.1f}s)"
-    )
-    dispatch, wait, engine = ours["batch1_step_split_ms"]
-    print(
-        f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s; a step "
-        f"{1e3 / ours['batch1_decode_tok_s']:.2f} ms: calling the model {dispatch:.2f} ms, "
-        f"waiting for the device {wait:.2f} ms, the engine around them {engine:.2f} ms"
-    )
+    is_comparison = len(runs) > 1
+    for name, ours in runs:
+        _print_jvllm(f"jvllm {name}" if is_comparison else "jvllm", ours)
+    if is_comparison:
+        (base_name, base), (name, ours) = runs
+        print(
+            f"jvllm {name} / jvllm {base_name}: throughput {ours['tok_s'] / base['tok_s']:.2f}x, "
+            f"batch-1 decode {ours['batch1_decode_tok_s'] / base['batch1_decode_tok_s']:.2f}x"
+        )
     if not args.skip_hf:
         sampling = (
             {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
@@ -285,7 +338,11 @@ def main(argv=None) -> None:
         print(
             f"HF transformers generate: {theirs['tok_s']:.1f} output tok/s ({theirs['elapsed']:.2f}s)"
         )
-        print(f"ratio jvllm / HF: {ours['tok_s'] / theirs['tok_s']:.2f}x")
+        ratios = [
+            f"{ours['tok_s'] / theirs['tok_s']:.2f}x" + (f" {name}" if is_comparison else "")
+            for name, ours in runs
+        ]
+        print(f"ratio jvllm / HF: {', '.join(ratios)}")
 
 
 if __name__ == "__main__":
