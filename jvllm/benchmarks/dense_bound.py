@@ -3,13 +3,14 @@
     python -m jvllm.benchmarks.dense_bound --num-prompts 64 --input-len 128 --output-len 128 \
         --dtype float32
 
-Times the default model's own forward (models/llama.py, real weights, jitted) with attention
-replaced by a pass-through that costs nothing, at the step shapes the engine runs for that
-workload: the prompts in steps of max_num_batched_tokens tokens, then one step per output token
-for all prompts at once, each with the LM head on its sampling rows. No attention backend,
-sampler or scheduler can make the engine faster than that. HF transformers `generate` runs
-the same workload in the same process (as in jvllm.benchmarks.throughput), and the ratio
-printed is the most jvllm could reach against it here.
+Times the model's own forward (models/llama.py, jitted; the default model unless --model, random
+weights with --load-format dummy) with attention replaced by a pass-through that costs nothing,
+at the step shapes the engine runs for that workload: the prompts in steps of
+max_num_batched_tokens tokens, then one step per output token for all prompts at once, each with
+the LM head on its sampling rows. No attention backend, sampler or scheduler can make the engine
+faster than that. HF transformers `generate` runs the same workload in the same process (as in
+jvllm.benchmarks.throughput, with the same options), and the ratio printed is the most jvllm
+could reach against it here.
 """
 
 import argparse
@@ -19,7 +20,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jvllm.benchmarks.throughput import bench_hf, median_time, random_prompts
+from jvllm.benchmarks.throughput import (
+    add_workload_args,
+    bench_hf,
+    median_time,
+    random_prompts,
+    require_hf,
+)
 from jvllm.model_loader.loader import load_model
 from jvllm.models.llama import compute_logits, forward
 
@@ -54,19 +61,12 @@ def _step_seconds(params, config, num_tokens: int, num_sampling_rows: int, num_i
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-hf", action="store_true")
+    add_workload_args(parser)
     args = parser.parse_args(argv)
-    # What jvllm.benchmarks.throughput's bench_hf reads from its arguments.
-    args.model, args.temperature = None, 0.0
+    if not args.skip_hf:
+        require_hf()
 
-    config, params, _ = load_model(None, args.dtype)
+    config, params, _ = load_model(args.model, args.dtype, args.load_format)
     prompt_tokens = args.num_prompts * args.input_len
     budget = args.max_num_batched_tokens
     num_prefill_steps = math.ceil(prompt_tokens / budget)
@@ -83,7 +83,9 @@ def main(argv=None) -> None:
     tok_s = args.num_prompts * args.output_len / total
     print(
         f"workload: {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, "
-        f"{args.dtype}, median of {args.num_iters} per step shape"
+        f"{args.dtype}, "
+        + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
+        + f"median of {args.num_iters} per step shape"
     )
     print(
         f"dense floor: {num_prefill_steps} prefill steps {prefill:.2f}s + {args.output_len - 1} "

@@ -117,7 +117,11 @@ def offline_tok_s(args, prompts) -> float:
 
 
 def _engine_kwargs(args) -> dict:
-    kwargs = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs}
+    kwargs = {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     return kwargs
@@ -143,6 +147,8 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
         args.dtype,
         "--max-num-seqs",
         str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
     ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
@@ -183,6 +189,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens a step at most"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

@@ -7,7 +7,9 @@ Prompts are random token ids (like vLLM's random dataset), generation is greedy 
 --temperature/--top-p/--top-k, in both engines) with ignore_eos so both engines produce exactly
 output-len tokens per prompt. With --random-range-ratio R (vLLM's name) prompt lengths are drawn
 uniformly from [input-len * (1 - R), input-len * (1 + R)]; HF then gets them left-padded.
-Figures are medians over --num-iters.
+Figures are medians over --num-iters. With --num-scheduler-steps K > 1 or --async-scheduling,
+jvllm runs twice, as it is (one scheduler step a model step) and then as set, and both are
+printed with their ratio.
 """
 
 import argparse
@@ -20,8 +22,15 @@ import jax
 import numpy as np
 
 from jvllm import LLM, SamplingParams
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.model_loader.loader import LOAD_FORMATS
+
+HF_MISSING = (
+    "HF transformers' side of this benchmark needs torch, which is not installed here (or is "
+    "older than transformers takes): `pip install -e '.[test]'` installs it; or pass --skip-hf "
+    "to run jvllm alone"
+)
 
 
 def random_prompts(
@@ -61,17 +70,32 @@ def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, f
     return statistics.median(walls), statistics.median(dispatches), statistics.median(waits)
 
 
-def bench_jvllm(args, prompt_sets) -> dict:
+def _scheduling_kwargs(num_scheduler_steps: int, async_scheduling: bool) -> dict:
+    """The engine arguments of a scheduling setting, only those off their defaults: the
+    benchmark then runs on engines without these EngineArgs fields (they are being added)."""
+    kwargs = {}
+    if num_scheduler_steps != 1:
+        kwargs["num_scheduler_steps"] = num_scheduler_steps
+    if async_scheduling:
+        kwargs["async_scheduling"] = True
+    return kwargs
+
+
+def bench_jvllm(
+    args, prompt_sets, num_scheduler_steps: int = 1, async_scheduling: bool = False
+) -> dict:
     start = time.perf_counter()
     llm = LLM(
         args.model,
         dtype=args.dtype,
         load_format=args.load_format,
         max_num_seqs=max(args.num_prompts, 8),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         compile_all_buckets=True,  # no compile inside the timed runs
+        **_scheduling_kwargs(num_scheduler_steps, async_scheduling),
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -123,7 +147,22 @@ def bench_jvllm(args, prompt_sets) -> dict:
     }
 
 
-def bench_hf(args, prompt_sets) -> dict:
+def hf_available() -> bool:
+    """Whether HF transformers can run its torch models here (torch, at a version it takes)."""
+    from transformers.utils import is_torch_available
+
+    return is_torch_available()
+
+
+def require_hf() -> None:
+    """Exit at once, not after jvllm's run, when HF `generate` cannot run here."""
+    if not hf_available():
+        raise SystemExit(HF_MISSING)
+
+
+def bench_hf(args, prompt_sets, sampling: dict | None = None) -> dict:
+    """HF transformers `generate` on the workload of the options add_workload_args defines;
+    greedy, or sampled with sampling's temperature, top_p and top_k."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,12 +189,8 @@ def bench_hf(args, prompt_sets) -> dict:
             out = model.generate(
                 input_ids,
                 attention_mask=attention_mask,
-                do_sample=args.temperature > 0,
-                **(
-                    {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-                    if args.temperature > 0
-                    else {}
-                ),
+                do_sample=sampling is not None,
+                **(sampling or {}),
                 max_new_tokens=args.output_len,
                 min_new_tokens=args.output_len,
                 pad_token_id=0,
@@ -168,12 +203,11 @@ def bench_hf(args, prompt_sets) -> dict:
     return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The options throughput and dense_bound share: all that bench_hf reads."""
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
@@ -182,12 +216,51 @@ def main(argv=None) -> None:
         default="auto",
         help="dummy: random weights from the model directory's config.json alone (both engines)",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens a step at most"
+    )
     parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true")
+
+
+def _setting_name(num_scheduler_steps: int, async_scheduling: bool) -> str:
+    return f"[k={num_scheduler_steps}{', async' if async_scheduling else ''}]"
+
+
+def _print_jvllm(label: str, ours: dict) -> None:
+    print(f"{label}: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
+    print(
+        f"{label} start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
+        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, waiting for warm-up runs "
+        f"{ours['warmup']:.1f}s)"
+    )
+    dispatch, wait, engine = ours["batch1_step_split_ms"]
+    print(
+        f"{label} batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s; a step "
+        f"{1e3 / ours['batch1_decode_tok_s']:.2f} ms: calling the model {dispatch:.2f} ms, "
+        f"waiting for the device {wait:.2f} ms, the engine around them {engine:.2f} ms"
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="K > 1: also run jvllm with K model steps per scheduler step, against K = 1",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="also run jvllm with asynchronous scheduling, against it off",
+    )
     # Sampling features whose cost to measure (off by default: the plain greedy path).
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -199,6 +272,15 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    chosen = (args.num_scheduler_steps, args.async_scheduling)
+    try:  # the engine's own checks of the setting, before the minutes of the baseline's run
+        EngineArgs(**_scheduling_kwargs(*chosen))
+    except TypeError as e:  # an engine from before multi-step or async scheduling
+        parser.error(f"this engine has no such option: {e}")
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.skip_hf:
+        require_hf()
 
     # The vocabulary size is needed before any engine exists; read it from the model's config.
     with open(os.path.join(args.model or default_model_dir(), "config.json")) as f:
@@ -211,7 +293,9 @@ def main(argv=None) -> None:
         )
         for i in range(args.num_iters)
     ]
-    ours = bench_jvllm(args, prompt_sets)
+    # The engine as it is, then (when set) with the scheduling options, each on its own engine.
+    settings = [(1, False)] + ([chosen] if chosen != (1, False) else [])
+    runs = [(_setting_name(*s), bench_jvllm(args, prompt_sets, *s)) for s in settings]
     extras = [
         f"{name}={getattr(args, name)}"
         for name, off in (
@@ -235,24 +319,30 @@ def main(argv=None) -> None:
         + (f", {', '.join(extras)}" if extras else "")
     )
     print(f"device: {jax.devices()[0].device_kind}")
-    print(f"jvllm: {ours['tok_s']:.1f} output tok/s ({ours['elapsed']:.2f}s)")
-    print(
-        f"jvllm start-up: {ours['startup']:.1f}s (load {ours['load']:.1f}s, compile "
-        f"{ours['compile']:.1f}s for {ours['num_compilations']} buckets, waiting for warm-up runs "
-        f"{ours['warmup']:.1f}s)"
-    )
-    dispatch, wait, engine = ours["batch1_step_split_ms"]
-    print(
-        f"jvllm batch-1 decode: {ours['batch1_decode_tok_s']:.1f} tok/s; a step "
-        f"{1e3 / ours['batch1_decode_tok_s']:.2f} ms: calling the model {dispatch:.2f} ms, "
-        f"waiting for the device {wait:.2f} ms, the engine around them {engine:.2f} ms"
-    )
+    is_comparison = len(runs) > 1
+    for name, ours in runs:
+        _print_jvllm(f"jvllm {name}" if is_comparison else "jvllm", ours)
+    if is_comparison:
+        (base_name, base), (name, ours) = runs
+        print(
+            f"jvllm {name} / jvllm {base_name}: throughput {ours['tok_s'] / base['tok_s']:.2f}x, "
+            f"batch-1 decode {ours['batch1_decode_tok_s'] / base['batch1_decode_tok_s']:.2f}x"
+        )
     if not args.skip_hf:
-        theirs = bench_hf(args, prompt_sets)
+        sampling = (
+            {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+            if args.temperature > 0
+            else None
+        )
+        theirs = bench_hf(args, prompt_sets, sampling)
         print(
             f"HF transformers generate: {theirs['tok_s']:.1f} output tok/s ({theirs['elapsed']:.2f}s)"
         )
-        print(f"ratio jvllm / HF: {ours['tok_s'] / theirs['tok_s']:.2f}x")
+        ratios = [
+            f"{ours['tok_s'] / theirs['tok_s']:.2f}x" + (f" {name}" if is_comparison else "")
+            for name, ours in runs
+        ]
+        print(f"ratio jvllm / HF: {', '.join(ratios)}")
 
 
 if __name__ == "__main__":

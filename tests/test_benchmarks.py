@@ -1,0 +1,60 @@
+"""Every benchmark's `main` on a tiny workload, so that none breaks unnoticed. HF's side runs too:
+on a 2-layer model of width 64 it costs a second."""
+
+import os
+
+import pytest
+
+from jvllm.benchmarks import dense_bound, serve, throughput
+
+_TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
+# Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
+# engine's buckets to three.
+_TINY_WORKLOAD = [
+    *("--model", _TINY_2L, "--load-format", "dummy"),
+    *("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "1"),
+    *("--max-num-batched-tokens", "16"),
+]
+
+
+def test_throughput_benchmark_runs_jvllm_and_hf(capsys):
+    throughput.main(_TINY_WORKLOAD)
+    out = capsys.readouterr().out
+    assert "jvllm batch-1 decode:" in out
+    assert "HF transformers generate:" in out
+    assert "ratio jvllm / HF:" in out
+
+
+def test_dense_bound_benchmark_runs_against_hf(capsys):
+    dense_bound.main(_TINY_WORKLOAD)
+    out = capsys.readouterr().out
+    assert "dense floor:" in out
+    assert "most jvllm / HF could reach here:" in out
+
+
+def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):
+    # Its own `jvllm serve` process, as a user's run starts; token-id prompts need no tokenizer.
+    serve.main(
+        [
+            *("--model-path", tiny_llama_weights_dir, "--model", "tiny"),
+            *("--num-prompts", "2", "--input-len", "8", "--output-len", "4"),
+            *("--max-concurrency", "2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"),
+            *("--max-model-len", "64"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "server:" in out and ", 8 tokens)" in out  # 2 requests x 4 tokens
+    assert "server / offline" in out
+
+
+def _must_not_run(*_):
+    pytest.fail("jvllm's side ran before the check for HF's packages")
+
+
+@pytest.mark.parametrize("bench_main", [throughput.main, dense_bound.main])
+def test_benchmarks_without_torch_stop_before_jvllm_runs(bench_main, monkeypatch):
+    monkeypatch.setattr(throughput, "hf_available", lambda: False)
+    monkeypatch.setattr(throughput, "bench_jvllm", _must_not_run)
+    monkeypatch.setattr(dense_bound, "load_model", _must_not_run)
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[test\]'.*--skip-hf"):
+        bench_main(_TINY_WORKLOAD)
