@@ -33,3 +33,10 @@ def test_trace_request_example_prints_the_lifecycle():
     out = _run("trace_request.py", "hello")
     assert out.count("FINISHED_LENGTH") == 2
     assert "Event(request_id='req-0', status='RUNNING'" in out
+
+
+def test_jitted_step_loop_example_matches_generate_and_times_both_k():
+    out = _run("jitted_step_loop.py", "--num-steps", "32")  # asserts its tokens itself
+    assert "the loop's tokens equal LLM.generate's" in out
+    assert "k= 1:" in out and "k=32:" in out
+    assert out.count("mean entropy") == 4

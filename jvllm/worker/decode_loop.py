@@ -76,8 +76,9 @@ def advance_inputs(
 
 def decode_step(
     step, params, bias_rows, window: WindowInputs, carry: DecodeCarry
-) -> tuple[DecodeCarry, SamplerOutput]:
-    """One decode step of every row, then the inputs of the next -> (carry, this step's output).
+) -> tuple[DecodeCarry, SamplerOutput, jax.Array]:
+    """One decode step of every row, then the inputs of the next
+    -> (carry, this step's SamplerOutput, its raw logits f32[S, V]).
 
     `step` is the engine's jitted step body (model_runner._step with its statics bound).
     The params pass an optimization barrier together with the carry, which makes them
@@ -85,16 +86,21 @@ def decode_step(
     float32 out of the loop, which runs the whole weights through memory as float32
     temporaries every step (SmolLM2 bfloat16 on CPU: 30x slower; BENCHMARKS.md)."""
     params, carry = jax.lax.optimization_barrier((params, carry))
-    out, kv_cache, token_cache = step(
+    out, logits, kv_cache, token_cache = step(
         params, carry.kv_cache, carry.token_cache, bias_rows, carry.inputs
     )
-    sampled = out.sampled_token_ids  # [S]
+    carry = dataclasses.replace(carry, kv_cache=kv_cache, token_cache=token_cache)
+    return feed_back(window, carry, out.sampled_token_ids), out, logits
+
+
+def feed_back(window: WindowInputs, carry: DecodeCarry, token_ids: jax.Array) -> DecodeCarry:
+    """Count each active row's token i32[S], stop the rows it ends, and make it the next input."""
     num_sampled = carry.num_sampled + carry.active
-    stopped = jnp.any(sampled[:, None] == window.stop_token_ids, axis=1)
+    stopped = jnp.any(token_ids[:, None] == window.stop_token_ids, axis=1)
     active = carry.active & ~stopped & (num_sampled < window.limits)
-    block_size = token_cache.shape[1]
-    inputs = advance_inputs(carry.inputs, sampled, active, block_size)
-    return DecodeCarry(kv_cache, token_cache, inputs, num_sampled, active), out
+    block_size = carry.token_cache.shape[1]
+    inputs = advance_inputs(carry.inputs, token_ids, active, block_size)
+    return dataclasses.replace(carry, inputs=inputs, num_sampled=num_sampled, active=active)
 
 
 @jax.tree_util.register_dataclass
@@ -142,7 +148,7 @@ def run_window(
 
     def body(state):
         j, carry, out = state
-        carry, step_out = decode_step(step, params, bias_rows, window, carry)
+        carry, step_out, _ = decode_step(step, params, bias_rows, window, carry)
         out = WindowOutput(
             token_ids=out.token_ids.at[j].set(step_out.sampled_token_ids),
             num_sampled=carry.num_sampled,

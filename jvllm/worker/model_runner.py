@@ -40,9 +40,11 @@ def _step(
     attn,
     max_logprobs: int,
 ):
-    """forward + sample for one padded step -> (SamplerOutput, kv_cache, token_cache).
+    """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
 
-    `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it)."""
+    `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it); `logits:
+    f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
+    engine's executables drop them)."""
     md = inputs.attn
     hidden, kv_cache = forward(
         params, kv_cache, inputs.token_ids, inputs.positions, md, config=config, attn=attn
@@ -66,6 +68,12 @@ def _step(
         logits_fn=lambda h: compute_logits(params, h, config=config),
         max_logprobs=max_logprobs,
     )
+    return out, logits, kv_cache, token_cache
+
+
+def _single_step(params, kv_cache, token_cache, bias_rows, inputs: StepInputs, *, step):
+    """One step as the engine runs it -> (SamplerOutput, kv_cache, token_cache)."""
+    out, _, kv_cache, token_cache = step(params, kv_cache, token_cache, bias_rows, inputs)
     return out, kv_cache, token_cache
 
 
@@ -134,8 +142,12 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         enable_compilation_cache()
         attn = get_attention(attention_backend, sm_scale=config.head_dim**-0.5)
-        step = functools.partial(_step, config=config, attn=attn, max_logprobs=max_logprobs)
-        self._step_fn = jax.jit(step, donate_argnums=(1, 2))
+        # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
+        # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
+        self.step = step = functools.partial(
+            _step, config=config, attn=attn, max_logprobs=max_logprobs
+        )
+        self._step_fn = jax.jit(functools.partial(_single_step, step=step), donate_argnums=(1, 2))
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps
         self._window_fn = jax.jit(

@@ -1,0 +1,253 @@
+"""The engine's decode step as a pure, jittable function over an explicit state, for experiments.
+
+    llm = LLM()
+    loop = StepLoop(llm)
+    state = loop.prefill(prompts, SamplingParams(temperature=0.0, max_tokens=257))
+
+    @loop.jit  # jax.jit, donating the state's caches
+    def run(state):
+        def body(i, carry):
+            state, tokens, active = carry
+            state, out = loop.step(state)
+            return state, tokens.at[i].set(out.token_ids), active.at[i].set(out.active)
+        ...
+        return jax.lax.fori_loop(0, 256, body, (state, tokens, active))
+
+    state, tokens, active = run(state)
+    token_ids = loop.finish(state, tokens, active)  # == LLM.generate's token ids
+
+examples/jitted_step_loop.py runs such an experiment end to end.
+
+`prefill` runs the prompts through the real engine until each has sampled its first token
+(chunked prefill, prefix caching and all), allocates the KV blocks for every token the requests
+may still sample, and hands back a `DecodeState`: the params, the paged KV cache and its token
+cache, each row's next input token, position, slot, block table and sequence length
+(`state.carry.inputs`, a StepInputs), its sampling parameters and seed, and its stops. `step` is
+the engine's own decode step (forward, logit processors, penalties, sampling with the same
+per-request keys, then feeding the token back), so an unchanged body gives `LLM.generate`'s
+tokens. A row stops by itself at its stop token ids (EOS included), max_tokens or max_model_len;
+after that it writes only the null page and `out.active` is False for it.
+
+Between `prefill` and `finish` the loop owns the engine's requests and KV arrays: do not step
+the engine. Stop strings are text and are not checked; min_tokens, n > 1 and multi-token bad
+words are not supported here (`prefill` says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from jvllm.core.decode_window import fits_window
+from jvllm.core.request import Request
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.sample.metadata import SamplerOutput
+from jvllm.sampling_params import SamplingParams
+from jvllm.worker.decode_loop import DecodeCarry, WindowInputs, feed_back, prepare_window_inputs
+from jvllm.worker.step_inputs import prepare_step_inputs
+
+__all__ = ["DecodeState", "StepLoop", "StepOutput"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything one decode step reads and writes; S = the rows padded to a decode bucket."""
+
+    params: object  # the model's Params pytree
+    bias_rows: (
+        jax.Array
+    )  # f32[R, V] logit bias / allowed ids / bad words rows (inputs.sampling.bias_slot)
+    stops: WindowInputs  # limits i32[S] (tokens a row may still sample), stop_token_ids i32[S, W]
+    carry: DecodeCarry  # kv_cache, token_cache, inputs (the next step's), num_sampled, active
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    token_ids: jax.Array  # i32[S] the token each row took this step
+    active: jax.Array  # bool[S] rows whose token counts (they were decoding)
+    logits: jax.Array  # f32[S, V] raw logits the token was sampled from
+    sampler: SamplerOutput  # the engine's sample and, when asked for, its logprobs
+
+
+class StepLoop:
+    """The decode loop of an `LLM` or `LLMEngine`, opened up. See the module docstring."""
+
+    def __init__(self, llm):
+        self.engine: LLMEngine = getattr(llm, "llm_engine", llm)
+        self._runner = self.engine.model_runner
+        self._requests: list[Request] = []  # every prompt's request, in prompt order
+        self._rows: list[Request] = []  # the requests still decoding after prefill, row order
+
+    def prefill(
+        self,
+        prompts: Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> DecodeState:
+        """Prefill `prompts` in the engine and return the state of their decode."""
+        engine = self.engine
+        if self._requests or engine.has_unfinished_requests():
+            raise RuntimeError(
+                "StepLoop.prefill needs an idle engine: finish() the previous loop and let "
+                "running requests end first"
+            )
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a list of prompts (strings or token id lists)")
+        if len(prompts) > engine.args.max_num_seqs:
+            raise ValueError(
+                f"{len(prompts)} prompts, but the engine runs at most max_num_seqs="
+                f"{engine.args.max_num_seqs} at once; pass fewer or raise max_num_seqs"
+            )
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or engine.get_default_sampling_params()] * len(
+                prompts
+            )
+        for params in sampling_params:
+            _check_supported(params)
+        ids = [f"step-loop-{i}" for i in range(len(prompts))]
+        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
+            engine.add_request(request_id, prompt, params)
+        self._requests = [engine.scheduler.get_request(i) for i in ids]
+        if not all(fits_window(r) for r in self._requests):
+            self._abort_all()
+            raise ValueError(
+                "the step loop takes at most 16 stop token ids a request and no multi-token "
+                "bad_words"
+            )
+        while any(r.num_output_tokens == 0 and not r.is_finished for r in self._requests):
+            engine.step()
+        return self._decode_state()
+
+    def step(
+        self,
+        state: DecodeState,
+        choose: Callable[[jax.Array, SamplerOutput], jax.Array] | None = None,
+    ) -> tuple[DecodeState, StepOutput]:
+        """One decode step of every row: pure and jittable.
+
+        `choose(logits f32[S, V], sampler_output) -> i32[S]` replaces the engine's choice of
+        token (the default takes `sampler_output.sampled_token_ids`)."""
+        # Loop-variant params, or XLA hoists bfloat16 weight conversions out of a caller's
+        # loop (see worker/decode_loop.decode_step).
+        params, carry = jax.lax.optimization_barrier((state.params, state.carry))
+        out, logits, kv_cache, token_cache = self._runner.step(
+            params, carry.kv_cache, carry.token_cache, state.bias_rows, carry.inputs
+        )
+        token_ids = out.sampled_token_ids if choose is None else choose(logits, out)
+        carry = dataclasses.replace(carry, kv_cache=kv_cache, token_cache=token_cache)
+        carry = feed_back(state.stops, carry, token_ids)
+        return dataclasses.replace(state, carry=carry), StepOutput(
+            token_ids, state.carry.active, logits, out
+        )
+
+    def jit(self, fn: Callable) -> Callable:
+        """`jax.jit(fn)` for `fn(state, *args)`, donating the state's arrays but its params,
+        which the engine goes on using: each call updates the KV cache in place, as the
+        engine's own steps do, instead of copying it. The params travel beside the state, so
+        that no call copies them into its outputs either."""
+
+        def split(params, state, *args):
+            out = fn(dataclasses.replace(state, params=params), *args)
+            return _map_states(out, lambda s: dataclasses.replace(s, params=None))
+
+        jitted = jax.jit(split, donate_argnums=1)
+
+        def call(state: DecodeState, *args):
+            out = jitted(state.params, dataclasses.replace(state, params=None), *args)
+            return _map_states(out, lambda s: dataclasses.replace(s, params=state.params))
+
+        return call
+
+    def finish(self, state: DecodeState, token_ids, active) -> list[list[int]]:
+        """Hand the KV arrays back to the engine, end the requests and free their blocks
+        -> each prompt's output token ids: its prefill's, then the loop's active ones.
+
+        `token_ids` and `active` are the steps' `StepOutput` fields stacked: [n, S] each."""
+        runner = self._runner
+        runner.kv_cache, runner.token_cache = state.carry.kv_cache, state.carry.token_cache
+        runner.bias_rows.rows = state.bias_rows
+        token_ids, active = np.asarray(token_ids), np.asarray(active)
+        outputs = {r.request_id: list(r.output_token_ids) for r in self._requests}
+        for row, request in enumerate(self._rows):
+            outputs[request.request_id] += token_ids[active[:, row], row].tolist()
+        in_order = [outputs[r.request_id] for r in self._requests]
+        self._abort_all()
+        return in_order
+
+    def _decode_state(self) -> DecodeState:
+        """Take the requests still running out of the scheduler and give each the blocks for
+        every token it may sample: the loop never comes back to the host for them."""
+        engine, runner = self.engine, self._runner
+        scheduler, kv = engine.scheduler, engine.scheduler.kv_cache_manager
+        self._rows = [r for r in self._requests if not r.is_finished]
+        limits = [
+            min(
+                r.sampling_params.max_tokens - r.num_output_tokens,
+                engine.max_model_len - r.num_tokens,
+            )
+            for r in self._rows
+        ]
+        for request, limit in zip(self._rows, limits):
+            if kv.allocate_slots(request, limit) is None:
+                self._abort_all()
+                raise ValueError(
+                    "the KV cache is too small to hold every token of the loop's requests; "
+                    "pass fewer prompts or a lower max_tokens, or raise kv_cache_memory_bytes"
+                )
+            scheduler.running.remove(request)  # the loop decodes it, not engine.step()
+        num_rows = len(self._rows)
+        bucket = runner.buckets.select(num_rows, num_rows)
+        inputs = prepare_step_inputs(
+            self._rows,
+            [1] * num_rows,
+            [kv.get_block_ids(r.request_id) for r in self._rows],
+            bucket,
+            runner.block_size,
+            runner.max_pages,
+            runner.bias_rows.slots_for(self._rows),
+        )
+        # Device arrays throughout, as a jitted loop returns them: host arrays in the first
+        # call's state would make its second call compile again.
+        stops = jax.device_put(prepare_window_inputs(self._rows, limits, bucket.num_seqs))
+        carry = DecodeCarry(
+            runner.kv_cache,
+            runner.token_cache,
+            jax.device_put(inputs),
+            jax.numpy.zeros(bucket.num_seqs, jax.numpy.int32),
+            stops.limits > 0,
+        )
+        return DecodeState(runner.params, runner.bias_rows.rows, stops, carry)
+
+    def _abort_all(self) -> None:
+        """End the loop's requests through the engine (their blocks go back to the pool)."""
+        running = self.engine.scheduler.running
+        running.extend(r for r in self._rows if not r.is_finished and r not in running)
+        self.engine.abort_request([r.request_id for r in self._requests])
+        self._requests, self._rows = [], []
+
+
+def _map_states(tree, fn):
+    """`tree` with fn applied to every DecodeState in it."""
+    is_state = lambda x: isinstance(x, DecodeState)
+    return jax.tree.map(lambda x: fn(x) if is_state(x) else x, tree, is_leaf=is_state)
+
+
+def _check_supported(params: SamplingParams) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    unsupported = {
+        "n": params.n != 1,
+        "min_tokens": params.min_tokens > 0,
+        "stop": bool(params.stop),
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ValueError(
+            f"the step loop does not support {', '.join(named)} (stop strings are text, "
+            "min_tokens bans change mid-loop, n > 1 forks requests); use LLM.generate"
+        )
