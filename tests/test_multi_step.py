@@ -1,4 +1,5 @@
-"""Decode windows (`num_scheduler_steps=k`): the same tokens, logprobs and finishes as k = 1."""
+"""Decode windows (`num_scheduler_steps=k`) and async scheduling: the same tokens, logprobs and
+finishes as single synchronous steps."""
 
 import json
 import os
@@ -17,7 +18,10 @@ def engines(tiny_llama_dir):
     """One LLM per k on the tiny model, made on first use."""
     made = {}
 
-    def get(k: int, model: str = tiny_llama_dir, **kwargs) -> LLM:
+    def get(k: int | str, model: str = tiny_llama_dir, **kwargs) -> LLM:
+        """k: decode steps per call, or "async" (single steps, each run ahead)."""
+        if k == "async":
+            k, kwargs = 1, {**kwargs, "async_scheduling": True}
         key = (k, model, tuple(sorted(kwargs.items())))
         if key not in made:
             made[key] = LLM(model, num_scheduler_steps=k, **ENGINE_KWARGS, **kwargs)
@@ -52,7 +56,7 @@ def _generate(llm: LLM, params, prompts=PROMPTS) -> list[tuple]:
     return outputs
 
 
-@pytest.mark.parametrize("k", [2, 4, 16])
+@pytest.mark.parametrize("k", [2, 4, 16, "async"])
 def test_greedy_and_seeded_sampling_match_single_steps(engines, k):
     greedy = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
     seeded = SamplingParams(
@@ -92,8 +96,8 @@ def test_stops_inside_a_window_match_single_steps(engines):
     ]
     for params in cases:
         expected = _generate(engines(1), params)
-        assert _generate(engines(4), params) == expected
-        assert _generate(engines(16), params) == expected
+        for k in (4, 16, "async"):
+            assert _generate(engines(k), params) == expected
     by_id, by_text = _generate(engines(4), cases[0]), _generate(engines(4), cases[1])
     assert any(c[0][3] == "stop" and len(c[0][1]) <= 7 for c in by_id)
     assert any(c[0][4] == stop_text for c in by_text)
@@ -119,6 +123,7 @@ def test_eos_inside_a_window_matches_single_steps(engines, eos_model_dir):
     expected = _generate(engines(1, eos_model_dir), params)
     assert any(c[0][3] == "stop" for c in expected)
     assert _generate(engines(4, eos_model_dir), params) == expected
+    assert _generate(engines("async", eos_model_dir), params) == expected
 
 
 def test_parallel_samples_and_prefix_hits_match_single_steps(engines):
@@ -128,9 +133,11 @@ def test_parallel_samples_and_prefix_hits_match_single_steps(engines):
     for k in (1, 4):
         engines(k).llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
     expected = _generate(engines(1), params, prompts)
-    windowed = engines(4).generate(prompts, params, use_tqdm=False)
-    assert _summary(windowed) == expected
-    assert windowed[1].num_cached_tokens == 32
+    for k in (4, "async"):
+        engines(k).llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        windowed = engines(k).generate(prompts, params, use_tqdm=False)
+        assert _summary(windowed) == expected
+        assert windowed[1].num_cached_tokens == 32
 
 
 def _step_engine(engine: LLMEngine, script: dict[int, callable]) -> dict[str, list[int]]:
@@ -149,20 +156,23 @@ def _step_engine(engine: LLMEngine, script: dict[int, callable]) -> dict[str, li
 def test_aborts_and_arrivals_between_windows_match_single_steps(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     results = {}
-    for k in (1, 4):
-        engine = LLMEngine(tiny_llama_dir, num_scheduler_steps=k, **ENGINE_KWARGS)
+    for k, run_ahead in ((1, False), (4, False), (1, True), (4, True)):
+        engine = LLMEngine(
+            tiny_llama_dir, num_scheduler_steps=k, async_scheduling=run_ahead, **ENGINE_KWARGS
+        )
         script = {
             0: lambda e: [e.add_request(f"a{i}", p, params) for i, p in enumerate(PROMPTS[:3])],
             3: lambda e: e.abort_request("a1"),
             4: lambda e: e.add_request("late", PROMPTS[4], params),
             6: lambda e: e.add_request("later", PROMPTS[3], params),
         }
-        results[k] = _step_engine(engine, script)
+        results[k, run_ahead] = _step_engine(engine, script)
         manager = engine.scheduler.kv_cache_manager
         assert manager.num_free_blocks == manager.num_usable_blocks
     # The abort lands after a different number of tokens; the others are untouched by it.
-    assert results[4] == results[1]
-    assert results[4].keys() == {"a0", "a2", "late", "later"}
+    assert results[1, False].keys() == {"a0", "a2", "late", "later"}
+    for key in ((4, False), (1, True), (4, True)):
+        assert results[key] == results[1, False]
 
 
 def test_forced_preemption_matches_single_steps(engines):
@@ -171,17 +181,25 @@ def test_forced_preemption_matches_single_steps(engines):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     small = {"block_size": 4, "num_gpu_blocks_override": 24}
     expected = _generate(engines(1, **small), params)
-    llm = engines(4, **small)
-    assert _generate(llm, params) == expected
-    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    for k in (4, "async"):
+        llm = engines(k, **small)
+        assert _generate(llm, params) == expected
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
 
 def test_windows_run_fewer_device_calls_and_compile_a_bounded_set(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, num_scheduler_steps=8, compile_all_buckets=True, **ENGINE_KWARGS)
+    llm = LLM(
+        tiny_llama_dir,
+        num_scheduler_steps=8,
+        async_scheduling=True,
+        compile_all_buckets=True,
+        **ENGINE_KWARGS,
+    )
     runner = llm.llm_engine.model_runner
     decode_buckets = [b for b in runner.buckets.all_buckets() if b.is_decode]
     compiled = runner.num_compilations
-    assert compiled == len(runner.buckets.all_buckets()) + len(decode_buckets)
+    # Each decode bucket also as a window and as a step run ahead.
+    assert compiled == len(runner.buckets.all_buckets()) + 2 * len(decode_buckets)
     engine = llm.llm_engine
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=33, ignore_eos=True))
@@ -196,5 +214,17 @@ def test_windows_run_fewer_device_calls_and_compile_a_bounded_set(tiny_llama_dir
 def test_pallas_backend_windows_match_reference_single_steps(tiny_llama_weights_dir, engines):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     expected = _generate(engines(1, tiny_llama_weights_dir), params, PROMPTS[:3])
-    pallas = engines(4, tiny_llama_weights_dir, attention_backend="pallas")
-    assert _generate(pallas, params, PROMPTS[:3]) == expected
+    for k in (4, "async"):
+        pallas = engines(k, tiny_llama_weights_dir, attention_backend="pallas")
+        assert _generate(pallas, params, PROMPTS[:3]) == expected
+
+
+def test_async_scheduling_uses_the_steps_it_ran_ahead(engines):
+    llm = engines("async")
+    runner = llm.llm_engine.model_runner
+    used, dropped = runner.num_steps_ahead_used, runner.num_steps_ahead_dropped
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    # 29 decode steps after the prefill; the runs ahead into a new block or past the end drop.
+    assert runner.num_steps_ahead_used - used >= 20
+    assert runner.num_steps_ahead_dropped - dropped <= 5

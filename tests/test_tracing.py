@@ -45,3 +45,13 @@ def test_chunked_prefill_climbs_by_the_threshold_without_new_tokens(tiny_llama_d
     assert events[num_chunks - 1][2:] == (p, p + 1)  # the last chunk samples the first token
     assert events[-1].status == "FINISHED_LENGTH" and events[-1].num_tokens == p + 4
     assert len(events) == num_chunks + 3
+
+
+def test_async_scheduling_keeps_the_lifecycle_of_each_step(tiny_llama_dir):
+    """The step run ahead changes no request's counters: they move as each step ends."""
+    kwargs = {"model": tiny_llama_dir, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    for chunking in ({}, {"long_prefill_token_threshold": 2}):
+        sync = trace_request(PROMPT, max_tokens=6, **kwargs, **chunking)
+        assert (
+            trace_request(PROMPT, max_tokens=6, async_scheduling=True, **kwargs, **chunking) == sync
+        )

@@ -33,6 +33,9 @@ class EngineArgs:
     # Decode steps per device call while every running request decodes (vLLM's multi-step
     # scheduling; docs/design.md "Decode windows"); 1 = one step per call.
     num_scheduler_steps: int = 1
+    # Dispatch the next decode step before reading this one's tokens, so that the host's work
+    # overlaps the device's (vLLM v1's name; worker/async_step.py).
+    async_scheduling: bool = False
     # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
     # "vllm": ignore it; or a directory holding one.
     generation_config: str = "auto"
@@ -46,6 +49,10 @@ class EngineArgs:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("num_scheduler_steps", self.num_scheduler_steps)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError, as in vLLM
+                f"async_scheduling must be a bool, got {self.async_scheduling!r}"
+            )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory_bytes is not None:

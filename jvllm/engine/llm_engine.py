@@ -89,6 +89,7 @@ class LLMEngine:
             max_logprobs=args.max_logprobs,
             max_num_seqs=args.max_num_seqs,
             num_scheduler_steps=args.num_scheduler_steps,
+            async_scheduling=args.async_scheduling,
         )
         if args.compile_all_buckets:
             self.model_runner.compile_all()

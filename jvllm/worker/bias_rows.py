@@ -83,6 +83,7 @@ class BiasRows:
         self.rows = jnp.zeros((num_slots, vocab_size), jnp.float32)  # [R, V]
         self._set_row = set_row_fn
         self._free = list(range(num_slots - 1, 0, -1))
+        self.num_sends = 0  # rows sent so far: a step built before a send is stale
         # request_id -> (request, slot, static row, bans last sent)
         self._owners: dict[str, tuple[Request, int, np.ndarray, frozenset[int]]] = {}
 
@@ -102,6 +103,7 @@ class BiasRows:
                 row = static.copy()
                 row[list(bans)] = -np.inf
                 self.rows = self._set_row(self.rows, np.int32(slot), row)
+                self.num_sends += 1
             self._owners[request.request_id] = (request, slot, static, bans)
             slots[i] = slot
         return slots

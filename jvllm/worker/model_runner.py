@@ -17,6 +17,7 @@ from jvllm.core.scheduler import SchedulerOutput
 from jvllm.logger import init_logger
 from jvllm.models.llama import compute_logits, forward
 from jvllm.sample.sampler import sample_step
+from jvllm.worker.async_step import StepAhead, can_run_ahead, is_step_ahead, next_decode_step
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
@@ -121,6 +122,7 @@ class ModelRunner:
         max_logprobs: int = 20,
         max_num_seqs: int = 128,
         num_scheduler_steps: int = 1,
+        async_scheduling: bool = False,
     ):
         self.config = config
         self.params = params
@@ -156,8 +158,15 @@ class ModelRunner:
             ),
             donate_argnums=(1, 2),
         )
-        # (bucket, is a decode window) -> executable
-        self._executables: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
+        # Async scheduling: one more executable per decode bucket, the step after a step.
+        self.async_scheduling = async_scheduling
+        self._ahead_fn = jax.jit(
+            functools.partial(next_decode_step, step=step), donate_argnums=(1, 2)
+        )
+        self._ahead: StepAhead | None = None
+        self.num_steps_ahead_used = 0
+        self.num_steps_ahead_dropped = 0
+        self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmup_seconds = 0.0
         # Where execute_model's time goes: calling the executable until it returns (argument
@@ -179,32 +188,41 @@ class ModelRunner:
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows),
         )
 
-    def _shapes(self) -> list[tuple[Bucket, bool]]:
-        """Every (bucket, is a decode window) this runner can run."""
+    def _shapes(self) -> list[tuple[Bucket, str]]:
+        """Every (bucket, kind) this runner can run: "step", "window" (a decode window) or
+        "ahead" (the decode step after a step, for async scheduling)."""
         buckets = self.buckets.all_buckets()
-        windows = [b for b in buckets if b.is_decode] if self.num_scheduler_steps > 1 else []
-        return [(b, False) for b in buckets] + [(b, True) for b in windows]
+        decode = [b for b in buckets if b.is_decode]
+        shapes = [(b, "step") for b in buckets]
+        if self.num_scheduler_steps > 1:
+            shapes += [(b, "window") for b in decode]
+        if self.async_scheduling:
+            shapes += [(b, "ahead") for b in decode]
+        return shapes
 
-    def _compile(self, shape: tuple[Bucket, bool], state) -> jax.stages.Compiled:
-        bucket, is_window = shape
+    def _compile(self, shape: tuple[Bucket, str], state) -> jax.stages.Compiled:
+        bucket, kind = shape
         dummy = prepare_step_inputs([], [], [], bucket, self.block_size, self.max_pages)
-        if is_window:
+        if kind == "window":
             window = prepare_window_inputs([], [], bucket.num_seqs)
             return self._window_fn.lower(*state, dummy, window).compile()
+        if kind == "ahead":
+            sampled = np.zeros(bucket.num_seqs, np.int32)
+            return self._ahead_fn.lower(*state, dummy, sampled).compile()
         return self._step_fn.lower(*state, dummy).compile()
 
-    def _executable(self, bucket: Bucket, is_window: bool = False) -> jax.stages.Compiled:
-        exe = self._executables.get((bucket, is_window))
+    def _executable(self, bucket: Bucket, kind: str = "step") -> jax.stages.Compiled:
+        exe = self._executables.get((bucket, kind))
         if exe is None:
             start = time.perf_counter()
-            shape = (bucket, is_window)
+            shape = (bucket, kind)
             exe = self._executables[shape] = self._compile(shape, self._abstract_state())
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             logger.info(
                 "compiled %s on first use in %.1fs "
                 "(compile_all_buckets=True compiles every bucket at start-up)",
-                _describe(bucket, is_window, self.num_scheduler_steps),
+                _describe(bucket, kind, self.num_scheduler_steps),
                 seconds,
             )
         return exe
@@ -230,7 +248,7 @@ class ModelRunner:
                         len(shapes),
                         _describe(*shape, self.num_scheduler_steps),
                     )
-                if not shape[1]:
+                if shape[1] == "step":
                     self._warm_up(shape[0])
         rows = self.bias_rows.rows
         self._set_bias_row.lower(rows, np.int32(0), np.zeros(rows.shape[1], np.float32)).compile()
@@ -273,22 +291,33 @@ class ModelRunner:
         num_reqs = len(requests)
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         is_window = scheduler_output.num_steps > 1
-        bucket = self.buckets.select(sum(counts), num_reqs)
-        inputs = prepare_step_inputs(
-            requests,
-            counts,
-            block_ids,
-            bucket,
-            self.block_size,
-            self.max_pages,
-            self.bias_rows.slots_for(requests),
-        )
-        args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
-        if is_window:
-            limits = [scheduler_output.window_limits[r.request_id] for r in requests]
-            args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
+        bias_slots = self.bias_rows.slots_for(requests)
         start = time.perf_counter()
-        out, self.kv_cache, self.token_cache = self._executable(bucket, is_window)(*args)
+        ahead, self._ahead = self._ahead, None
+        used_ahead = is_step_ahead(ahead, scheduler_output, block_ids, self.bias_rows.num_sends)
+        if used_ahead:
+            self.num_steps_ahead_used += 1
+            bucket, out, inputs, any_logprobs = (
+                ahead.bucket,
+                ahead.out,
+                ahead.inputs,
+                ahead.any_logprobs,
+            )
+        else:
+            self.num_steps_ahead_dropped += ahead is not None
+            bucket = self.buckets.select(sum(counts), num_reqs)
+            inputs = prepare_step_inputs(
+                requests, counts, block_ids, bucket, self.block_size, self.max_pages, bias_slots
+            )
+            any_logprobs = bool(inputs.sampling.any_logprobs)
+            args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
+            if is_window:
+                limits = [scheduler_output.window_limits[r.request_id] for r in requests]
+                args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
+            kind = "window" if is_window else "step"
+            out, self.kv_cache, self.token_cache = self._executable(bucket, kind)(*args)
+        if self.async_scheduling and can_run_ahead(scheduler_output, block_ids, self.block_size):
+            self._run_ahead(scheduler_output, block_ids, bucket, any_logprobs, out, inputs)
         dispatched = time.perf_counter()
         if is_window:
             token_ids = np.asarray(out.token_ids)[:, :num_reqs]  # [k, R]
@@ -299,7 +328,7 @@ class ModelRunner:
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         result = ModelRunnerOutput(sampled)
-        if inputs.sampling.any_logprobs:
+        if any_logprobs:
             fields = (
                 out.topk_token_ids,
                 out.topk_logprobs,
@@ -308,7 +337,7 @@ class ModelRunner:
             )
             rows = (slice(None), slice(num_reqs)) if is_window else slice(num_reqs)
             result.logprobs = tuple(np.asarray(f)[rows] for f in fields)
-        if not is_window and inputs.sampling.any_prompt_logprobs:
+        if not is_window and not used_ahead and inputs.sampling.any_prompt_logprobs:
             fields = (
                 out.prompt_topk_token_ids,
                 out.prompt_topk_logprobs,
@@ -318,10 +347,40 @@ class ModelRunner:
             result.prompt_logprobs = tuple(np.asarray(f) for f in fields)
         return result
 
+    def _run_ahead(
+        self,
+        scheduler_output: SchedulerOutput,
+        block_ids: list[list[int]],
+        bucket: Bucket,
+        any_logprobs: bool,
+        out,
+        inputs: StepInputs,
+    ) -> None:
+        """Dispatch the decode step after this one, fed this step's tokens on the device."""
+        out, next_inputs, self.kv_cache, self.token_cache = self._executable(bucket, "ahead")(
+            self.params,
+            self.kv_cache,
+            self.token_cache,
+            self.bias_rows.rows,
+            inputs,
+            out.sampled_token_ids,
+        )
+        self._ahead = StepAhead(
+            request_ids=tuple(r.request_id for r in scheduler_output.scheduled_requests),
+            block_ids=block_ids,
+            num_bias_sends=self.bias_rows.num_sends,
+            bucket=bucket,
+            any_logprobs=any_logprobs,
+            out=out,
+            inputs=next_inputs,
+        )
 
-def _describe(bucket: Bucket, is_window: bool, num_steps: int) -> str:
+
+def _describe(bucket: Bucket, kind: str, num_steps: int) -> str:
     """A shape's name in log lines; every executable gets its own."""
-    if bucket.is_decode:
-        what = f"decode bucket (seqs={bucket.num_seqs})"
-        return f"{what}, {num_steps}-step window" if is_window else what
-    return f"mixed bucket (tokens={bucket.num_tokens}, seqs={bucket.num_seqs})"
+    if not bucket.is_decode:
+        return f"mixed bucket (tokens={bucket.num_tokens}, seqs={bucket.num_seqs})"
+    what = f"decode bucket (seqs={bucket.num_seqs})"
+    if kind == "window":
+        return f"{what}, {num_steps}-step window"
+    return f"{what}, run ahead" if kind == "ahead" else what
