@@ -25,6 +25,8 @@ _ENGINE_FLAGS = {
     "generation_config": {},
     "enable_prefix_caching": {"action": argparse.BooleanOptionalAction},
     "enable_chunked_prefill": {"action": argparse.BooleanOptionalAction},
+    "num_scheduler_steps": {"type": int},
+    "async_scheduling": {"action": argparse.BooleanOptionalAction},
 }
 
 

@@ -1,0 +1,83 @@
+"""The server on an engine with decode windows and async scheduling: streams arrive in bursts of
+at most k tokens with the offline text, and a client that goes away frees its blocks."""
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from jvllm import LLM, SamplingParams
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+
+MODEL = "tiny"
+K = 4
+PROMPTS = [f"Stream {i} goes on about" for i in range(3)]
+MAX_TOKENS = 23
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir):
+    llm = LLM(
+        tiny_llama_dir,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_scheduler_steps=K,
+        async_scheduling=True,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    offline = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    engine = AsyncLLM(llm.llm_engine)
+    server = ServerThread(build_app(engine, MODEL, None)).start()
+    yield {"engine": engine, "url": server.url, "offline": offline}
+    server.stop()
+    engine.shutdown()
+
+
+def test_streams_come_in_bursts_of_at_most_k_tokens_with_the_offline_text(setup):
+    client = openai.OpenAI(base_url=setup["url"] + "/v1", api_key="unused", max_retries=0)
+    for prompt, offline in zip(PROMPTS, setup["offline"]):
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        burst_sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs]
+        assert sum(burst_sizes) == MAX_TOKENS
+        assert max(burst_sizes) == K  # windows of K after the first token
+        assert "".join(c.choices[0].text for c in chunks) == offline
+
+
+def test_a_client_that_goes_away_frees_its_blocks(setup):
+    engine = setup["engine"]
+    kv = engine.engine.scheduler.kv_cache_manager
+    free_before = kv.num_free_blocks
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0] * 3,
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", setup["url"] + "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        for _ in range(3):
+            assert next(lines).startswith("data: ")
+            next(lines)  # the blank line after each event
+        assert kv.num_free_blocks < free_before  # the request holds blocks mid-stream
+    deadline = time.monotonic() + 10
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.engine.has_unfinished_requests()  # the disconnect aborted it
+    assert kv.num_free_blocks == free_before
