@@ -100,8 +100,8 @@ class Scheduler:
                 request.request_id
             )
         logger.debug(
-            "schedule: %d steps, %d requests, %d tokens, %d preempted, %d ignored; %d running, %d waiting, "
-            "KV usage %.1f%%",
+            "schedule: %d steps, %d requests, %d tokens, %d preempted, %d ignored; "
+            "%d running, %d waiting, KV usage %.1f%%",
             output.num_steps,
             len(output.scheduled_requests),
             output.total_num_scheduled_tokens,
