@@ -20,6 +20,8 @@
 #                   weights of SmolLM2-135M's shapes (load_format dummy); then the tiny-2l
 #                   shape, whose device steps are so short that its figure is the host's limit
 #     engine-8b     the same on Llama-3-8B's shapes (head_dim 128, GQA 4:1)
+#     engine-steps  issue 17: decode windows (k = 16) and async scheduling against k = 1, in
+#                   the same run, on the 8B and SmolLM2 shapes (default backend, no HF)
 # A step that runs out of time still leaves its log up to there; the XLA cache (~/.cache/jvllm)
 # lives as long as the machine stays warm, so a rerun of an engine step compiles less.
 # Run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s, bench-mixed
@@ -29,7 +31,7 @@
 # Put every figure with its command and device in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash tools/gpu_session.sh STEP [STEP...] (check bench-decode bench-mixed engine-small engine-8b)"
+usage="usage: bash tools/gpu_session.sh STEP [STEP...] (check bench-decode bench-mixed engine-small engine-8b engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
@@ -81,6 +83,7 @@ jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__versio
         python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
             tests/test_kernels_decode.py tests/test_kernels_ragged.py
         python3 -m pytest -q -p no:cacheprovider tests/test_pallas_backend.py
+        python3 -m pytest -q -p no:cacheprovider tests/test_multi_step.py -k pallas
         python3 -m kernels_pallas.bench --small
     } 2>&1 | tee "$out/check.log"
     ;;
@@ -97,6 +100,22 @@ engine-small)
 engine-8b)
     throughput jvllm/benchmarks/model_configs/llama-3-8b --max-model-len 2048 \
         --kv-cache-memory-bytes $((8 << 30)) 2>&1 | tee "$out/$step.log"
+    ;;
+engine-steps)
+    {
+        export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+        for setting in "--num-scheduler-steps 16" "--async-scheduling"; do
+            # shellcheck disable=SC2086
+            python3 -m jvllm.benchmarks.throughput --model jvllm/benchmarks/model_configs/llama-3-8b \
+                --load-format dummy --dtype bfloat16 --num-prompts 64 --input-len 512 \
+                --output-len 128 --max-model-len 2048 --kv-cache-memory-bytes $((8 << 30)) \
+                --skip-hf $setting
+            python3 -m jvllm.benchmarks.throughput \
+                --model jvllm/benchmarks/model_configs/smollm2-135m --load-format dummy \
+                --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
+                --max-model-len 2048 --skip-hf $setting
+        done
+    } 2>&1 | tee "$out/$step.log"
     ;;
 *)
     echo "unknown step $step" >&2
