@@ -5,11 +5,13 @@ token, the token each row samples in n, which is already on the device. So with
 `async_scheduling=True` the runner dispatches that step (`next_decode_step`) right behind step n
 and only then waits for n's tokens: the host's update, output processing and next schedule run
 while the device computes step n+1. When the engine then schedules step n+1, the step dispatched
-ahead is used if it is exactly that step: the same requests in the same order over the same
-blocks and logit-bias rows; otherwise (a request finished or was preempted, one arrived, a row
-needed a new block) it is dropped and the scheduled step runs. A dropped step wrote only the
-next position of each of its rows: the same KV a rerun writes for rows that go on, and nothing
-another request reads for rows that ended (their blocks are freed afterwards, in device order).
+ahead is used if it holds that step: its requests are some of the rows run ahead, in the same
+order, over the same blocks and logit-bias rows (the rows of requests that finished meanwhile
+are ignored, and later steps run ahead keep them inactive); otherwise (a request arrived or
+was preempted, a row needed a new block) it is dropped and the scheduled step runs. A dropped
+step wrote only the next position of each of its rows: the same KV a rerun writes for rows that
+go on, and nothing another request reads for rows that ended (their blocks are freed
+afterwards, in device order).
 """
 
 import dataclasses
@@ -22,11 +24,10 @@ from jvllm.worker.step_inputs import StepInputs
 
 
 def next_decode_step(
-    params, kv_cache, token_cache, bias_rows, inputs: StepInputs, sampled, *, step
+    params, kv_cache, token_cache, bias_rows, inputs: StepInputs, sampled, active, *, step
 ):
-    """The decode step after `inputs`' own, each row fed its token sampled there i32[S]
-    -> (SamplerOutput, that step's inputs, kv_cache, token_cache)."""
-    active = inputs.attn.seq_lens > 0  # the real rows
+    """The decode step after `inputs`' own, each active row (bool[S]) fed its token sampled
+    there i32[S] -> (SamplerOutput, that step's inputs, kv_cache, token_cache)."""
     inputs = advance_inputs(inputs, sampled, active, token_cache.shape[1])
     out, _, kv_cache, token_cache = step(params, kv_cache, token_cache, bias_rows, inputs)
     return out, inputs, kv_cache, token_cache
@@ -37,8 +38,8 @@ class StepAhead:
     """A decode step dispatched ahead of its schedule: for which rows, over which blocks and
     bias rows, and its results (device arrays)."""
 
-    request_ids: tuple[str, ...]
-    block_ids: list[list[int]]
+    request_ids: tuple[str | None, ...]  # each row's request; None: a row that ended before
+    block_ids: list[list[int]]  # each row's blocks
     num_bias_sends: int  # BiasRows.num_sends when it was dispatched
     bucket: Bucket
     any_logprobs: bool
@@ -65,19 +66,24 @@ def can_run_ahead(
     return True
 
 
-def is_step_ahead(
+def rows_ahead(
     ahead: StepAhead | None,
     scheduler_output: SchedulerOutput,
     block_ids: list[list[int]],
     num_bias_sends: int,
-) -> bool:
-    """Whether `ahead` is the scheduled step (call after the step's bias rows are sent)."""
-    if ahead is None or scheduler_output.num_steps > 1:
-        return False
-    request_ids = tuple(r.request_id for r in scheduler_output.scheduled_requests)
-    return (
-        ahead.request_ids == request_ids
-        and scheduler_output.is_decode_only
-        and ahead.block_ids == block_ids
-        and ahead.num_bias_sends == num_bias_sends
-    )
+) -> list[int] | None:
+    """The rows of `ahead` that hold the scheduled step's requests, in order, or None when it
+    does not hold that step (call after the step's bias rows are sent)."""
+    if ahead is None or scheduler_output.num_steps > 1 or not scheduler_output.is_decode_only:
+        return None
+    if ahead.num_bias_sends != num_bias_sends:
+        return None
+    rows, row = [], 0
+    for request, blocks in zip(scheduler_output.scheduled_requests, block_ids, strict=True):
+        while row < len(ahead.request_ids) and ahead.request_ids[row] != request.request_id:
+            row += 1  # a request that finished since: the scheduler keeps the others' order
+        if row == len(ahead.request_ids) or ahead.block_ids[row] != blocks:
+            return None
+        rows.append(row)
+        row += 1
+    return rows

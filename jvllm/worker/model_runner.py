@@ -17,7 +17,7 @@ from jvllm.core.scheduler import SchedulerOutput
 from jvllm.logger import init_logger
 from jvllm.models.llama import compute_logits, forward
 from jvllm.sample.sampler import sample_step
-from jvllm.worker.async_step import StepAhead, can_run_ahead, is_step_ahead, next_decode_step
+from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
@@ -208,7 +208,8 @@ class ModelRunner:
             return self._window_fn.lower(*state, dummy, window).compile()
         if kind == "ahead":
             sampled = np.zeros(bucket.num_seqs, np.int32)
-            return self._ahead_fn.lower(*state, dummy, sampled).compile()
+            active = np.zeros(bucket.num_seqs, bool)
+            return self._ahead_fn.lower(*state, dummy, sampled, active).compile()
         return self._step_fn.lower(*state, dummy).compile()
 
     def _executable(self, bucket: Bucket, kind: str = "step") -> jax.stages.Compiled:
@@ -294,17 +295,15 @@ class ModelRunner:
         bias_slots = self.bias_rows.slots_for(requests)
         start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        used_ahead = is_step_ahead(ahead, scheduler_output, block_ids, self.bias_rows.num_sends)
-        if used_ahead:
+        rows = rows_ahead(ahead, scheduler_output, block_ids, self.bias_rows.num_sends)
+        used_ahead = rows is not None
+        if used_ahead:  # the step is already on the device
             self.num_steps_ahead_used += 1
-            bucket, out, inputs, any_logprobs = (
-                ahead.bucket,
-                ahead.out,
-                ahead.inputs,
-                ahead.any_logprobs,
-            )
+            bucket, out, inputs = ahead.bucket, ahead.out, ahead.inputs
+            any_logprobs = ahead.any_logprobs
         else:
             self.num_steps_ahead_dropped += ahead is not None
+            rows = list(range(num_reqs))
             bucket = self.buckets.select(sum(counts), num_reqs)
             inputs = prepare_step_inputs(
                 requests, counts, block_ids, bucket, self.block_size, self.max_pages, bias_slots
@@ -317,14 +316,14 @@ class ModelRunner:
             kind = "window" if is_window else "step"
             out, self.kv_cache, self.token_cache = self._executable(bucket, kind)(*args)
         if self.async_scheduling and can_run_ahead(scheduler_output, block_ids, self.block_size):
-            self._run_ahead(scheduler_output, block_ids, bucket, any_logprobs, out, inputs)
+            self._run_ahead(scheduler_output, block_ids, rows, bucket, any_logprobs, out, inputs)
         dispatched = time.perf_counter()
         if is_window:
             token_ids = np.asarray(out.token_ids)[:, :num_reqs]  # [k, R]
             num_sampled = np.asarray(out.num_sampled)[:num_reqs].tolist()
             sampled = [token_ids[:n, i].tolist() for i, n in enumerate(num_sampled)]
         else:
-            sampled = np.asarray(out.sampled_token_ids)[:num_reqs]
+            sampled = np.asarray(out.sampled_token_ids)[rows]
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         result = ModelRunnerOutput(sampled)
@@ -335,8 +334,8 @@ class ModelRunner:
                 out.sampled_logprobs,
                 out.sampled_ranks,
             )
-            rows = (slice(None), slice(num_reqs)) if is_window else slice(num_reqs)
-            result.logprobs = tuple(np.asarray(f)[rows] for f in fields)
+            at = (slice(None), slice(num_reqs)) if is_window else rows
+            result.logprobs = tuple(np.asarray(f)[at] for f in fields)
         if not is_window and not used_ahead and inputs.sampling.any_prompt_logprobs:
             fields = (
                 out.prompt_topk_token_ids,
@@ -351,12 +350,16 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         block_ids: list[list[int]],
+        rows: list[int],
         bucket: Bucket,
         any_logprobs: bool,
         out,
         inputs: StepInputs,
     ) -> None:
-        """Dispatch the decode step after this one, fed this step's tokens on the device."""
+        """Dispatch the decode step after this one, its `rows` (this step's requests) fed this
+        step's tokens on the device; every other row stays inactive."""
+        active = np.zeros(bucket.num_seqs, bool)
+        active[rows] = True
         out, next_inputs, self.kv_cache, self.token_cache = self._executable(bucket, "ahead")(
             self.params,
             self.kv_cache,
@@ -364,10 +367,15 @@ class ModelRunner:
             self.bias_rows.rows,
             inputs,
             out.sampled_token_ids,
+            active,
         )
+        request_ids: list[str | None] = [None] * bucket.num_seqs
+        row_blocks: list[list[int]] = [[] for _ in range(bucket.num_seqs)]
+        for row, request, blocks in zip(rows, scheduler_output.scheduled_requests, block_ids):
+            request_ids[row], row_blocks[row] = request.request_id, blocks
         self._ahead = StepAhead(
-            request_ids=tuple(r.request_id for r in scheduler_output.scheduled_requests),
-            block_ids=block_ids,
+            request_ids=tuple(request_ids),
+            block_ids=row_blocks,
             num_bias_sends=self.bias_rows.num_sends,
             bucket=bucket,
             any_logprobs=any_logprobs,
