@@ -110,8 +110,12 @@ class StepLoop:
         for params in sampling_params:
             _check_supported(params)
         ids = [f"step-loop-{i}" for i in range(len(prompts))]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-            engine.add_request(request_id, prompt, params)
+        try:
+            for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
+                engine.add_request(request_id, prompt, params)
+        except (ValueError, TypeError):  # nothing of a refused batch stays in the engine
+            engine.abort_request(ids)
+            raise
         self._requests = [engine.scheduler.get_request(i) for i in ids]
         if not all(fits_window(r) for r in self._requests):
             self._abort_all()

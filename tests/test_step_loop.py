@@ -99,5 +99,7 @@ def test_unsupported_requests_are_refused_and_leave_the_engine_idle(llm):
             StepLoop(llm).prefill(PROMPTS, params)
     with pytest.raises(ValueError, match="bad_words"):
         StepLoop(llm).prefill(PROMPTS, SamplingParams(max_tokens=5, bad_words=["the cat"]))
+    with pytest.raises(ValueError, match="max_model_len"):  # the last prompt is too long
+        StepLoop(llm).prefill(PROMPTS + [list(range(100, 300))], SamplingParams(max_tokens=5))
     assert not llm.llm_engine.has_unfinished_requests()
     assert manager.num_free_blocks == manager.num_usable_blocks
