@@ -59,9 +59,8 @@ class DecodeState:
     """Everything one decode step reads and writes; S = the rows padded to a decode bucket."""
 
     params: object  # the model's Params pytree
-    bias_rows: (
-        jax.Array
-    )  # f32[R, V] logit bias / allowed ids / bad words rows (inputs.sampling.bias_slot)
+    # f32[R, V]: rows of logit bias, allowed ids and bad words (inputs.sampling.bias_slot)
+    bias_rows: jax.Array
     stops: WindowInputs  # limits i32[S] (tokens a row may still sample), stop_token_ids i32[S, W]
     carry: DecodeCarry  # kv_cache, token_cache, inputs (the next step's), num_sampled, active
 
