@@ -25,6 +25,15 @@ def test_throughput_benchmark_runs_jvllm_and_hf(capsys):
     assert "ratio jvllm / HF:" in out
 
 
+def test_throughput_benchmark_compares_a_scheduling_setting_with_k1(capsys):
+    throughput.main(
+        [*_TINY_WORKLOAD, "--skip-hf", "--num-scheduler-steps", "2", "--async-scheduling"]
+    )
+    out = capsys.readouterr().out
+    assert "jvllm [k=1]:" in out and "jvllm [k=2, async]:" in out
+    assert "jvllm [k=2, async] / jvllm [k=1]: throughput" in out
+
+
 def test_dense_bound_benchmark_runs_against_hf(capsys):
     dense_bound.main(_TINY_WORKLOAD)
     out = capsys.readouterr().out
