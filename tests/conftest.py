@@ -4,8 +4,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
+import contextlib
 import shutil
+import time
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +32,29 @@ RAGGED_PROMPTS = [
     list(range(2000, 2017)),
     [(i * 7919) % 40000 + 100 for i in range(45)],
 ]
+
+
+def wait_idle(async_llm, timeout: float = 10.0) -> None:
+    """Wait until the AsyncLLM's engine has no request left (an abort lands between steps)."""
+    deadline = time.monotonic() + timeout
+    while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not async_llm.engine.has_unfinished_requests()
+
+
+@contextlib.contextmanager
+def streamed_completion(url: str, body: dict, num_events: int = 3):
+    """A streamed /v1/completions request read for `num_events` events; leaving the block
+    closes the connection, as a client that goes away does."""
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", url + "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        for _ in range(num_events):
+            assert next(lines).startswith("data: ")
+            next(lines)  # the blank line after each event
+        yield
 
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:

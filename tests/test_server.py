@@ -5,11 +5,11 @@ One in-process server per module (so a test can look at the engine's block pool)
 """
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
+from conftest import streamed_completion, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from jvllm import LLM, SamplingParams
@@ -58,13 +58,6 @@ def _greedy(**kw):
         "extra_body": {"ignore_eos": True},
         **kw,
     }
-
-
-def _wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not engine.engine.has_unfinished_requests()
 
 
 def test_completion_streamed_equals_non_streamed_equals_offline(setup, client):
@@ -218,7 +211,7 @@ def test_32_concurrent_streams_finish_with_offline_text(setup):
 def test_disconnect_mid_stream_aborts_and_frees_every_block(setup):
     engine = setup["engine"]
     kv = engine.engine.scheduler.kv_cache_manager
-    _wait_idle(engine)
+    wait_idle(engine)
     free_before = kv.num_free_blocks
     generated_before = _generation_tokens(setup["url"])
     body = {
@@ -228,16 +221,9 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(setup):
         "stream": True,
         "ignore_eos": True,
     }
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream("POST", setup["url"] + "/v1/completions", json=body) as response,
-    ):
-        lines = response.iter_lines()
-        for _ in range(3):
-            assert next(lines).startswith("data: ")
-            next(lines)  # the blank line after each event
+    with streamed_completion(setup["url"], body):
         assert kv.num_free_blocks < free_before  # the request holds blocks mid-stream
-    _wait_idle(engine)
+    wait_idle(engine)
     assert kv.num_free_blocks == free_before
     assert _generation_tokens(setup["url"]) - generated_before < 200  # it did not run to the end
 

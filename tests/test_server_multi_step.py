@@ -1,11 +1,9 @@
 """The server on an engine with decode windows and async scheduling: streams arrive in bursts of
 at most k tokens with the offline text, and a client that goes away frees its blocks."""
 
-import time
-
-import httpx
 import openai
 import pytest
+from conftest import streamed_completion, wait_idle
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
@@ -67,17 +65,7 @@ def test_a_client_that_goes_away_frees_its_blocks(setup):
         "stream": True,
         "ignore_eos": True,
     }
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream("POST", setup["url"] + "/v1/completions", json=body) as response,
-    ):
-        lines = response.iter_lines()
-        for _ in range(3):
-            assert next(lines).startswith("data: ")
-            next(lines)  # the blank line after each event
+    with streamed_completion(setup["url"], body):
         assert kv.num_free_blocks < free_before  # the request holds blocks mid-stream
-    deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not engine.engine.has_unfinished_requests()  # the disconnect aborted it
+    wait_idle(engine)  # the disconnect aborted it
     assert kv.num_free_blocks == free_before
