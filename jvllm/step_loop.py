@@ -41,13 +41,18 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jvllm.core.decode_window import fits_window
+from jvllm.core.decode_window import fits_window, window_limit
 from jvllm.core.request import Request
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.sampling_params import SamplingParams
-from jvllm.worker.decode_loop import DecodeCarry, WindowInputs, feed_back, prepare_window_inputs
+from jvllm.worker.decode_loop import (
+    DecodeCarry,
+    WindowInputs,
+    decode_step,
+    prepare_window_inputs,
+)
 from jvllm.worker.step_inputs import prepare_step_inputs
 
 __all__ = ["DecodeState", "StepLoop", "StepOutput"]
@@ -135,15 +140,9 @@ class StepLoop:
 
         `choose(logits f32[S, V], sampler_output) -> i32[S]` replaces the engine's choice of
         token (the default takes `sampler_output.sampled_token_ids`)."""
-        # Loop-variant params, or XLA hoists bfloat16 weight conversions out of a caller's
-        # loop (see worker/decode_loop.decode_step).
-        params, carry = jax.lax.optimization_barrier((state.params, state.carry))
-        out, logits, kv_cache, token_cache = self._runner.step(
-            params, carry.kv_cache, carry.token_cache, state.bias_rows, carry.inputs
+        carry, out, logits, token_ids = decode_step(
+            self._runner.step, state.params, state.bias_rows, state.stops, state.carry, choose
         )
-        token_ids = out.sampled_token_ids if choose is None else choose(logits, out)
-        carry = dataclasses.replace(carry, kv_cache=kv_cache, token_cache=token_cache)
-        carry = feed_back(state.stops, carry, token_ids)
         return dataclasses.replace(state, carry=carry), StepOutput(
             token_ids, state.carry.active, logits, out
         )
@@ -188,13 +187,8 @@ class StepLoop:
         engine, runner = self.engine, self._runner
         scheduler, kv = engine.scheduler, engine.scheduler.kv_cache_manager
         self._rows = [r for r in self._requests if not r.is_finished]
-        limits = [
-            min(
-                r.sampling_params.max_tokens - r.num_output_tokens,
-                engine.max_model_len - r.num_tokens,
-            )
-            for r in self._rows
-        ]
+        # A window as long as the requests may run (min_tokens is refused in prefill).
+        limits = [window_limit(r, engine.max_model_len, engine.max_model_len) for r in self._rows]
         for request, limit in zip(self._rows, limits):
             if kv.allocate_slots(request, limit) is None:
                 self._abort_all()

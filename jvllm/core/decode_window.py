@@ -15,9 +15,14 @@ from jvllm.core.request import Request
 MAX_WINDOW_STOP_IDS = 16
 
 
+def has_token_dependent_bans(request: Request) -> bool:
+    """Multi-token bad words ban a token only after the others: bans that follow each token."""
+    return any(len(word) > 1 for word in request.bad_words_token_ids)
+
+
 def fits_window(request: Request) -> bool:
     """Whether the request's stops and logit processors can run inside a decode window."""
-    if any(len(word) > 1 for word in request.bad_words_token_ids):
+    if has_token_dependent_bans(request):
         return False
     return len(window_stop_token_ids(request)) <= MAX_WINDOW_STOP_IDS
 

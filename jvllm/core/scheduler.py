@@ -87,9 +87,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        num_steps = self._window_steps()
-        if num_steps > 1:
-            self._schedule_window(output, num_steps)
+        window_limits = self._window_limits()
+        if window_limits is not None:
+            self._schedule_window(output, window_limits)
         else:
             token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
             # A step that had to preempt is short of blocks: admitting now would only thrash.
@@ -168,33 +168,33 @@ class Scheduler:
             request.status = status
             self._free_finished(request)
 
-    def _window_steps(self) -> int:
-        """k when this step can be a decode window of k = num_scheduler_steps, else 1: every
-        running request decodes and fits a window, no waiting request could be admitted now,
-        and the free blocks cover every request's window without preempting."""
+    def _window_limits(self) -> list[int] | None:
+        """Each running request's limit when this step can be a decode window of
+        k = num_scheduler_steps, else None: every running request decodes and fits a window, no
+        waiting request could be admitted now, and the free blocks cover every request's window
+        without preempting."""
         num_steps, kv = self.config.num_scheduler_steps, self.kv_cache_manager
         if num_steps == 1 or not self.running:
-            return 1
+            return None
         if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return 1  # prefill the newcomers now rather than after a window
+            return None  # prefill the newcomers now rather than after a window
         if len(self.running) > self.config.max_num_batched_tokens:
-            return 1
-        num_blocks = 0
+            return None
+        limits, num_blocks = [], 0
         for request in self.running:
             if request.num_computed_tokens != request.num_tokens - 1 or not fits_window(request):
-                return 1
-            limit = window_limit(request, num_steps, self.config.max_model_len)
-            num_tokens = request.num_computed_tokens + limit
+                return None
+            limits.append(window_limit(request, num_steps, self.config.max_model_len))
+            num_tokens = request.num_computed_tokens + limits[-1]
             num_blocks += cdiv(num_tokens, kv.block_size) - len(
                 kv.get_block_ids(request.request_id)
             )
-        return num_steps if num_blocks <= kv.num_free_blocks else 1
+        return limits if num_blocks <= kv.num_free_blocks else None
 
-    def _schedule_window(self, output: SchedulerOutput, num_steps: int) -> None:
-        output.num_steps = num_steps
-        for request in self.running:
-            limit = window_limit(request, num_steps, self.config.max_model_len)
-            # Blocks for every token the window may compute: _window_steps counted them.
+    def _schedule_window(self, output: SchedulerOutput, limits: list[int]) -> None:
+        output.num_steps = self.config.num_scheduler_steps
+        for request, limit in zip(self.running, limits, strict=True):
+            # Blocks for every token the window may compute: _window_limits counted them.
             self.kv_cache_manager.allocate_slots(request, limit)
             output.scheduled_requests.append(request)
             output.num_scheduled_tokens[request.request_id] = 1

@@ -16,6 +16,7 @@ afterwards, in device order).
 
 import dataclasses
 
+from jvllm.core.decode_window import has_token_dependent_bans
 from jvllm.core.scheduler import SchedulerOutput
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.worker.buckets import Bucket
@@ -61,7 +62,7 @@ def can_run_ahead(
             return False  # the token sampled now lands in a block not allocated yet
         if request.num_output_tokens + 1 == request.sampling_params.min_tokens:
             return False
-        if any(len(word) > 1 for word in request.bad_words_token_ids):
+        if has_token_dependent_bans(request):
             return False
     return True
 

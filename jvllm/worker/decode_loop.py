@@ -75,12 +75,14 @@ def advance_inputs(
 
 
 def decode_step(
-    step, params, bias_rows, window: WindowInputs, carry: DecodeCarry
-) -> tuple[DecodeCarry, SamplerOutput, jax.Array]:
-    """One decode step of every row, then the inputs of the next
-    -> (carry, this step's SamplerOutput, its raw logits f32[S, V]).
+    step, params, bias_rows, window: WindowInputs, carry: DecodeCarry, choose=None
+) -> tuple[DecodeCarry, SamplerOutput, jax.Array, jax.Array]:
+    """One decode step of every row, then the inputs of the next -> (carry, this step's
+    SamplerOutput, its raw logits f32[S, V], the tokens taken i32[S]).
 
-    `step` is the engine's jitted step body (model_runner._step with its statics bound).
+    `step` is the engine's jitted step body (model_runner._step with its statics bound);
+    `choose(logits, sampler_output) -> i32[S]`, when given, takes the tokens instead of the
+    engine's sample.
     The params pass an optimization barrier together with the carry, which makes them
     loop-variant to XLA: in a loop, XLA otherwise hoists each bfloat16 weight's conversion to
     float32 out of the loop, which runs the whole weights through memory as float32
@@ -89,8 +91,9 @@ def decode_step(
     out, logits, kv_cache, token_cache = step(
         params, carry.kv_cache, carry.token_cache, bias_rows, carry.inputs
     )
+    token_ids = out.sampled_token_ids if choose is None else choose(logits, out)
     carry = dataclasses.replace(carry, kv_cache=kv_cache, token_cache=token_cache)
-    return feed_back(window, carry, out.sampled_token_ids), out, logits
+    return feed_back(window, carry, token_ids), out, logits, token_ids
 
 
 def feed_back(window: WindowInputs, carry: DecodeCarry, token_ids: jax.Array) -> DecodeCarry:
@@ -148,7 +151,7 @@ def run_window(
 
     def body(state):
         j, carry, out = state
-        carry, step_out, _ = decode_step(step, params, bias_rows, window, carry)
+        carry, step_out, _, _ = decode_step(step, params, bias_rows, window, carry)
         out = WindowOutput(
             token_ids=out.token_ids.at[j].set(step_out.sampled_token_ids),
             num_sampled=carry.num_sampled,
