@@ -142,8 +142,7 @@ class OutputProcessor:
         return None
 
     def _drop_tokens_after(self, request: Request, state: _RequestState, num_kept: int) -> None:
-        num_dropped = request.num_output_tokens - num_kept
-        if num_dropped <= 0:
+        if num_kept >= request.num_output_tokens:
             return
         del request.output_token_ids[num_kept:]
         del request.all_token_ids[request.num_prompt_tokens + num_kept :]
