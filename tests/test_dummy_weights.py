@@ -46,7 +46,7 @@ def test_dummy_params_have_the_declared_shapes_and_uniform_values(config_only_di
         assert np.abs(values).max() <= 1e-3
         assert values.std() == pytest.approx(1e-3 / np.sqrt(3), rel=0.2)
     # Layers get their own draws, and a seed gives the same weights again.
-    assert not np.array_equal(params.layers[0].qkv, params.layers[1].qkv)
+    assert not np.array_equal(params.layers.qkv[0], params.layers.qkv[1])
     again = dummy_params(config)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, again)))
 

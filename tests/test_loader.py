@@ -112,8 +112,8 @@ def test_default_model_cache_survives_a_reinstall_and_keeps_one_conversion(
 
 def test_default_model_in_bfloat16_still_predicts_paris(cache_dir):
     config, params, tokenizer = load_model(None, dtype="bfloat16")
-    assert params.layers[0].qkv.dtype == jnp.bfloat16
-    assert params.layers[0].input_norm.dtype == jnp.float32
+    assert params.layers.qkv.dtype == jnp.bfloat16
+    assert params.layers.input_norm.dtype == jnp.float32
     logits = dense_logits(config, params, tokenizer(PROMPT)["input_ids"])
     assert tokenizer.decode([int(logits[-1].argmax())]) == " Paris"
 
@@ -147,4 +147,4 @@ def test_hf_dir_without_tokenizer_loads_with_none_tokenizer(tmp_path):
     transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path)
     config, params, tokenizer = load_model(str(tmp_path), dtype="bfloat16")
     assert tokenizer is None and config.dtype == "bfloat16"
-    assert len(params.layers) == 1 and params.layers[0].gate_up.shape == (128, 32)
+    assert params.layers.gate_up.shape == (1, 128, 32)

@@ -71,46 +71,36 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
 def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
     """Build jax Params from HF-named torch-layout ([out, in]) tensors returned by `get(name)`.
 
-    Each layer's arrays are built in the target dtype one at a time, so the host never holds a
-    second full-precision copy of the model.
+    Each stacked field is built in its target dtype one layer at a time, so the host holds at
+    most one field of the model at full precision plus one layer's float32 piece.
     """
     dtype = jnp.dtype(config.dtype)
+    layer_prefixes = [f"model.layers.{i}." for i in range(config.num_layers)]
 
-    def cat(*names: str) -> Callable[[str], np.ndarray]:
-        # Biases: [out] pieces -> [sum(out)]
-        return lambda p: np.concatenate([get(p + n) for n in names])
+    def stacked(names: tuple[str, ...], out_dtype: Any = dtype) -> jnp.ndarray:
+        """HF pieces [out_j, (in)] of every layer -> [L, sum(out_j), (in)] in `out_dtype`."""
+        first = [get(layer_prefixes[0] + n) for n in names]
+        rows = sum(piece.shape[0] for piece in first)
+        out = np.empty((config.num_layers, rows, *first[0].shape[1:]), out_dtype)
+        for i, prefix in enumerate(layer_prefixes):
+            np.concatenate([get(prefix + n) for n in names], axis=0, out=out[i], casting="unsafe")
+        return jnp.asarray(out)
 
-    def cat_w(*names: str) -> Callable[[str], np.ndarray]:
-        # Weights: torch [out, in] pieces -> [sum(out), in], the layout `dense` takes
-        return lambda p: np.concatenate([get(p + n) for n in names], axis=0)
-
-    def vec(name: str) -> Callable[[str], np.ndarray]:
-        return lambda p: get(p + name)
-
-    attn_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-    def layer(prefix: str) -> LayerParams:
-        def load(fn: Callable[[str], np.ndarray], out_dtype: Any = dtype) -> jnp.ndarray:
-            return jnp.asarray(fn(prefix), dtype=out_dtype)
-
-        return LayerParams(
-            # Norm weights stay float32: they are tiny and feed float32 RMSNorm math.
-            input_norm=load(vec("input_layernorm.weight"), jnp.float32),  # [D]
-            qkv=load(cat_w(*(n + ".weight" for n in attn_names))),  # [(N+2K)*H, D]
-            qkv_bias=(  # [(N+2K)*H]
-                load(cat(*(n + ".bias" for n in attn_names)), jnp.float32)
-                if config.attention_bias
-                else None
-            ),
-            q_norm=load(vec("self_attn.q_norm.weight"), jnp.float32) if config.qk_norm else None,
-            k_norm=load(vec("self_attn.k_norm.weight"), jnp.float32) if config.qk_norm else None,
-            o=load(cat_w("self_attn.o_proj.weight")),  # [D, N*H]
-            post_attention_norm=load(vec("post_attention_layernorm.weight"), jnp.float32),
-            gate_up=load(cat_w("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [2F, D]
-            down=load(cat_w("mlp.down_proj.weight")),  # [D, F]
-        )
-
-    layers = tuple(layer(f"model.layers.{i}.") for i in range(config.num_layers))
+    attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    f32 = jnp.float32  # norm weights and biases: tiny, and they feed float32 math
+    layers = LayerParams(
+        input_norm=stacked(("input_layernorm.weight",), f32),  # [L, D]
+        qkv=stacked(tuple(n + ".weight" for n in attn)),  # [L, (N+2K)*H, D]
+        qkv_bias=(  # [L, (N+2K)*H]
+            stacked(tuple(n + ".bias" for n in attn), f32) if config.attention_bias else None
+        ),
+        q_norm=stacked(("self_attn.q_norm.weight",), f32) if config.qk_norm else None,  # [L, H]
+        k_norm=stacked(("self_attn.k_norm.weight",), f32) if config.qk_norm else None,  # [L, H]
+        o=stacked(("self_attn.o_proj.weight",)),  # [L, D, N*H]
+        post_attention_norm=stacked(("post_attention_layernorm.weight",), f32),  # [L, D]
+        gate_up=stacked(("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # [L, 2F, D]
+        down=stacked(("mlp.down_proj.weight",)),  # [L, D, F]
+    )
     return Params(
         embed=jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),  # [V, D]
         layers=layers,

@@ -29,7 +29,9 @@ AttentionFn = Callable[
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """One decoder layer's weights, projections in the torch layout [out, in] (see dense).
+    """The decoder layers' weights, each stacked on a leading layer axis [L, ...] (the KV cache
+    has one too), projections in the torch layout [out, in] (see dense). `forward` scans over
+    the layer axis; inside the scan each field holds one layer's slice (the shapes below).
 
     Projections are fused (q|k|v and gate|up) so each layer does four matmuls, not seven.
     """
@@ -49,7 +51,7 @@ class LayerParams:
 @dataclasses.dataclass
 class Params:
     embed: jax.Array  # [V, D]
-    layers: tuple[LayerParams, ...]  # L of them
+    layers: LayerParams  # every field [L, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [V, D]; None when tied to `embed`
 
@@ -63,21 +65,24 @@ def param_shapes(config: ModelConfig) -> Params:
     def shape(*dims: int, dtype: Any = dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(dims, dtype)
 
+    def stacked(*dims: int, dtype: Any = dtype) -> jax.ShapeDtypeStruct:
+        return shape(config.num_layers, *dims, dtype=dtype)
+
     # Norm weights and biases are float32 (see fuse_hf_weights).
-    layer = LayerParams(
-        input_norm=shape(d, dtype=jnp.float32),
-        qkv=shape((n + 2 * k) * h, d),
-        qkv_bias=shape((n + 2 * k) * h, dtype=jnp.float32) if config.attention_bias else None,
-        q_norm=shape(h, dtype=jnp.float32) if config.qk_norm else None,
-        k_norm=shape(h, dtype=jnp.float32) if config.qk_norm else None,
-        o=shape(d, n * h),
-        post_attention_norm=shape(d, dtype=jnp.float32),
-        gate_up=shape(2 * f, d),
-        down=shape(d, f),
+    layers = LayerParams(
+        input_norm=stacked(d, dtype=jnp.float32),
+        qkv=stacked((n + 2 * k) * h, d),
+        qkv_bias=stacked((n + 2 * k) * h, dtype=jnp.float32) if config.attention_bias else None,
+        q_norm=stacked(h, dtype=jnp.float32) if config.qk_norm else None,
+        k_norm=stacked(h, dtype=jnp.float32) if config.qk_norm else None,
+        o=stacked(d, n * h),
+        post_attention_norm=stacked(d, dtype=jnp.float32),
+        gate_up=stacked(2 * f, d),
+        down=stacked(d, f),
     )
     return Params(
         embed=shape(v, d),
-        layers=(layer,) * config.num_layers,
+        layers=layers,
         final_norm=shape(d, dtype=jnp.float32),
         lm_head=None if config.tie_word_embeddings else shape(v, d),
     )
@@ -132,13 +137,6 @@ def _decoder_layer(
     return x, kv_cache
 
 
-# Not an entry point: a jit inside the traced step makes JAX trace and lower one layer once per
-# step shape and call it L times; XLA inlines the calls, so the compiled step is the same as with
-# the layer written out L times. Tracing and lowering the written-out layers took 1-2 s of every
-# bucket's start-up, from the compilation cache too.
-_decoder_layer_traced_once = jax.jit(_decoder_layer, static_argnames=("config", "attn"))
-
-
 def forward(
     params: Params,
     kv_cache: jax.Array,
@@ -151,16 +149,29 @@ def forward(
 ) -> tuple[jax.Array, jax.Array]:
     """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache).
 
-    The layers are unrolled, each with its own weight arrays: a `lax.scan` over stacked weights
-    slices (copies) every layer's weights each step, which measured 2x slower for a bfloat16
-    SmolLM2 decode step on CPU. Each layer's cache scatter updates the donated cache in place.
+    The layers run as one `lax.scan`, so a compiled step holds the layer once, not L times
+    (SmolLM2's 30 layers: 2.5-3x less compile time a bucket; docs/design.md "Layer scan"). Each
+    layer's cache scatter updates the donated cache, carried through the scan, in place.
     """
     x = _embed(params.embed, token_ids)  # [T, D]
     cos, sin = rope_cos_sin(positions, config)  # [T, H] each
-    for layer, lp in enumerate(params.layers):
-        x, kv_cache = _decoder_layer_traced_once(
-            x, kv_cache, lp, jnp.int32(layer), cos, sin, metadata, config=config, attn=attn
-        )
+
+    def layer_step(carry, layer):
+        x, kv_cache = carry
+        # The barrier ties the stacked weights to the layer index, so that XLA cannot hoist
+        # work on them out of the loop: it converted every bfloat16 layer to float32 before the
+        # loop, each step (a SmolLM2 decode step 15x slower on CPU).
+        layers, layer = jax.lax.optimization_barrier((params.layers, layer))
+        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), layers)
+        if x.shape[0] == 1 and lp.qkv.dtype == jnp.bfloat16:
+            # One row: copy the slice as it is, so the float32 conversion stays fused into the
+            # multiply-reduce that reads it (see dense); XLA:CPU would otherwise write the slice
+            # out converted, twice its size (bfloat16 decode at batch 1: 36 against 17 tok/s).
+            lp = jax.lax.optimization_barrier(lp)
+        return _decoder_layer(x, kv_cache, lp, layer, cos, sin, metadata, config, attn), None
+
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), layers)
     return rms_norm(x, params.final_norm, config.rms_norm_eps), kv_cache
 
 
