@@ -8,6 +8,19 @@ _ROOT = "jvllm"
 _configured = False
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record arrives, not when jvllm was imported:
+    compiling threads log after a caller (pytest's capture, a notebook) swapped it back."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ sets it; the property ignores it
+        pass
+
+
 def _configure_root() -> None:
     global _configured
     if _configured:
@@ -20,7 +33,7 @@ def _configure_root() -> None:
             f"JVLLM_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, got {level!r}"
         )
     root.setLevel(level)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
     )

@@ -29,6 +29,10 @@ class EngineArgs:
     # three compiles, not all of them); True: every bucket at start-up, so that no step waits
     # on a compile. The server sets True.
     compile_all_buckets: bool = False
+    # With compile_all_buckets: compile them in background threads, so that the engine serves
+    # at once; a step whose bucket is not ready runs in a larger compiled one, or waits for its
+    # own compile only. The server sets True.
+    compile_in_background: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     # Decode steps per device call while every running request decodes (vLLM's multi-step
     # scheduling; docs/design.md "Decode windows"); 1 = one step per call.

@@ -174,6 +174,7 @@ class AsyncLLM:
         """Stop the engine thread; unfinished requests get an `EngineDeadError`."""
         self._shutdown = True
         self._wakeup.set()
+        self.engine.model_runner.cancel_compiles()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

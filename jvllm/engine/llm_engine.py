@@ -20,7 +20,9 @@ from jvllm.outputs import RequestMetrics, RequestOutput
 from jvllm.sampling_params import SamplingParams
 from jvllm.worker.bias_rows import bad_words_token_ids
 from jvllm.worker.buckets import BucketSpec
-from jvllm.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_dtype
+from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.kv_layout import kv_cache_dtype
+from jvllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -29,6 +31,7 @@ class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.args = args = EngineArgs(model=model, **kwargs)
         self.generation_config = load_generation_config(args.generation_config, args.model)
+        enable_compilation_cache()  # before loading: its small jits are cached too
         start = time.perf_counter()
         self.model_config, params, self.tokenizer = load_model(
             args.model, args.dtype, args.load_format
@@ -91,8 +94,23 @@ class LLMEngine:
             num_scheduler_steps=args.num_scheduler_steps,
             async_scheduling=args.async_scheduling,
         )
-        if args.compile_all_buckets:
-            self.model_runner.compile_all()
+        if args.compile_all_buckets and args.compile_in_background:
+            self.model_runner.compile_in_background()
+            logger.info(
+                "ready after %.1fs of loading; compiling %d executables in the background",
+                self.load_seconds,
+                len(self.model_runner.all_shapes()),
+            )
+        elif args.compile_all_buckets:
+            compile_seconds = self.model_runner.compile_all()
+            logger.info(
+                "ready in %.1fs: load %.1fs, compile %.1fs (%d executables), warm-up %.1fs",
+                time.perf_counter() - start,
+                self.load_seconds,
+                compile_seconds,
+                self.model_runner.num_compilations,
+                self.model_runner.warmup_seconds,
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_rng = np.random.default_rng(args.seed)
         self._requests: dict[str, Request] = {}

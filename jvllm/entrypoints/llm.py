@@ -111,6 +111,8 @@ class LLM:
             dynamic_ncols=True,
         )
         num_output_tokens = 0
+        runner = engine.model_runner
+        compile_wait_start = runner.compile_wait_seconds
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
@@ -118,7 +120,9 @@ class LLM:
                         finished[output.request_id] = output
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)
-                        elapsed = progress.format_dict["elapsed"] or 1e-9
+                        # The rate leaves out the time steps waited for compiles.
+                        compiling = runner.compile_wait_seconds - compile_wait_start
+                        elapsed = max(progress.format_dict["elapsed"] - compiling, 1e-9)
                         progress.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} tok/s")
         except BaseException:
             engine.abort_request([i for i in request_ids if i not in finished])

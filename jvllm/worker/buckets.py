@@ -61,6 +61,20 @@ class BucketSpec:
     def _mixed(self, num_tokens: int) -> Bucket:
         return Bucket(num_tokens, min(num_tokens, self.max_num_seqs), MIXED_TILE_Q)
 
+    def fitting(self, num_tokens: int, num_seqs: int, decode_only: bool = False) -> list[Bucket]:
+        """Every bucket that holds a step of `num_tokens` over `num_seqs` sequences, cheapest
+        first. A decode-only step (one token a sequence) fits a mixed bucket too."""
+        decode_step = num_tokens == num_seqs
+        fits = [
+            b
+            for b in self.all_buckets()
+            if b.num_tokens >= num_tokens
+            and b.num_seqs >= num_seqs
+            and (decode_step or not b.is_decode)
+            and (b.is_decode or not decode_only)
+        ]
+        return sorted(fits, key=lambda b: (b.num_tokens, b.tile_q))
+
     def select(self, num_tokens: int, num_seqs: int) -> Bucket:
         """The smallest bucket that holds a step of `num_tokens` over `num_seqs` sequences."""
         if num_tokens == num_seqs:  # every sequence decodes one token

@@ -9,10 +9,11 @@ _COMPILATION_CACHE_MAX_BYTES = 1 << 30
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled buckets on disk so that a second start-up skips XLA (6-12 s a bucket on 2
-    CPU cores for SmolLM2 cold, 1-2 s from the cache), at most 1 GiB of them.
-    `JVLLM_COMPILATION_CACHE_DIR=""` turns it off; a cache the user configured for JAX is left
-    alone."""
+    """Keep every compiled executable on disk, at most 1 GiB of them, so that a second start-up
+    compiles nothing: the buckets (seconds each cold) and the small helpers too (a tenth of a
+    second each, which JAX's default minimum of 1 s of compile time would not store).
+    The cache lives in `~/.cache/jvllm/xla`, or `$JVLLM_COMPILATION_CACHE_DIR` (`""` turns it
+    off); a cache the user configured for JAX (`JAX_COMPILATION_CACHE_DIR`) is left alone."""
     if jax.config.jax_compilation_cache_dir:
         return
     default = os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla")
@@ -20,7 +21,7 @@ def enable_compilation_cache() -> None:
     if path:
         date_undated_entries(path)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_compilation_cache_max_size", _COMPILATION_CACHE_MAX_BYTES)
 
 

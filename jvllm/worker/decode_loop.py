@@ -80,7 +80,7 @@ def decode_step(
     """One decode step of every row, then the inputs of the next -> (carry, this step's
     SamplerOutput, its raw logits f32[S, V], the tokens taken i32[S]).
 
-    `step` is the engine's jitted step body (model_runner._step with its statics bound);
+    `step` is the engine's jitted step body (step_fn.model_step with its statics bound);
     `choose(logits, sampler_output) -> i32[S]`, when given, takes the tokens instead of the
     engine's sample.
     The params pass an optimization barrier together with the carry, which makes them

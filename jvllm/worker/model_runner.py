@@ -1,6 +1,5 @@
 """The model runner: owns the parameters, the paged KV array and every `jax.jit` entry point."""
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -15,67 +14,16 @@ from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.scheduler import SchedulerOutput
 from jvllm.logger import init_logger
-from jvllm.models.llama import compute_logits, forward
-from jvllm.sample.sampler import sample_step
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
-from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.decode_loop import prepare_window_inputs, run_window
+from jvllm.worker.executables import Executables
+from jvllm.worker.kv_layout import kv_cache_dtype, kv_cache_shape
+from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
-
-# Buckets compiled at once by compile_all: XLA loads a cached executable on one core.
-_COMPILE_THREADS = 2
-
-
-def _step(
-    params,
-    kv_cache,
-    token_cache,
-    bias_rows,
-    inputs: StepInputs,
-    *,
-    config: ModelConfig,
-    attn,
-    max_logprobs: int,
-):
-    """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
-
-    `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it); `logits:
-    f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
-    engine's executables drop them)."""
-    md = inputs.attn
-    hidden, kv_cache = forward(
-        params, kv_cache, inputs.token_ids, inputs.positions, md, config=config, attn=attn
-    )
-    num_pages, block_size = token_cache.shape
-    token_cache = (
-        token_cache.reshape(-1)
-        .at[md.slot_mapping]
-        .set(inputs.token_ids)
-        .reshape(num_pages, block_size)
-    )
-    logits = compute_logits(params, hidden[md.logits_indices], config=config)  # [S, V]
-    out = sample_step(
-        logits,
-        hidden,
-        inputs.sampling,
-        bias_rows=bias_rows,
-        token_cache=token_cache,
-        block_tables=md.block_tables,
-        seq_lens=md.seq_lens,
-        logits_fn=lambda h: compute_logits(params, h, config=config),
-        max_logprobs=max_logprobs,
-    )
-    return out, logits, kv_cache, token_cache
-
-
-def _single_step(params, kv_cache, token_cache, bias_rows, inputs: StepInputs, *, step):
-    """One step as the engine runs it -> (SamplerOutput, kv_cache, token_cache)."""
-    out, _, kv_cache, token_cache = step(params, kv_cache, token_cache, bias_rows, inputs)
-    return out, kv_cache, token_cache
 
 
 @dataclasses.dataclass
@@ -89,23 +37,6 @@ class ModelRunnerOutput:
     sampled_token_ids: np.ndarray | list[list[int]]  # i32[num_reqs], or a list per request
     logprobs: tuple[np.ndarray, ...] | None = None  # top ids, top logprobs, sampled lp, rank
     prompt_logprobs: tuple[np.ndarray, ...] | None = None  # the same per scheduled token [T]
-
-
-def kv_cache_dtype(model_dtype: str, attention_backend: str) -> jnp.dtype:
-    """The KV cache stores the model dtype, except a bfloat16 cache for the reference backend on
-    CPU, which stores the same bits as uint16: XLA:CPU copies a whole bfloat16 cache to float32
-    and back around every scatter into it (measured: 1.8 s a SmolLM2 decode step instead of
-    0.2 s). The reference backend converts only the pages it reads."""
-    if model_dtype != "bfloat16":
-        return jnp.dtype(jnp.float32)
-    if attention_backend == "reference" and jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.uint16)
-    return jnp.dtype(jnp.bfloat16)
-
-
-def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    # [L, 2, K, P, B, H]
-    return (config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
 
 
 class ModelRunner:
@@ -142,14 +73,13 @@ class ModelRunner:
         # One row per running request at most, plus the shared zero row.
         self.bias_rows = BiasRows(max_num_seqs + 1, config.vocab_size, self._set_bias_row)
         self.max_logprobs = max_logprobs
-        enable_compilation_cache()
         attn = get_attention(attention_backend, sm_scale=config.head_dim**-0.5)
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
         self.step = step = functools.partial(
-            _step, config=config, attn=attn, max_logprobs=max_logprobs
+            model_step, config=config, attn=attn, max_logprobs=max_logprobs
         )
-        self._step_fn = jax.jit(functools.partial(_single_step, step=step), donate_argnums=(1, 2))
+        self._step_fn = jax.jit(functools.partial(single_step, step=step), donate_argnums=(1, 2))
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps
         self._window_fn = jax.jit(
@@ -166,8 +96,12 @@ class ModelRunner:
         self._ahead: StepAhead | None = None
         self.num_steps_ahead_used = 0
         self.num_steps_ahead_dropped = 0
-        self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
-        self.compile_seconds = 0.0
+        # What every executable is lowered for, fixed once the arrays exist.
+        self._state_spec = self._abstract_state()
+        self._compiled = Executables(
+            lambda shape: self._compile(shape, self._state_spec),
+            lambda shape: _describe(*shape, num_scheduler_steps),
+        )
         self.warmup_seconds = 0.0
         # Where execute_model's time goes: calling the executable until it returns (argument
         # handling and host-to-device copies; on CPU the computation too, which XLA:CPU runs
@@ -178,7 +112,17 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        return len(self._executables)
+        return len(self._compiled)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Every compile's own time, foreground or background."""
+        return self._compiled.compile_seconds
+
+    @property
+    def compile_wait_seconds(self) -> float:
+        """The time steps waited for compiles: what compiling added to requests' latency."""
+        return self._compiled.wait_seconds
 
     def _abstract_state(self):
         """(params, kv_cache, token_cache, bias_rows) as `jax.ShapeDtypeStruct`s: what the
@@ -188,7 +132,7 @@ class ModelRunner:
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows),
         )
 
-    def _shapes(self) -> list[tuple[Bucket, str]]:
+    def all_shapes(self) -> list[tuple[Bucket, str]]:
         """Every (bucket, kind) this runner can run: "step", "window" (a decode window) or
         "ahead" (the decode step after a step, for async scheduling)."""
         buckets = self.buckets.all_buckets()
@@ -213,63 +157,82 @@ class ModelRunner:
         return self._step_fn.lower(*state, dummy).compile()
 
     def _executable(self, bucket: Bucket, kind: str = "step") -> jax.stages.Compiled:
-        exe = self._executables.get((bucket, kind))
-        if exe is None:
-            start = time.perf_counter()
-            shape = (bucket, kind)
-            exe = self._executables[shape] = self._compile(shape, self._abstract_state())
-            seconds = time.perf_counter() - start
-            self.compile_seconds += seconds
-            logger.info(
-                "compiled %s on first use in %.1fs "
-                "(compile_all_buckets=True compiles every bucket at start-up)",
-                _describe(bucket, kind, self.num_scheduler_steps),
-                seconds,
-            )
-        return exe
+        return self._compiled.wait((bucket, kind))
 
-    def compile_all(self, progress: bool = True) -> None:
-        """Compile every bucket up front so that nothing compiles while serving.
-
-        Two buckets compile at a time: loading an executable from the XLA cache runs on one
-        core (14 buckets of SmolLM2: 24 s one at a time, 16 s two at a time). Each bucket's
-        warm-up run is dispatched as soon as it is ready and executes alongside the compiles.
-        """
-        shapes = self._shapes()
+    def compile_all(self, progress: bool = True) -> float:
+        """Compile every shape up front so that nothing compiles while serving, two at a time;
+        -> the seconds spent compiling. Each bucket's warm-up run is dispatched as soon as it
+        is ready and executes alongside the compiles (`warmup_seconds` counts the dispatches
+        and the wait for the last runs)."""
         start = time.perf_counter()
-        state = self._abstract_state()
-        with concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS) as pool:
-            futures = [pool.submit(self._compile, shape, state) for shape in shapes]
-            for i, (shape, future) in enumerate(zip(shapes, futures, strict=True)):
-                self._executables[shape] = future.result()
-                if progress:
-                    logger.info(
-                        "compiled %d/%d: %s",
-                        i + 1,
-                        len(shapes),
-                        _describe(*shape, self.num_scheduler_steps),
-                    )
-                if shape[1] == "step":
-                    self._warm_up(shape[0])
+        self._compiled.compile_now(self.all_shapes(), progress, self._warm_up_when_compiled)
+        self._compile_set_bias_row()
+        compiled = time.perf_counter()
+        jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
+        self.warmup_seconds += time.perf_counter() - compiled
+        return compiled - start
+
+    def compile_in_background(self) -> None:
+        """Queue every shape, cheapest first, to compile in background threads: steps run
+        meanwhile, in the smallest compiled bucket that holds them, or wait for their own.
+        Nothing warms these up (see _warm_up): the threads must not touch the donated arrays,
+        and with the layer scan a first call costs at most a few tenths of a second more."""
+        self._compile_set_bias_row()
+        kind_order = {"step": 0, "window": 1, "ahead": 2}
+        self._compiled.compile_in_background(
+            sorted(
+                self.all_shapes(), key=lambda s: (s[0].num_tokens, s[0].tile_q, kind_order[s[1]])
+            )
+        )
+
+    def wait_for_compiles(self) -> None:
+        """Return when every queued compile (and its warm-up run) is done."""
+        self._compiled.wait_all()
+        jax.block_until_ready(self.kv_cache)
+
+    def cancel_compiles(self) -> None:
+        """Drop the queued background compiles (running ones finish); a later step that needs
+        one of their shapes compiles it then."""
+        self._compiled.cancel_queued()
+
+    def _compile_set_bias_row(self) -> None:
         rows = self.bias_rows.rows
         self._set_bias_row.lower(rows, np.int32(0), np.zeros(rows.shape[1], np.float32)).compile()
-        compile_seconds = time.perf_counter() - start
-        jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
-        self.compile_seconds += compile_seconds
-        self.warmup_seconds += time.perf_counter() - start - compile_seconds
-        logger.info(
-            "compiled %d executables in %.1fs, then waited %.1fs for their warm-up runs",
-            len(shapes),
-            compile_seconds,
-            self.warmup_seconds,
-        )
+
+    def _warm_up_when_compiled(self, shape: tuple[Bucket, str]) -> None:
+        bucket, kind = shape
+        if kind == "step":
+            self._warm_up(bucket)
+
+    def _select_bucket(self, num_tokens: int, num_seqs: int, kind: str) -> Bucket:
+        """The smallest bucket for the step; while its executable is not compiled, the
+        smallest compiled one that holds the step (the exact one then compiles in the
+        background); when none does, the exact one, whose compile the step waits for."""
+        exact = self.buckets.select(num_tokens, num_seqs)
+        if self._compiled.get((exact, kind)) is not None:
+            return exact
+        for bucket in self.buckets.fitting(num_tokens, num_seqs, decode_only=kind != "step"):
+            if self._compiled.get((bucket, kind)) is not None:
+                self._compiled.compile_in_background([(exact, kind)])
+                return bucket
+        return exact
+
+    def _decode_shapes(self, num_seqs: int) -> list[tuple[Bucket, str]]:
+        """The shapes that decode steps of `num_seqs` sequences will run in."""
+        bucket = self.buckets.select(num_seqs, num_seqs)
+        kinds = ["step"]
+        if self.num_scheduler_steps > 1:
+            kinds.append("window")
+        if self.async_scheduling:
+            kinds.append("ahead")
+        return [(bucket, kind) for kind in kinds]
 
     def _warm_up(self, bucket: Bucket) -> None:
         """Run `bucket` once on an all-padding step, which writes only the null page.
 
-        XLA:CPU sets up each fused kernel of an executable on its first call: 0.4-0.9 s per
-        bucket (SmolLM2), with a persistent cache too, that the first real step of each shape
-        would otherwise add to some request's latency. One padding query of each tile group
+        XLA:CPU sets up each fused kernel of an executable on its first call, with a persistent
+        cache too: 0.4-0.9 s a SmolLM2 bucket with the layers unrolled, up to 0.3 s with the
+        layer scan, that the first real step of each shape would otherwise add to a request. One padding query of each tile group
         reads the null page's first position, so that the page loops run too. The run is only
         dispatched: it executes while other buckets compile (`warmup_seconds` counts the
         dispatch and compile_all's final wait, i.e. what the runs add to start-up).
@@ -288,7 +251,9 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """Run one scheduled step: the sampled token of every scheduled request, in order, and
         the logprobs that any of them asked for; a decode window's tokens as a list each."""
+        # The decode steps that follow this one: their compiles start now, beside this step's.
         requests = scheduler_output.scheduled_requests
+        self._compiled.compile_in_background(self._decode_shapes(len(requests)))
         num_reqs = len(requests)
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         is_window = scheduler_output.num_steps > 1
@@ -304,7 +269,8 @@ class ModelRunner:
         else:
             self.num_steps_ahead_dropped += ahead is not None
             rows = list(range(num_reqs))
-            bucket = self.buckets.select(sum(counts), num_reqs)
+            kind = "window" if is_window else "step"
+            bucket = self._select_bucket(sum(counts), num_reqs, kind)
             inputs = prepare_step_inputs(
                 requests, counts, block_ids, bucket, self.block_size, self.max_pages, bias_slots
             )
@@ -313,9 +279,12 @@ class ModelRunner:
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
-            kind = "window" if is_window else "step"
             out, self.kv_cache, self.token_cache = self._executable(bucket, kind)(*args)
-        if self.async_scheduling and can_run_ahead(scheduler_output, block_ids, self.block_size):
+        if (
+            self.async_scheduling
+            and can_run_ahead(scheduler_output, block_ids, self.block_size)
+            and self._compiled.get((bucket, "ahead")) is not None
+        ):
             self._run_ahead(scheduler_output, block_ids, rows, bucket, any_logprobs, out, inputs)
         dispatched = time.perf_counter()
         if is_window:

@@ -199,8 +199,10 @@ def build_server_engine(
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
     name = served_model_name or model or DEFAULT_MODEL
-    # A server compiles everything before it listens: no request waits for a compile.
+    # A server listens at once and compiles every bucket in the background: a request waits at
+    # most for its own bucket's compile, and none once all are done.
     engine_kwargs.setdefault("compile_all_buckets", True)
+    engine_kwargs.setdefault("compile_in_background", True)
     engine = AsyncLLM(LLMEngine(model, **engine_kwargs), log_stats=log_stats)
     metrics = ServingMetrics(engine, name)
     engine.stat_loggers.append(metrics)

@@ -1,0 +1,58 @@
+"""The engine's step body: forward + sample over one padded step, a pure function.
+
+ModelRunner binds its statics and jits it; the decode windows, the step run ahead and
+jvllm.step_loop chain it.
+"""
+
+from jvllm.config import ModelConfig
+from jvllm.models.llama import compute_logits, forward
+from jvllm.sample.sampler import sample_step
+from jvllm.worker.step_inputs import StepInputs
+
+
+def model_step(
+    params,
+    kv_cache,
+    token_cache,
+    bias_rows,
+    inputs: StepInputs,
+    *,
+    config: ModelConfig,
+    attn,
+    max_logprobs: int,
+):
+    """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
+
+    `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it); `logits:
+    f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
+    engine's executables drop them)."""
+    md = inputs.attn
+    hidden, kv_cache = forward(
+        params, kv_cache, inputs.token_ids, inputs.positions, md, config=config, attn=attn
+    )
+    num_pages, block_size = token_cache.shape
+    token_cache = (
+        token_cache.reshape(-1)
+        .at[md.slot_mapping]
+        .set(inputs.token_ids)
+        .reshape(num_pages, block_size)
+    )
+    logits = compute_logits(params, hidden[md.logits_indices], config=config)  # [S, V]
+    out = sample_step(
+        logits,
+        hidden,
+        inputs.sampling,
+        bias_rows=bias_rows,
+        token_cache=token_cache,
+        block_tables=md.block_tables,
+        seq_lens=md.seq_lens,
+        logits_fn=lambda h: compute_logits(params, h, config=config),
+        max_logprobs=max_logprobs,
+    )
+    return out, logits, kv_cache, token_cache
+
+
+def single_step(params, kv_cache, token_cache, bias_rows, inputs: StepInputs, *, step):
+    """One step as the engine runs it -> (SamplerOutput, kv_cache, token_cache)."""
+    out, _, kv_cache, token_cache = step(params, kv_cache, token_cache, bias_rows, inputs)
+    return out, kv_cache, token_cache

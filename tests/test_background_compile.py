@@ -1,0 +1,73 @@
+"""Compiling in background threads: requests are answered while other buckets compile."""
+
+import threading
+
+import pytest
+
+from jvllm import LLM, SamplingParams
+from jvllm.worker.buckets import Bucket
+
+_KWARGS = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+_PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+_SHORT, _LONG = [[5, 6, 7]], [list(range(10, 30))]  # need mixed buckets of 16 and 32 tokens
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_weights_dir):
+    llm = LLM(tiny_llama_weights_dir, **_KWARGS)
+    return [
+        llm.generate(p, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in (_SHORT, _LONG)
+    ]
+
+
+def _engine_holding_back(model_dir, held: Bucket):
+    """An LLM compiling every bucket in the background, where `held`'s compile blocks until the
+    returned event is set."""
+    llm = LLM(model_dir, **_KWARGS)
+    runner = llm.llm_engine.model_runner
+    release = threading.Event()
+    compile_fn = runner._compiled._compile_fn
+
+    def held_back(shape):
+        if shape == (held, "step"):
+            assert release.wait(120)
+        return compile_fn(shape)
+
+    runner._compiled._compile_fn = held_back
+    runner.compile_in_background()
+    return llm, runner, release
+
+
+def test_a_request_is_answered_while_a_bucket_it_does_not_need_compiles(
+    tiny_llama_weights_dir, expected
+):
+    held = Bucket(32, 4, 16)  # the largest mixed bucket
+    llm, runner, release = _engine_holding_back(tiny_llama_weights_dir, held)
+    try:
+        short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        assert runner._compiled.get((held, "step")) is None  # still compiling
+        assert short == expected[0]
+        # A prompt that only the held bucket holds waits for that compile alone.
+        threading.Timer(0.5, release.set).start()
+        long = llm.generate(_LONG, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        assert long == expected[1]
+    finally:
+        release.set()
+    runner.wait_for_compiles()
+    assert runner.num_compilations == len(runner.all_shapes())
+
+
+def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
+    tiny_llama_weights_dir, expected
+):
+    held = Bucket(1, 1, 1)  # the one-sequence decode bucket
+    llm, runner, release = _engine_holding_back(tiny_llama_weights_dir, held)
+    try:
+        # Every decode step of the lone sequence runs in a larger bucket meanwhile.
+        short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        assert runner._compiled.get((held, "step")) is None
+        assert short == expected[0]
+    finally:
+        release.set()
+    runner.wait_for_compiles()
+    assert runner._compiled.get((held, "step")) is not None
