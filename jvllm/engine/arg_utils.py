@@ -6,7 +6,6 @@ from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.model_loader.loader import LOAD_FORMATS
 
 _DTYPES = ("auto", "float32", "bfloat16")
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
 @dataclasses.dataclass
@@ -16,8 +15,12 @@ class EngineArgs:
     load_format: str = "auto"  # "dummy": random weights, only config.json read (benchmarks)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # None = 1 GiB
-    num_gpu_blocks_override: int | None = None  # an exact block count, null block included
+    # The KV cache's size (engine/kv_budget.py): num_gpu_blocks_override, an exact block count
+    # (null block included); else kv_cache_memory_bytes; else gpu_memory_utilization of the
+    # device's memory less the weights and activations (on CPU: up to 1 GiB of free memory).
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -61,6 +64,15 @@ class EngineArgs:
             _positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        utilization = self.gpu_memory_utilization
+        if (
+            isinstance(utilization, bool)
+            or not isinstance(utilization, int | float)
+            or not 0 < utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be a float in (0, 1], got {utilization!r}"
+            )
         if self.num_gpu_blocks_override is not None and (
             not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 2
         ):
@@ -90,19 +102,3 @@ class EngineArgs:
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def num_kv_blocks(args: EngineArgs, bytes_per_block: int, max_model_len: int) -> int:
-    """How many KV blocks (null block included) the pool gets."""
-    if args.num_gpu_blocks_override is not None:
-        return args.num_gpu_blocks_override
-    budget = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-    # More than every sequence at full length could ever use is wasted memory.
-    useful = args.max_num_seqs * -(-max_model_len // args.block_size) + 1
-    num_blocks = min(budget // bytes_per_block, useful)
-    if num_blocks < 2:
-        raise ValueError(
-            f"kv_cache_memory_bytes={budget} holds no KV block of {bytes_per_block} bytes; "
-            "raise kv_cache_memory_bytes"
-        )
-    return num_blocks

@@ -9,8 +9,9 @@ from jvllm.attention.backends import default_backend
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jvllm.engine.arg_utils import EngineArgs, num_kv_blocks
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType, tokenize_prompt, validate_request
+from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
 from jvllm.logger import init_logger
@@ -46,23 +47,19 @@ class LLMEngine:
             )
         self.attention_backend = args.attention_backend or default_backend()
         itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
-        bytes_per_block = (
-            config.num_layers
-            * 2
-            * config.num_kv_heads
-            * args.block_size
-            * config.head_dim
-            * itemsize
-        )
-        num_blocks = num_kv_blocks(args, bytes_per_block, self.max_model_len)
+        kv_size = size_kv_cache(args, config, itemsize, self.max_model_len, probe_memory())
+        num_blocks = kv_size.num_blocks
         logger.info(
-            "loaded %s (%s) in %.1fs; KV cache: %d blocks of %d tokens (%.0f MiB)",
+            "loaded %s (%s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens besides the "
+            "null block (%.0f MiB, from %s)",
             args.model or "the default model",
             config.dtype,
             self.load_seconds,
             num_blocks,
             args.block_size,
-            num_blocks * bytes_per_block / 2**20,
+            (num_blocks - 1) * args.block_size,
+            kv_size.num_bytes / 2**20,
+            kv_size.source,
         )
         if self.generation_config.sampling_defaults:
             logger.info(

@@ -19,6 +19,7 @@ _ENGINE_FLAGS = {
     "block_size": {"type": int},
     "kv_cache_memory_bytes": {"type": int},
     "num_gpu_blocks_override": {"type": int},
+    "gpu_memory_utilization": {"type": float},
     "long_prefill_token_threshold": {"type": int},
     "attention_backend": {},
     "seed": {"type": int},

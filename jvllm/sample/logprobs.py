@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 # Prompt positions whose logits are materialised at once (bounds memory at [chunk, V]).
-_PROMPT_CHUNK = 128
+PROMPT_LOGPROBS_CHUNK = 128
 
 
 def topk_and_target(
@@ -27,7 +27,7 @@ def prompt_logprobs(hidden: jax.Array, target_ids: jax.Array, logits_fn, k: int)
     """`topk_and_target` over every scheduled position of f32[T, D] hidden states, a chunk of
     positions at a time; `logits_fn` maps f32[C, D] to f32[C, V]."""
     num_tokens = hidden.shape[0]
-    chunk = min(num_tokens, _PROMPT_CHUNK)
+    chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
     num_chunks = -(-num_tokens // chunk)
     pad = num_chunks * chunk - num_tokens
     hidden = jnp.pad(hidden, ((0, pad), (0, 0)))

@@ -1,0 +1,230 @@
+"""How many KV blocks the engine gets, as vLLM sizes its cache: `num_gpu_blocks_override`, else
+the bytes of `kv_cache_memory_bytes`, else what the device (or, on CPU, the host) has free once
+the weights are loaded, less a reserve for the step's activations.
+
+Pure functions over probed numbers (device memory stats, /proc/meminfo's text), so that tests
+can feed them fakes; `probe_memory` is the one place that reads the machine."""
+
+import dataclasses
+import pathlib
+from collections.abc import Mapping
+
+import jax
+
+from jvllm.config import ModelConfig
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
+
+# The CPU default: at most this much KV, from at most this fraction of the host's free memory.
+# A few cores gain nothing from a larger pool (their step time, not the pool, bounds the batch),
+# and tests and benchmarks keep several engines in one process.
+CPU_KV_CACHE_CAP_BYTES = 1 << 30
+CPU_FREE_MEMORY_FRACTION = 0.5
+_FLOAT32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryProbe:
+    """What the machine reports after the weights are loaded."""
+
+    backend: str  # jax.default_backend()
+    device_stats: Mapping[str, int] | None  # device.memory_stats(); None on CPU
+    meminfo: str  # /proc/meminfo's text; "" off CPU or where there is none
+
+
+def probe_memory() -> MemoryProbe:
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return MemoryProbe(backend, jax.devices()[0].memory_stats(), "")
+    try:
+        meminfo = pathlib.Path("/proc/meminfo").read_text()
+    except OSError:
+        meminfo = ""
+    return MemoryProbe(backend, None, meminfo)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    num_bytes: int
+    source: str  # where the number came from, for the start-up log
+    remedy: str  # what raises it, for the too-small error
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSize:
+    num_blocks: int  # null block included
+    num_bytes: int
+    source: str
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:
+    """K and V of every layer for `block_size` tokens. (The runner's token cache adds 4 bytes a
+    token beside them, under 0.1% of this for real models: it is left to the headroom.)"""
+    return config.num_layers * 2 * config.num_kv_heads * block_size * config.head_dim * itemsize
+
+
+def size_kv_cache(
+    args: EngineArgs,
+    config: ModelConfig,
+    itemsize: int,
+    max_model_len: int,
+    probe: MemoryProbe,
+) -> KVCacheSize:
+    """The pool's block count (null block included) for a cache of `itemsize`-byte values, and
+    where it came from.
+
+    Raises ValueError when the budget holds less than one request of max_model_len tokens (an
+    exact `num_gpu_blocks_override` is taken as given: tests use tiny pools on purpose)."""
+    bytes_per_block = kv_bytes_per_block(config, args.block_size, itemsize)
+    if args.num_gpu_blocks_override is not None:
+        num_blocks = args.num_gpu_blocks_override
+        return KVCacheSize(
+            num_blocks, num_blocks * bytes_per_block, f"num_gpu_blocks_override={num_blocks}"
+        )
+    pages_per_request = -(-max_model_len // args.block_size)
+    needed = (pages_per_request + 1) * bytes_per_block  # one full request and the null block
+    reserve = activation_reserve_bytes(config, args.max_num_batched_tokens, args.max_num_seqs)
+    budget = _budget(args, probe, reserve, needed)
+    if budget.num_bytes < needed:
+        raise ValueError(
+            _too_small_message(budget, needed, bytes_per_block, args.block_size, max_model_len)
+        )
+    source = budget.source
+    num_blocks = budget.num_bytes // bytes_per_block
+    # More than every sequence at full length could ever use is wasted memory.
+    useful = args.max_num_seqs * pages_per_request + 1
+    if num_blocks > useful:
+        num_blocks = useful
+        source += (
+            f"; capped at max_num_seqs={args.max_num_seqs} requests of "
+            f"max_model_len={max_model_len}"
+        )
+    return KVCacheSize(num_blocks, num_blocks * bytes_per_block, source)
+
+
+def _budget(
+    args: EngineArgs, probe: MemoryProbe, reserve_bytes: int, needed_bytes: int
+) -> KVBudget:
+    """The KV cache's bytes: the option when given, else the device's or the host's share."""
+    if args.kv_cache_memory_bytes is not None:
+        return KVBudget(
+            args.kv_cache_memory_bytes,
+            f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}",
+            "increasing kv_cache_memory_bytes",
+        )
+    if probe.backend == "cpu":
+        return host_budget(probe.meminfo, reserve_bytes, needed_bytes)
+    return device_budget(probe.device_stats, args.gpu_memory_utilization, reserve_bytes)
+
+
+def device_budget(
+    stats: Mapping[str, int] | None, utilization: float, reserve_bytes: int
+) -> KVBudget:
+    """`utilization` of what XLA's allocator may hand out, less what is in use (the weights)
+    and the activation reserve (vLLM's gpu_memory_utilization).
+
+    `bytes_limit` is the allocator's pool, XLA_PYTHON_CLIENT_MEM_FRACTION of the device (JAX
+    takes 0.75 unless told), not the whole device: a budget beyond it could not be allocated."""
+    if not stats or "bytes_limit" not in stats or "bytes_in_use" not in stats:
+        raise ValueError(
+            "the device reports no memory stats (bytes_limit, bytes_in_use; got "
+            f"{stats!r}), so the KV cache cannot be sized from "
+            "gpu_memory_utilization; pass kv_cache_memory_bytes or num_gpu_blocks_override"
+        )
+    limit, in_use = stats["bytes_limit"], stats["bytes_in_use"]
+    free = int(utilization * limit) - in_use - reserve_bytes
+    return KVBudget(
+        max(free, 0),
+        f"gpu_memory_utilization={utilization} of {_human_bytes(limit)}, less {_human_bytes(in_use)} in use "
+        f"and {_human_bytes(reserve_bytes)} for activations",
+        "increasing gpu_memory_utilization (or XLA_PYTHON_CLIENT_MEM_FRACTION)",
+    )
+
+
+def host_budget(
+    meminfo: str,
+    reserve_bytes: int,
+    needed_bytes: int,
+    cap_bytes: int = CPU_KV_CACHE_CAP_BYTES,
+) -> KVBudget:
+    """On CPU: a share of the free memory (MemAvailable, read after the weights are loaded, so
+    they are already out of it) less the activation reserve, at most `cap_bytes`; raised to one
+    max_model_len request (`needed_bytes`) where the free memory holds that."""
+    available = meminfo_available_bytes(meminfo)
+    free = available - reserve_bytes
+    num_bytes = min(cap_bytes, int(CPU_FREE_MEMORY_FRACTION * free))
+    how = f"min({_human_bytes(cap_bytes)}, {CPU_FREE_MEMORY_FRACTION} of what is left)"
+    if num_bytes < needed_bytes:
+        num_bytes = min(needed_bytes, free)
+        how = "raised to one request of max_model_len" if num_bytes == needed_bytes else "all of it"
+    return KVBudget(
+        max(num_bytes, 0),
+        f"CPU free memory: {_human_bytes(available)} available, less {_human_bytes(reserve_bytes)} for "
+        f"activations; {how}",
+        "freeing host memory",
+    )
+
+
+def meminfo_available_bytes(meminfo: str) -> int:
+    """MemAvailable of /proc/meminfo's text, in bytes."""
+    for line in meminfo.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            number, unit = value.split()
+            if unit != "kB":
+                raise ValueError(f"/proc/meminfo's MemAvailable is in {unit!r}, not kB")
+            return int(number) * 1024
+    raise ValueError(
+        "cannot read MemAvailable from /proc/meminfo to size the KV cache; pass "
+        "kv_cache_memory_bytes or num_gpu_blocks_override"
+    )
+
+
+def activation_reserve_bytes(
+    config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """Device memory a step needs beside the weights and the caches: a conservative bound on
+    the compiled step's temporaries (XLA's `memory_analysis()` temp size) plus the bias rows
+    the runner allocates after the KV cache. Every value counts as float32, and the phases are
+    summed though they are live one after another:
+    - the sampler: 8 [S, V] arrays (logits, filtered and sorted copies, probabilities);
+    - prompt logprobs: 4 [C, V] arrays, C = the positions of one chunk;
+    - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H];
+    - the bias rows: [S + 1, V].
+    A formula, not a measurement, so that start-up compiles nothing to size the cache;
+    tests/test_kv_budget.py checks that it bounds the compiled buckets' temp size, and
+    BENCHMARKS.md ("KV cache sizing") has the figures."""
+    c = config
+    num_tokens, num_seqs = max_num_batched_tokens, max_num_seqs
+    chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
+    sampler = 8 * num_seqs * c.vocab_size
+    prompt_logprobs = 4 * chunk * c.vocab_size
+    layer = num_tokens * (
+        3 * c.intermediate_size
+        + 4 * c.hidden_size
+        + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    )
+    bias_rows = (num_seqs + 1) * c.vocab_size
+    return _FLOAT32_BYTES * (sampler + prompt_logprobs + layer + bias_rows)
+
+
+def _too_small_message(
+    budget: KVBudget, needed: int, bytes_per_block: int, block_size: int, max_model_len: int
+) -> str:
+    """vLLM's wording: what one request needs, what there is, and what to change."""
+    message = (
+        f"To serve at least one request of max_model_len={max_model_len} tokens, the KV cache "
+        f"needs {_human_bytes(needed, 2)} ({needed // bytes_per_block} blocks of {block_size} tokens, "
+        f"the null block included), more than the {_human_bytes(budget.num_bytes, 2)} available "
+        f"({budget.source})."
+    )
+    largest = (budget.num_bytes // bytes_per_block - 1) * block_size
+    if largest > 0:
+        message += f" Based on the available memory, the largest max_model_len is {largest}."
+    return message + f" Try {budget.remedy} or decreasing max_model_len."
+
+
+def _human_bytes(num_bytes: int, digits: int = 1) -> str:
+    if abs(num_bytes) < 2**30:
+        return f"{num_bytes / 2**20:.{digits}f} MiB"
+    return f"{num_bytes / 2**30:.{digits}f} GiB"

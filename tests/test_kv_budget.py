@@ -1,0 +1,220 @@
+"""Sizing the KV cache: options, the device's memory stats, the host's free memory."""
+
+import logging
+
+import jax
+import pytest
+
+from jvllm import LLM
+from jvllm.attention.backends import default_backend
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.engine.kv_budget import (
+    CPU_KV_CACHE_CAP_BYTES,
+    MemoryProbe,
+    activation_reserve_bytes,
+    device_budget,
+    host_budget,
+    kv_bytes_per_block,
+    meminfo_available_bytes,
+    size_kv_cache,
+)
+from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.model_loader.hf import read_hf_config
+from jvllm.model_loader.loader import load_model
+from jvllm.worker.buckets import BucketSpec
+from jvllm.worker.model_runner import ModelRunner
+
+GIB = 1 << 30
+TINY_2L = "jvllm/benchmarks/model_configs/tiny-2l"
+MEMINFO = """MemTotal:       24576000 kB
+MemFree:         1000000 kB
+MemAvailable:   {available} kB
+Buffers:           10000 kB
+"""
+
+
+@pytest.fixture(scope="module")
+def config():
+    return read_hf_config(TINY_2L, "float32")
+
+
+def _gpu(bytes_limit: int, bytes_in_use: int) -> MemoryProbe:
+    return MemoryProbe("gpu", {"bytes_limit": bytes_limit, "bytes_in_use": bytes_in_use}, "")
+
+
+def _cpu(available_bytes: int) -> MemoryProbe:
+    return MemoryProbe("cpu", None, MEMINFO.format(available=available_bytes // 1024))
+
+
+def test_device_budget_is_the_utilization_of_the_limit_less_weights_and_reserve():
+    budget = device_budget({"bytes_limit": 80 * GIB, "bytes_in_use": 16 * GIB}, 0.9, GIB)
+    assert budget.num_bytes == int(0.9 * 80 * GIB) - 17 * GIB
+    assert "gpu_memory_utilization=0.9 of 80.0 GiB" in budget.source
+    assert "16.0 GiB in use" in budget.source
+
+
+@pytest.mark.parametrize("stats", [None, {}, {"bytes_in_use": 1}])
+def test_a_device_without_memory_stats_asks_for_an_explicit_size(stats):
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes or num_gpu_blocks_override"):
+        device_budget(stats, 0.9, 0)
+
+
+def test_gpu_blocks_fill_the_budget(config):
+    args = EngineArgs(max_num_seqs=8, max_num_batched_tokens=256)
+    max_model_len = 1 << 20  # long enough that 8 of them need more than the device has
+    size = size_kv_cache(args, config, 4, max_model_len, _gpu(GIB, GIB // 8))
+    reserve = activation_reserve_bytes(config, 256, 8)
+    per_block = kv_bytes_per_block(config, 16, 4)
+    assert size.num_blocks == (int(0.9 * GIB) - GIB // 8 - reserve) // per_block
+    assert size.num_bytes == size.num_blocks * per_block
+    assert size.source.startswith("gpu_memory_utilization=0.9 of 1.0 GiB")
+
+
+def test_override_beats_the_byte_option_which_beats_the_device(config):
+    no_stats = MemoryProbe("gpu", None, "")
+    per_block = kv_bytes_per_block(config, 16, 4)
+    both = EngineArgs(num_gpu_blocks_override=7, kv_cache_memory_bytes=100 * per_block)
+    size = size_kv_cache(both, config, 4, 512, no_stats)
+    assert (size.num_blocks, size.source) == (7, "num_gpu_blocks_override=7")
+    given = EngineArgs(kv_cache_memory_bytes=100 * per_block + 5)
+    size = size_kv_cache(given, config, 4, 512, no_stats)
+    assert size.num_blocks == 100
+    assert size.source == f"kv_cache_memory_bytes={100 * per_block + 5}"
+    with pytest.raises(ValueError, match="no memory stats"):
+        size_kv_cache(EngineArgs(), config, 4, 512, no_stats)
+
+
+def test_an_exact_block_count_may_be_smaller_than_one_request(config):
+    size = size_kv_cache(EngineArgs(num_gpu_blocks_override=2), config, 4, 512, _cpu(GIB))
+    assert size.num_blocks == 2
+
+
+def test_a_budget_below_one_max_model_len_request_says_what_is_needed_and_what_to_change(config):
+    per_block = kv_bytes_per_block(config, 16, 4)
+    # 512 tokens = 32 blocks, and the null block.
+    args = EngineArgs(kv_cache_memory_bytes=20 * per_block)
+    with pytest.raises(ValueError) as error:
+        size_kv_cache(args, config, 4, 512, _cpu(GIB))
+    message = str(error.value)
+    assert "max_model_len=512" in message and "33 blocks of 16 tokens" in message
+    assert "the largest max_model_len is 304" in message  # 19 blocks besides the null block
+    assert "increasing kv_cache_memory_bytes or decreasing max_model_len" in message
+    full = _gpu(GIB, GIB)  # the weights take the whole device
+    with pytest.raises(ValueError, match="increasing gpu_memory_utilization") as error:
+        size_kv_cache(EngineArgs(), config, 4, 512, full)
+    assert "the largest max_model_len" not in str(error.value)
+
+
+def test_a_budget_beyond_every_sequence_at_full_length_is_capped(config):
+    args = EngineArgs(max_num_seqs=4)
+    size = size_kv_cache(args, config, 4, 512, _gpu(80 * GIB, 0))
+    assert size.num_blocks == 4 * 32 + 1
+    assert "capped at max_num_seqs=4 requests of max_model_len=512" in size.source
+
+
+def test_meminfo_gives_memavailable_in_bytes():
+    assert meminfo_available_bytes(MEMINFO.format(available=2048)) == 2048 * 1024
+    with pytest.raises(ValueError, match="MemAvailable"):
+        meminfo_available_bytes("MemTotal:       24576000 kB\n")
+    with pytest.raises(ValueError, match="MemAvailable"):
+        meminfo_available_bytes("")
+
+
+def test_cpu_budget_is_half_the_free_memory_up_to_the_cap():
+    meminfo = MEMINFO.format(available=(20 * GIB) // 1024)
+    big = host_budget(meminfo, reserve_bytes=GIB, needed_bytes=1)
+    assert big.num_bytes == CPU_KV_CACHE_CAP_BYTES
+    assert big.source.startswith("CPU free memory: 20.0 GiB available, less 1.0 GiB")
+    meminfo = MEMINFO.format(available=(GIB // 2) // 1024)
+    small = host_budget(meminfo, reserve_bytes=GIB // 4, needed_bytes=1)
+    assert small.num_bytes == GIB // 8
+
+
+def test_cpu_budget_grows_to_one_request_where_free_memory_holds_it():
+    meminfo = MEMINFO.format(available=(4 * GIB) // 1024)
+    grown = host_budget(meminfo, reserve_bytes=GIB, needed_bytes=2 * GIB)
+    assert grown.num_bytes == 2 * GIB and "raised to one request" in grown.source
+    short = host_budget(meminfo, reserve_bytes=GIB, needed_bytes=4 * GIB)
+    assert short.num_bytes == 3 * GIB  # all that is left: too little, size_kv_cache refuses
+
+
+def test_cpu_with_too_little_free_memory_refuses_to_start(config):
+    with pytest.raises(ValueError, match="freeing host memory or decreasing max_model_len"):
+        size_kv_cache(
+            EngineArgs(), config, 4, 512, _cpu(activation_reserve_bytes(config, 2048, 128))
+        )
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.01, float("nan"), True, "0.9", None])
+def test_gpu_memory_utilization_must_be_a_fraction(value):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a float in \(0, 1\]"):
+        EngineArgs(gpu_memory_utilization=value)
+
+
+def test_gpu_memory_utilization_is_a_serve_flag():
+    args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"])
+    assert engine_kwargs(args)["gpu_memory_utilization"] == 0.5
+    assert EngineArgs(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_engine_sizes_its_cache_from_kv_cache_memory_bytes(tiny_llama_weights_dir, monkeypatch):
+    records = []  # jvllm's loggers do not propagate to the root
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(logging.getLogger("jvllm.engine.llm_engine"), "handlers", [handler])
+
+    def kv_line() -> str:
+        (line,) = [r.getMessage() for r in records if "KV cache:" in r.getMessage()]
+        records.clear()
+        return line
+
+    kwargs = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 4}
+    per_block = 2 * 2 * 2 * 16 * 16 * 4  # L * (K, V) * K heads * B * H * float32
+    llm = LLM(tiny_llama_weights_dir, kv_cache_memory_bytes=20 * per_block + 100, **kwargs)
+    assert llm.llm_engine.model_runner.kv_cache.shape[3] == 20
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_usable_blocks == 19
+    line = kv_line()
+    assert "KV cache: 20 blocks of 16 tokens = 304 tokens besides the null block" in line
+    assert f"from kv_cache_memory_bytes={20 * per_block + 100})" in line
+    default = LLM(tiny_llama_weights_dir, **kwargs)
+    assert default.llm_engine.model_runner.kv_cache.shape[3] == 4 * 8 + 1
+    line = kv_line()
+    assert "from CPU free memory" in line and "capped at max_num_seqs=4" in line
+
+
+@pytest.mark.parametrize(
+    "model,dtype,num_tokens,num_seqs",
+    [
+        (TINY_2L, "float32", 256, 32),  # the sampler's [S, V] arrays dominate
+        pytest.param(  # one layer's activations dominate
+            "jvllm/benchmarks/model_configs/smollm2-135m",
+            "bfloat16",
+            8192,
+            8,
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_activation_reserve_bounds_the_compiled_steps_temporaries(
+    model, dtype, num_tokens, num_seqs
+):
+    """The reserve is a formula: it must stay above what XLA says the largest buckets need."""
+    config, params, _ = load_model(model, dtype, "dummy")
+    runner = ModelRunner(
+        config,
+        params,
+        num_blocks=8,
+        block_size=16,
+        max_model_len=num_tokens,
+        buckets=BucketSpec(num_tokens, num_seqs),
+        attention_backend=default_backend(),
+        max_num_seqs=num_seqs,
+    )
+    buckets = runner.buckets.all_buckets()
+    largest_decode = max(b for b in buckets if b.is_decode)
+    reserve = activation_reserve_bytes(config, num_tokens, num_seqs)
+    for bucket in (largest_decode, buckets[-1]):
+        analysis = runner._compile((bucket, "step"), runner._abstract_state()).memory_analysis()
+        if analysis is None:
+            pytest.skip(f"XLA gives no memory analysis on {jax.default_backend()}")
+        assert analysis.temp_size_in_bytes <= reserve, bucket
