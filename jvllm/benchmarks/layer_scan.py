@@ -1,0 +1,115 @@
+"""The layer scan against the layers unrolled (the engine's previous layout), in one run.
+
+    python -m jvllm.benchmarks.layer_scan --dtype bfloat16
+    python -m jvllm.benchmarks.layer_scan --model jvllm/benchmarks/model_configs/llama-3-8b \
+        --load-format dummy --dtype bfloat16        # on a GPU
+
+For each layout, a fresh engine with the compilation cache off: the seconds to compile a decode
+bucket of 1 and of --batch sequences and a mixed bucket of --prefill-tokens, then the median
+decode tok/s of 1 and of --batch sequences (prompts of --input-len random tokens, --output-len
+tokens each, greedy). "unrolled" is the model as it was before the scan: a Python loop over the
+layers, each with its own weight arrays (the stacked params split per layer). The benchmark
+swaps it into the step body in this process only.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jvllm import LLM, SamplingParams
+from jvllm.benchmarks.throughput import random_prompts
+from jvllm.model_loader.loader import LOAD_FORMATS
+from jvllm.models import llama
+from jvllm.worker import step_fn
+
+
+def unrolled_forward(params, kv_cache, token_ids, positions, metadata, *, config, attn):
+    """llama.forward with the layers written out; `params.layers` is a tuple of per-layer
+    LayerParams (see _split_layers)."""
+    x = llama._embed(params.embed, token_ids)  # [T, D]
+    cos, sin = llama.rope_cos_sin(positions, config)  # [T, H] each
+    for layer, lp in enumerate(params.layers):
+        x, kv_cache = llama._decoder_layer(
+            x, kv_cache, lp, np.int32(layer), cos, sin, metadata, config, attn
+        )
+    return llama.rms_norm(x, params.final_norm, config.rms_norm_eps), kv_cache
+
+
+def _split_layers(params: llama.Params) -> llama.Params:
+    """The stacked [L, ...] fields as a tuple of L per-layer LayerParams."""
+    num_layers = params.layers.qkv.shape[0]
+    layers = tuple(jax.tree.map(lambda w, i=i: w[i], params.layers) for i in range(num_layers))
+    return llama.Params(params.embed, layers, params.final_norm, params.lm_head)
+
+
+def _bench_layout(args, layout: str) -> dict:
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_num_seqs=args.batch,
+        max_model_len=args.input_len + args.output_len + 16,
+    )
+    runner = llm.llm_engine.model_runner
+    if layout == "unrolled":
+        runner.params = _split_layers(runner.params)
+        runner._state_spec = runner._abstract_state()
+    buckets = {
+        "decode 1": runner.buckets.select(1, 1),
+        f"decode {args.batch}": runner.buckets.select(args.batch, args.batch),
+        f"mixed {args.prefill_tokens}": runner.buckets.select(args.prefill_tokens, 2),
+    }
+    result = {}
+    for name, bucket in buckets.items():
+        start = time.perf_counter()
+        runner._executable(bucket)
+        result[f"compile {name} (s)"] = time.perf_counter() - start
+    vocab = llm.llm_engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for batch in (1, args.batch):
+        prompts = random_prompts(batch, args.input_len, vocab, seed=0)
+        llm.generate(prompts, params, use_tqdm=False)  # compiles what the buckets above lack
+        times = []
+        for _ in range(args.num_iters):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        result[f"batch {batch} (tok/s)"] = batch * args.output_len / statistics.median(times)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-iters", type=int, default=3)
+    args = parser.parse_args(argv)
+    os.environ["JVLLM_COMPILATION_CACHE_DIR"] = ""  # every compile is a cold one
+    jax.config.update("jax_enable_compilation_cache", False)
+
+    scanned_forward = step_fn.forward
+    results = {}
+    try:
+        for layout, forward in (("scan", scanned_forward), ("unrolled", unrolled_forward)):
+            step_fn.forward = forward
+            results[layout] = _bench_layout(args, layout)
+    finally:
+        step_fn.forward = scanned_forward
+    print(f"\n{args.model or 'default model'} {args.dtype} on {jax.devices()[0].device_kind}")
+    print(f"{'':32} {'scan':>10} {'unrolled':>10} {'scan/unrolled':>14}")
+    for key in results["scan"]:
+        scan, unrolled = results["scan"][key], results["unrolled"][key]
+        print(f"{key:32} {scan:10.2f} {unrolled:10.2f} {scan / unrolled:13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
