@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jvllm.benchmarks import dense_bound, layer_scan, serve, throughput
+from jvllm.benchmarks import dense_bound, layer_scan, serve, startup, throughput
 
 _TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
 # Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
@@ -78,6 +78,41 @@ def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, cap
     out = capsys.readouterr().out
     assert "server:" in out and ", 8 tokens)" in out  # 2 requests x 4 tokens
     assert "server / offline" in out
+
+
+def _startup_rows(out: str) -> dict[str, list[str]]:
+    """The startup benchmark's table: {case: its cells after the dtype}."""
+    rows = [line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))]
+    return {row[0]: row[2:] for row in rows}
+
+
+def test_startup_benchmark_times_cold_and_warm_processes(tiny_llama_dir, capsys):
+    # Four processes (first token and the README example, cold and warm), each importing jax
+    # and compiling; one token keeps the README example to one bucket.
+    startup.main(
+        [*("--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "1", "--skip-serve")]
+    )
+    out = capsys.readouterr().out
+    rows = _startup_rows(out)
+    assert set(rows) == {"cold", "warm"}
+    for cells in rows.values():
+        load, first_token, process, readme, readme_process = map(float, cells[:5])
+        assert 0 < load <= first_token < process
+        assert 0 < readme < readme_process
+        assert cells[5:] == ["-", "-"]  # no server
+    assert "goal cold first token <= 10 s: float32" in out
+    assert "goal warm first token <= 5 s: float32" in out
+    assert "serve" not in out
+
+
+@pytest.mark.slow  # a server compiles all its buckets: minutes cold, even for a tiny model
+def test_startup_benchmark_times_the_server(tiny_llama_dir, capsys):
+    startup.main([*("--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "1")])
+    out = capsys.readouterr().out
+    for cells in _startup_rows(out).values():
+        health, completion = map(float, cells[5:])
+        assert 0 < health <= completion
+    assert "goal cold serve first completion <= 30 s: float32" in out
 
 
 def _must_not_run(*_):

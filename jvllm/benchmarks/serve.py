@@ -127,10 +127,15 @@ def _engine_kwargs(args) -> dict:
     return kwargs
 
 
-def _start_server(args) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a server to start on."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _start_server(args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -6,6 +6,7 @@ import jax
 
 # Each engine configuration adds about 1 MB a bucket; the least recently used go beyond this.
 _COMPILATION_CACHE_MAX_BYTES = 1 << 30
+COMPILATION_CACHE_DIR_ENV = "JVLLM_COMPILATION_CACHE_DIR"
 
 
 def enable_compilation_cache() -> None:
@@ -17,7 +18,7 @@ def enable_compilation_cache() -> None:
     if jax.config.jax_compilation_cache_dir:
         return
     default = os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla")
-    path = os.environ.get("JVLLM_COMPILATION_CACHE_DIR", default)
+    path = os.environ.get(COMPILATION_CACHE_DIR_ENV, default)
     if path:
         date_undated_entries(path)
         jax.config.update("jax_compilation_cache_dir", path)
