@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import shutil
+import subprocess
+import sys
 import time
 
 import jax
@@ -14,8 +16,10 @@ import pytest
 import torch
 import transformers
 from conftest import dense_logits
+from safetensors import safe_open
 
 from jvllm.model_loader import DEFAULT_MODEL, default_model, load_gguf, load_model
+from jvllm.model_loader.safetensors_file import read_safetensors
 
 PROMPT = "The capital of France is"
 
@@ -87,6 +91,31 @@ def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_mo
     leaf_pairs = zip(jax.tree.leaves(cached_params), jax.tree.leaves(gguf_model[1]), strict=True)
     for ours, direct in leaf_pairs:
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(direct))
+
+
+def test_default_model_cache_reads_with_the_safetensors_library(cache_dir):
+    """We write the cache's safetensors file ourselves: it must be an ordinary checkpoint."""
+    path = os.path.join(default_model.default_model_dir(), "model.safetensors")
+    ours = read_safetensors(path)
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert sorted(f.keys()) == sorted(ours)
+        for name in ("model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight"):
+            np.testing.assert_array_equal(f.get_tensor(name), ours[name])
+
+
+def test_default_model_loads_without_importing_torch(cache_dir):
+    """torch costs seconds of start-up and inference never uses it (the tests do, hence a
+    fresh process)."""
+    code = (
+        "import sys; from jvllm.model_loader import load_model; load_model(None); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 
 
 def test_default_model_cache_survives_a_reinstall_and_keeps_one_conversion(

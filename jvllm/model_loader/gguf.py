@@ -1,20 +1,21 @@
 """Load a llama.cpp GGUF file (Llama architecture) by dequantizing it to float32.
 
 The GGUF is first turned into what an HF checkpoint would hold (a config dict and HF-named
-torch-layout tensors), so the fusion into our layout is shared with `hf.py`, and the default
-model's on-disk cache can be an ordinary HF directory.
+torch-layout tensors, each dequantized when read), so the fusion into our layout is shared with
+`hf.py`, and the default model's on-disk cache can be an ordinary HF directory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
 
 from jvllm.config import ModelConfig
+from jvllm.model_loader.dequantize import dequantize
+from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jvllm.model_loader.hf import fuse_hf_weights, resolve_dtype
 from jvllm.models.llama import Params
 
@@ -37,29 +38,40 @@ _GLOBAL_NAMES = {
 }
 
 
-def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order. Its converter reorders each head's H rows from HF's
-    rotate-half layout (pairs (j, j + H/2)) to interleaved pairs (2j, 2j + 1); we rotate halves,
-    so put the rows back: within a head, GGUF row 2j + s is HF row s * H/2 + j."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // num_heads
-    w = w.reshape(num_heads, head_dim // 2, 2, in_dim)  # [heads, H/2, 2, in]
-    return w.swapaxes(1, 2).reshape(out_dim, in_dim)  # [heads * H, in], halves contiguous
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the HF checkpoint, dequantized from its GGUF tensor when read."""
+
+    source: GGUFTensor
+    # q and k: llama.cpp's converter reorders each head's H rows from HF's rotate-half layout
+    # (pairs (j, j + H/2)) to interleaved pairs (2j, 2j + 1); we rotate halves, so reading puts
+    # the rows back: within a head, GGUF row 2j + s is HF row s * H/2 + j.
+    num_rope_heads: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    def read(self, out: np.ndarray | None = None) -> np.ndarray:
+        """-> f32[shape] in HF's layout, written into `out` when given."""
+        out = np.empty(self.shape, np.float32) if out is None else out
+        src = self.source
+        if self.num_rope_heads is None:
+            return dequantize(src.data, src.qtype, src.shape, out)
+        out_dim, in_dim = self.shape
+        gguf_order = (self.num_rope_heads, out_dim // self.num_rope_heads // 2, 2, in_dim)
+        hf_rows = out.reshape(self.num_rope_heads, 2, -1, in_dim).swapaxes(1, 2)  # GGUF's order
+        dequantize(src.data, src.qtype, gguf_order, hf_rows)
+        return out
 
 
-def read_gguf_as_hf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """-> (HF config.json dict, {HF tensor name: float32 torch-layout array})."""
-    reader = GGUFReader(path)
-    fields = reader.fields
-
-    def meta(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
-
+def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFTensor]]:
+    """-> (HF config.json dict, {HF tensor name: its GGUF tensor, to read as float32})."""
+    meta = gguf.metadata.get
     arch = meta("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: 'llama'")
-    tensors_by_name = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors_by_name:
+    if "rope_freqs.weight" in gguf.tensors:
         raise ValueError(f"{path}: GGUF rope frequency factors (Llama 3.1 scaling) not supported")
 
     num_heads = meta("llama.attention.head_count")
@@ -68,7 +80,7 @@ def read_gguf_as_hf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     hf_config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": meta("llama.vocab_size") or len(fields["tokenizer.ggml.tokens"].data),
+        "vocab_size": meta("llama.vocab_size") or len(meta("tokenizer.ggml.tokens")),
         "hidden_size": hidden_size,
         "intermediate_size": meta("llama.feed_forward_length"),
         "num_hidden_layers": meta("llama.block_count"),
@@ -79,28 +91,23 @@ def read_gguf_as_hf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         "rope_theta": meta("llama.rope.freq_base", 10000.0),
         "max_position_embeddings": meta("llama.context_length", 2048),
         # llama.cpp drops output.weight when the head is tied to the embedding.
-        "tie_word_embeddings": "output.weight" not in tensors_by_name,
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "dtype": "float32",
     }
 
-    tensors: dict[str, np.ndarray] = {}
-    for name, t in tensors_by_name.items():
-        # dequantize returns the torch layout ([out, in]): GGUF lists dims innermost first.
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    tensors: dict[str, HFTensor] = {}
+    for name, t in gguf.tensors.items():
         if name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
             if rest not in _LAYER_NAMES:
                 raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
-            if rest == "attn_q.weight":
-                w = _unpermute_rope_rows(w, num_heads)
-            elif rest == "attn_k.weight":
-                w = _unpermute_rope_rows(w, num_kv_heads)
-            tensors[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = w
+            rope_heads = {"attn_q.weight": num_heads, "attn_k.weight": num_kv_heads}.get(rest)
+            tensors[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = HFTensor(t, rope_heads)
         elif name in _GLOBAL_NAMES:
-            tensors[_GLOBAL_NAMES[name]] = w
+            tensors[_GLOBAL_NAMES[name]] = HFTensor(t)
         else:
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
     return hf_config, tensors
@@ -110,6 +117,6 @@ def load_gguf(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
     """Dequantize a Llama GGUF to float32 and fuse it; "auto" means float32 here."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
-    hf_config, tensors = read_gguf_as_hf(path)
+    hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
-    return config, fuse_hf_weights(config, tensors.__getitem__)
+    return config, fuse_hf_weights(config, lambda name: tensors[name].read())

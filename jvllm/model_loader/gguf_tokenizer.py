@@ -7,20 +7,17 @@ the tests) from the file's `tokenizer.*` metadata.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gguf import GGUFReader
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from jvllm.model_loader.gguf_file import GGUFFile, read_gguf
 
 _CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, ...)
 
 
-def tokenizer_from_gguf(path: str) -> PreTrainedTokenizerFast:
-    fields = GGUFReader(path).fields
-
-    def meta(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
+def tokenizer_from_gguf(path: str, gguf: GGUFFile | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer of the GGUF at `path` (`gguf`: the file already read)."""
+    meta = (gguf or read_gguf(path)).metadata.get
 
     kind = meta("tokenizer.ggml.model")
     if kind != "gpt2":

@@ -5,28 +5,20 @@ from __future__ import annotations
 import glob
 import json
 import os
-import struct
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jvllm.config import SUPPORTED_DTYPES, ModelConfig
+from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.llama import LayerParams, Params
 
-# safetensors dtype tags -> NumPy dtypes. jnp.bfloat16 is ml_dtypes' NumPy type, which the
-# safetensors NumPy API lacks; that is why this file reads the (simple) format itself.
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": jnp.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-}
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)
+_XLA_CPU_ALIGNMENT = 64  # what a host buffer needs for XLA:CPU to use it in place
 
 
 def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
@@ -50,22 +42,22 @@ def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
     return "float32"
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Memory-map every tensor of one .safetensors file (header: u64 length + JSON)."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
-        tensors[name] = data[start:end].view(dtype).reshape(info["shape"])
-    return tensors
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """np.empty aligned for XLA:CPU: jax.device_put of such an array on CPU uses its buffer in
+    place, where an unaligned one (NumPy's big arrays start 16 bytes past a page) is copied, at
+    a fraction of NumPy's copy speed (BENCHMARKS.md, "Model loading")."""
+    dtype = np.dtype(dtype)
+    num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(num_bytes + _XLA_CPU_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _XLA_CPU_ALIGNMENT
+    return raw[start : start + num_bytes].view(dtype).reshape(shape)
+
+
+def _to_device(x: np.ndarray, dtype: Any) -> jax.Array:
+    """x as a jax array of `dtype`, through one host copy (the cast) and no device copy on CPU."""
+    out = _aligned_empty(x.shape, dtype)
+    out[...] = x
+    return jax.device_put(out, may_alias=True)
 
 
 def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
@@ -81,10 +73,10 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
         """HF pieces [out_j, (in)] of every layer -> [L, sum(out_j), (in)] in `out_dtype`."""
         first = [get(layer_prefixes[0] + n) for n in names]
         rows = sum(piece.shape[0] for piece in first)
-        out = np.empty((config.num_layers, rows, *first[0].shape[1:]), out_dtype)
+        out = _aligned_empty((config.num_layers, rows, *first[0].shape[1:]), out_dtype)
         for i, prefix in enumerate(layer_prefixes):
             np.concatenate([get(prefix + n) for n in names], axis=0, out=out[i], casting="unsafe")
-        return jnp.asarray(out)
+        return jax.device_put(out, may_alias=True)
 
     attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     f32 = jnp.float32  # norm weights and biases: tiny, and they feed float32 math
@@ -102,13 +94,13 @@ def fuse_hf_weights(config: ModelConfig, get: Callable[[str], np.ndarray]) -> Pa
         down=stacked(("mlp.down_proj.weight",)),  # [L, D, F]
     )
     return Params(
-        embed=jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),  # [V, D]
+        embed=_to_device(get("model.embed_tokens.weight"), dtype),  # [V, D]
         layers=layers,
-        final_norm=jnp.asarray(get("model.norm.weight"), dtype=jnp.float32),  # [D]
+        final_norm=_to_device(get("model.norm.weight"), jnp.float32),  # [D]
         lm_head=(
             None
             if config.tie_word_embeddings
-            else jnp.asarray(get("lm_head.weight"), dtype=dtype)  # [V, D]
+            else _to_device(get("lm_head.weight"), dtype)  # [V, D]
         ),
     )
 
@@ -131,7 +123,7 @@ def load_hf_dir(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
         raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        tensors.update(_read_safetensors(file))
+        tensors.update(read_safetensors(file))
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:

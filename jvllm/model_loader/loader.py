@@ -18,10 +18,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 LOAD_FORMATS = ("auto", "dummy")
 
 
-def _load_dir_tokenizer(path: str) -> Any | None:
+def _load_dir_tokenizer(path: str, is_default_model: bool = False) -> Any | None:
     """The directory's tokenizer, or None when it ships none (e.g. tiny random test models)."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
+    if is_default_model:
+        # default_model.py saved it from this class. AutoTokenizer would give the same one, but
+        # first reads config.json through transformers' model code, which imports torch: seconds
+        # of start-up (BENCHMARKS.md, "Model loading").
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 
     # local_files_only: never ask a hub (it costs seconds of failed lookups offline).
@@ -44,14 +51,15 @@ def load_model(
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
-    if model is None or model == DEFAULT_MODEL:
+    is_default_model = model is None or model == DEFAULT_MODEL
+    if is_default_model:
         model = default_model_dir()
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         if load_format == "dummy":
             config = read_hf_config(model, dtype)
-            return config, dummy_params(config), _load_dir_tokenizer(model)
+            return config, dummy_params(config), _load_dir_tokenizer(model, is_default_model)
         config, params = load_hf_dir(model, dtype)
-        return config, params, _load_dir_tokenizer(model)
+        return config, params, _load_dir_tokenizer(model, is_default_model)
     if model.endswith(".gguf") and os.path.isfile(model):
         if load_format == "dummy":
             raise ValueError(
