@@ -53,6 +53,7 @@ def _bench_layout(args, layout: str) -> dict:
         load_format=args.load_format,
         max_num_seqs=args.batch,
         max_model_len=args.input_len + args.output_len + 16,
+        enable_prefix_caching=False,  # every run the same steps as the untimed first
     )
     runner = llm.llm_engine.model_runner
     if layout == "unrolled":
@@ -73,6 +74,7 @@ def _bench_layout(args, layout: str) -> dict:
     for batch in (1, args.batch):
         prompts = random_prompts(batch, args.input_len, vocab, seed=0)
         llm.generate(prompts, params, use_tqdm=False)  # compiles what the buckets above lack
+        runner.wait_for_compiles()  # and what it borrowed larger buckets for meanwhile
         times = []
         for _ in range(args.num_iters):
             start = time.perf_counter()

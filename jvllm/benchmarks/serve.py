@@ -148,6 +148,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
         args.model,
         "--uvicorn-log-level",
         "warning",
+        "--no-compile-in-background",  # /health then means every shape is compiled
         "--dtype",
         args.dtype,
         "--max-num-seqs",

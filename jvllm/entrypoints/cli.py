@@ -57,6 +57,7 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         log_level=args.uvicorn_log_level,
         log_stats=not args.disable_log_stats,
+        compile_in_background=args.compile_in_background,
         **engine_kwargs(args),
     )
 
@@ -84,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-log-stats",
         action="store_true",
         help="no periodic throughput / load line (JVLLM_LOG_STATS_INTERVAL sets its seconds)",
+    )
+    serve.add_argument(
+        "--compile-in-background",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="listen at once and compile the step shapes in the background (default); with "
+        "--no-compile-in-background every shape compiles before the port opens",
     )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
