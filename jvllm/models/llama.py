@@ -150,7 +150,7 @@ def forward(
     """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache).
 
     The layers run as one `lax.scan`, so a compiled step holds the layer once, not L times
-    (SmolLM2's 30 layers: 2.5-3x less compile time a bucket; docs/design.md "Layer scan"). Each
+    (SmolLM2's 30 layers: 3-5x less compile time a bucket; docs/design.md "Layer scan"). Each
     layer's cache scatter updates the donated cache, carried through the scan, in place.
     """
     x = _embed(params.embed, token_ids)  # [T, D]
@@ -166,8 +166,8 @@ def forward(
         if x.shape[0] == 1 and lp.qkv.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
             # One row on CPU: copy the slice as it is, so the float32 conversion stays fused
             # into the multiply-reduce that reads it (see dense); XLA:CPU would otherwise write
-            # the slice out converted, twice its size (batch-1 decode: 36 against 17 tok/s). A
-            # GPU reads the slice in place, where a copy would double the weight traffic.
+            # the slice out converted to float32 in a slow fusion (batch-1 decode: 36 against
+            # 3 tok/s). A GPU reads the slice in place, where a copy would add weight traffic.
             lp = jax.lax.optimization_barrier(lp)
         return _decoder_layer(x, kv_cache, lp, layer, cos, sin, metadata, config, attn), None
 
