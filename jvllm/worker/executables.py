@@ -125,7 +125,12 @@ class Executables:
                     self._num_background -= 1
 
     def _background(self, shape: Shape) -> None:
-        exe = self._timed_compile(shape)
+        try:
+            exe = self._timed_compile(shape)
+        except Exception:
+            # A step that needs the shape gets the error from the future; say it now too.
+            logger.exception("compiling %s in the background failed", self._describe(shape))
+            raise
         with self._lock:
             self._store(shape, exe)
             self._queued.pop(shape, None)
