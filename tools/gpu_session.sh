@@ -23,8 +23,8 @@
 #     engine-steps  issue 17: decode windows (k = 16) and async scheduling against k = 1, in
 #                   the same run, on the 8B and SmolLM2 shapes (default backend, no HF)
 #     layer-scan    issue 18: the layer scan against the layers unrolled (compile seconds,
-#                   batch-1 and batch-64 decode), on the 8B and SmolLM2 shapes; then the
-#                   start-up benchmark on the 8B shapes (not yet run on a GPU)
+#                   batch-1 and batch-64 decode), on the 8B and SmolLM2 shapes (not yet run
+#                   on a GPU)
 # A step that runs out of time still leaves its log up to there; the XLA cache (~/.cache/jvllm)
 # lives as long as the machine stays warm, so a rerun of an engine step compiles less.
 # Run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s, bench-mixed
@@ -127,8 +127,6 @@ layer-scan)
             python3 -m jvllm.benchmarks.layer_scan --model "jvllm/benchmarks/model_configs/$model" \
                 --load-format dummy --dtype bfloat16
         done
-        python3 -m jvllm.benchmarks.startup --model jvllm/benchmarks/model_configs/llama-3-8b \
-            --load-format dummy --dtype bfloat16
     } 2>&1 | tee "$out/$step.log"
     ;;
 *)
