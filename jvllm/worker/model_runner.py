@@ -186,9 +186,8 @@ class ModelRunner:
         )
 
     def wait_for_compiles(self) -> None:
-        """Return when every queued compile (and its warm-up run) is done."""
+        """Return when every queued background compile is done."""
         self._compiled.wait_all()
-        jax.block_until_ready(self.kv_cache)
 
     def cancel_compiles(self) -> None:
         """Drop the queued background compiles (running ones finish); a later step that needs
