@@ -65,6 +65,14 @@ def test_layer_scan_benchmark_compares_both_layouts(capsys):
         assert scan > 0 and unrolled > 0 and ratio == pytest.approx(scan / unrolled, abs=0.01)
 
 
+def test_layer_scan_benchmark_compiles_weights_that_are_only_shapes(capsys):
+    layer_scan.main(
+        [*("--model", _TINY_2L, "--compile-only", "--batch", "1", "--prefill-tokens", "16")]
+    )
+    out = capsys.readouterr().out
+    assert "compile mixed 16 (s)" in out and "batch 1 (tok/s)" not in out
+
+
 def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):
     # Its own `jvllm serve` process, as a user's run starts; token-id prompts need no tokenizer.
     serve.main(
