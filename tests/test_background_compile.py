@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from jvllm import LLM, SamplingParams
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.worker.buckets import Bucket
 
 _KWARGS = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
@@ -71,3 +72,9 @@ def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
         release.set()
     runner.wait_for_compiles()
     assert runner._compiled.get((held, "step")) is not None
+
+
+@pytest.mark.parametrize("name", ["compile_all_buckets", "compile_in_background"])
+def test_compile_options_take_bools_only(name):
+    with pytest.raises(ValueError, match=f"{name} must be a bool, got 'yes'"):
+        EngineArgs(**{name: "yes"})

@@ -56,10 +56,11 @@ class EngineArgs:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("num_scheduler_steps", self.num_scheduler_steps)
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError, as in vLLM
-                f"async_scheduling must be a bool, got {self.async_scheduling!r}"
-            )
+        for name in ("async_scheduling", "compile_all_buckets", "compile_in_background"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError (vLLM)
+                    f"{name} must be a bool, got {getattr(self, name)!r}"
+                )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory_bytes is not None:
