@@ -1,5 +1,8 @@
 """The server on an engine with decode windows and async scheduling: streams arrive in bursts of
-at most k tokens with the offline text, and a client that goes away frees its blocks."""
+k tokens (merged where the client falls behind) with the offline text, and a client that goes
+away frees its blocks."""
+
+import math
 
 import openai
 import pytest
@@ -50,7 +53,10 @@ def test_streams_come_in_bursts_of_at_most_k_tokens_with_the_offline_text(setup)
         )
         burst_sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs]
         assert sum(burst_sizes) == MAX_TOKENS
-        assert max(burst_sizes) == K  # windows of K after the first token
+        # Windows of K after the first token: at most 1 + ceil(22 / K) chunks, fewer where the
+        # client fell behind and the request's mailbox merged outputs (as vLLM's does).
+        assert len(burst_sizes) <= 1 + math.ceil((MAX_TOKENS - 1) / K)
+        assert max(burst_sizes) >= K
         assert "".join(c.choices[0].text for c in chunks) == offline
 
 
