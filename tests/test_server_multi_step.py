@@ -37,7 +37,7 @@ def setup(tiny_llama_dir):
     engine.shutdown()
 
 
-def test_streams_come_in_bursts_of_at_most_k_tokens_with_the_offline_text(setup):
+def test_streams_come_in_windows_of_k_tokens_with_the_offline_text(setup):
     client = openai.OpenAI(base_url=setup["url"] + "/v1", api_key="unused", max_retries=0)
     for prompt, offline in zip(PROMPTS, setup["offline"]):
         chunks = list(
