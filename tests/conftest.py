@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
 import contextlib
+import functools
 import shutil
 import time
 
@@ -81,23 +82,20 @@ def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
     return jnp.einsum("nts,snh->tnh", probs, v), kv_cache
 
 
+def dense_forward_logits(params, token_ids, positions, *, config, forward_fn=forward):
+    """`forward_fn` (the model's forward, or a test's variant of it) on one sequence with plain
+    causal attention (no pages) -> logits f32[T, V]; traceable."""
+    hidden, _ = forward_fn(
+        params, jnp.zeros(()), token_ids, positions, None, config=config, attn=_dense_causal_attn
+    )
+    return compute_logits(params, hidden, config=config)
+
+
 def dense_logits(config, params, token_ids, positions=None) -> np.ndarray:
     """Our forward on one sequence with plain causal attention (no pages) -> f32[T, V]."""
     if positions is None:
         positions = np.arange(len(token_ids))
-
-    @jax.jit
-    def run(params, token_ids, positions):
-        hidden, _ = forward(
-            params,
-            jnp.zeros(()),
-            token_ids,
-            positions,
-            None,
-            config=config,
-            attn=_dense_causal_attn,
-        )
-        return compute_logits(params, hidden, config=config)
+    run = jax.jit(functools.partial(dense_forward_logits, config=config))
 
     ids = jnp.asarray(token_ids, dtype=jnp.int32)
     return np.asarray(run(params, ids, jnp.asarray(positions, dtype=jnp.int32)))

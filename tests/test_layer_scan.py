@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
-from conftest import _dense_causal_attn
+from conftest import dense_forward_logits
 from test_model_numerics import TINY, _save_random_model
 
 from jvllm.model_loader.hf import load_hf_dir
@@ -31,16 +31,10 @@ def _greedy(forward, config, params, prompt, num_tokens):
     @jax.jit
     def logits_at(params, token_ids, last):
         positions = jnp.arange(_PADDED_LEN, dtype=jnp.int32)
-        hidden, _ = forward(
-            params,
-            jnp.zeros(()),
-            token_ids,
-            positions,
-            None,
-            config=config,
-            attn=_dense_causal_attn,
-        )
-        return llama.compute_logits(params, hidden[last][None], config=config)[0]
+        logits = dense_forward_logits(
+            params, token_ids, positions, config=config, forward_fn=forward
+        )  # [T, V]
+        return logits[last]
 
     tokens = list(prompt)
     for _ in range(num_tokens):
