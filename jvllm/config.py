@@ -9,56 +9,24 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-# A config object built in code (not read from a checkpoint) may have no `architectures`.
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from jvllm.layers.activation import ACTIVATIONS
+from jvllm.models.registry import architecture_of, check_supported, normalize_hf_config
+from jvllm.rope_config import RopeScaling, parse_rope
+
 SUPPORTED_DTYPES = ("float32", "bfloat16")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (HF `rope_type="llama3"`)."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
-            raise ValueError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
-                f"supported: {SUPPORTED_ROPE_TYPES}"
-            )
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
-                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                f"{self.low_freq_factor} and {self.high_freq_factor}"
-            )
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError(
-                "rope_scaling.original_max_position_embeddings must be > 0, got "
-                f"{self.original_max_position_embeddings}"
-            )
+SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# The window a global layer passes to attention in a model that mixes both kinds: never cuts.
+NO_WINDOW = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family model. Letters in comments follow docs/design.md."""
+    """Shape and numerics of a decoder-only model. Letters in comments follow docs/design.md.
+
+    The fields are the ones the engine or more than one family reads; what only one family
+    reads travels in `options` (see `option`).
+    """
 
     architecture: str
     vocab_size: int  # V
@@ -68,7 +36,7 @@ class ModelConfig:
     num_heads: int  # N
     num_kv_heads: int  # K
     head_dim: int  # H
-    rms_norm_eps: float
+    rms_norm_eps: float  # the epsilon of the model's norms (LayerNorm's too)
     rope_theta: float
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
@@ -78,13 +46,21 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | tuple[int, ...] | None
     dtype: str = "float32"
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # W: a windowed layer's query sees its last W positions
+    layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES; None: all global
+    attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: on the LM head's logits
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scale by its -1/2 power, not H's
+    local_rope_theta: float | None = None  # Gemma 3: the windowed layers' rope base
+    num_experts: int = 0  # E; 0: a dense MLP
+    num_experts_per_tok: int = 0  # k
+    moe_intermediate_size: int = 0  # an expert's F
+    norm_topk_prob: bool = True  # renormalise the k routing weights to sum 1
+    options: tuple[tuple[str, Any], ...] = ()  # family-specific settings, (name, value) sorted
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture={self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        check_supported(self.architecture)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {SUPPORTED_DTYPES}")
         for name in (
@@ -111,6 +87,41 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not supported; allowed: {SUPPORTED_ACTIVATIONS}"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int, got {self.sliding_window}")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {*LAYER_TYPES}
+        ):
+            raise ValueError(
+                f"layer_types must give one of {LAYER_TYPES} for each of the {self.num_layers} "
+                f"layers, got {self.layer_types}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for a global layer."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        types = self.layer_types or ("sliding_attention",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def sm_scale(self) -> float:
+        """The factor on q . k before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """A family-specific setting (models/<family>.py's normalize_hf_config sets them)."""
+        return dict(self.options).get(name, default)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -134,41 +145,15 @@ class ModelConfig:
         the transformers 5 one (`rope_parameters` holding theta and scaling).
         """
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        architectures = cfg.get("architectures") or []
-        architecture = (
-            architectures[0]
-            if architectures
-            else _ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type"))
-        )
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported (no model we load has MLP biases)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
-
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_type={rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
-            )
-        rope_scaling = None
-        if rope_type == "llama3":
-            rope_scaling = RopeScaling(
-                rope_type="llama3",
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
+        architecture = architecture_of(cfg)
+        check_supported(architecture)
+        # The family's checks, its defaults and its names in the layout read below.
+        cfg = normalize_hf_config(architecture, cfg)
+        rope = parse_rope(cfg)
 
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        layer_types = cfg.get("layer_types")
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -179,14 +164,25 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and its config has no field for it.
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias")),
+            qk_norm=bool(cfg.get("qk_norm")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             dtype=dtype,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_window=cfg.get("sliding_window"),
+            layer_types=tuple(layer_types) if layer_types else None,
+            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            local_rope_theta=rope.local_theta,
+            num_experts=cfg.get("num_local_experts") or cfg.get("num_experts") or 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            options=tuple(sorted(cfg.get("options", {}).items())),
         )

@@ -19,7 +19,7 @@ import transformers
 
 from jvllm import LLM
 from jvllm.model_loader.default_model import default_model_dir
-from jvllm.models.llama import compute_logits, forward
+from jvllm.models.model import compute_logits, forward
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jvllm.benchmarks import dense_bound, layer_scan, serve, startup, throughput
+from jvllm.benchmarks import dense_bound, serve, startup, throughput
 
 _TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
 # Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
@@ -39,38 +39,6 @@ def test_dense_bound_benchmark_runs_against_hf(capsys):
     out = capsys.readouterr().out
     assert "dense floor:" in out
     assert "most jvllm / HF could reach here:" in out
-
-
-def test_layer_scan_benchmark_compares_both_layouts(capsys):
-    layer_scan.main(
-        [
-            *("--model", _TINY_2L, "--load-format", "dummy", "--dtype", "float32"),
-            *("--batch", "4", "--prefill-tokens", "16", "--input-len", "8", "--output-len", "4"),
-            *("--num-iters", "1"),
-        ]
-    )
-    rows = {}
-    for line in capsys.readouterr().out.splitlines():
-        name, _, figures = line.rpartition(")")
-        if name.startswith(("compile", "batch")):
-            rows[name + ")"] = [float(f.rstrip("x")) for f in figures.split()]
-    assert set(rows) == {
-        "compile decode 1 (s)",
-        "compile decode 4 (s)",
-        "compile mixed 16 (s)",
-        "batch 1 (tok/s)",
-        "batch 4 (tok/s)",
-    }
-    for scan, unrolled, ratio in rows.values():
-        assert scan > 0 and unrolled > 0 and ratio == pytest.approx(scan / unrolled, abs=0.01)
-
-
-def test_layer_scan_benchmark_compiles_weights_that_are_only_shapes(capsys):
-    layer_scan.main(
-        [*("--model", _TINY_2L, "--compile-only", "--batch", "1", "--prefill-tokens", "16")]
-    )
-    out = capsys.readouterr().out
-    assert "compile mixed 16 (s)" in out and "batch 1 (tok/s)" not in out
 
 
 def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):

@@ -13,7 +13,7 @@ from conftest import dense_logits
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
-from jvllm.models.llama import param_shapes
+from jvllm.models.model import param_shapes
 
 TINY = {
     "num_hidden_layers": 2,

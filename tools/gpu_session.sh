@@ -22,9 +22,6 @@
 #     engine-8b     the same on Llama-3-8B's shapes (head_dim 128, GQA 4:1)
 #     engine-steps  issue 17: decode windows (k = 16) and async scheduling against k = 1, in
 #                   the same run, on the 8B and SmolLM2 shapes (default backend, no HF)
-#     layer-scan    issue 18: the layer scan against the layers unrolled (compile seconds,
-#                   batch-1 and batch-64 decode), on the 8B and SmolLM2 shapes (not yet run
-#                   on a GPU)
 # A step that runs out of time still leaves its log up to there; the XLA cache (~/.cache/jvllm)
 # lives as long as the machine stays warm, so a rerun of an engine step compiles less.
 # Run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s, bench-mixed
@@ -117,15 +114,6 @@ engine-steps)
                 --model jvllm/benchmarks/model_configs/smollm2-135m --load-format dummy \
                 --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
                 --max-model-len 2048 --skip-hf $setting
-        done
-    } 2>&1 | tee "$out/$step.log"
-    ;;
-layer-scan)
-    {
-        export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9  # the unrolled copy of the 8B weights too
-        for model in llama-3-8b smollm2-135m; do
-            python3 -m jvllm.benchmarks.layer_scan --model "jvllm/benchmarks/model_configs/$model" \
-                --load-format dummy --dtype bfloat16
         done
     } 2>&1 | tee "$out/$step.log"
     ;;

@@ -3,7 +3,7 @@
     python -m jvllm.benchmarks.dense_bound --num-prompts 64 --input-len 128 --output-len 128 \
         --dtype float32
 
-Times the model's own forward (models/llama.py, jitted; the default model unless --model, random
+Times the model's own forward (models/model.py, jitted; the default model unless --model, random
 weights with --load-format dummy) with attention replaced by a pass-through that costs nothing,
 at the step shapes the engine runs for that workload: the prompts in steps of
 max_num_batched_tokens tokens, then one step per output token for all prompts at once, each with
@@ -28,7 +28,7 @@ from jvllm.benchmarks.throughput import (
     require_hf,
 )
 from jvllm.model_loader.loader import load_model
-from jvllm.models.llama import compute_logits, forward
+from jvllm.models.model import compute_logits, forward
 
 
 def _free_attention(layer, q, k, v, kv_cache, metadata):

@@ -1,9 +1,12 @@
-"""Dense projection with float32 accumulation."""
+"""Dense projection with float32 accumulation, and the Linear module built on it."""
 
 import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.layers.params import param
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -30,3 +33,24 @@ def _dense_one_bfloat16_row(x: jax.Array, w: jax.Array) -> jax.Array:
     """
     xs = x.astype(w.dtype).astype(jnp.float32)  # [..., I], rounded as the dot would round it
     return (w.astype(jnp.float32) * xs[..., None, :]).sum(-1)  # [..., O]
+
+
+class Linear(nnx.Module):
+    """x [..., I] -> float32 [..., O]: `dense` with weight [O, I] in the model dtype (the torch
+    layout, so checkpoints load without a transpose) and an optional float32 bias [O]."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        axes: tuple[str, str],
+        *,
+        dtype,
+        bias: bool = False,
+    ):
+        self.weight = param((out_features, in_features), dtype, axes)
+        self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = dense(x, self.weight[...])
+        return y if self.bias is None else y + self.bias[...]

@@ -2,6 +2,9 @@
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.layers.params import param
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -13,3 +16,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
     variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
     return x * jax.lax.rsqrt(variance + eps) * weight.astype(jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """rms_norm over the last axis with a float32 weight [size] (tiny, and it feeds float32
+    math, so it stays float32 whatever the model dtype). Gemma scales by (1 + weight):
+    `weight_offset` 1."""
+
+    def __init__(self, size: int, eps: float, axis: str = "embed", weight_offset: float = 0.0):
+        self.weight = param((size,), jnp.float32, (axis,))
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...] + self.weight_offset, self.eps)

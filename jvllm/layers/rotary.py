@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm.config import ModelConfig, RopeScaling
+from jvllm.config import ModelConfig
+from jvllm.rope_config import RopeScaling
 
 
 def _llama3_scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
@@ -27,22 +28,44 @@ def _llama3_scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     )
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """f32[H/2] rotation speed of each pair of dims. NumPy: the config is static under jit, so
-    this becomes a constant of the compiled program."""
+def inverse_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """f32[H/2] rotation speed of each pair of dims (of the sliding-window layers' own base
+    when `local`). NumPy: the config is static under jit, so this becomes a constant of the
+    compiled program."""
+    theta = config.local_rope_theta if local else config.rope_theta
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    inv_freq = 1.0 / (theta**exponents)
+    scaling = None if local else config.rope_scaling
+    if scaling is not None and scaling.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    if scaling is not None and scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
     return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """positions i32[T] -> (cos, sin), each f32[T, H]."""
-    inv_freq = jnp.asarray(inverse_frequencies(config))  # [H/2]
+def rope_cos_sin(
+    positions: jax.Array, config: ModelConfig, local: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """positions i32[T] -> (cos, sin), each f32[T, H]; `local`: the sliding-window layers'
+    base (Gemma 3)."""
+    inv_freq = jnp.asarray(inverse_frequencies(config, local))  # [H/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    scaling = None if local else config.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        # Each frequency slowed by its factor: the short ones within the context the model
+        # was trained on, the long ones past it (per token, where HF switches per call).
+        is_long = positions >= scaling.original_max_position_embeddings  # [T]
+        factors = jnp.where(
+            is_long[:, None],
+            jnp.asarray(scaling.long_factor, jnp.float32),
+            jnp.asarray(scaling.short_factor, jnp.float32),
+        )  # [T, H/2]
+        angles = angles / factors
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, H]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scaling is not None and scaling.rope_type == "longrope":
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.config import ModelConfig
-from jvllm.models.llama import Params, param_shapes
+from jvllm.models.model import param_shapes
 
 _BOUND = 1e-3
 
 
-def dummy_params(config: ModelConfig, seed: int = 0) -> Params:
-    """Params of `config`'s shapes and dtypes, each array drawn with its own key."""
+def dummy_params(config: ModelConfig, seed: int = 0) -> dict:
+    """The params pytree of `config`'s shapes and dtypes, each array drawn with its own key."""
     shapes = param_shapes(config)
     leaves, treedef = jax.tree.flatten(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))

@@ -16,8 +16,8 @@ import numpy as np
 from jvllm.config import ModelConfig
 from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
-from jvllm.model_loader.hf import fuse_hf_weights, resolve_dtype
-from jvllm.models.llama import Params
+from jvllm.model_loader.hf import resolve_dtype
+from jvllm.models.model import load_checkpoint_weights
 
 # GGUF per-layer tensor names -> HF names (after "blk.{i}." / "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -113,10 +113,10 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
     return hf_config, tensors
 
 
-def load_gguf(path: str, dtype: str = "auto") -> tuple[ModelConfig, Params]:
+def load_gguf(path: str, dtype: str = "auto") -> tuple[ModelConfig, dict]:
     """Dequantize a Llama GGUF to float32 and fuse it; "auto" means float32 here."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
-    return config, fuse_hf_weights(config, lambda name: tensors[name].read())
+    return config, load_checkpoint_weights(config, lambda name: tensors[name].read())

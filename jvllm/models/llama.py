@@ -1,182 +1,119 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as pure functions.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as flax.nnx modules.
 
-The contract is in docs/design.md: `forward` runs the decoder over flattened tokens and returns
-the post-norm hidden states and the updated KV cache; `compute_logits` applies the LM head to the
-rows that sample. Attention itself (cache write + paged attention) is the `attn` callable the
-caller passes in, so this file knows nothing about pages.
+The contract is in docs/design.md: the model runs over flattened tokens and returns the post-norm
+hidden states and the updated KV cache; `compute_logits` applies the LM head to the rows that
+sample. Attention itself (cache write + paged attention) is the `attn` callable the caller
+passes in, so this file knows nothing about pages. The runner reaches the model through
+models/model.py, never this file.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.layers.linear import dense
-from jvllm.layers.norm import rms_norm
-from jvllm.layers.rotary import apply_rope, rope_cos_sin
-
-# attn(layer i32[], q [T, N, H], k [T, K, H], v [T, K, H], kv_cache, metadata) -> (out, kv_cache)
-AttentionFn = Callable[
-    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, jax.Array]
-]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerParams:
-    """The decoder layers' weights, each stacked on a leading layer axis [L, ...] (the KV cache
-    has one too), projections in the torch layout [out, in] (see dense). `forward` scans over
-    the layer axis; inside the scan each field holds one layer's slice (the shapes below).
-
-    Projections are fused (q|k|v and gate|up) so each layer does four matmuls, not seven.
-    """
-
-    input_norm: jax.Array  # [D]
-    qkv: jax.Array  # [(N+2K)*H, D]
-    qkv_bias: jax.Array | None  # [(N+2K)*H], Qwen2
-    q_norm: jax.Array | None  # [H], Qwen3
-    k_norm: jax.Array | None  # [H], Qwen3
-    o: jax.Array  # [D, N*H]
-    post_attention_norm: jax.Array  # [D]
-    gate_up: jax.Array  # [2F, D] (gate then up)
-    down: jax.Array  # [D, F]
+from jvllm.layers.attention import Attention, AttentionFn
+from jvllm.layers.embedding import Embed
+from jvllm.layers.linear import Linear
+from jvllm.layers.mlp import GatedMLP
+from jvllm.layers.norm import RMSNorm
+from jvllm.layers.rotary import rope_cos_sin
+from jvllm.layers.scan import scan_layers, stacked_layers
+from jvllm.model_loader.weights import CheckpointWeights
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Params:
-    embed: jax.Array  # [V, D]
-    layers: LayerParams  # every field [L, ...]
-    final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [V, D]; None when tied to `embed`
+class LlamaDecoderLayer(nnx.Module):
+    """A pre-norm block on the float32 residual stream."""
+
+    def __init__(self, config: ModelConfig):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def __call__(self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn):
+        """x f32[T, D] -> (x f32[T, D], kv_cache)."""
+        out, kv_cache = self.attn(self.input_norm(x), layer, cos, sin, kv_cache, metadata, attn)
+        x = x + out
+        return x + self.mlp(self.post_attention_norm(x)), kv_cache
 
 
-def param_shapes(config: ModelConfig) -> Params:
-    """The Params `forward` takes, as ShapeDtypeStructs: what every loader must produce."""
-    dtype = jnp.dtype(config.dtype)
-    d, f, v, h = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    n, k = config.num_heads, config.num_kv_heads
+class LlamaForCausalLM(nnx.Module):
+    @staticmethod
+    def normalize_hf_config(cfg: dict) -> dict:
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported (no model we load has MLP biases)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
+        architecture = cfg["architectures"][0] if cfg.get("architectures") else None
+        if architecture == "Qwen2ForCausalLM" or cfg.get("model_type") == "qwen2":
+            cfg["attention_bias"] = True  # always there; its config has no field for it
+        if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
+            cfg["qk_norm"] = True
+        if cfg.get("model_type") in ("qwen2", "qwen3"):
+            # Qwen's window applies only with use_sliding_window, from layer max_window_layers.
+            if not cfg.get("use_sliding_window"):
+                cfg["sliding_window"] = None
+            elif not cfg.get("layer_types"):
+                start = cfg.get("max_window_layers", 0)
+                cfg["layer_types"] = [
+                    "sliding_attention" if i >= start else "full_attention"
+                    for i in range(cfg["num_hidden_layers"])
+                ]
+        return cfg
 
-    def shape(*dims: int, dtype: Any = dtype) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(dims, dtype)
+    def __init__(self, config: ModelConfig):
+        dtype = jnp.dtype(config.dtype)
+        self.config = config
+        self.embed = Embed(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = stacked_layers(lambda: LlamaDecoderLayer(config), config.num_layers)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype=dtype)
+        )
 
-    def stacked(*dims: int, dtype: Any = dtype) -> jax.ShapeDtypeStruct:
-        return shape(config.num_layers, *dims, dtype=dtype)
+    def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn):
+        """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache).
 
-    # Norm weights and biases are float32 (see fuse_hf_weights).
-    layers = LayerParams(
-        input_norm=stacked(d, dtype=jnp.float32),
-        qkv=stacked((n + 2 * k) * h, d),
-        qkv_bias=stacked((n + 2 * k) * h, dtype=jnp.float32) if config.attention_bias else None,
-        q_norm=stacked(h, dtype=jnp.float32) if config.qk_norm else None,
-        k_norm=stacked(h, dtype=jnp.float32) if config.qk_norm else None,
-        o=stacked(d, n * h),
-        post_attention_norm=stacked(d, dtype=jnp.float32),
-        gate_up=stacked(2 * f, d),
-        down=stacked(d, f),
-    )
-    return Params(
-        embed=shape(v, d),
-        layers=layers,
-        final_norm=shape(d, dtype=jnp.float32),
-        lm_head=None if config.tie_word_embeddings else shape(v, d),
-    )
+        Each layer's cache scatter updates the donated cache, carried through the layer scan,
+        in place.
+        """
+        x = self.embed(token_ids)  # [T, D]
+        cos, sin = rope_cos_sin(positions, self.config)  # [T, H] each
 
+        def body(layer_module, carry, layer, _):
+            x, kv_cache = carry
+            return layer_module(x, layer, cos, sin, kv_cache, metadata, attn)
 
-def _embed(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """embed[token_ids] as float32 [T, D]. XLA:CPU cannot gather bfloat16 natively (it converts
-    the whole table to float32 and back each call), so a bfloat16 table is gathered as uint16."""
-    if embed.dtype != jnp.bfloat16:
-        return embed[token_ids].astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(embed, jnp.uint16)[token_ids]
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+        x, kv_cache = scan_layers(self.layers, body, (x, kv_cache))
+        return self.final_norm(x), kv_cache
 
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
+        if self.lm_head is None:
+            return self.embed.attend(hidden)
+        return self.lm_head(hidden)
 
-def _decoder_layer(
-    x: jax.Array,
-    kv_cache: jax.Array,
-    lp: LayerParams,
-    layer: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    metadata: Any,
-    config: ModelConfig,
-    attn: AttentionFn,
-) -> tuple[jax.Array, jax.Array]:
-    """One pre-norm block on the f32 residual stream x [T, D]; `lp` holds one layer's slices."""
-    num_tokens = x.shape[0]
-    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
-    dtype = jnp.dtype(config.dtype)
-
-    qkv = dense(rms_norm(x, lp.input_norm, config.rms_norm_eps), lp.qkv)  # [T, (N+2K)*H]
-    if lp.qkv_bias is not None:
-        qkv = qkv + lp.qkv_bias.astype(jnp.float32)
-    q, key, value = jnp.split(qkv, [n * h, (n + k) * h], axis=-1)
-    q = q.reshape(num_tokens, n, h)  # [T, N, H]
-    key = key.reshape(num_tokens, k, h)  # [T, K, H]
-    value = value.reshape(num_tokens, k, h)  # [T, K, H]
-    if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, config.rms_norm_eps)
-        key = rms_norm(key, lp.k_norm, config.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    key = apply_rope(key, cos, sin)
-    # q/k/v leave in the model dtype: the cache they are written into has that dtype.
-    out, kv_cache = attn(
-        layer, q.astype(dtype), key.astype(dtype), value.astype(dtype), kv_cache, metadata
-    )  # out [T, N, H]
-    x = x + dense(out.reshape(num_tokens, n * h), lp.o)  # [T, D]
-
-    gate_up = dense(rms_norm(x, lp.post_attention_norm, config.rms_norm_eps), lp.gate_up)
-    gate, up = jnp.split(gate_up, 2, axis=-1)  # [T, F] each
-    x = x + dense(jax.nn.silu(gate) * up, lp.down)  # [T, D]
-    return x, kv_cache
-
-
-def forward(
-    params: Params,
-    kv_cache: jax.Array,
-    token_ids: jax.Array,
-    positions: jax.Array,
-    metadata: Any,
-    *,
-    config: ModelConfig,
-    attn: AttentionFn,
-) -> tuple[jax.Array, jax.Array]:
-    """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache).
-
-    The layers run as one `lax.scan`, so a compiled step holds the layer once, not L times
-    (SmolLM2's 30 layers: 3-5x less compile time a bucket; docs/design.md "Layer scan"). Each
-    layer's cache scatter updates the donated cache, carried through the scan, in place.
-    """
-    x = _embed(params.embed, token_ids)  # [T, D]
-    cos, sin = rope_cos_sin(positions, config)  # [T, H] each
-
-    def layer_step(carry, layer):
-        x, kv_cache = carry
-        # The barrier ties the stacked weights to the layer index, so that XLA cannot hoist
-        # work on them out of the loop: it converted every bfloat16 layer to float32 before the
-        # loop, each step (a SmolLM2 decode step 15x slower on CPU).
-        layers, layer = jax.lax.optimization_barrier((params.layers, layer))
-        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), layers)
-        if x.shape[0] == 1 and lp.qkv.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-            # One row on CPU: copy the slice as it is, so the float32 conversion stays fused
-            # into the multiply-reduce that reads it (see dense); XLA:CPU would otherwise write
-            # the slice out converted to float32 in a slow fusion (batch-1 decode: 36 against
-            # 3 tok/s). A GPU reads the slice in place, where a copy would add weight traffic.
-            lp = jax.lax.optimization_barrier(lp)
-        return _decoder_layer(x, kv_cache, lp, layer, cos, sin, metadata, config, attn), None
-
-    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), layers)
-    return rms_norm(x, params.final_norm, config.rms_norm_eps), kv_cache
-
-
-def compute_logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
-    """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
-    head = params.embed if params.lm_head is None else params.lm_head  # [V, D]
-    return dense(hidden, head)
+    @staticmethod
+    def load_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
+        """The HF checkpoint's tensors into this module's params."""
+        attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        weights.tensor("embed.embedding", "model.embed_tokens.weight")
+        weights.stacked("layers.input_norm.weight", ("input_layernorm.weight",))
+        weights.stacked("layers.attn.qkv.weight", tuple(n + ".weight" for n in attn))
+        if config.attention_bias:
+            weights.stacked("layers.attn.qkv.bias", tuple(n + ".bias" for n in attn))
+        if config.qk_norm:
+            weights.stacked("layers.attn.q_norm.weight", ("self_attn.q_norm.weight",))
+            weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
+        weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
+        weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
+        weights.stacked("layers.mlp.gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+        weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
+        weights.tensor("final_norm.weight", "model.norm.weight")
+        if not config.tie_word_embeddings:
+            weights.tensor("lm_head.weight", "lm_head.weight")

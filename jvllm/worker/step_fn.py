@@ -5,7 +5,7 @@ jvllm.step_loop chain it.
 """
 
 from jvllm.config import ModelConfig
-from jvllm.models.llama import compute_logits, forward
+from jvllm.models.model import compute_logits, forward
 from jvllm.sample.sampler import sample_step
 from jvllm.worker.step_inputs import StepInputs
 

@@ -1,0 +1,61 @@
+"""The attention block shared by the RoPE families: fused q|k|v, optional q/k norms, rotary
+embeddings, the `attn` callable (cache write + paged attention), output projection."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.layers.linear import Linear
+from jvllm.layers.norm import RMSNorm
+from jvllm.layers.rotary import apply_rope
+
+# attn(layer i32[], q [T, N, H], k [T, K, H], v [T, K, H], kv_cache, metadata) -> (out, kv_cache)
+AttentionFn = Callable[
+    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, jax.Array]
+]
+
+
+class Attention(nnx.Module):
+    """q|k|v fused in one projection [(N+2K)*H, D] (with Qwen2's bias), Qwen3's RMSNorm over H on
+    q and k (Gemma 3's with `norm_weight_offset` 1), rotary embeddings, then the `attn`
+    callable and the output projection."""
+
+    def __init__(self, config: ModelConfig, norm_weight_offset: float = 0.0):
+        d, h, n, k = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+        dtype = jnp.dtype(config.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.dtype = dtype
+        self.qkv = Linear(
+            d, (n + 2 * k) * h, ("heads", "embed"), dtype=dtype, bias=config.attention_bias
+        )
+        norm = lambda: RMSNorm(h, config.rms_norm_eps, "head_dim", norm_weight_offset)
+        self.q_norm = norm() if config.qk_norm else None
+        self.k_norm = norm() if config.qk_norm else None
+        self.o = Linear(n * h, d, ("embed", "heads"), dtype=dtype)
+
+    def __call__(self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn):
+        """x f32[T, D] (normed) -> (f32[T, D], kv_cache)."""
+        num_tokens = x.shape[0]
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)  # [T, (N+2K)*H]
+        q, key, value = jnp.split(qkv, [n * h, (n + k) * h], axis=-1)
+        q = q.reshape(num_tokens, n, h)  # [T, N, H]
+        key = key.reshape(num_tokens, k, h)  # [T, K, H]
+        value = value.reshape(num_tokens, k, h)  # [T, K, H]
+        if self.q_norm is not None:
+            q, key = self.q_norm(q), self.k_norm(key)
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        # q/k/v leave in the model dtype: the cache they are written into has that dtype.
+        out, kv_cache = attn(
+            layer,
+            q.astype(self.dtype),
+            key.astype(self.dtype),
+            value.astype(self.dtype),
+            kv_cache,
+            metadata,
+        )  # out [T, N, H]
+        return self.o(out.reshape(num_tokens, n * h)), kv_cache

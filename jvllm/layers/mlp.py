@@ -1,0 +1,23 @@
+"""The gated MLP of the Llama-like families."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.layers.activation import ACTIVATIONS
+from jvllm.layers.linear import Linear
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused in one projection [2F, D]."""
+
+    def __init__(self, config: ModelConfig):
+        d, f, dtype = config.hidden_size, config.intermediate_size, jnp.dtype(config.dtype)
+        self.gate_up = Linear(d, 2 * f, ("mlp", "embed"), dtype=dtype)
+        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype)
+        self.act = config.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)  # [T, F] each
+        return self.down(ACTIVATIONS[self.act](gate) * up)  # [T, D]

@@ -1,0 +1,24 @@
+"""Creating a module's weights with logical axis names.
+
+Every weight names its axes with the names below (MaxText's logical axes); the scale-out work
+maps names to mesh axes in one table, so sharding a model is configuration, not a rewrite.
+Modules are only ever built under `nnx.eval_shape` (models/model.py): the values here are never
+computed, the loaders fill them in.
+"""
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+# "layers" is the stacked layer axis the layer scan walks (added by layers/scan.py).
+AXIS_NAMES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts")
+
+
+def param(shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...]) -> nnx.Param:
+    """A weight of `shape` whose axes are named `axes` (one of AXIS_NAMES each)."""
+    if len(axes) != len(shape) or not set(axes) <= set(AXIS_NAMES):
+        raise ValueError(f"axes {axes} must name each of the {len(shape)} axes from {AXIS_NAMES}")
+    # eager_sharding=False: the names describe the axes; they shard nothing until a mesh is
+    # configured.
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False)

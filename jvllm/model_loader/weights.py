@@ -1,0 +1,135 @@
+"""Checkpoint tensors -> a model's params dict, each checked against the shape the model declares.
+
+A family's `load_weights` names, for each of its params, the checkpoint tensors it is made of
+(models/*.py); this class reads, fuses, casts and stacks them, and says which tensor is wrong
+when a checkpoint does not match its config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+_XLA_CPU_ALIGNMENT = 64  # what a host buffer needs for XLA:CPU to use it in place
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """np.empty aligned for XLA:CPU: jax.device_put of such an array on CPU uses its buffer in
+    place, where an unaligned one (NumPy's big arrays start 16 bytes past a page) is copied, at
+    a fraction of NumPy's copy speed (BENCHMARKS.md, "Model loading")."""
+    dtype = np.dtype(dtype)
+    num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(num_bytes + _XLA_CPU_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _XLA_CPU_ALIGNMENT
+    return raw[start : start + num_bytes].view(dtype).reshape(shape)
+
+
+class CheckpointWeights:
+    """Fills the params dict declared by `shapes` (a nested dict of ShapeDtypeStructs, as
+    models/model.py's param_shapes) from `get(name)` -> the named tensor as NumPy.
+
+    Each param is built in its declared dtype one layer at a time, so the host holds at most
+    one param of the model at full precision plus one layer's float32 piece.
+    """
+
+    def __init__(
+        self,
+        get: Callable[[str], np.ndarray],
+        shapes: dict,
+        num_layers: int,
+        layer_prefix: str = "model.layers.{}.",
+    ):
+        self._get = get
+        self._shapes = shapes
+        self._num_layers = num_layers
+        self._layer_prefix = layer_prefix
+        self._params: dict = {}
+
+    def tensor(
+        self, path: str, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> None:
+        """The param at `path` ("embed.embedding") is the tensor `name`, as `transform` makes
+        it (e.g. a transpose)."""
+        spec = self._spec(path)
+        x = self._get(name)
+        x = x if transform is None else transform(x)
+        if tuple(x.shape) != tuple(spec.shape):
+            raise ValueError(self._mismatch([name], [x.shape], spec.shape))
+        out = aligned_empty(spec.shape, spec.dtype)
+        out[...] = x
+        self._set(path, jax.device_put(out, may_alias=True))
+
+    def stacked(
+        self,
+        path: str,
+        names: tuple[str, ...],
+        transform: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> None:
+        """The param at `path` [L, ...] is, for each layer i, the layer's tensors `names`
+        (after the layer prefix) concatenated along their first axis, each as `transform`
+        makes it."""
+        spec = self._spec(path)
+        out = aligned_empty(spec.shape, spec.dtype)
+        for i in range(self._num_layers):
+            full_names = [self._layer_prefix.format(i) + n for n in names]
+            pieces = [self._get(n) for n in full_names]
+            pieces = pieces if transform is None else [transform(p) for p in pieces]
+            rows = sum(p.shape[0] for p in pieces)
+            if any(p.shape[1:] != spec.shape[2:] for p in pieces) or rows != spec.shape[1]:
+                raise ValueError(
+                    self._mismatch(full_names, [p.shape for p in pieces], spec.shape[1:])
+                )
+            np.concatenate(pieces, axis=0, out=out[i], casting="unsafe")
+        self._set(path, jax.device_put(out, may_alias=True))
+
+    def params(self) -> dict:
+        """The filled params dict; every declared param must have been given."""
+        missing = [
+            path
+            for path, _ in _flatten(self._shapes)
+            if _lookup(self._params, path.split(".")) is None
+        ]
+        if missing:
+            raise ValueError(f"the checkpoint gave no weights for {missing}")
+        return self._params
+
+    def _spec(self, path: str) -> jax.ShapeDtypeStruct:
+        spec = _lookup(self._shapes, path.split("."))
+        if not isinstance(spec, jax.ShapeDtypeStruct):
+            raise KeyError(f"the model declares no param {path!r}")
+        return spec
+
+    def _set(self, path: str, value: jax.Array) -> None:
+        *parents, leaf = path.split(".")
+        node = self._params
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+
+    @staticmethod
+    def _mismatch(names, shapes, expected) -> str:
+        got = ", ".join(f"{n!r} {tuple(s)}" for n, s in zip(names, shapes))
+        return (
+            f"checkpoint tensor {got} does not match the config: the model needs "
+            f"{tuple(expected)}{' (concatenated along axis 0)' if len(names) > 1 else ''}; "
+            "is config.json the one these weights were saved with?"
+        )
+
+
+def _lookup(tree: dict, keys: list[str]) -> Any:
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _flatten(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value

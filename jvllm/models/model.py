@@ -1,0 +1,71 @@
+"""The model contract (docs/design.md) over any registered family: what the runner, the loaders
+and the step loop call. A model is a flax.nnx module; its weights travel as a params pytree (a
+nested dict of arrays, split from the module outside jit) and are merged back into the module
+inside the jitted step, so one executable serves every set of weights of a config.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.registry import model_class
+
+
+@functools.cache
+def _abstract(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The module of `config` split into its graph and its weights' shapes (nothing computed)."""
+    cls = model_class(config.architecture)
+    return nnx.split(nnx.eval_shape(lambda: cls(config)))
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The params pytree the model takes, as ShapeDtypeStructs: what every loader must produce."""
+    return nnx.to_pure_dict(_abstract(config)[1])
+
+
+def param_axes(config: ModelConfig) -> dict:
+    """Each param's logical axis names (layers/params.py's AXIS_NAMES), in the params' tree."""
+    _, state = _abstract(config)
+    is_param = lambda x: isinstance(x, nnx.Variable)
+    return nnx.to_pure_dict(
+        jax.tree.map(lambda v: v.get_metadata()["out_sharding"], state, is_leaf=is_param)
+    )
+
+
+def _module(params: dict, config: ModelConfig) -> nnx.Module:
+    """The model's module holding `params` (arrays or tracers)."""
+    graphdef, state = _abstract(config)
+    treedef = jax.tree.structure(state)
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(params)))
+
+
+def forward(
+    params: dict,
+    kv_cache: jax.Array,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    metadata: Any,
+    *,
+    config: ModelConfig,
+    attn,
+) -> tuple[jax.Array, jax.Array]:
+    """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
+    return _module(params, config)(kv_cache, token_ids, positions, metadata, attn)
+
+
+def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
+    return _module(params, config).compute_logits(hidden)
+
+
+def load_checkpoint_weights(config: ModelConfig, get) -> dict:
+    """The params of `config`'s family from HF-named torch-layout tensors `get(name)`."""
+    weights = CheckpointWeights(get, param_shapes(config), config.num_layers)
+    model_class(config.architecture).load_weights(config, weights)
+    return weights.params()

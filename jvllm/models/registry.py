@@ -1,0 +1,52 @@
+"""The one model registry: HF `architectures` name -> the module class that runs it.
+
+Modules are imported on first use, so that reading a config (and this list) imports no model.
+"""
+
+import importlib
+
+# architecture -> (module under jvllm.models, class)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# A config built in code (not read from a checkpoint) may have no `architectures`.
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def architecture_of(hf_config: dict) -> str | None:
+    """The architecture an HF config.json dict names (its first), else its model_type's."""
+    architectures = hf_config.get("architectures") or []
+    if architectures:
+        return architectures[0]
+    return _ARCHITECTURE_BY_MODEL_TYPE.get(hf_config.get("model_type"))
+
+
+def check_supported(architecture: str | None) -> None:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}. jvllm reads the architecture from the "
+            "first entry of the config.json's `architectures`"
+        )
+
+
+def model_class(architecture: str) -> type:
+    check_supported(architecture)
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"jvllm.models.{module}"), name)
+
+
+def normalize_hf_config(architecture: str, hf_config: dict) -> dict:
+    """The family's reading of its config.json: its checks, its defaults, its field names put
+    in the layout ModelConfig.from_hf_config reads (Llama's), and its own settings under
+    "options"."""
+    return model_class(architecture).normalize_hf_config(dict(hf_config))

@@ -1,0 +1,49 @@
+"""The model registry and the module contract: architectures, axis names, checkpoint checks."""
+
+import json
+
+import jax
+import pytest
+import transformers
+from test_model_numerics import TINY, _save_random_model
+
+from jvllm import LLM
+from jvllm.config import ModelConfig
+from jvllm.layers.params import AXIS_NAMES
+from jvllm.model_loader.hf import load_hf_dir
+from jvllm.models.model import param_axes, param_shapes
+from jvllm.models.registry import SUPPORTED_ARCHITECTURES
+
+
+def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
+    config = transformers.LlamaConfig(**TINY).to_dict()
+    config["architectures"] = ["BloomForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="BloomForCausalLM") as error:
+        LLM(str(tmp_path), load_format="dummy")
+    assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+def test_every_param_names_each_of_its_axes(architecture):
+    hf = transformers.Qwen3Config(**TINY) if "Qwen3" in architecture else TINY
+    fields = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
+    config = ModelConfig.from_hf_config({**fields, "architectures": [architecture]}, "float32")
+    shapes, axes = param_shapes(config), param_axes(config)
+    is_axes = lambda x: isinstance(x, tuple)
+    assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=is_axes)
+    for spec, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_axes)):
+        assert len(names) == len(spec.shape) and set(names) <= set(AXIS_NAMES)
+    assert axes["embed"]["embedding"] == ("vocab", "embed")
+    assert axes["layers"]["attn"]["qkv"]["weight"] == ("layers", "heads", "embed")
+    assert axes["layers"]["mlp"]["down"]["weight"] == ("layers", "embed", "mlp")
+    assert shapes["layers"]["attn"]["qkv"]["weight"].shape[0] == config.num_layers
+
+
+def test_checkpoint_that_does_not_match_its_config_names_the_tensor(tmp_path):
+    _save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 96  # the saved MLP weights are 128 wide
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight"):
+        load_hf_dir(str(tmp_path), "float32")
