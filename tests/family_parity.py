@@ -1,0 +1,70 @@
+"""One check for every model family: a tiny random HF model, saved as an HF directory, decodes
+greedily token for token like HF transformers through the whole engine (one batch, chunked
+prefill, a prefix-cache hit), in float32."""
+
+import numpy as np
+import torch
+import transformers
+from conftest import hf_greedy
+
+from jvllm import LLM, SamplingParams
+
+
+def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15):
+    """An HF model of `hf_config` with O(1) random weights everywhere (biases and norms too),
+    so that greedy choices are far from ties and a wrong bias, norm or permutation shows.
+    Returns the HF model (float32, eval)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln" in name.split(".")[-2:][0]:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0.0, scale)
+            else:
+                p.normal_(0.0, 0.5 if "embed" in name or "wte" in name else scale)
+    model.save_pretrained(path)
+    return model
+
+
+def ragged_prompts(vocab_size: int, lengths=(1, 5, 16, 17, 45), seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths (one batch), ids in [0, vocab_size)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+
+
+def _generate(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _hf_greedy_ignoring_eos(model, prompt, max_tokens):
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        return hf_greedy(model, prompt, max_tokens)
+    finally:
+        model.generation_config.eos_token_id = eos
+
+
+def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kwargs) -> None:
+    """The engine on `path` (float32) against `hf_model` greedy, token for token: all prompts
+    in one batch; again with chunked prefill; then a prompt sharing a cached prefix."""
+    expected = [_hf_greedy_ignoring_eos(hf_model, p, max_tokens) for p in prompts]
+    max_model_len = max(len(p) for p in prompts) + max_tokens + 64
+    common = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": max_model_len}
+    common.update(engine_kwargs)
+
+    llm = LLM(str(path), max_num_batched_tokens=256, **common)
+    assert _generate(llm, prompts, max_tokens) == expected, "one batch"
+
+    chunked = LLM(str(path), max_num_batched_tokens=32, long_prefill_token_threshold=5, **common)
+    assert _generate(chunked, prompts, max_tokens) == expected, "chunked prefill"
+
+    longest = max(prompts, key=len)
+    sharing = longest + [t for t in prompts[1]]  # the longest prompt's blocks are cached
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    hits_before = manager.prefix_cache_hits
+    assert _generate(llm, [sharing], max_tokens) == [
+        _hf_greedy_ignoring_eos(hf_model, sharing, max_tokens)
+    ], "prefix-cache hit"
+    assert manager.prefix_cache_hits > hits_before
