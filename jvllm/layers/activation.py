@@ -12,3 +12,10 @@ ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "relu": jax.nn.relu,
 }
+
+
+def check_activation(name: str, field: str) -> str:
+    """`name` when ACTIVATIONS has it, else a ValueError that names the config's `field`."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{field}={name!r} is not supported; allowed: {tuple(ACTIVATIONS)}")
+    return name

@@ -1,5 +1,6 @@
-"""The attention block shared by the RoPE families: fused q|k|v, optional q/k norms, rotary
-embeddings, the `attn` callable (cache write + paged attention), output projection."""
+"""The attention block shared by the families: fused q|k|v, optional q/k norms, rotary
+embeddings (none for the learned-position families), the `attn` callable (cache write + paged
+attention), output projection."""
 
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +22,18 @@ AttentionFn = Callable[
 
 class Attention(nnx.Module):
     """q|k|v fused in one projection [(N+2K)*H, D] (with Qwen2's bias), Qwen3's RMSNorm over H on
-    q and k (Gemma 3's with `norm_weight_offset` 1), rotary embeddings, then the `attn`
-    callable and the output projection."""
+    q and k (Gemma 3's with `norm_weight_offset` 1), rotary embeddings unless `rope` is False
+    (GPT-2, OPT: positions are learned and added to the input), then the `attn` callable and the
+    output projection (with a bias where `output_bias`)."""
 
-    def __init__(self, config: ModelConfig, norm_weight_offset: float = 0.0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        norm_weight_offset: float = 0.0,
+        *,
+        rope: bool = True,
+        output_bias: bool = False,
+    ):
         d, h, n, k = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
         dtype = jnp.dtype(config.dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
@@ -35,10 +44,12 @@ class Attention(nnx.Module):
         norm = lambda: RMSNorm(h, config.rms_norm_eps, "head_dim", norm_weight_offset)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
-        self.o = Linear(n * h, d, ("embed", "heads"), dtype=dtype)
+        self.o = Linear(n * h, d, ("embed", "heads"), dtype=dtype, bias=output_bias)
+        self.rope = rope
 
     def __call__(self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn):
-        """x f32[T, D] (normed) -> (f32[T, D], kv_cache)."""
+        """x f32[T, D] (normed) -> (f32[T, D], kv_cache); cos, sin f32[T, H] (None without
+        rope)."""
         num_tokens = x.shape[0]
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)  # [T, (N+2K)*H]
@@ -48,7 +59,8 @@ class Attention(nnx.Module):
         value = value.reshape(num_tokens, k, h)  # [T, K, H]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
-        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        if self.rope:
+            q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         # q/k/v leave in the model dtype: the cache they are written into has that dtype.
         out, kv_cache = attn(
             layer,

@@ -1,4 +1,5 @@
-"""Token embedding, and the LM head that reuses it when the model ties the two."""
+"""Token embedding, the LM head that reuses it when the model ties the two, and learned absolute
+position embeddings (GPT-2, OPT)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,16 @@ from jvllm.layers.linear import dense
 from jvllm.layers.params import param
 
 
+def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table [R, D] rows at ids i32[T] -> float32 [T, D]. XLA:CPU cannot gather bfloat16
+    natively (it converts the whole table to float32 and back each call), so a bfloat16 table is
+    gathered as uint16."""
+    if table.dtype != jnp.bfloat16:
+        return table[ids].astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[ids]
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+
+
 class Embed(nnx.Module):
     """embedding [V, D] in the model dtype."""
 
@@ -15,15 +26,23 @@ class Embed(nnx.Module):
         self.embedding = param((vocab_size, hidden_size), dtype, ("vocab", "embed"))
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:
-        """token_ids i32[T] -> float32 [T, D]. XLA:CPU cannot gather bfloat16 natively (it
-        converts the whole table to float32 and back each call), so a bfloat16 table is
-        gathered as uint16."""
-        table = self.embedding[...]
-        if table.dtype != jnp.bfloat16:
-            return table[token_ids].astype(jnp.float32)
-        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[token_ids]
-        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+        """token_ids i32[T] -> float32 [T, D]."""
+        return _take_rows(self.embedding[...], token_ids)
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """The tied LM head: hidden [S, D] -> float32 logits [S, V]."""
         return dense(hidden, self.embedding[...])
+
+
+class PositionEmbed(nnx.Module):
+    """Learned absolute positions: embedding [offset + max_positions, D] in the model dtype, read
+    at row `offset + position`. OPT's table starts `offset` 2 rows in (a relic of its padding
+    index); GPT-2's at 0."""
+
+    def __init__(self, max_positions: int, hidden_size: int, *, dtype, offset: int = 0):
+        self.embedding = param((offset + max_positions, hidden_size), dtype, ("positions", "embed"))
+        self.offset = offset
+
+    def __call__(self, positions: jax.Array) -> jax.Array:
+        """positions i32[T] -> float32 [T, D]."""
+        return _take_rows(self.embedding[...], positions + self.offset)

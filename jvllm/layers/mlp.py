@@ -1,4 +1,4 @@
-"""The gated MLP of the Llama-like families."""
+"""The gated MLP of the Llama-like families, and the plain one of GPT-2 and OPT."""
 
 import jax
 import jax.numpy as jnp
@@ -21,3 +21,16 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)  # [T, F] each
         return self.down(ACTIVATIONS[self.act](gate) * up)  # [T, D]
+
+
+class MLP(nnx.Module):
+    """down(act(up(x))) with up [F, D] and down [D, F], biased where `bias` (GPT-2, OPT)."""
+
+    def __init__(self, config: ModelConfig, *, bias: bool):
+        d, f, dtype = config.hidden_size, config.intermediate_size, jnp.dtype(config.dtype)
+        self.up = Linear(d, f, ("mlp", "embed"), dtype=dtype, bias=bias)
+        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype, bias=bias)
+        self.act = config.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(ACTIVATIONS[self.act](self.up(x)))  # [T, D]

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 whatever the input dtype."""
+"""RMSNorm and LayerNorm, computed in float32 whatever the input dtype."""
 
 import jax
 import jax.numpy as jnp
@@ -30,3 +30,32 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...] + self.weight_offset, self.eps)
+
+
+def layer_norm(
+    x: jax.Array, weight: jax.Array | None, bias: jax.Array | None, eps: float
+) -> jax.Array:
+    """Normalise over the last axis to zero mean and unit variance, then * weight + bias (each
+    optional). Returns float32; the statistics are float32 for the reason rms_norm's are."""
+    x = x.astype(jnp.float32)
+    centered = x - jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    y = centered * jax.lax.rsqrt(variance + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    return y if bias is None else y + bias.astype(jnp.float32)
+
+
+class LayerNorm(nnx.Module):
+    """layer_norm over the last axis with a float32 weight and bias [size] (float32 as RMSNorm's),
+    or neither when not `is_affine` (OPT's layer_norm_elementwise_affine=False)."""
+
+    def __init__(self, size: int, eps: float, *, is_affine: bool = True):
+        self.weight = param((size,), jnp.float32, ("embed",)) if is_affine else None
+        self.bias = param((size,), jnp.float32, ("embed",)) if is_affine else None
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = None if self.weight is None else self.weight[...]
+        bias = None if self.bias is None else self.bias[...]
+        return layer_norm(x, weight, bias, self.eps)

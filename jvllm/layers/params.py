@@ -12,7 +12,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 # "layers" is the stacked layer axis the layer scan walks (added by layers/scan.py).
-AXIS_NAMES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts")
+# "positions" is a learned position table's row axis (GPT-2, OPT).
+AXIS_NAMES = (
+    "layers",
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "experts",
+    "positions",
+)
 
 
 def param(shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...]) -> nnx.Param:
