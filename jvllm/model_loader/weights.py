@@ -48,6 +48,20 @@ class CheckpointWeights:
         self._layer_prefix = layer_prefix
         self._params: dict = {}
 
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds a tensor `name` (for families whose checkpoints name
+        their tensors in more than one way)."""
+        try:
+            self._get(name)
+        except (KeyError, ValueError):
+            return False
+        return True
+
+    def set_layer_prefix(self, layer_prefix: str) -> None:
+        """Where layer i's tensors live ("transformer.h.{}."), for a family whose checkpoints
+        do not keep them under "model.layers.{}."."""
+        self._layer_prefix = layer_prefix
+
     def tensor(
         self, path: str, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None
     ) -> None:
@@ -57,7 +71,7 @@ class CheckpointWeights:
         x = self._get(name)
         x = x if transform is None else transform(x)
         if tuple(x.shape) != tuple(spec.shape):
-            raise ValueError(self._mismatch([name], [x.shape], spec.shape))
+            raise ValueError(self._mismatch([name], [x.shape], spec.shape, transform))
         out = aligned_empty(spec.shape, spec.dtype)
         out[...] = x
         self._set(path, jax.device_put(out, may_alias=True))
@@ -80,7 +94,7 @@ class CheckpointWeights:
             rows = sum(p.shape[0] for p in pieces)
             if any(p.shape[1:] != spec.shape[2:] for p in pieces) or rows != spec.shape[1]:
                 raise ValueError(
-                    self._mismatch(full_names, [p.shape for p in pieces], spec.shape[1:])
+                    self._mismatch(full_names, [p.shape for p in pieces], spec.shape[1:], transform)
                 )
             np.concatenate(pieces, axis=0, out=out[i], casting="unsafe")
         self._set(path, jax.device_put(out, may_alias=True))
@@ -110,8 +124,10 @@ class CheckpointWeights:
         node[leaf] = value
 
     @staticmethod
-    def _mismatch(names, shapes, expected) -> str:
+    def _mismatch(names, shapes, expected, transform=None) -> str:
         got = ", ".join(f"{n!r} {tuple(s)}" for n, s in zip(names, shapes))
+        if transform is not None:
+            got += " (after the family's transform)"
         return (
             f"checkpoint tensor {got} does not match the config: the model needs "
             f"{tuple(expected)}{' (concatenated along axis 0)' if len(names) > 1 else ''}; "
