@@ -122,7 +122,7 @@ def test_sharded_bfloat16_checkpoint_loads_in_bfloat16(tmp_path):
 
 def test_unsupported_architecture_and_bad_fields_are_named():
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        ModelConfig.from_hf_config({"architectures": ["GPT2LMHeadModel"]}, "float32")
+        ModelConfig.from_hf_config({"architectures": ["BloomForCausalLM"]}, "float32")
     bad_heads = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig.from_hf_config(bad_heads, "float32")

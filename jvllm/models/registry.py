@@ -11,6 +11,7 @@ _MODELS = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -19,6 +20,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
 }
 
 
