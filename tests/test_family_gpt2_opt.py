@@ -1,5 +1,5 @@
-"""GPT-2 (learned positions, LayerNorm, biases) through the engine against HF transformers,
-its config variants' logits, and its checkpoints' two naming schemes."""
+"""GPT-2 and OPT (learned positions, LayerNorm, biases) through the engine against HF
+transformers, their config variants' logits, and their checkpoints' two naming schemes."""
 
 import json
 
@@ -25,8 +25,24 @@ TINY_GPT2 = {
     "bos_token_id": 0,
     "eos_token_id": 0,
 }
+TINY_OPT = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "ffn_dim": 128,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 512,
+    "word_embed_proj_dim": 64,
+}
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(**TINY_GPT2),
+    "opt_pre_norm": lambda: transformers.OPTConfig(**TINY_OPT),
+    # opt-350m's layout: post-norm, no final norm, token embedding narrower than the layers.
+    "opt_post_norm_projected": lambda: transformers.OPTConfig(
+        **{**TINY_OPT, "word_embed_proj_dim": 32},
+        do_layer_norm_before=False,
+        activation_function="gelu",
+    ),
 }
 
 
@@ -39,6 +55,16 @@ def test_family_decodes_like_hf(tmp_path, name):
 VARIANTS = {
     "gpt2_untied_n_inner_relu": lambda: transformers.GPT2Config(
         **TINY_GPT2, tie_word_embeddings=False, n_inner=96, activation_function="relu"
+    ),
+    "opt_no_bias": lambda: transformers.OPTConfig(**TINY_OPT, enable_bias=False),
+    "opt_no_affine_norms": lambda: transformers.OPTConfig(
+        **TINY_OPT, layer_norm_elementwise_affine=False
+    ),
+    "opt_removed_final_norm": lambda: transformers.OPTConfig(
+        **TINY_OPT, _remove_final_layer_norm=True
+    ),
+    "opt_untied": lambda: transformers.OPTConfig(
+        **{**TINY_OPT, "word_embed_proj_dim": 32}, tie_word_embeddings=False
     ),
 }
 
@@ -55,9 +81,9 @@ def test_config_variant_logits_match_hf(tmp_path, name):
     np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
 
 
-# The original checkpoints (openai-community/gpt2) were saved from the bare models, without the
-# LM-head wrapper's prefix.
-BARE_PREFIX = {"gpt2": "transformer."}
+# The original checkpoints (openai-community/gpt2, facebook/opt-*) were saved from the bare
+# models, without the LM-head wrapper's prefix.
+BARE_PREFIX = {"gpt2": "transformer.", "opt_pre_norm": "model."}
 
 
 @pytest.mark.parametrize("name", list(BARE_PREFIX))

@@ -29,6 +29,7 @@ def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
 _HF_CONFIG_CLASSES = {
     "Qwen3ForCausalLM": transformers.Qwen3Config,
     "GPT2LMHeadModel": transformers.GPT2Config,
+    "OPTForCausalLM": transformers.OPTConfig,
 }
 
 

@@ -12,6 +12,7 @@ _MODELS = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -21,6 +22,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "opt": "OPTForCausalLM",
 }
 
 
