@@ -4,6 +4,8 @@ Everything here runs both under the Triton lowering and in `interpret=True` mode
 generic Pallas (ref indexing, jnp ops, `lax.dot_general`).
 """
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -19,6 +21,12 @@ MIN_DOT_DIM = 16
 
 # The kernels keep the running max in log2 units so that the inner loop uses exp2.
 LOG2_E = 1.4426950408889634
+
+# The kernels' KV tokens per inner step were chosen for heads up to this width. A wider head
+# (Gemma's 256) loads proportionally fewer tokens a step, so that its K and V tiles stay the size
+# they were at 128, and gets more warps for its wider rows. Not yet timed on a GPU.
+_TUNED_HEAD_DIM = 128
+_WIDE_HEAD_NUM_WARPS = 8
 
 
 def next_power_of_2(x: int) -> int:
@@ -67,6 +75,46 @@ def validate_paged_inputs(
     return num_layers, num_kv_heads, num_pages, page_size, head_dim, num_heads // num_kv_heads
 
 
+def validate_attention_options(
+    name: str, sliding_window: jax.Array | int | None, logit_softcap: float | None
+) -> None:
+    """sliding_window: None or an integer scalar (possibly traced, so its value is not checked);
+    logit_softcap: None or a positive finite float."""
+    if sliding_window is not None and (
+        jnp.shape(sliding_window) not in ((), (1,))
+        or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer)
+    ):
+        raise ValueError(
+            f"{name}: sliding_window must be None or an integer scalar (keys a query sees, itself "
+            f"included), got {jnp.result_type(sliding_window)}{jnp.shape(sliding_window)}"
+        )
+    if logit_softcap is not None and not (
+        isinstance(logit_softcap, numbers.Real)
+        and not isinstance(logit_softcap, bool)
+        and 0 < logit_softcap < float("inf")
+    ):
+        raise ValueError(
+            f"{name}: logit_softcap must be None or a positive finite float, got {logit_softcap!r}"
+        )
+
+
+def kernel_scalars(layer: jax.Array, sliding_window: jax.Array | None) -> jax.Array:
+    """The kernels' scalar operand: i32[1] layer, or i32[2] layer and window when there is one."""
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if sliding_window is None:
+        return layer
+    return jnp.concatenate([layer, jnp.asarray(sliding_window, jnp.int32).reshape(1)])
+
+
+def kv_tokens_per_step(tokens: int, head_dim_padded: int) -> int:
+    """KV tokens an inner step loads: `tokens`, proportionally fewer for heads wider than 128."""
+    return max(1, tokens * _TUNED_HEAD_DIM // max(head_dim_padded, _TUNED_HEAD_DIM))
+
+
+def num_warps_for(head_dim_padded: int) -> int:
+    return 4 if head_dim_padded <= _TUNED_HEAD_DIM else _WIDE_HEAD_NUM_WARPS
+
+
 def pad_block_tables(block_tables: jax.Array, num_extra: int) -> jax.Array:
     """Appends null-page columns so that a block of pages starting before M stays in bounds."""
     return jnp.pad(block_tables, ((0, 0), (0, num_extra)))  # [S, M + num_extra]
@@ -106,14 +154,20 @@ def online_softmax_step(
     row_max: jax.Array,  # f32[R], running max of the logits, in log2 units
     row_sum: jax.Array,  # f32[R], running sum of exp2(logit - row_max)
     sm_scale: float,
+    logit_softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One block of flash attention; the scale is applied to the f32 logits, not to a rounded q."""
+    """One block of flash attention; the scale (and the soft cap, cap * tanh(logit / cap)) is
+    applied to the f32 logits, not to a rounded q."""
     # TF32 would be Triton's default for float32 dots; ask for IEEE so f32 matches the reference.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     logits = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )  # [R, C]
-    logits = jnp.where(is_visible, logits * (sm_scale * LOG2_E), MASK_VALUE)
+    if logit_softcap is None:
+        logits = logits * (sm_scale * LOG2_E)
+    else:
+        logits = jnp.tanh(logits * (sm_scale / logit_softcap)) * (logit_softcap * LOG2_E)
+    logits = jnp.where(is_visible, logits, MASK_VALUE)
     max_next = jnp.maximum(row_max, logits.max(axis=1))
     alpha = jnp.exp2(row_max - max_next)
     p = jnp.exp2(logits - max_next[:, None])  # [R, C]
@@ -135,6 +189,7 @@ def reference_attention(
     values: jax.Array,  # [C, K, H]
     is_visible: jax.Array,  # bool[Q, C]
     sm_scale: float,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
     """Dense masked softmax attention in float32, for the references -> f32[Q, N, H]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -146,6 +201,8 @@ def reference_attention(
         jnp.einsum("qkgh,ckh->kgqc", qg, keys.astype(jnp.float32), precision=lax.Precision.HIGHEST)
         * sm_scale
     )
+    if logit_softcap is not None:
+        logits = logit_softcap * jnp.tanh(logits / logit_softcap)
     logits = jnp.where(is_visible, logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1, where=is_visible)
     probs = jnp.where(is_visible, probs, 0.0)

@@ -15,16 +15,20 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas._paging import (
     MASK_VALUE,
     MIN_DOT_DIM,
+    kernel_scalars,
+    kv_tokens_per_step,
     load_pages,
     next_power_of_2,
+    num_warps_for,
     online_softmax_step,
     pad_block_tables,
     reference_attention,
+    validate_attention_options,
     validate_paged_inputs,
 )
 
 # KV tokens per inner-loop step: large enough to keep many loads in flight, small enough that the
-# [C, H] K and V tiles stay in registers at H = 128.
+# [C, H] K and V tiles stay in registers at H = 128 (fewer for wider heads: kv_tokens_per_step).
 _BLOCK_KV = 128
 # Enough programs for two waves on an H100 (132 SMs); past that, splitting only adds merge work.
 _TARGET_NUM_PROGRAMS = 264
@@ -33,7 +37,7 @@ _MAX_KV_SPLITS = 16
 
 def _decode_kernel(
     # inputs
-    layer_ref,  # i32[1]
+    scalars_ref,  # i32[1] layer, or i32[2] layer and sliding window (see kernel_scalars)
     seq_lens_ref,  # i32[S]
     block_tables_ref,  # i32[S, M + pages_per_block]
     q_ref,  # [Gp, Hp]: the query heads of this KV head, zero padded
@@ -44,11 +48,13 @@ def _decode_kernel(
     sum_ref,  # f32[Gp]: softmax denominator relative to that max
     *,
     sm_scale: float,
+    logit_softcap: float | None,
+    is_windowed: bool,
     pages_per_block: int,
     num_kv_splits: int,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    layer = scalars_ref[0]
     seq_len = seq_lens_ref[seq]
     page_size = kv_ref.shape[4]
     max_pages = block_tables_ref.shape[1] - pages_per_block
@@ -57,9 +63,21 @@ def _decode_kernel(
 
     # Splits share this sequence's own pages (not M), so short and long sequences both use every
     # split; a split's share is a whole number of blocks so that only the last block is ragged.
+    # With a window they share only the pages from the one holding the first key it lets through.
     num_pages = jnp.minimum(pl.cdiv(seq_len, page_size), max_pages)
-    pages_per_split = pl.cdiv(pl.cdiv(num_pages, num_kv_splits), pages_per_block) * pages_per_block
-    first_page = split * pages_per_split
+    if is_windowed:
+        kv_start = jnp.maximum(seq_len - scalars_ref[1], 0)  # first position the query sees
+        window_page = kv_start // page_size
+        pages_per_split = pl.cdiv(
+            pl.cdiv(jnp.maximum(num_pages - window_page, 0), num_kv_splits), pages_per_block
+        )
+        pages_per_split = pages_per_split * pages_per_block
+        first_page = window_page + split * pages_per_split
+    else:
+        pages_per_split = (
+            pl.cdiv(pl.cdiv(num_pages, num_kv_splits), pages_per_block) * pages_per_block
+        )
+        first_page = split * pages_per_split
     end_page = jnp.minimum(first_page + pages_per_split, num_pages)
     num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
 
@@ -72,7 +90,18 @@ def _decode_kernel(
         v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)  # [C, Hp]
         positions = page * page_size + jnp.arange(block_kv, dtype=jnp.int32)
         is_valid = positions < seq_len  # [C]
-        return online_softmax_step(q, k, v, is_valid[None, :], is_valid, *carry, sm_scale=sm_scale)
+        if is_windowed:
+            is_valid = is_valid & (positions >= kv_start)
+        return online_softmax_step(
+            q,
+            k,
+            v,
+            is_valid[None, :],
+            is_valid,
+            *carry,
+            sm_scale=sm_scale,
+            logit_softcap=logit_softcap,
+        )
 
     init = (
         jnp.zeros((num_rows, head_dim_padded), jnp.float32),
@@ -110,6 +139,8 @@ def paged_decode_attention(
     seq_lens: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: jax.Array | None = None,
+    logit_softcap: float | None = None,
     num_kv_splits: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -118,33 +149,40 @@ def paged_decode_attention(
     q [S, N, H]; kv_cache [L, 2, K, P, B, H]; layer i32[]; block_tables i32[S, M]; seq_lens i32[S]
     (KV length including the query's own token; 0 = padding sequence). Returns [S, N, H] in q's
     dtype. `num_kv_splits=None` picks enough splits to fill the GPU.
+
+    sliding_window: None, or i32[] W (may be traced): the query sees only its last W positions,
+    itself included, and only their pages are read. logit_softcap: None, or a static cap for
+    cap * tanh(logit / cap) on the scaled logits (Gemma 2).
     """
     name = "paged_decode_attention"
     _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
         name, q, kv_cache, layer, block_tables, seq_lens
     )
+    validate_attention_options(name, sliding_window, logit_softcap)
     num_seqs, num_heads, _ = q.shape
     if block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"{name}: q has S={num_seqs} rows but block_tables has {block_tables.shape[0]}"
         )
+    # Triton blocks are powers of two and dots need >= 16 rows: pad G and H of q (not the cache).
+    group_padded = max(MIN_DOT_DIM, next_power_of_2(group))
+    head_dim_padded = max(MIN_DOT_DIM, next_power_of_2(head_dim))
     max_pages = block_tables.shape[1]
-    pages_per_block = max(1, _BLOCK_KV // page_size)
+    pages_per_block = max(1, kv_tokens_per_step(_BLOCK_KV, head_dim_padded) // page_size)
     num_blocks = pl.cdiv(max_pages, pages_per_block)
     if num_kv_splits is None:
         num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_blocks)
     if num_kv_splits < 1:
         raise ValueError(f"{name}: num_kv_splits must be >= 1, got {num_kv_splits}")
 
-    # Triton blocks are powers of two and dots need >= 16 rows: pad G and H of q (not the cache).
-    group_padded = max(MIN_DOT_DIM, next_power_of_2(group))
-    head_dim_padded = max(MIN_DOT_DIM, next_power_of_2(head_dim))
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_padded - group), (0, head_dim_padded - head_dim)))
 
     kernel = functools.partial(
         _decode_kernel,
         sm_scale=sm_scale,
+        logit_softcap=logit_softcap,
+        is_windowed=sliding_window is not None,
         pages_per_block=pages_per_block,
         num_kv_splits=num_kv_splits,
     )
@@ -153,7 +191,7 @@ def paged_decode_attention(
         kernel,
         grid=(num_seqs, num_kv_heads, num_kv_splits),
         in_specs=[
-            pl.no_block_spec,  # layer
+            pl.no_block_spec,  # layer (and window)
             pl.no_block_spec,  # seq_lens
             pl.no_block_spec,  # block_tables
             pl.BlockSpec((None, None, group_padded, head_dim_padded), lambda s, k, j: (s, k, 0, 0)),
@@ -171,11 +209,13 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct(split_shape, jnp.float32),
             jax.ShapeDtypeStruct(split_shape, jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps_for(head_dim_padded), num_stages=2
+        ),
         interpret=interpret,
         name="paged_decode_attention",
     )(
-        jnp.asarray(layer, jnp.int32).reshape(1),
+        kernel_scalars(layer, sliding_window),
         seq_lens,
         pad_block_tables(block_tables, pages_per_block),
         qg,
@@ -193,11 +233,16 @@ def paged_decode_attention_reference(
     seq_lens: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: jax.Array | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
-    """Pure jnp: gather every page of the block table, dense softmax masked by seq_len."""
+    """Pure jnp: gather every page of the block table, dense softmax masked by seq_len (and the
+    window: positions >= seq_len - W)."""
+    name = "paged_decode_attention_reference"
     _, num_kv_heads, _, page_size, head_dim, _ = validate_paged_inputs(
-        "paged_decode_attention_reference", q, kv_cache, layer, block_tables, seq_lens
+        name, q, kv_cache, layer, block_tables, seq_lens
     )
+    validate_attention_options(name, sliding_window, logit_softcap)
     max_len = block_tables.shape[1] * page_size
     layer = jnp.asarray(layer, jnp.int32).reshape(())
 
@@ -205,8 +250,13 @@ def paged_decode_attention_reference(
         keys, values = kv_cache[layer][:, :, pages]  # each [K, M, B, H]
         keys = keys.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)  # [C, K, H]
         values = values.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)
-        is_visible = (jnp.arange(max_len) < seq_len)[None, :]  # [1, C]
-        return reference_attention(q_s[None], keys, values, is_visible, sm_scale)[0]
+        positions = jnp.arange(max_len)
+        is_visible = positions < seq_len  # [C]
+        if sliding_window is not None:
+            is_visible &= positions >= seq_len - jnp.asarray(sliding_window).reshape(())
+        return reference_attention(
+            q_s[None], keys, values, is_visible[None, :], sm_scale, logit_softcap
+        )[0]
 
     out = jax.vmap(one_sequence)(q, block_tables, seq_lens)  # [S, N, H]
     return out.astype(q.dtype)

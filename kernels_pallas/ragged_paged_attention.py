@@ -18,23 +18,28 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas._paging import (
     MASK_VALUE,
     MIN_DOT_DIM,
+    kernel_scalars,
+    kv_tokens_per_step,
     load_pages,
     next_power_of_2,
+    num_warps_for,
     online_softmax_step,
     pad_block_tables,
     reference_attention,
+    validate_attention_options,
     validate_paged_inputs,
 )
 
 # Rows (queries x query heads) per tile and KV tokens per inner step: the FlashAttention-2 Triton
-# tile sizes that keep a [64, 128] f32 accumulator and [64, 128] K, V tiles in registers.
+# tile sizes that keep a [64, 128] f32 accumulator and [64, 128] K, V tiles in registers (fewer KV
+# tokens for wider heads: kv_tokens_per_step).
 _BLOCK_ROWS = 64
 _BLOCK_KV = 64
 
 
 def _ragged_kernel(
     # inputs
-    layer_ref,  # i32[1]
+    scalars_ref,  # i32[1] layer, or i32[2] layer and sliding window (see kernel_scalars)
     seq_lens_ref,  # i32[S]
     block_tables_ref,  # i32[S, M + pages_per_block]
     tile_seq_ref,  # i32[num_tiles]: sequence of the tile
@@ -47,11 +52,13 @@ def _ragged_kernel(
     o_ref,  # [block_q * Gp, Hp]: rows ordered (query, query head)
     *,
     sm_scale: float,
+    logit_softcap: float | None,
+    is_windowed: bool,
     block_q: int,
     pages_per_block: int,
 ):
     tile, head = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
+    layer = scalars_ref[0]
     seq = tile_seq_ref[tile]
     num_q = tile_num_q_ref[tile]
     first_pos = tile_pos_ref[tile]
@@ -69,10 +76,18 @@ def _ragged_kernel(
     # Causal: the tile's last query sees positions < first_pos + num_q, and nothing past seq_len.
     kv_end = jnp.minimum(jnp.minimum(seq_lens_ref[seq], first_pos + num_q), max_pages * page_size)
     kv_end = jnp.where(num_q > 0, kv_end, 0)
-    num_blocks = pl.cdiv(jnp.maximum(kv_end, 0), block_kv)
+    if is_windowed:
+        # A query at p sees p - W < j <= p: start at the page of the tile's first query's first key.
+        window = scalars_ref[1]
+        first_page = jnp.maximum(first_pos - window + 1, 0) // page_size
+        num_blocks = pl.cdiv(jnp.maximum(kv_end - first_page * page_size, 0), block_kv)
+    else:
+        num_blocks = pl.cdiv(jnp.maximum(kv_end, 0), block_kv)
 
     def body(i, carry):
         page = i * pages_per_block
+        if is_windowed:
+            page = first_page + page
         pages = block_tables_ref[seq, pl.ds(page, pages_per_block)]  # i32[pages_per_block]
         k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)  # [C, Hp]
         v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)  # [C, Hp]
@@ -81,7 +96,18 @@ def _ragged_kernel(
         is_visible = (
             (positions[None, :] <= row_pos[:, None]) & is_row_valid[:, None] & is_valid_kv[None, :]
         )  # [R, C]
-        return online_softmax_step(q, k, v, is_visible, is_valid_kv, *carry, sm_scale=sm_scale)
+        if is_windowed:
+            is_visible &= positions[None, :] > row_pos[:, None] - window
+        return online_softmax_step(
+            q,
+            k,
+            v,
+            is_visible,
+            is_valid_kv,
+            *carry,
+            sm_scale=sm_scale,
+            logit_softcap=logit_softcap,
+        )
 
     init = (
         jnp.zeros((num_rows, head_dim_padded), jnp.float32),
@@ -138,6 +164,8 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: jax.Array | None = None,
+    logit_softcap: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of flattened ragged queries over their sequences' paged KV.
@@ -145,11 +173,16 @@ def ragged_paged_attention(
     q [T, N, H]; kv_cache [L, 2, K, P, B, H]; layer i32[]; block_tables i32[S, M]; seq_lens i32[S]
     (KV length after this step; 0 = padding); query_start_loc i32[S+1]. Returns [T, N, H] in q's
     dtype; rows past query_start_loc[S] are padding and come back as 0.
+
+    sliding_window: None, or i32[] W (may be traced): a query at position p sees p - W < j <= p,
+    and a tile reads pages only from its first query's window on. logit_softcap: None, or a static
+    cap for cap * tanh(logit / cap) on the scaled logits (Gemma 2).
     """
     name = "ragged_paged_attention"
     _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
         name, q, kv_cache, layer, block_tables, seq_lens
     )
+    validate_attention_options(name, sliding_window, logit_softcap)
     num_tokens, num_heads, _ = q.shape
     num_seqs = block_tables.shape[0]
     _validate_query_start_loc(name, query_start_loc, num_seqs)
@@ -159,7 +192,7 @@ def ragged_paged_attention(
     # At least 16 rows for the Triton dot, even for one query with G = 1.
     block_q = max(1, _BLOCK_ROWS // group_padded)
     num_rows = block_q * group_padded
-    pages_per_block = max(1, _BLOCK_KV // page_size)
+    pages_per_block = max(1, kv_tokens_per_step(_BLOCK_KV, head_dim_padded) // page_size)
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
     tile_seq, tile_q_start, tile_num_q, tile_pos, seq_first_tile = _tile_schedule(
         query_start_loc, seq_lens, block_q, num_tiles
@@ -171,7 +204,12 @@ def ragged_paged_attention(
         qg, ((0, block_q), (0, 0), (0, group_padded - group), (0, head_dim_padded - head_dim))
     )
     kernel = functools.partial(
-        _ragged_kernel, sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block
+        _ragged_kernel,
+        sm_scale=sm_scale,
+        logit_softcap=logit_softcap,
+        is_windowed=sliding_window is not None,
+        block_q=block_q,
+        pages_per_block=pages_per_block,
     )
     out_tiles = pl.pallas_call(
         kernel,
@@ -181,11 +219,13 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct(
             (num_tiles, num_kv_heads, num_rows, head_dim_padded), q.dtype
         ),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps_for(head_dim_padded), num_stages=2
+        ),
         interpret=interpret,
         name="ragged_paged_attention",
     )(
-        jnp.asarray(layer, jnp.int32).reshape(1),
+        kernel_scalars(layer, sliding_window),
         seq_lens,
         pad_block_tables(block_tables, pages_per_block),
         tile_seq,
@@ -217,12 +257,16 @@ def ragged_paged_attention_reference(
     query_start_loc: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: jax.Array | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
-    """Pure jnp: every query gathers its sequence's pages and runs a dense causal softmax."""
+    """Pure jnp: every query gathers its sequence's pages and runs a dense causal softmax (query
+    at p sees p - W < j <= p with a window W)."""
     name = "ragged_paged_attention_reference"
     _, num_kv_heads, _, page_size, head_dim, _ = validate_paged_inputs(
         name, q, kv_cache, layer, block_tables, seq_lens
     )
+    validate_attention_options(name, sliding_window, logit_softcap)
     num_seqs = block_tables.shape[0]
     _validate_query_start_loc(name, query_start_loc, num_seqs)
     max_len = block_tables.shape[1] * page_size
@@ -237,8 +281,13 @@ def ragged_paged_attention_reference(
         keys, values = kv_cache[layer][:, :, pages]  # each [K, M, B, H]
         keys = keys.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)  # [C, K, H]
         values = values.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)
-        is_visible = ((jnp.arange(max_len) <= pos) & is_real)[None, :]  # [1, C]
-        return reference_attention(q_t[None], keys, values, is_visible, sm_scale)[0]
+        positions = jnp.arange(max_len)
+        is_visible = (positions <= pos) & is_real  # [C]
+        if sliding_window is not None:
+            is_visible &= positions > pos - jnp.asarray(sliding_window).reshape(())
+        return reference_attention(
+            q_t[None], keys, values, is_visible[None, :], sm_scale, logit_softcap
+        )[0]
 
     out = jax.vmap(one_query)(q, block_tables[row_seq], row_pos, is_real_row)  # [T, N, H]
     return out.astype(q.dtype)

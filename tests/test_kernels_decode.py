@@ -31,7 +31,14 @@ TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
 def _case(
-    seed: int, seq_lens: list[int], group: int, head_dim: int, dtype, page_size: int = PAGE_SIZE
+    seed: int,
+    seq_lens: list[int],
+    group: int,
+    head_dim: int,
+    dtype,
+    page_size: int = PAGE_SIZE,
+    max_pages: int = MAX_PAGES,
+    num_pages: int = NUM_PAGES,
 ):
     rng = np.random.default_rng(seed)
     kv_cache, block_tables = make_paged_kv(
@@ -39,10 +46,10 @@ def _case(
         seq_lens,
         num_layers=NUM_LAYERS,
         num_kv_heads=NUM_KV_HEADS,
-        num_pages=NUM_PAGES,
+        num_pages=num_pages,
         page_size=page_size,
         head_dim=head_dim,
-        max_pages_per_seq=MAX_PAGES,
+        max_pages_per_seq=max_pages,
     )
     q = rng.standard_normal((len(seq_lens), NUM_KV_HEADS * group, head_dim), dtype=np.float32)
     return (
@@ -55,17 +62,32 @@ def _case(
 
 
 @functools.cache
-def _kernel(sm_scale: float, num_kv_splits: int | None):
+def _kernel(sm_scale: float, num_kv_splits: int | None, logit_softcap: float | None = None):
+    """Jitted, so that a sliding_window passed to it is traced, as in the model's layer scan."""
     return jax.jit(
         functools.partial(
-            paged_decode_attention, sm_scale=sm_scale, num_kv_splits=num_kv_splits, interpret=True
+            paged_decode_attention,
+            sm_scale=sm_scale,
+            num_kv_splits=num_kv_splits,
+            logit_softcap=logit_softcap,
+            interpret=True,
         )
     )
 
 
-def _check(args, *, num_kv_splits: int | None = None, sm_scale: float = 0.125):
-    out = _kernel(sm_scale, num_kv_splits)(*args)
-    ref = paged_decode_attention_reference(*args, sm_scale=sm_scale)
+def _check(
+    args,
+    *,
+    num_kv_splits: int | None = None,
+    sm_scale: float = 0.125,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+):
+    window = None if sliding_window is None else jnp.int32(sliding_window)
+    out = _kernel(sm_scale, num_kv_splits, logit_softcap)(*args, sliding_window=window)
+    ref = paged_decode_attention_reference(
+        *args, sm_scale=sm_scale, sliding_window=window, logit_softcap=logit_softcap
+    )
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "the kernel read a NaN slot past a length or the null page"
@@ -73,6 +95,7 @@ def _check(args, *, num_kv_splits: int | None = None, sm_scale: float = 0.125):
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
     padding = np.asarray(args[4]) == 0
     np.testing.assert_array_equal(out[padding], 0.0)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -100,6 +123,92 @@ def test_decode_reads_the_requested_layer():
     other_layer = _kernel(0.125, None)(args[0], args[1], jnp.int32(0), *args[3:])
     out = _kernel(0.125, None)(*args)
     assert not np.allclose(np.asarray(out), np.asarray(other_layer))
+
+
+# 1 (only itself), inside a page, a page, across pages, the longest length, a global layer's.
+WINDOWS = [1, 5, PAGE_SIZE, 13, MAX_PAGES * PAGE_SIZE, 2**30]
+
+
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+def test_decode_with_a_sliding_window_matches_reference(sliding_window):
+    _check(_case(8, SEQ_LENS, 3, 64, jnp.float32), sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_decode_window_splits_share_only_the_pages_the_window_reaches(num_kv_splits):
+    _check(_case(9, SEQ_LENS, 3, 64, jnp.float32), num_kv_splits=num_kv_splits, sliding_window=13)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, None])
+def test_decode_window_starts_mid_context_in_long_sequences(num_kv_splits):
+    """Contexts of several 128-token blocks: a split walks blocks from the window's first page."""
+    seq_lens = [300, 384, 129, 5, 200]
+    args = _case(17, seq_lens, 2, 64, jnp.float32, max_pages=48, num_pages=160)
+    _check(args, num_kv_splits=num_kv_splits, sliding_window=100)
+
+
+def test_decode_window_of_the_whole_context_equals_no_window():
+    args = _case(10, SEQ_LENS, 3, 64, jnp.float32)
+    windowed = _check(args, sliding_window=2**30)
+    np.testing.assert_allclose(windowed, _check(args), atol=1e-6, rtol=1e-6)
+
+
+def test_decode_window_of_one_returns_the_querys_own_value():
+    q, kv_cache, layer, block_tables, seq_lens = _case(11, [1, 9, 37], 2, 64, jnp.float32)
+    out = _check((q, kv_cache, layer, block_tables, seq_lens), sliding_window=1)
+    last = np.asarray(seq_lens) - 1
+    pages = np.asarray(block_tables)[np.arange(3), last // PAGE_SIZE]
+    own_v = np.asarray(kv_cache)[LAYER, 1][:, pages, last % PAGE_SIZE]  # [K, S, H]
+    np.testing.assert_allclose(out, np.repeat(own_v.transpose(1, 0, 2), 2, axis=1), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_with_logit_softcap_matches_reference(dtype):
+    # sm_scale 1: logits of tens, well into the cap's saturation
+    args = _case(12, SEQ_LENS, 3, 64, dtype)
+    capped = _check(args, sm_scale=1.0, logit_softcap=5.0)
+    assert not np.allclose(capped, _check(args, sm_scale=1.0), atol=1e-2)
+
+
+def test_decode_with_window_and_softcap_in_bfloat16():
+    _check(_case(13, SEQ_LENS, 4, 64, jnp.bfloat16), sliding_window=13, logit_softcap=5.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [1, 2])
+def test_decode_with_head_dim_256(group, dtype):
+    _check(_case(14, SEQ_LENS, group, 256, dtype), sm_scale=256**-0.5, sliding_window=13)
+
+
+def test_decode_takes_the_window_as_a_scanned_input():
+    """The model scans over layers with each layer's window as data (a global one: 2**30)."""
+    args = _case(15, SEQ_LENS, 3, 64, jnp.float32)
+    windows = jnp.array([5, 2**30, 13], jnp.int32)
+    fn = functools.partial(paged_decode_attention, sm_scale=0.125, interpret=True)
+
+    def scan():
+        return jax.lax.scan(lambda c, w: (c, fn(*args, sliding_window=w)), 0, windows)[1]
+
+    for window, out in zip(windows, jax.jit(scan)()):
+        ref = paged_decode_attention_reference(*args, sm_scale=0.125, sliding_window=window)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sliding_window": jnp.float32(4)}, "sliding_window"),
+        ({"sliding_window": jnp.array([4, 4], jnp.int32)}, "sliding_window"),
+        ({"logit_softcap": 0.0}, "logit_softcap"),
+        ({"logit_softcap": float("inf")}, "logit_softcap"),
+        ({"logit_softcap": jnp.float32(5)}, "logit_softcap"),
+    ],
+)
+def test_decode_rejects_bad_window_or_softcap_with_a_clear_error(options, message):
+    args = _case(16, [3, 9], 2, 64, jnp.float32)
+    for fn in (paged_decode_attention, paged_decode_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(*args, sm_scale=0.1, **options)
 
 
 @pytest.mark.parametrize(

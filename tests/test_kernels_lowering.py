@@ -23,6 +23,7 @@ MODELS = [
     ("llama-8b-page128", 32, 8, 128, 128),
     ("gqa-8-to-1", 64, 8, 128, 16),
     ("head-dim-80", 32, 32, 80, 16),
+    ("gemma2-9b", 16, 8, 256, 16),
 ]
 
 
@@ -64,6 +65,35 @@ def test_ragged_lowers_for_cuda(
         SDS((num_seqs + 1,), jnp.int32),
     )
     assert num_triton_calls(lowered) == 1
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_windowed_and_soft_capped_kernels_lower_for_cuda(head_dim):
+    """A traced window (the layer scan's) and tanh soft-capping go through the Triton lowering."""
+    num_seqs, page_size, max_pages = 8, 16, 512
+    options = {"sm_scale": head_dim**-0.5, "logit_softcap": 50.0}
+    kv = _kv(8, head_dim, page_size, jnp.bfloat16)
+    tables, lens = SDS((num_seqs, max_pages), jnp.int32), SDS((num_seqs,), jnp.int32)
+    decode = lower_for_cuda(
+        lambda *a: paged_decode_attention(*a[:-1], sliding_window=a[-1], **options),
+        SDS((num_seqs, 16, head_dim), jnp.bfloat16),
+        kv,
+        SDS((), jnp.int32),
+        tables,
+        lens,
+        SDS((), jnp.int32),
+    )
+    ragged = lower_for_cuda(
+        lambda *a: ragged_paged_attention(*a[:-1], sliding_window=a[-1], **options),
+        SDS((256, 16, head_dim), jnp.bfloat16),
+        kv,
+        SDS((), jnp.int32),
+        tables,
+        lens,
+        SDS((num_seqs + 1,), jnp.int32),
+        SDS((), jnp.int32),
+    )
+    assert num_triton_calls(decode) == num_triton_calls(ragged) == 1
 
 
 def test_lowering_check_catches_a_block_that_is_not_a_power_of_two():

@@ -45,6 +45,8 @@ def _case(
     dtype,
     num_tokens: int = NUM_TOKENS,
     page_size: int = PAGE_SIZE,
+    max_pages: int = MAX_PAGES,
+    num_pages: int = NUM_PAGES,
 ):
     rng = np.random.default_rng(seed)
     seq_lens = [seq_len for seq_len, _ in seqs]
@@ -53,10 +55,10 @@ def _case(
         seq_lens,
         num_layers=NUM_LAYERS,
         num_kv_heads=NUM_KV_HEADS,
-        num_pages=NUM_PAGES,
+        num_pages=num_pages,
         page_size=page_size,
         head_dim=head_dim,
-        max_pages_per_seq=MAX_PAGES,
+        max_pages_per_seq=max_pages,
     )
     query_start_loc = np.concatenate([[0], np.cumsum([q_len for _, q_len in seqs])])
     assert query_start_loc[-1] <= num_tokens
@@ -72,13 +74,27 @@ def _case(
 
 
 @functools.cache
-def _kernel(sm_scale: float):
-    return jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=True))
+def _kernel(sm_scale: float, logit_softcap: float | None = None):
+    """Jitted, so that a sliding_window passed to it is traced, as in the model's layer scan."""
+    return jax.jit(
+        functools.partial(
+            ragged_paged_attention, sm_scale=sm_scale, logit_softcap=logit_softcap, interpret=True
+        )
+    )
 
 
-def _check(args, sm_scale: float = 0.125) -> np.ndarray:
-    out = _kernel(sm_scale)(*args)
-    ref = ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+def _check(
+    args,
+    sm_scale: float = 0.125,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> np.ndarray:
+    window = None if sliding_window is None else jnp.int32(sliding_window)
+    out = _kernel(sm_scale, logit_softcap)(*args, sliding_window=window)
+    ref = ragged_paged_attention_reference(
+        *args, sm_scale=sm_scale, sliding_window=window, logit_softcap=logit_softcap
+    )
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "the kernel read a NaN slot past a length or the null page"
@@ -118,6 +134,85 @@ def test_ragged_decode_only_agrees_with_the_decode_kernel(group):
         q, kv_cache, layer, block_tables, seq_lens, sm_scale=0.125, interpret=True
     )
     np.testing.assert_allclose(out, np.asarray(decode), atol=2e-5, rtol=2e-5)
+
+
+# 1 (only itself), inside a page, a page, across pages and query tiles, a global layer's.
+WINDOWS = [1, 5, PAGE_SIZE, 13, 30, 2**30]
+
+
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+def test_ragged_with_a_sliding_window_matches_reference(sliding_window):
+    _check(_case(7, MIXED, 3, 64, jnp.float32), sliding_window=sliding_window)
+
+
+def test_ragged_window_starts_mid_context_in_long_chunked_prefills():
+    """Prompts resuming after hundreds of positions in pages: tiles start at the window's page."""
+    seqs = [(300, 40), (384, 1), (129, 100), (5, 5), (200, 3)]
+    args = _case(8, seqs, 2, 64, jnp.float32, num_tokens=160, max_pages=48, num_pages=160)
+    _check(args, sliding_window=50)
+
+
+def test_ragged_window_of_one_returns_each_querys_own_value():
+    seqs = [(9, 9), (40, 17), (1, 1)]
+    q, kv_cache, layer, block_tables, seq_lens, qsl = _case(9, seqs, 2, 64, jnp.float32)
+    out = _check((q, kv_cache, layer, block_tables, seq_lens, qsl), sliding_window=1)
+    seq = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
+    pos = np.concatenate([np.arange(kv - n, kv) for kv, n in seqs])
+    pages = np.asarray(block_tables)[seq, pos // PAGE_SIZE]
+    own_v = np.asarray(kv_cache)[LAYER, 1][:, pages, pos % PAGE_SIZE]  # [K, t, H]
+    want = np.repeat(own_v.transpose(1, 0, 2), 2, axis=1)
+    np.testing.assert_allclose(out[: len(seq)], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_with_logit_softcap_matches_reference(dtype):
+    # sm_scale 1: logits of tens, well into the cap's saturation
+    args = _case(10, MIXED, 3, 64, dtype)
+    capped = _check(args, 1.0, logit_softcap=5.0)
+    assert not np.allclose(capped, _check(args, 1.0), atol=1e-2)
+
+
+def test_ragged_with_window_and_softcap_in_bfloat16():
+    _check(_case(11, MIXED, 4, 64, jnp.bfloat16), sliding_window=13, logit_softcap=5.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [1, 2])
+def test_ragged_with_head_dim_256(group, dtype):
+    _check(_case(12, MIXED, group, 256, dtype), 256**-0.5, sliding_window=13)
+
+
+def test_ragged_takes_the_window_as_a_scanned_input():
+    """The model scans over layers with each layer's window as data (a global one: 2**30)."""
+    args = _case(13, MIXED, 3, 64, jnp.float32)
+    windows = jnp.array([5, 2**30, 13], jnp.int32)
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.125, interpret=True)
+
+    def scan():
+        return jax.lax.scan(lambda c, w: (c, fn(*args, sliding_window=w)), 0, windows)[1]
+
+    num_real = int(args[5][-1])
+    for window, out in zip(windows, jax.jit(scan)()):
+        ref = ragged_paged_attention_reference(*args, sm_scale=0.125, sliding_window=window)
+        np.testing.assert_allclose(
+            np.asarray(out)[:num_real], np.asarray(ref)[:num_real], atol=2e-5, rtol=2e-5
+        )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sliding_window": jnp.float32(4)}, "sliding_window"),
+        ({"sliding_window": jnp.array([4, 4], jnp.int32)}, "sliding_window"),
+        ({"logit_softcap": -1.0}, "logit_softcap"),
+        ({"logit_softcap": jnp.float32(5)}, "logit_softcap"),
+    ],
+)
+def test_ragged_rejects_bad_window_or_softcap_with_a_clear_error(options, message):
+    args = _case(14, [(3, 3)], 1, 64, jnp.float32)
+    for fn in (ragged_paged_attention, ragged_paged_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(*args, sm_scale=0.1, **options)
 
 
 @pytest.mark.parametrize(
