@@ -11,12 +11,23 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def get_attention(name: str, sm_scale: float):
-    """The `attn` callable of the model contract for backend `name`."""
+def get_attention(name: str, sm_scale: float, logit_softcap: float | None = None):
+    """The `attn` callable of the model contract for backend `name`:
+    attn(layer, q, k, v, kv_cache, md, sliding_window=None) -> (out, kv_cache).
+
+    logit_softcap: None, or Gemma 2's static cap c (scores c * tanh(score / c) after scaling).
+    sliding_window (per call): None for a model without windowed layers, else i32[] W, possibly
+    traced (a scanned per-layer input; a global layer of a mixed model passes a W that never
+    cuts, e.g. 2**30): a query at p sees p - W < j <= p.
+    """
+    if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
+        raise ValueError(f"logit_softcap must be None or a positive float, got {logit_softcap!r}")
     if name == "reference":
-        return reference_attention(sm_scale)
+        return reference_attention(sm_scale, logit_softcap)
     if name == "pallas":
         from jvllm.attention.pallas import pallas_attention
 
-        return pallas_attention(sm_scale, interpret=jax.default_backend() != "gpu")
+        return pallas_attention(
+            sm_scale, interpret=jax.default_backend() != "gpu", logit_softcap=logit_softcap
+        )
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jvllm.attention.matmul import batched_matmul
 from jvllm.attention.metadata import AttentionMetadata, Tiles
-from jvllm.attention.window import MASKED, attend_window
+from jvllm.attention.window import MASKED, attend_window, soft_cap, token_seq_and_position
 
 # KV positions gathered per loop iteration. Decode tiles hold one query, so a long chunk is cheap
 # and most decode steps finish in one iteration; 16-query tiles use shorter chunks. Measured on
@@ -89,27 +89,33 @@ def _attend_tiles(
     kv_cache: jax.Array,
     layer: jax.Array,
     chunk: int,
+    kv_from: jax.Array | None = None,
+    logit_softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Online-softmax attention of tiles qt [TB, Q, K, G, H] (pre-scaled) to the first
     kv_lens i32[TB, Q] positions of their pages tables [TB, M], walking only as many chunks as
-    the longest needs -> unnormalised (max, sum [TB, K, G, Q], weighted values [TB, K, G, Q, H])."""
+    the longest needs -> unnormalised (max, sum [TB, K, G, Q], weighted values [TB, K, G, Q, H]).
+    With a sliding window, kv_from i32[TB, Q] is each query's first visible position."""
     num_tiles, tile_q, num_kv_heads, group, head_dim = qt.shape
     block_size = kv_cache.shape[4]
-    num_chunks = (jnp.max(kv_lens) + chunk * block_size - 1) // (chunk * block_size)
     # Multi-query tiles of a bfloat16 cache multiply in bfloat16 with float32 accumulation, as
     # the window does (steps with long prompts 7% faster); one-query tiles stay float32, where
     # XLA:CPU's bfloat16 matmuls of 3 rows ran the decode step 119 -> 157 ms.
     dtype = jnp.bfloat16 if kv_cache.dtype == jnp.uint16 and tile_q > 1 else jnp.float32
     shape = (num_tiles, num_kv_heads, group, tile_q)
     qt = qt.astype(dtype)
+    num_steps, chunk_at = _page_walk(tables, kv_lens, kv_from, chunk, block_size)
 
     def body(j, carry):
         m, l, acc = carry  # [TB, K, G, Q], [TB, K, G, Q], [TB, K, G, Q, H]
-        pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [TB, C]
+        pages, kv_pos = chunk_at(j)  # [TB, C], [TB or 1, 1, C*B]
         k = _gather_pages(kv_cache, layer, 0, pages, dtype)  # [TB, K, C*B, H]
         s = _tile_scores(qt, k)  # [TB, K, G, Q, C*B]
-        kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
-        visible = kv_pos[None, None, :] < kv_lens[:, :, None]  # [TB, Q, C*B]
+        if logit_softcap is not None:
+            s = soft_cap(s, logit_softcap)
+        visible = kv_pos < kv_lens[:, :, None]  # [TB, Q, C*B]
+        if kv_from is not None:
+            visible &= kv_pos >= kv_from[:, :, None]
         s = jnp.where(visible[:, None, None], s, MASKED)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
@@ -120,7 +126,42 @@ def _attend_tiles(
         return m_new, l, acc
 
     init = (jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    return jax.lax.fori_loop(0, num_chunks, body, init)
+    return jax.lax.fori_loop(0, num_steps, body, init)
+
+
+def _page_walk(
+    tables: jax.Array, kv_lens: jax.Array, kv_from: jax.Array | None, chunk: int, block_size: int
+):
+    """The page loop's schedule for tiles reading kv_lens i32[TB, Q] positions of their pages
+    tables [TB, M] -> (number of steps, step j -> (pages i32[TB, C], positions [TB or 1, 1, C*B])).
+
+    Without a window every tile reads chunk j at step j, as far as the longest read needs. With
+    one (kv_from, each query's first visible position) each tile starts at the chunk of its
+    earliest query's first key, so a long context costs the window, not its length; a tile that
+    ends before the others reads past its end (clipped to its last pages), all masked.
+    """
+    span = chunk * block_size
+    if kv_from is None:
+
+        def same_chunk(j):
+            pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)
+            kv_pos = j * chunk * block_size + jnp.arange(chunk * block_size)
+            return pages, kv_pos[None, None, :]
+
+        return (jnp.max(kv_lens) + chunk * block_size - 1) // (chunk * block_size), same_chunk
+
+    reads = kv_lens > 0  # [TB, Q]
+    earliest = jnp.min(jnp.where(reads, kv_from, jnp.iinfo(jnp.int32).max), axis=1)  # [TB]
+    first = jnp.where(reads.any(axis=1), jnp.maximum(earliest, 0) // span, 0)  # [TB]
+    end = (jnp.max(kv_lens, axis=1) + span - 1) // span  # [TB]
+
+    def own_chunk(j):
+        c = first + j  # [TB]
+        cols = c[:, None] * chunk + jnp.arange(chunk)  # [TB, C]
+        pages = jnp.take_along_axis(tables, cols, axis=1, mode="clip")
+        return pages, (c[:, None] * span + jnp.arange(span))[:, None, :]
+
+    return jnp.max(end - first), own_chunk
 
 
 def _tile_scores(qt: jax.Array, k: jax.Array) -> jax.Array:
@@ -166,10 +207,13 @@ def _attend_pages(
     flat: tuple[jax.Array, ...],
     tile_block: int,
     finish=None,
+    first_visible: jax.Array | None = None,
+    logit_softcap: float | None = None,
 ) -> tuple[jax.Array, ...]:
     """Attend `tiles` of q [T, N, H] (pre-scaled f32) to the first kv_lens positions of their
     sequence's pages `tables` [S, M], and write each query's unnormalised (max, sum [N],
     weighted values [N, H]), or what `finish` makes of them, over its token's row of `flat`.
+    With a sliding window, first_visible i32[T] is each token's first visible position.
 
     Tiles are processed `tile_block` at a time, and only the blocks that hold tiles
     reading pages (the host packs them first): work and memory follow the tiles in use, not the
@@ -191,7 +235,12 @@ def _attend_pages(
         part = lambda a: jax.lax.dynamic_slice_in_dim(a, b * tile_block, tile_block, axis=0)
         idx, lens = part(token_idx), part(kv_lens)  # [TB, Q]
         qt = q[idx].reshape(tile_block, tile_q, num_kv_heads, group, head_dim)
-        result = finish(*_attend_tiles(qt, tables[part(seq)], lens, kv_cache, layer, chunk))
+        kv_from = None if first_visible is None else first_visible[idx]  # [TB, Q]
+        result = finish(
+            *_attend_tiles(
+                qt, tables[part(seq)], lens, kv_cache, layer, chunk, kv_from, logit_softcap
+            )
+        )
         # Slots that read nothing (padding) go out of range and are dropped.
         dest = jnp.where(lens > 0, idx, num_tokens).reshape(-1)  # [TB*Q]
         return tuple(f.at[dest].set(_to_rows(r), mode="drop") for f, r in zip(flat, result))
@@ -208,6 +257,8 @@ def paged_attention(
     layer: jax.Array,
     md: AttentionMetadata,
     sm_scale: float,
+    logit_softcap: float | None = None,
+    sliding_window: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of q [T, N, H] to the KV of each query's sequence -> [T, N, H].
 
@@ -215,13 +266,30 @@ def paged_attention(
     own key included, from the pages. A step with prefills reads the step's recent tokens from
     k, v directly (window.py) and only older positions from the pages, and skips the pages
     altogether when no query needs them (fresh prompts that fit their windows).
+
+    logit_softcap: None or a static c, scores c * tanh(score / c) after scaling (Gemma 2).
+    sliding_window: None or i32[] W, possibly traced: a query at p sees p - W < j <= p, and the
+    page walks start at the chunk the window reaches.
     """
     q_scaled = q.astype(jnp.float32) * sm_scale
+    first_visible = None
+    if sliding_window is not None:
+        sliding_window = _window_scalar(sliding_window)
+        first_visible = token_seq_and_position(md, q.shape[0])[1] - sliding_window + 1  # [T]
+    pages_options = {"first_visible": first_visible, "logit_softcap": logit_softcap}
     if md.is_decode:
         (tiles,) = md.tiles
         init = (jnp.zeros(q.shape),)
         (out,) = _attend_pages(
-            q_scaled, kv_cache, layer, tiles, md.block_tables, init, _DECODE_TILE_BLOCK, _normalize
+            q_scaled,
+            kv_cache,
+            layer,
+            tiles,
+            md.block_tables,
+            init,
+            _DECODE_TILE_BLOCK,
+            _normalize,
+            **pages_options,
         )
         return out.astype(q.dtype)
 
@@ -233,24 +301,44 @@ def paged_attention(
         flat = no_pages()  # each query is in one group at most: fill in the groups in turn
         for tiles in md.tiles:
             flat = _attend_pages(
-                q_scaled, kv_cache, layer, tiles, md.block_tables, flat, _MIXED_TILE_BLOCK
+                q_scaled,
+                kv_cache,
+                layer,
+                tiles,
+                md.block_tables,
+                flat,
+                _MIXED_TILE_BLOCK,
+                **pages_options,
             )
         return flat
 
     reads_pages = jnp.any(jnp.stack([jnp.any(tiles.kv_lens > 0) for tiles in md.tiles]))
     m1, l1, acc1 = jax.lax.cond(reads_pages, from_pages, no_pages)
-    m2, l2, acc2 = attend_window(q, k, v, md, sm_scale)
+    m2, l2, acc2 = attend_window(q, k, v, md, sm_scale, logit_softcap, sliding_window)
     m = jnp.maximum(m1, m2)
     a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
     out = (acc1 * a1 + acc2 * a2) / (l1[..., None] * a1 + l2[..., None] * a2)
     return out.astype(q.dtype)
 
 
-def reference_attention(sm_scale: float):
+def _window_scalar(sliding_window) -> jax.Array:
+    """The window as i32[], checked to be an integer scalar (its value may be traced)."""
+    if jnp.shape(sliding_window) not in ((), (1,)) or not jnp.issubdtype(
+        jnp.result_type(sliding_window), jnp.integer
+    ):
+        raise ValueError(
+            "sliding_window must be None or an integer scalar, got "
+            f"{jnp.result_type(sliding_window)}{jnp.shape(sliding_window)}"
+        )
+    return jnp.asarray(sliding_window, jnp.int32).reshape(())
+
+
+def reference_attention(sm_scale: float, logit_softcap: float | None = None):
     """The `attn` callable of the model contract (docs/design.md) for this backend."""
 
-    def attn(layer, q, k, v, kv_cache, md: AttentionMetadata):
+    def attn(layer, q, k, v, kv_cache, md: AttentionMetadata, sliding_window=None):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
-        return paged_attention(q, k, v, kv_cache, layer, md, sm_scale), kv_cache
+        out = paged_attention(q, k, v, kv_cache, layer, md, sm_scale, logit_softcap, sliding_window)
+        return out, kv_cache
 
     return attn

@@ -30,7 +30,12 @@ FAR_SPAN = 2
 _PAIRS_PER_PASS = 32
 
 
-def _token_seq_and_position(md: AttentionMetadata, num_tokens: int):
+def soft_cap(scores: jax.Array, cap: float) -> jax.Array:
+    """Gemma 2's logit soft-capping of scaled scores: cap * tanh(scores / cap)."""
+    return cap * jnp.tanh(scores / cap)
+
+
+def token_seq_and_position(md: AttentionMetadata, num_tokens: int):
     """Sequence id and absolute position of every flat token -> (i32[T], i32[T]); padding
     tokens get ids -1 - t, each its own, so that they see only themselves."""
     qsl = md.query_start_loc
@@ -51,20 +56,27 @@ def _spans(x: jax.Array, block: int, n: int, fill=0) -> jax.Array:
 
 
 def attend_window(
-    q: jax.Array, k: jax.Array, v: jax.Array, md: AttentionMetadata, sm_scale: float
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    md: AttentionMetadata,
+    sm_scale: float,
+    logit_softcap: float | None = None,
+    sliding_window: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, N, H] to this step's k, v [T, K, H] of the same sequence, causally, all in the
     model dtype -> unnormalised (max f32[T, N], sum f32[T, N], weighted values f32[T, N, H]).
 
     Matmul operands keep the model dtype and accumulate in float32 (for bfloat16 about twice as
-    fast as float32 on CPU).
+    fast as float32 on CPU). With a sliding window W (i32[], may be traced) a query at p sees
+    only p - W < j <= p, and blocks wholly before every window of a query block are not visited.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     block = min(num_tokens, WINDOW_BLOCK)
     num_blocks = -(-num_tokens // block)
-    seq, position = _token_seq_and_position(md, num_tokens)
+    seq, position = token_seq_and_position(md, num_tokens)
 
     def padded(x, fill=0):  # [T, ...] -> [NB*C, ...]
         pad = ((0, num_blocks * block - num_tokens),) + ((0, 0),) * (x.ndim - 1)
@@ -82,9 +94,13 @@ def attend_window(
     seq_k = _spans(padded(seq, -2 - num_tokens), block, 2, -2 - num_tokens)  # [NB, 2C]
     pos_k = _spans(padded(position), block, 2)  # [NB, 2C]
     visible = (seq_q[:, :, None] == seq_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
+    if sliding_window is not None:
+        visible &= pos_k[:, None, :] > pos_q[:, :, None] - sliding_window
 
     s = batched_matmul(qb, kw, y_transposed=True) * sm_scale  # [NB, K, G*C, 2C]
     s = s.reshape(num_blocks, num_kv_heads, group, block, 2 * block)  # [NB, K, G, C, 2C]
+    if logit_softcap is not None:
+        s = soft_cap(s, logit_softcap)
     s = jnp.where(visible[:, None, None], s, MASKED)
     m = s.max(-1)  # [NB, K, G, C]; every query sees at least itself
     p = jnp.exp(s - m[..., None])
@@ -93,15 +109,17 @@ def attend_window(
     acc = batched_matmul(p, vw).reshape(num_blocks, num_kv_heads, group, block, head_dim)
 
     if num_blocks > 2:
-        depth = _block_depth(md, seq_q, block)  # [NB]
+        depth = _block_depth(md, seq_q, block, sliding_window)  # [NB]
         far = _FarKeys(
             k=_spans(k, block, FAR_SPAN).transpose(0, 2, 1, 3),  # [NB, K, SC, H]
             v=_spans(v, block, FAR_SPAN).transpose(0, 2, 1, 3),  # [NB, K, SC, H]
             seq=_spans(padded(seq, -2 - num_tokens), block, FAR_SPAN, -2 - num_tokens),
+            pos=None if sliding_window is None else _spans(padded(position), block, FAR_SPAN),
         )
+        scores = _Scores(sm_scale, logit_softcap, sliding_window)
         m, l, acc = jax.lax.cond(
             jnp.any(depth > 1),
-            lambda: _attend_far(qb, seq_q, depth, far, sm_scale, (m, l, acc)),
+            lambda: _attend_far(qb, seq_q, pos_q, depth, far, scores, (m, l, acc)),
             lambda: (m, l, acc),
         )
 
@@ -112,12 +130,17 @@ def attend_window(
     return to_flat(m), to_flat(l), to_flat(acc)
 
 
-def _block_depth(md: AttentionMetadata, seq_q: jax.Array, block: int) -> jax.Array:
+def _block_depth(
+    md: AttentionMetadata, seq_q: jax.Array, block: int, sliding_window: jax.Array | None
+) -> jax.Array:
     """How many blocks before each query block [NB] its earliest sequence began in this step
-    (the block's first token's sequence; padding blocks 0) -> i32[NB]."""
+    (the block's first token's sequence; padding blocks 0), and with a window W no further back
+    than the block holding its first query's first key (flat index b*C - W + 1) -> i32[NB]."""
     first_seq = seq_q[:, 0]
     b = jnp.arange(seq_q.shape[0])
     first_block = md.query_start_loc[jnp.maximum(first_seq, 0)] // block
+    if sliding_window is not None:
+        first_block = jnp.maximum(first_block, (b * block - sliding_window + 1) // block)
     return jnp.where(first_seq >= 0, b - first_block, 0)
 
 
@@ -127,6 +150,15 @@ class _FarKeys(NamedTuple):
     k: jax.Array  # [NB, K, SC, H]
     v: jax.Array  # [NB, K, SC, H]
     seq: jax.Array  # i32[NB, SC] sequence ids, as seq_k of the window
+    pos: jax.Array | None  # i32[NB, SC] positions, with a sliding window only
+
+
+class _Scores(NamedTuple):
+    """How scores are made and masked beyond causality (see attend_window)."""
+
+    sm_scale: float
+    logit_softcap: float | None
+    sliding_window: jax.Array | None
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -152,14 +184,14 @@ def _far_pairs(depth: jax.Array, per_pass: int) -> tuple[jax.Array, jax.Array, j
     return *pairs, jnp.sum(wanted)
 
 
-def _attend_far(qb, seq_q, depth, far: _FarKeys, sm_scale, window):
+def _attend_far(qb, seq_q, pos_q, depth, far: _FarKeys, scores: _Scores, window):
     """Carry the window's online softmax (max, sum [NB, K, G, C], weighted values [..., H]) on
     to blocks 2..depth before each query block qb [NB, K, G*C, H].
 
     The (query block, span) pairs go _PAIRS_PER_PASS at a time: a pass attends all of its pairs
     at once, then folds each pair into its query block by the log-sum-exp (a block may have
     several pairs in a pass). Keys of another sequence are masked, which also covers the part of
-    a span before the block's sequence began.
+    a span before the block's sequence began, and so are keys before a query's sliding window.
     """
     num_blocks, num_kv_heads = qb.shape[:2]
     block = seq_q.shape[1]
@@ -172,10 +204,14 @@ def _attend_far(qb, seq_q, depth, far: _FarKeys, sm_scale, window):
         part = lambda a: jax.lax.dynamic_slice_in_dim(a, i * per_pass, per_pass)
         qi, ki = part(query_block), part(span_end)  # [PP]
         real = i * per_pass + jnp.arange(per_pass) < num_pairs
-        s = batched_matmul(_take(qb, qi), _take(far.k, ki), y_transposed=True) * sm_scale
+        s = batched_matmul(_take(qb, qi), _take(far.k, ki), y_transposed=True) * scores.sm_scale
         s = s.reshape(per_pass, num_kv_heads, group, block, -1)  # [PP, K, G, C, SC]
-        same = seq_q[qi][:, :, None] == far.seq[ki][:, None, :]  # [PP, C, SC]
-        s = jnp.where((same & real[:, None, None])[:, None, None], s, MASKED)
+        if scores.logit_softcap is not None:
+            s = soft_cap(s, scores.logit_softcap)
+        visible = seq_q[qi][:, :, None] == far.seq[ki][:, None, :]  # [PP, C, SC]
+        if scores.sliding_window is not None:
+            visible &= far.pos[ki][:, None, :] > pos_q[qi][:, :, None] - scores.sliding_window
+        s = jnp.where((visible & real[:, None, None])[:, None, None], s, MASKED)
         dest = jnp.where(real, qi, num_blocks)  # past-the-end pairs are dropped
         m_new = m.at[dest].max(s.max(-1), mode="drop")
         correction = jnp.exp(m - m_new)
