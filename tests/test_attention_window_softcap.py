@@ -166,10 +166,13 @@ def test_reference_backend_with_window_and_softcap_in_bfloat16(case):
     _check(case, window=100, softcap=3.0, scale=0.5, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"),
+    [(64, jnp.bfloat16), (128, jnp.float32), (256, jnp.float32), (256, jnp.bfloat16)],
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_reference_backend_with_head_dim_256(case, dtype):
-    _check(case, window=100, softcap=50.0, head_dim=256, dtype=dtype)
+def test_reference_backend_with_wide_heads(case, head_dim, dtype):
+    _check(case, window=100, softcap=50.0, head_dim=head_dim, dtype=dtype)
 
 
 def test_reference_backend_global_window_equals_no_window():
@@ -184,9 +187,10 @@ def test_pallas_backend_with_window_and_softcap_matches_dense(case, dtype):
     _check(case, window=37, softcap=3.0, scale=0.5, dtype=dtype, backend="pallas")
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("case", list(SMALL_CASES))
-def test_pallas_backend_with_head_dim_256(case):
-    _check(case, window=37, head_dim=256, backend="pallas")
+def test_pallas_backend_with_wide_heads(case, head_dim):
+    _check(case, window=37, head_dim=head_dim, backend="pallas")
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
