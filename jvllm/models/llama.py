@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as flax.nnx modules.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) as flax.nnx modules.
 
 The contract is in docs/design.md: the model runs over flattened tokens and returns the post-norm
 hidden states and the updated KV cache; `compute_logits` applies the LM head to the rows that
@@ -22,6 +22,10 @@ from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary import rope_cos_sin
 from jvllm.layers.scan import scan_layers, stacked_layers
 from jvllm.model_loader.weights import CheckpointWeights
+
+# Phi3Config's default context (max_position_embeddings, original_max_position_embeddings),
+# where a config.json does not say.
+_PHI3_DEFAULT_CONTEXT = 4096
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -62,6 +66,8 @@ class LlamaForCausalLM(nnx.Module):
                     "sliding_attention" if i >= start else "full_attention"
                     for i in range(cfg["num_hidden_layers"])
                 ]
+        if architecture == "Phi3ForCausalLM" or cfg.get("model_type") == "phi3":
+            cfg = _normalize_phi3(cfg)
         return cfg
 
     def __init__(self, config: ModelConfig):
@@ -102,6 +108,9 @@ class LlamaForCausalLM(nnx.Module):
     def load_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
         """The HF checkpoint's tensors into this module's params."""
         attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        if config.architecture == "Phi3ForCausalLM":  # saved fused, in our q|k|v, gate|up order
+            attn, gate_up = ("self_attn.qkv_proj",), ("mlp.gate_up_proj.weight",)
         weights.tensor("embed.embedding", "model.embed_tokens.weight")
         weights.stacked("layers.input_norm.weight", ("input_layernorm.weight",))
         weights.stacked("layers.attn.qkv.weight", tuple(n + ".weight" for n in attn))
@@ -112,8 +121,41 @@ class LlamaForCausalLM(nnx.Module):
             weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
         weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
-        weights.stacked("layers.mlp.gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+        weights.stacked("layers.mlp.gate_up.weight", gate_up)
         weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
         weights.tensor("final_norm.weight", "model.norm.weight")
         if not config.tie_word_embeddings:
             weights.tensor("lm_head.weight", "lm_head.weight")
+
+
+def _normalize_phi3(cfg: dict) -> dict:
+    """Phi-3's config.json as HF's Phi3Config reads it: the top-level
+    original_max_position_embeddings wins over the rope dict's, "su" and "yarn" are old names of
+    "longrope"; and a sliding window that no sequence can fill is dropped (Phi-3.5-mini's
+    262144 in a 131072 context), so that attention takes its unwindowed path."""
+    cfg.setdefault("max_position_embeddings", _PHI3_DEFAULT_CONTEXT)
+    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = dict(cfg.get(rope_key) or {})
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={partial} is not supported (Phi-4-mini sets 0.75); "
+            "allowed: 1.0 (the rotation covers whole heads)"
+        )
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su", "yarn"):
+        rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = cfg.get(
+            "original_max_position_embeddings", _PHI3_DEFAULT_CONTEXT
+        )
+        num_pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+        for name in ("short_factor", "long_factor"):
+            if len(rope.get(name) or ()) != num_pairs:
+                raise ValueError(
+                    f"rope_scaling.{name} must give one factor per pair of head dims "
+                    f"({num_pairs}), got {rope.get(name)!r}"
+                )
+        cfg[rope_key] = rope
+    window = cfg.get("sliding_window")
+    if window is not None and window >= cfg["max_position_embeddings"]:
+        cfg["sliding_window"] = None
+    return cfg

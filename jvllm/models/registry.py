@@ -13,6 +13,7 @@ _MODELS = {
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -23,6 +24,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
