@@ -119,6 +119,14 @@ class ModelConfig:
         """The factor on q . k before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config in an engine of `max_model_len`: LongRoPE picks its factor set by it
+        (rope_config.RopeScaling.use_long_factor)."""
+        if self.rope_scaling is None:
+            return self
+        scaling = self.rope_scaling.for_max_model_len(max_model_len)
+        return dataclasses.replace(self, rope_scaling=scaling)
+
     def option(self, name: str, default: Any = None) -> Any:
         """A family-specific setting (models/<family>.py's normalize_hf_config sets them)."""
         return dict(self.options).get(name, default)

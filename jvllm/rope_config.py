@@ -20,9 +20,17 @@ class RopeScaling:
     """A frequency scaling of HF's `rope_type`s:
     - "llama3": Llama 3's remap (factor, low/high_freq_factor, original_max_position_embeddings);
     - "linear": positions divided by `factor`;
-    - "longrope" (Phi-3): per-frequency divisors, `short_factor` for positions below
-      `original_max_position_embeddings` and `long_factor` from there, and cos/sin scaled by
-      `attention_factor`.
+    - "longrope" (Phi-3): per-frequency divisors, `short_factor` or `long_factor` (as
+      `use_long_factor` says), and cos/sin scaled by `attention_factor`.
+
+    `use_long_factor`: one factor set for every position of every sequence, as vLLM chooses it:
+    the long one when the engine's max_model_len passes `original_max_position_embeddings`
+    (`for_max_model_len`; max_position_embeddings stands in until an engine sets it). A cached
+    key is then rotated as every later query expects, and a prefix-cache hit stays exact. HF
+    transformers instead picks by the sequence's length at each call and recomputes its cache
+    when a sequence crosses the boundary: the two agree wherever max_model_len is within
+    `original_max_position_embeddings` (short) or the prompt is past it (long), and differ for
+    a shorter sequence in a longer engine (HF short, here and in vLLM long).
     """
 
     rope_type: str
@@ -33,6 +41,7 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    use_long_factor: bool = False
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES[1:]:
@@ -54,6 +63,13 @@ class RopeScaling:
             )
         if self.rope_type == "longrope" and len(self.short_factor) != len(self.long_factor):
             raise ValueError("rope_scaling.short_factor and long_factor must have one length")
+
+    def for_max_model_len(self, max_model_len: int) -> RopeScaling:
+        """This scaling in an engine whose sequences reach at most `max_model_len` tokens."""
+        if self.rope_type != "longrope":
+            return self
+        use_long = max_model_len > self.original_max_position_embeddings
+        return dataclasses.replace(self, use_long_factor=use_long)
 
 
 class Rope(NamedTuple):
@@ -86,8 +102,10 @@ def _scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
         or cfg.get("original_max_position_embeddings")
         or 0
     )
-    # As HF: the context growth sets the factor, and the cos/sin scale grows with its log.
-    factor = cfg.get("max_position_embeddings", original) / original if original else 1.0
+    # As HF: the context growth sets the factor (unless given), and the cos/sin scale grows
+    # with its log.
+    max_len = cfg.get("max_position_embeddings", original)
+    factor = rope.get("factor") or (max_len / original if original else 1.0)
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         attention_factor = (
@@ -100,7 +118,7 @@ def _scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
         short_factor=tuple(float(f) for f in rope["short_factor"]),
         long_factor=tuple(float(f) for f in rope["long_factor"]),
         attention_factor=float(attention_factor),
-    )
+    ).for_max_model_len(max_len)
 
 
 def parse_rope(cfg: dict[str, Any]) -> Rope:

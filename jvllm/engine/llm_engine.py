@@ -45,6 +45,7 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({config.max_position_embeddings}); lower max_model_len"
             )
+        self.model_config = config = config.for_max_model_len(self.max_model_len)
         self.attention_backend = args.attention_backend or default_backend()
         itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
         kv_size = size_kv_cache(args, config, itemsize, self.max_model_len, probe_memory())

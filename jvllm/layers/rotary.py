@@ -40,6 +40,10 @@ def inverse_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
         inv_freq = _llama3_scale(inv_freq, scaling)
     if scaling is not None and scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
+    if scaling is not None and scaling.rope_type == "longrope":
+        # One set for all positions: see RopeScaling.use_long_factor for why not per length.
+        factors = scaling.long_factor if scaling.use_long_factor else scaling.short_factor
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
     return inv_freq.astype(np.float32)
 
 
@@ -50,19 +54,9 @@ def rope_cos_sin(
     base (Gemma 3)."""
     inv_freq = jnp.asarray(inverse_frequencies(config, local))  # [H/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-    scaling = None if local else config.rope_scaling
-    if scaling is not None and scaling.rope_type == "longrope":
-        # Each frequency slowed by its factor: the short ones within the context the model
-        # was trained on, the long ones past it (per token, where HF switches per call).
-        is_long = positions >= scaling.original_max_position_embeddings  # [T]
-        factors = jnp.where(
-            is_long[:, None],
-            jnp.asarray(scaling.long_factor, jnp.float32),
-            jnp.asarray(scaling.short_factor, jnp.float32),
-        )  # [T, H/2]
-        angles = angles / factors
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, H]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    scaling = None if local else config.rope_scaling
     if scaling is not None and scaling.rope_type == "longrope":
         cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     return cos, sin
