@@ -47,12 +47,16 @@ def _hf_block(family: str, top_k: int, renormalize: bool) -> torch.nn.Module:
 
 
 def _jax_weights(block: torch.nn.Module, dtype=jnp.float32) -> dict[str, jax.Array]:
-    """HF's fused module tensors are already moe.py's layout: router [E, D], gate_up [E, 2F, D]
-    (gate then up), down [E, D, F]."""
+    """router [E, D]; HF's fused expert tensors [E, 2F, D] (gate then up) and [E, D, F] in
+    moe.py's [in, out] layout: gate_up [E, D, 2F], down [E, F, D]."""
+
+    def array(t: torch.Tensor) -> jax.Array:
+        return jnp.asarray(t.detach().numpy(), dtype)
+
     return {
-        "router": jnp.asarray(block.gate.weight.detach().numpy(), dtype),
-        "gate_up": jnp.asarray(block.experts.gate_up_proj.detach().numpy(), dtype),
-        "down": jnp.asarray(block.experts.down_proj.detach().numpy(), dtype),
+        "router": array(block.gate.weight),
+        "gate_up": array(block.experts.gate_up_proj.transpose(1, 2)),
+        "down": array(block.experts.down_proj.transpose(1, 2)),
     }
 
 

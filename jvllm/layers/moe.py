@@ -2,25 +2,20 @@
 
 Glossary: T tokens, D hidden, F expert intermediate, E experts, k experts per token.
 
-Expert weights keep HF's fused module layout, torch-like [out, in] as `dense` does:
-    gate_up [E, 2F, D]  (gate then up; logical axes "experts", "mlp", "embed")
-    down    [E, D, F]   (logical axes "experts", "embed", "mlp")
-so HF's fused tensors load without a transpose; `ragged_dot_general` contracts their minor axis
-D (resp. F). As for the dense gate|up, tensor parallelism over the fused 2F axis needs the gate
-and up halves laid out shard by shard.
+Expert weights are stacked per expert in the [in, out] layout of `jax.lax.ragged_dot`'s rhs:
+    gate_up [E, D, 2F]  (gate then up along 2F; logical axes "experts", "embed", "mlp")
+    down    [E, F, D]   (logical axes "experts", "mlp", "embed")
+unlike `dense`'s torch [out, in]. HF checkpoints store each expert's projections as separate
+[out, in] tensors, so the loader stacks them anyway and transposes them then, once. On XLA:CPU
+the grouped matmul ran up to 2.3x faster with this layout than with [E, 2F, D] (BENCHMARKS.md).
+As for the dense gate|up, tensor parallelism over the fused 2F axis needs the gate and up halves
+laid out shard by shard.
 """
 
 import jax
 import jax.numpy as jnp
 
 from jvllm.layers.linear import dense
-
-# The ragged dot's operands: lhs [M, I] rows sorted by group, rhs [E, O, I]; contract I.
-_GROUPED_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(0,),
-)
 
 
 def route(
@@ -49,11 +44,11 @@ def moe_mlp(
 ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D].
 
-    x [T, D]; weights f32[T, k] and experts i32[T, k] from `route`; gate_up [E, 2F, D] and
-    down [E, D, F] (see the module docstring). Each expert is down(silu(gate) * up).
+    x [T, D]; weights f32[T, k] and experts i32[T, k] from `route`; gate_up [E, D, 2F] and
+    down [E, F, D] (see the module docstring). Each expert is down(silu(gate) * up).
 
     The T*k (token, expert) assignments are sorted by expert, so each expert's rows are
-    contiguous, and both projections run as one grouped matmul (`jax.lax.ragged_dot_general`)
+    contiguous, and both projections run as one grouped matmul (`jax.lax.ragged_dot`)
     with the per-expert row counts as group sizes. Inputs are cast to the weight dtype and the
     products accumulate in float32, as in `dense`.
     """
@@ -86,26 +81,19 @@ def dense_moe_mlp(
     Same arguments and result as `moe_mlp`; the experts a token did not pick get weight 0.
     E/k times the grouped flops: the benchmark's baseline and a second reference for tests.
     """
-    num_experts, two_f, d = gate_up.shape
-    dense_weights = jnp.zeros((experts.shape[0], num_experts), jnp.float32)  # [T, E]
-    dense_weights = jax.vmap(lambda w, e, p: w.at[e].set(p))(dense_weights, experts, weights)
+    num_experts = gate_up.shape[0]
+    dense_weights = (jax.nn.one_hot(experts, num_experts) * weights[..., None]).sum(1)  # [T, E]
 
-    gate_up_out = dense(x, gate_up.reshape(num_experts * two_f, d))  # f32[T, E*2F]
-    gate, up = jnp.split(gate_up_out.reshape(-1, num_experts, two_f), 2, axis=-1)  # [T, E, F]
-    hidden = jax.nn.silu(gate) * up  # f32[T, E, F]
-    contract = (((2,), (2,)), ((1,), (0,)))  # over F, batched over E
-    out = jax.lax.dot_general(
-        hidden.astype(down.dtype), down, contract, preferred_element_type=jnp.float32
-    )  # [E, T, D]
+    x = x.astype(gate_up.dtype)
+    gate_up_out = jnp.einsum("td,edo->teo", x, gate_up, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(gate_up_out, 2, axis=-1)  # [T, E, F] each
+    hidden = (jax.nn.silu(gate) * up).astype(down.dtype)  # [T, E, F]
+    out = jnp.einsum("tef,efd->etd", hidden, down, preferred_element_type=jnp.float32)
     return jnp.einsum("etd,te->td", out, dense_weights)
 
 
 def _grouped_dense(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """rows [M, I] (grouped by expert, group_sizes i32[E]) @ w[e] [O, I].T per group -> f32[M, O]."""
-    return jax.lax.ragged_dot_general(
-        rows.astype(w.dtype),
-        w,
-        group_sizes,
-        _GROUPED_DIMS,
-        preferred_element_type=jnp.float32,
+    """rows [M, I] (grouped by expert, group_sizes i32[E]) @ w[e] [I, O] per group -> f32[M, O]."""
+    return jax.lax.ragged_dot(
+        rows.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32
     )
