@@ -8,6 +8,8 @@ For each shape and token count T: the median wall time of several jitted calls o
 grouped / dense (below 1: grouped is faster). Weights are random like `--load-format dummy`
 (uniform in [-1e-3, 1e-3]), in --dtype. A case whose warm-up call takes longer than
 --max-call-seconds is not repeated: its figure is that one call, compile included, marked "~".
+A case whose dense layer does more than --max-tflop is skipped, and says so: by default
+Mixtral-8x7B at 512 tokens (1.4 TFLOP), about a minute and 17 GB on a 2-core CPU.
 """
 
 import argparse
@@ -29,6 +31,10 @@ class MoEShape:
     num_experts: int  # E
     top_k: int  # k
     renormalize: bool
+
+    def dense_tflop(self, num_tokens: int) -> float:
+        """The dense layer's work: three [D, F] projections per expert and token."""
+        return 6 * num_tokens * self.num_experts * self.hidden_size * self.intermediate_size / 1e12
 
 
 SHAPES = {
@@ -90,6 +96,28 @@ def _cell(seconds: float, is_median: bool) -> str:
     return ("" if is_median else "~") + (f"{ms:.1f}" if ms >= 10 else f"{ms:.3f}")
 
 
+def _bench_shape(name: str, args) -> None:
+    """One table row per --num-tokens; the weights are drawn only if a row runs."""
+    shape, params = SHAPES[name], None
+    for num_tokens in args.num_tokens:
+        tflop = shape.dense_tflop(num_tokens)
+        if tflop > args.max_tflop:
+            print(
+                f"{name:<15} {num_tokens:>5} skipped: dense {tflop:.2f} TFLOP > --max-tflop "
+                f"{args.max_tflop:g}"
+            )
+            continue
+        if params is None:
+            params = _random_weights(shape, jnp.dtype(args.dtype))
+        x = jax.random.normal(jax.random.key(1), (num_tokens, shape.hidden_size), args.dtype)
+        grouped = _layer_seconds(x, params, shape, "grouped", args)
+        dense = _layer_seconds(x, params, shape, "dense", args)
+        print(
+            f"{name:<15} {num_tokens:>5} {_cell(*grouped):>13} {_cell(*dense):>11} "
+            f"{grouped[0] / dense[0]:>13.2f}x"
+        )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
@@ -97,6 +125,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--max-call-seconds", type=float, default=10.0)
+    parser.add_argument("--max-tflop", type=float, default=1.0)
     args = parser.parse_args(argv)
 
     print(
@@ -106,17 +135,7 @@ def main(argv=None) -> None:
     )
     print(f"{'shape':<15} {'T':>5} {'grouped (ms)':>13} {'dense (ms)':>11} {'grouped/dense':>14}")
     for name in args.shapes:
-        shape = SHAPES[name]
-        params = _random_weights(shape, jnp.dtype(args.dtype))
-        for num_tokens in args.num_tokens:
-            x = jax.random.normal(jax.random.key(1), (num_tokens, shape.hidden_size), args.dtype)
-            grouped = _layer_seconds(x, params, shape, "grouped", args)
-            dense = _layer_seconds(x, params, shape, "dense", args)
-            print(
-                f"{name:<15} {num_tokens:>5} {_cell(*grouped):>13} {_cell(*dense):>11} "
-                f"{grouped[0] / dense[0]:>13.2f}x"
-            )
-        del params
+        _bench_shape(name, args)
 
 
 if __name__ == "__main__":
