@@ -7,7 +7,7 @@ Expert weights are stacked per expert in the [in, out] layout of `jax.lax.ragged
     down    [E, F, D]   (logical axes "experts", "mlp", "embed")
 unlike `dense`'s torch [out, in]. HF checkpoints store each expert's projections as separate
 [out, in] tensors, so the loader stacks them anyway and transposes them then, once. On XLA:CPU
-the grouped matmul ran up to 2.3x faster with this layout than with [E, 2F, D] (BENCHMARKS.md).
+moe_mlp ran 1.1-1.6x faster with this layout than with [E, 2F, D] (BENCHMARKS.md).
 As for the dense gate|up, tensor parallelism over the fused 2F axis needs the gate and up halves
 laid out shard by shard.
 """
@@ -51,6 +51,11 @@ def moe_mlp(
     contiguous, and both projections run as one grouped matmul (`jax.lax.ragged_dot`)
     with the per-expert row counts as group sizes. Inputs are cast to the weight dtype and the
     products accumulate in float32, as in `dense`.
+
+    XLA:CPU has no grouped kernel: jax lowers ragged_dot there to one dot over all E experts with
+    each expert's rows masked, k times dense_moe_mlp's work, so on CPU this is the slower of the
+    two from a few tokens up (BENCHMARKS.md). On GPU and TPU, jax keeps ragged_dot as its own
+    XLA instruction for the compiler's grouped matmul (not measured here yet).
     """
     num_tokens, top_k = experts.shape
     num_experts = gate_up.shape[0]
