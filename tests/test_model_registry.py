@@ -30,6 +30,8 @@ _HF_CONFIG_CLASSES = {
     "Qwen3ForCausalLM": transformers.Qwen3Config,
     "GPT2LMHeadModel": transformers.GPT2Config,
     "OPTForCausalLM": transformers.OPTConfig,
+    "MixtralForCausalLM": transformers.MixtralConfig,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
 }
 
 
@@ -45,7 +47,11 @@ def test_every_param_names_each_of_its_axes(architecture):
         assert len(names) == len(spec.shape) and set(names) <= set(AXIS_NAMES)
     assert axes["embed"]["embedding"] == ("vocab", "embed")
     assert axes["layers"]["attn"]["qkv"]["weight"] == ("layers", "heads", "embed")
-    assert axes["layers"]["mlp"]["down"]["weight"] == ("layers", "embed", "mlp")
+    if config.num_experts:
+        assert axes["layers"]["mlp"]["down"] == ("layers", "experts", "mlp", "embed")
+        assert axes["layers"]["mlp"]["router"] == ("layers", "experts", "embed")
+    else:
+        assert axes["layers"]["mlp"]["down"]["weight"] == ("layers", "embed", "mlp")
     assert shapes["layers"]["attn"]["qkv"]["weight"].shape[0] == config.num_layers
 
 

@@ -189,7 +189,9 @@ def activation_reserve_bytes(
     summed though they are live one after another:
     - the sampler: 8 [S, V] arrays (logits, filtered and sorted copies, probabilities);
     - prompt logprobs: 4 [C, V] arrays, C = the positions of one chunk;
-    - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H];
+    - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H],
+      where a mixture of experts has k (token, expert) rows a token of 3F + 2D each and [T, E]
+      router scores in place of the MLP's 3F;
     - the bias rows: [S + 1, V].
     A formula, not a measurement, so that start-up compiles nothing to size the cache;
     tests/test_kv_budget.py checks that it bounds the compiled buckets' temp size, and
@@ -199,11 +201,11 @@ def activation_reserve_bytes(
     chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
     sampler = 8 * num_seqs * c.vocab_size
     prompt_logprobs = 4 * chunk * c.vocab_size
-    layer = num_tokens * (
-        3 * c.intermediate_size
-        + 4 * c.hidden_size
-        + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    )
+    mlp = 3 * c.intermediate_size
+    if c.num_experts:
+        expert_width = c.moe_intermediate_size or c.intermediate_size
+        mlp = c.num_experts_per_tok * (3 * expert_width + 2 * c.hidden_size) + c.num_experts
+    layer = num_tokens * (mlp + 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
     bias_rows = (num_seqs + 1) * c.vocab_size
     return _FLOAT32_BYTES * (sampler + prompt_logprobs + layer + bias_rows)
 

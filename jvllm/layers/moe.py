@@ -14,8 +14,11 @@ laid out shard by shard.
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from jvllm.config import ModelConfig
 from jvllm.layers.linear import dense
+from jvllm.layers.params import param
 
 
 def route(
@@ -102,3 +105,24 @@ def _grouped_dense(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
     return jax.lax.ragged_dot(
         rows.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32
     )
+
+
+class SparseMoE(nnx.Module):
+    """The MoE MLP of Mixtral and Qwen3-MoE: a router [E, D], then each token's top-k experts
+    (`route`) as grouped matmuls (`moe_mlp`). Expert weights in ragged_dot's layout (see the
+    module docstring), the experts axis named for expert parallelism."""
+
+    def __init__(self, config: ModelConfig):
+        d, e = config.hidden_size, config.num_experts
+        f = config.moe_intermediate_size or config.intermediate_size
+        dtype = jnp.dtype(config.dtype)
+        self.router = param((e, d), dtype, ("experts", "embed"))
+        self.gate_up = param((e, d, 2 * f), dtype, ("experts", "embed", "mlp"))
+        self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x f32[T, D] -> f32[T, D]."""
+        weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
+        return moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])

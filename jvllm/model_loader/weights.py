@@ -99,6 +99,25 @@ class CheckpointWeights:
             np.concatenate(pieces, axis=0, out=out[i], casting="unsafe")
         self._set(path, jax.device_put(out, may_alias=True))
 
+    def stacked_experts(self, path: str, names: tuple[str, ...], num_experts: int) -> None:
+        """The param at `path` [L, E, in, out] is, for layer i and expert j, the tensors
+        `names` formatted with j ("experts.{}.w1.weight", torch's [out, in]) concatenated
+        along their first axis and transposed: ragged_dot's layout (layers/moe.py)."""
+        spec = self._spec(path)
+        out = aligned_empty(spec.shape, spec.dtype)
+        for i in range(self._num_layers):
+            for j in range(num_experts):
+                full_names = [self._layer_prefix.format(i) + n.format(j) for n in names]
+                pieces = [self._get(n) for n in full_names]
+                rows = sum(p.shape[0] for p in pieces)
+                if any(p.shape[1:] != spec.shape[2:3] for p in pieces) or rows != spec.shape[3]:
+                    expected = (spec.shape[3], spec.shape[2])
+                    raise ValueError(
+                        self._mismatch(full_names, [p.shape for p in pieces], expected)
+                    )
+                out[i, j] = np.concatenate(pieces, axis=0).T
+        self._set(path, jax.device_put(out, may_alias=True))
+
     def params(self) -> dict:
         """The filled params dict; every declared param must have been given."""
         missing = [

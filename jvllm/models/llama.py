@@ -18,6 +18,7 @@ from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.embedding import Embed
 from jvllm.layers.linear import Linear
 from jvllm.layers.mlp import GatedMLP
+from jvllm.layers.moe import SparseMoE
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary import rope_cos_sin
 from jvllm.layers.scan import scan_layers, stacked_layers
@@ -29,13 +30,14 @@ _PHI3_DEFAULT_CONTEXT = 4096
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """A pre-norm block on the float32 residual stream."""
+    """A pre-norm block on the float32 residual stream; its MLP is the experts' where the model
+    has them (Mixtral, Qwen3-MoE)."""
 
     def __init__(self, config: ModelConfig):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = SparseMoE(config) if config.num_experts else GatedMLP(config)
 
     def __call__(self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn):
         """x f32[T, D] -> (x f32[T, D], kv_cache)."""
@@ -56,7 +58,7 @@ class LlamaForCausalLM(nnx.Module):
             cfg["attention_bias"] = True  # always there; its config has no field for it
         if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
             cfg["qk_norm"] = True
-        if cfg.get("model_type") in ("qwen2", "qwen3"):
+        if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
             # Qwen's window applies only with use_sliding_window, from layer max_window_layers.
             if not cfg.get("use_sliding_window"):
                 cfg["sliding_window"] = None
@@ -104,13 +106,12 @@ class LlamaForCausalLM(nnx.Module):
             return self.embed.attend(hidden)
         return self.lm_head(hidden)
 
-    @staticmethod
-    def load_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
+    @classmethod
+    def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:
         """The HF checkpoint's tensors into this module's params."""
         attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        if config.architecture == "Phi3ForCausalLM":  # saved fused, in our q|k|v, gate|up order
-            attn, gate_up = ("self_attn.qkv_proj",), ("mlp.gate_up_proj.weight",)
+        if config.architecture == "Phi3ForCausalLM":  # saved fused, in our q|k|v order
+            attn = ("self_attn.qkv_proj",)
         weights.tensor("embed.embedding", "model.embed_tokens.weight")
         weights.stacked("layers.input_norm.weight", ("input_layernorm.weight",))
         weights.stacked("layers.attn.qkv.weight", tuple(n + ".weight" for n in attn))
@@ -121,11 +122,18 @@ class LlamaForCausalLM(nnx.Module):
             weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
         weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
-        weights.stacked("layers.mlp.gate_up.weight", gate_up)
-        weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
+        cls.load_mlp_weights(config, weights)
         weights.tensor("final_norm.weight", "model.norm.weight")
         if not config.tie_word_embeddings:
             weights.tensor("lm_head.weight", "lm_head.weight")
+
+    @staticmethod
+    def load_mlp_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
+        gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        if config.architecture == "Phi3ForCausalLM":  # saved fused, in our gate|up order
+            gate_up = ("mlp.gate_up_proj.weight",)
+        weights.stacked("layers.mlp.gate_up.weight", gate_up)
+        weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
 
 
 def _normalize_phi3(cfg: dict) -> dict:

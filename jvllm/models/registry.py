@@ -14,6 +14,8 @@ _MODELS = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -25,6 +27,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
