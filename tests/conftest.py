@@ -71,13 +71,17 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt_token_ids) :].tolist()
 
 
-def _dense_causal_attn(layer, q, k, v, kv_cache, metadata):
-    """Causal attention over one sequence's T tokens; the cache is passed through untouched."""
+def _dense_causal_attn(layer, q, k, v, kv_cache, metadata, sliding_window=None):
+    """Causal attention over one sequence's T tokens (within the last `sliding_window` of them,
+    if given); the cache is passed through untouched."""
     num_tokens, num_heads, head_dim = q.shape
     k = jnp.repeat(k, num_heads // k.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
     v = jnp.repeat(v, num_heads // v.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
     scores = jnp.einsum("tnh,snh->nts", q.astype(jnp.float32), k) / np.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))  # [T, T]
+    if sliding_window is not None:
+        i, j = jnp.arange(num_tokens)[:, None], jnp.arange(num_tokens)[None, :]
+        causal = causal & (i - j < sliding_window)  # query i sees i - W < j <= i
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)  # [N, T, T]
     return jnp.einsum("nts,snh->tnh", probs, v), kv_cache
 

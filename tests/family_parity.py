@@ -68,3 +68,20 @@ def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kw
         _hf_greedy_ignoring_eos(hf_model, sharing, max_tokens)
     ], "prefix-cache hit"
     assert manager.prefix_cache_hits > hits_before
+
+
+def assert_hf_window_cuts(hf_model, prompt) -> None:
+    """HF's own logits on `prompt` change when its sliding window is widened past the prompt:
+    in the attention implementation HF runs (eager or sdpa), the window really cuts, so a
+    parity check on `prompt` checks the engine's window too."""
+    assert hf_model.config._attn_implementation in ("eager", "sdpa")
+    window = hf_model.config.sliding_window
+    assert window is not None and len(prompt) > window
+    with torch.no_grad():
+        windowed = hf_model(torch.tensor([prompt])).logits
+        hf_model.config.sliding_window = 2 * len(prompt)
+        try:
+            unwindowed = hf_model(torch.tensor([prompt])).logits
+        finally:
+            hf_model.config.sliding_window = window
+    assert not torch.allclose(windowed, unwindowed, atol=1e-3)

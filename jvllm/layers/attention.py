@@ -3,21 +3,28 @@ embeddings (none for the learned-position families), the `attn` callable (cache 
 attention), output projection."""
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.config import ModelConfig
+from jvllm.config import NO_WINDOW, ModelConfig
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary import apply_rope
 
-# attn(layer i32[], q [T, N, H], k [T, K, H], v [T, K, H], kv_cache, metadata) -> (out, kv_cache)
-AttentionFn = Callable[
-    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, jax.Array]
-]
+# attn(layer i32[], q [T, N, H], k [T, K, H], v [T, K, H], kv_cache, metadata[, sliding_window])
+#     -> (out, kv_cache)
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def layer_windows(config: ModelConfig) -> jax.Array | None:
+    """i32[L] each layer's sliding window (NO_WINDOW for a global layer), for the layer scan to
+    pass as data; None when no layer has a window, so that attention compiles without one."""
+    windows = config.layer_windows
+    if all(w is None for w in windows):
+        return None
+    return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
 
 
 class Attention(nnx.Module):
@@ -47,9 +54,11 @@ class Attention(nnx.Module):
         self.o = Linear(n * h, d, ("embed", "heads"), dtype=dtype, bias=output_bias)
         self.rope = rope
 
-    def __call__(self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn):
+    def __call__(
+        self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn, sliding_window=None
+    ):
         """x f32[T, D] (normed) -> (f32[T, D], kv_cache); cos, sin f32[T, H] (None without
-        rope)."""
+        rope); sliding_window: None (no window) or this layer's i32[] W (see layer_windows)."""
         num_tokens = x.shape[0]
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)  # [T, (N+2K)*H]
@@ -62,6 +71,7 @@ class Attention(nnx.Module):
         if self.rope:
             q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         # q/k/v leave in the model dtype: the cache they are written into has that dtype.
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
         out, kv_cache = attn(
             layer,
             q.astype(self.dtype),
@@ -69,5 +79,6 @@ class Attention(nnx.Module):
             value.astype(self.dtype),
             kv_cache,
             metadata,
+            **window,
         )  # out [T, N, H]
         return self.o(out.reshape(num_tokens, n * h)), kv_cache

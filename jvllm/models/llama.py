@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.layers.attention import Attention, AttentionFn
+from jvllm.layers.attention import Attention, AttentionFn, layer_windows
 from jvllm.layers.embedding import Embed
 from jvllm.layers.linear import Linear
 from jvllm.layers.mlp import GatedMLP
@@ -39,9 +39,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoE(config) if config.num_experts else GatedMLP(config)
 
-    def __call__(self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn):
-        """x f32[T, D] -> (x f32[T, D], kv_cache)."""
-        out, kv_cache = self.attn(self.input_norm(x), layer, cos, sin, kv_cache, metadata, attn)
+    def __call__(self, x, layer, cos, sin, window, kv_cache, metadata, attn: AttentionFn):
+        """x f32[T, D] -> (x f32[T, D], kv_cache); window: None or this layer's i32[] W."""
+        x_normed = self.input_norm(x)
+        out, kv_cache = self.attn(x_normed, layer, cos, sin, kv_cache, metadata, attn, window)
         x = x + out
         return x + self.mlp(self.post_attention_norm(x)), kv_cache
 
@@ -93,11 +94,13 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed(token_ids)  # [T, D]
         cos, sin = rope_cos_sin(positions, self.config)  # [T, H] each
 
-        def body(layer_module, carry, layer, _):
+        def body(layer_module, carry, layer, window):
             x, kv_cache = carry
-            return layer_module(x, layer, cos, sin, kv_cache, metadata, attn)
+            return layer_module(x, layer, cos, sin, window, kv_cache, metadata, attn)
 
-        x, kv_cache = scan_layers(self.layers, body, (x, kv_cache))
+        # Mistral's (and windowed Qwen2's) sliding windows, one per layer.
+        windows = layer_windows(self.config)  # i32[L] or None
+        x, kv_cache = scan_layers(self.layers, body, (x, kv_cache), per_layer=windows)
         return self.final_norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -73,7 +73,9 @@ class ModelRunner:
         # One row per running request at most, plus the shared zero row.
         self.bias_rows = BiasRows(max_num_seqs + 1, config.vocab_size, self._set_bias_row)
         self.max_logprobs = max_logprobs
-        attn = get_attention(attention_backend, sm_scale=config.head_dim**-0.5)
+        attn = get_attention(
+            attention_backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap
+        )
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
         self.step = step = functools.partial(
