@@ -1,0 +1,199 @@
+"""The Gemma family (Gemma, Gemma 2, Gemma 3 text) through the engine against HF transformers,
+and the reading of the config layouts their checkpoints ship with."""
+
+import pytest
+import transformers
+from family_parity import (
+    assert_hf_window_cuts,
+    assert_matches_hf,
+    ragged_prompts,
+    save_random_model,
+)
+
+from jvllm.config import ModelConfig
+
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "attn_implementation": "eager",  # HF applies windows and soft-caps in it (Gemma 2: only)
+}
+WINDOW = 8  # with pages of 4, the long prompts and the prefix hit leave whole pages behind
+PROMPTS = ragged_prompts(TINY["vocab_size"])
+
+
+def test_gemma_with_head_dim_256_decodes_like_hf(tmp_path):
+    config = transformers.GemmaConfig(**{**TINY, "head_dim": 256, "num_key_value_heads": 1})
+    hf_model = save_random_model(tmp_path, config)
+    assert_matches_hf(tmp_path, hf_model, PROMPTS)
+
+
+def test_gemma2_window_and_soft_caps_decode_like_hf(tmp_path):
+    """Alternate windowed layers, four norms a layer, query_pre_attn_scalar, and caps small
+    enough to bite on these random weights."""
+    config = transformers.Gemma2Config(
+        **{**TINY, "num_hidden_layers": 4},
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+    )
+    hf_model = save_random_model(tmp_path, config)
+    assert_hf_window_cuts(hf_model, PROMPTS[-1])
+    assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=4)
+
+
+def _gemma3_text(num_layers: int = 6) -> dict:
+    """Five windowed layers to one global; q/k norms; the global rope with its own base and a
+    linear factor, the windowed layers' without."""
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    return {
+        **TINY,
+        "num_hidden_layers": num_layers,
+        "head_dim": 32,
+        "sliding_window": WINDOW,
+        "rope_parameters": rope,
+    }
+
+
+def test_gemma3_local_and_global_layers_decode_like_hf(tmp_path):
+    hf_model = save_random_model(tmp_path, transformers.Gemma3TextConfig(**_gemma3_text()))
+    assert hf_model.config.layer_types[4:6] == ["sliding_attention", "full_attention"]
+    assert_hf_window_cuts(hf_model, PROMPTS[-1])
+    assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=4)
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model_like_hf(tmp_path):
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    text = _gemma3_text(num_layers=2)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, attn_implementation="eager"
+    )
+    hf_model = save_random_model(tmp_path, config)
+    assert type(hf_model).__name__ == "Gemma3ForConditionalGeneration"
+    assert_matches_hf(tmp_path, hf_model, PROMPTS[:3], max_tokens=8, block_size=4)
+
+
+# Config files as the hub's checkpoints ship them (transformers 4 layouts, defaults left out).
+GEMMA_2B = {
+    "architectures": ["GemmaForCausalLM"],
+    "head_dim": 256,
+    "hidden_act": "gelu",
+    "hidden_size": 2048,
+    "intermediate_size": 16384,
+    "model_type": "gemma",
+    "num_attention_heads": 8,
+    "num_hidden_layers": 18,
+    "num_key_value_heads": 1,
+    "rope_theta": 10000.0,
+    "vocab_size": 256000,
+}
+GEMMA_2_9B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "cache_implementation": "hybrid",
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "model_type": "gemma2",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 8,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+GEMMA_3_1B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "vocab_size": 262144,
+}
+GEMMA_3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "eos_token_id": [1, 106],
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {"model_type": "siglip_vision_model"},
+}
+
+
+def test_gemma_config_reads_its_defaults_and_tanh_gelu():
+    config = ModelConfig.from_hf_config(GEMMA_2B, "float32")
+    assert config.tie_word_embeddings and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.head_dim == 256 and config.sm_scale == 256**-0.5
+    assert config.layer_windows == (None,) * 18 and config.final_logit_softcap is None
+    exact = ModelConfig.from_hf_config({**GEMMA_2B, "hidden_activation": "gelu"}, "float32")
+    assert exact.hidden_act == "gelu"  # vLLM's rule: hidden_activation decides
+
+
+def test_gemma2_config_alternates_windows_and_caps_by_default():
+    config = ModelConfig.from_hf_config(GEMMA_2_9B, "float32")
+    assert config.layer_windows[:3] == (4096, None, 4096) and len(config.layer_windows) == 42
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert config.tie_word_embeddings and config.head_dim == 256 and config.vocab_size == 256000
+    assert config.option("post_norms") and not config.qk_norm
+    uncapped = {**GEMMA_2_9B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    config = ModelConfig.from_hf_config(uncapped, "float32")
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (None, None)
+
+
+def test_gemma3_config_reads_the_window_pattern_and_both_rope_bases():
+    config = ModelConfig.from_hf_config(GEMMA_3_1B, "float32")
+    windows = config.layer_windows
+    assert windows[:6] == (512,) * 5 + (None,) and windows[24:] == (512, 512)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling) == (1e6, 1e4, None)
+    assert config.qk_norm and config.attn_logit_softcap is None and config.head_dim == 256
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers 5"])
+def test_gemma3_multimodal_config_reads_its_text_config(layout):
+    hf_config = GEMMA_3_4B
+    if layout == "transformers 5":
+        hf_config = transformers.Gemma3Config(text_config=GEMMA_3_4B["text_config"]).to_dict()
+        hf_config["architectures"] = GEMMA_3_4B["architectures"]
+    config = ModelConfig.from_hf_config(hf_config, "bfloat16")
+    assert config.architecture == "Gemma3ForConditionalGeneration"
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (34, 2560, 262208)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (8, 4, 256)
+    assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 8.0
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    assert config.layer_windows[5] is None and config.layer_windows[4] == 1024
+    if layout == "hub":
+        assert config.eos_token_ids == (1, 106)
+
+
+def test_bidirectional_gemma3_is_rejected():
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config({**GEMMA_3_1B, "use_bidirectional_attention": True}, "float32")
