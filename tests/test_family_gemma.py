@@ -1,7 +1,9 @@
 """The Gemma family (Gemma, Gemma 2, Gemma 3 text) through the engine against HF transformers,
 and the reading of the config layouts their checkpoints ship with."""
 
+import numpy as np
 import pytest
+import torch
 import transformers
 from family_parity import (
     assert_hf_window_cuts,
@@ -10,6 +12,7 @@ from family_parity import (
     save_random_model,
 )
 
+from jvllm import LLM, SamplingParams
 from jvllm.config import ModelConfig
 
 TINY = {
@@ -35,17 +38,29 @@ def test_gemma_with_head_dim_256_decodes_like_hf(tmp_path):
 
 def test_gemma2_window_and_soft_caps_decode_like_hf(tmp_path):
     """Alternate windowed layers, four norms a layer, query_pre_attn_scalar, and caps small
-    enough to bite on these random weights."""
+    enough to bite on these random weights. The final cap keeps the argmax, so the logprobs
+    check it."""
     config = transformers.Gemma2Config(
         **{**TINY, "num_hidden_layers": 4},
         sliding_window=WINDOW,
-        query_pre_attn_scalar=24,
+        query_pre_attn_scalar=64,
         attn_logit_softcapping=3.0,
         final_logit_softcapping=5.0,
     )
     hf_model = save_random_model(tmp_path, config)
     assert_hf_window_cuts(hf_model, PROMPTS[-1])
     assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=4)
+    _assert_prompt_logprobs_match_hf(tmp_path, hf_model, PROMPTS[-1])
+
+
+def _assert_prompt_logprobs_match_hf(path, hf_model, prompt) -> None:
+    llm = LLM(str(path), dtype="float32", max_model_len=128, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    logprobs = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    engine = [logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], dim=-1).numpy()
+    np.testing.assert_allclose(engine, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
 
 
 def _gemma3_text(num_layers: int = 6) -> dict:
