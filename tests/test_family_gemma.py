@@ -53,6 +53,17 @@ def test_gemma2_window_and_soft_caps_decode_like_hf(tmp_path):
     _assert_prompt_logprobs_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
+def test_gemma2_on_the_pallas_kernels_decodes_like_hf(tmp_path):
+    """The same through both Pallas kernels (interpret mode on CPU; their pages are >= 8)."""
+    config = transformers.Gemma2Config(
+        **{**TINY, "num_hidden_layers": 2},
+        sliding_window=WINDOW,
+        attn_logit_softcapping=3.0,
+    )
+    hf_model = save_random_model(tmp_path, config)
+    assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=8, attention_backend="pallas")
+
+
 def _assert_prompt_logprobs_match_hf(path, hf_model, prompt) -> None:
     llm = LLM(str(path), dtype="float32", max_model_len=128, block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
