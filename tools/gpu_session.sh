@@ -20,6 +20,11 @@
 #                   weights of SmolLM2-135M's shapes (load_format dummy); then the tiny-2l
 #                   shape, whose device steps are so short that its figure is the host's limit
 #     engine-8b     the same on Llama-3-8B's shapes (head_dim 128, GQA 4:1)
+#     engine-gemma  issue 19: the same on Gemma 2 9B's shapes (head_dim 256, a 4096 window on
+#                   alternate layers, soft-caps); not yet run on a GPU
+#     engine-moe    issue 19: the same on Qwen3-30B-A3B's shapes (128 experts, 8 a token,
+#                   ragged_dot): 61 GB of bfloat16 weights per engine, so an H200 (kind
+#                   nvidia-h200) for jvllm and HF side by side; not yet run on a GPU
 #     engine-steps  issue 17: decode windows (k = 16) and async scheduling against k = 1, in
 #                   the same run, on the 8B and SmolLM2 shapes (default backend, no HF)
 # A step that runs out of time still leaves its log up to there; the XLA cache (~/.cache/jvllm)
@@ -100,6 +105,14 @@ engine-small)
 engine-8b)
     throughput jvllm/benchmarks/model_configs/llama-3-8b --max-model-len 2048 \
         --kv-cache-memory-bytes $((8 << 30)) 2>&1 | tee "$out/$step.log"
+    ;;
+engine-gemma)
+    throughput jvllm/benchmarks/model_configs/gemma-2-9b --max-model-len 2048 \
+        --kv-cache-memory-bytes $((8 << 30)) 2>&1 | tee "$out/$step.log"
+    ;;
+engine-moe)
+    throughput jvllm/benchmarks/model_configs/qwen3-30b-a3b --max-model-len 2048 \
+        --kv-cache-memory-bytes $((4 << 30)) 2>&1 | tee "$out/$step.log"
     ;;
 engine-steps)
     {
