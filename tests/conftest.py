@@ -6,6 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
 import contextlib
 import functools
+import gc
 import shutil
 import time
 
@@ -103,6 +104,16 @@ def dense_logits(config, params, token_ids, positions=None) -> np.ndarray:
 
     ids = jnp.asarray(token_ids, dtype=jnp.int32)
     return np.asarray(run(params, ids, jnp.asarray(positions, dtype=jnp.int32)))
+
+
+@pytest.fixture(autouse=True)
+def _free_engines_after_each_test():
+    """Collect the engines a test leaves behind. An engine's runner and its compile threads
+    refer to each other, so only the cycle collector frees it, and until then its executables
+    stay mapped: a whole run of the suite would pass vm.max_map_count (65530), where XLA's
+    next compile or cache load crashes the process."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
