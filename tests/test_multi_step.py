@@ -14,9 +14,11 @@ from jvllm import LLM, LLMEngine, SamplingParams
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 8}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engines(tiny_llama_dir):
-    """One LLM per k on the tiny model, made on first use."""
+    """One LLM per k on the tiny model, made on first use. Per test, not per module: a dozen
+    live engines (1100 memory maps each, more with Pallas in interpret mode) took a whole run
+    of the suite past vm.max_map_count; the XLA cache makes the next test's engines cheap."""
     made = {}
 
     def get(k: int | str, model: str = tiny_llama_dir, **kwargs) -> LLM:
