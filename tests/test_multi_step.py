@@ -128,7 +128,7 @@ def test_stops_inside_a_window_match_single_steps(engines):
     assert any(c[4] == stop_text for c in by_text)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def eos_model_dir(tmp_path_factory, tiny_llama_dir, engines):
     """The tiny model with its EOS id set to a token its greedy runs produce mid-way."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
