@@ -58,6 +58,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # an expert's F
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum 1
     options: tuple[tuple[str, Any], ...] = ()  # family-specific settings, (name, value) sorted
+    # > 1: this config is one device's shard of a tensor-parallel model (its heads, F and V are
+    # that device's share; distributed/tensor_parallel.py), and the row-parallel layers sum
+    # their partial outputs over the mesh's "model" axis.
+    num_shards: int = 1
 
     def __post_init__(self) -> None:
         check_supported(self.architecture)

@@ -46,6 +46,12 @@ class EngineArgs:
     # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
     # "vllm": ignore it; or a directory holding one.
     generation_config: str = "auto"
+    # Scale-out over a ("data", "model") device mesh (jvllm/distributed/): each replica's
+    # weights and KV cache cut over tensor_parallel_size devices; data_parallel_size replicas,
+    # each with its own KV pool (LLM and the server run one per rank and share the requests).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None  # the replica an LLMEngine runs; None when D = 1
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -56,6 +62,18 @@ class EngineArgs:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("num_scheduler_steps", self.num_scheduler_steps)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        rank = self.data_parallel_rank
+        if rank is not None and (
+            not isinstance(rank, int)
+            or isinstance(rank, bool)
+            or not 0 <= rank < self.data_parallel_size
+        ):
+            raise ValueError(
+                f"data_parallel_rank must be an int in [0, data_parallel_size={self.data_parallel_size}), "
+                f"got {rank!r}"
+            )
         for name in ("async_scheduling", "compile_all_buckets", "compile_in_background"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError (vLLM)

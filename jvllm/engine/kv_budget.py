@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import jax
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.tensor_parallel import shard_config
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
 
@@ -53,8 +54,17 @@ class KVBudget:
 @dataclasses.dataclass(frozen=True)
 class KVCacheSize:
     num_blocks: int  # null block included
-    num_bytes: int
+    num_bytes: int  # one device's, under tensor parallelism
     source: str
+
+    def describe(self, block_size: int, per_device: bool) -> str:
+        """For the start-up log."""
+        return (
+            f"{self.num_blocks} blocks of {block_size} tokens = "
+            f"{(self.num_blocks - 1) * block_size} tokens besides the null block "
+            f"({self.num_bytes / 2**20:.0f} MiB{' per device' if per_device else ''}, "
+            f"from {self.source})"
+        )
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:
@@ -69,13 +79,18 @@ def size_kv_cache(
     itemsize: int,
     max_model_len: int,
     probe: MemoryProbe,
+    num_shards: int = 1,
 ) -> KVCacheSize:
     """The pool's block count (null block included) for a cache of `itemsize`-byte values, and
-    where it came from.
+    where it came from. With `num_shards` tensor-parallel devices the bytes are one device's
+    (its 1/T of the KV heads); a CPU's host memory is shared by its devices, so each gets 1/T
+    of the host's budget.
 
     Raises ValueError when the budget holds less than one request of max_model_len tokens (an
     exact `num_gpu_blocks_override` is taken as given: tests use tiny pools on purpose)."""
-    bytes_per_block = kv_bytes_per_block(config, args.block_size, itemsize)
+    bytes_per_block = kv_bytes_per_block(
+        shard_config(config, num_shards), args.block_size, itemsize
+    )
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
         return KVCacheSize(
@@ -84,7 +99,13 @@ def size_kv_cache(
     pages_per_request = -(-max_model_len // args.block_size)
     needed = (pages_per_request + 1) * bytes_per_block  # one full request and the null block
     reserve = activation_reserve_bytes(config, args.max_num_batched_tokens, args.max_num_seqs)
-    budget = _budget(args, probe, reserve, needed)
+    budget = _budget(args, probe, reserve, needed * num_shards)
+    if probe.backend == "cpu" and args.kv_cache_memory_bytes is None and num_shards > 1:
+        budget = dataclasses.replace(
+            budget,
+            num_bytes=budget.num_bytes // num_shards,
+            source=f"{budget.source}; 1/{num_shards} each for the devices sharing the host",
+        )
     if budget.num_bytes < needed:
         raise ValueError(
             _too_small_message(budget, needed, bytes_per_block, args.block_size, max_model_len)

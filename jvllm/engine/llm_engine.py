@@ -9,6 +9,7 @@ from jvllm.attention.backends import default_backend
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from jvllm.engine.kv_budget import probe_memory, size_kv_cache
@@ -34,8 +35,11 @@ class LLMEngine:
         self.generation_config = load_generation_config(args.generation_config, args.model)
         enable_compilation_cache()  # before loading: its small jits are cached too
         start = time.perf_counter()
+        self.mesh = engine_mesh(
+            args.tensor_parallel_size, args.data_parallel_size, args.data_parallel_rank
+        )
         self.model_config, params, self.tokenizer = load_model(
-            args.model, args.dtype, args.load_format
+            args.model, args.dtype, args.load_format, self.mesh
         )
         self.load_seconds = time.perf_counter() - start
         config = self.model_config
@@ -48,19 +52,17 @@ class LLMEngine:
         self.model_config = config = config.for_max_model_len(self.max_model_len)
         self.attention_backend = args.attention_backend or default_backend()
         itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
-        kv_size = size_kv_cache(args, config, itemsize, self.max_model_len, probe_memory())
+        kv_size = size_kv_cache(
+            args, config, itemsize, self.max_model_len, probe_memory(), self.mesh.size
+        )
         num_blocks = kv_size.num_blocks
         logger.info(
-            "loaded %s (%s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens besides the "
-            "null block (%.0f MiB, from %s)",
+            "loaded %s (%s) in %.1fs%s; KV cache: %s",
             args.model or "the default model",
             config.dtype,
             self.load_seconds,
-            num_blocks,
-            args.block_size,
-            (num_blocks - 1) * args.block_size,
-            kv_size.num_bytes / 2**20,
-            kv_size.source,
+            describe_placement(self.mesh, params),
+            kv_size.describe(args.block_size, per_device=self.mesh.size > 1),
         )
         if self.generation_config.sampling_defaults:
             logger.info(
@@ -91,6 +93,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             num_scheduler_steps=args.num_scheduler_steps,
             async_scheduling=args.async_scheduling,
+            mesh=self.mesh,
         )
         if args.compile_all_buckets and args.compile_in_background:
             self.model_runner.compile_in_background()

@@ -28,6 +28,8 @@ _ENGINE_FLAGS = {
     "enable_chunked_prefill": {"action": argparse.BooleanOptionalAction},
     "num_scheduler_steps": {"type": int},
     "async_scheduling": {"action": argparse.BooleanOptionalAction},
+    "tensor_parallel_size": {"type": int},
+    "data_parallel_size": {"type": int},
 }
 
 

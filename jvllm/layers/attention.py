@@ -46,12 +46,24 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.dtype = dtype
         self.qkv = Linear(
-            d, (n + 2 * k) * h, ("heads", "embed"), dtype=dtype, bias=config.attention_bias
+            d,
+            (n + 2 * k) * h,
+            ("heads", "embed"),
+            dtype=dtype,
+            bias=config.attention_bias,
+            segments=((n, h), (k, h), (k, h)),
         )
         norm = lambda: RMSNorm(h, config.rms_norm_eps, "head_dim", norm_weight_offset)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
-        self.o = Linear(n * h, d, ("embed", "heads"), dtype=dtype, bias=output_bias)
+        self.o = Linear(
+            n * h,
+            d,
+            ("embed", "heads"),
+            dtype=dtype,
+            bias=output_bias,
+            num_shards=config.num_shards,
+        )
         self.rope = rope
 
     def __call__(

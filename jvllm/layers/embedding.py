@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jvllm.distributed.mesh import TP_AXIS
 from jvllm.layers.linear import dense
+from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import param
 
 
@@ -20,14 +22,24 @@ def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 class Embed(nnx.Module):
-    """embedding [V, D] in the model dtype."""
+    """embedding [V, D] in the model dtype. With `num_shards` > 1 it is one device's slice of
+    the vocabulary (rows [i*V, (i+1)*V) on device i): each device looks up the ids it holds and
+    the rows are summed over the devices."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, num_shards: int = 1):
         self.embedding = param((vocab_size, hidden_size), dtype, ("vocab", "embed"))
+        self.num_shards = num_shards
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:
         """token_ids i32[T] -> float32 [T, D]."""
-        return _take_rows(self.embedding[...], token_ids)
+        table = self.embedding[...]
+        if self.num_shards == 1:
+            return _take_rows(table, token_ids)
+        vocab = table.shape[0]
+        local = token_ids - jax.lax.axis_index(TP_AXIS) * vocab  # [T]
+        held = (local >= 0) & (local < vocab)
+        rows = _take_rows(table, jnp.where(held, local, 0)) * held[:, None]
+        return sum_over_shards(rows, self.num_shards)
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """The tied LM head: hidden [S, D] -> float32 logits [S, V]."""

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.layers.params import param
+from jvllm.layers.parallel import sum_over_shards
+from jvllm.layers.params import Segments, param
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -37,7 +38,11 @@ def _dense_one_bfloat16_row(x: jax.Array, w: jax.Array) -> jax.Array:
 
 class Linear(nnx.Module):
     """x [..., I] -> float32 [..., O]: `dense` with weight [O, I] in the model dtype (the torch
-    layout, so checkpoints load without a transpose) and an optional float32 bias [O]."""
+    layout, so checkpoints load without a transpose) and an optional float32 bias [O].
+
+    `segments` describes a fused output axis (params.py). With `num_shards` > 1 the layer is
+    row-parallel: each device holds a slice of I, and the partial products are summed over the
+    devices before the bias is added."""
 
     def __init__(
         self,
@@ -47,10 +52,13 @@ class Linear(nnx.Module):
         *,
         dtype,
         bias: bool = False,
+        segments: Segments | None = None,
+        num_shards: int = 1,
     ):
-        self.weight = param((out_features, in_features), dtype, axes)
-        self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
+        self.weight = param((out_features, in_features), dtype, axes, segments)
+        self.bias = param((out_features,), jnp.float32, axes[:1], segments) if bias else None
+        self.num_shards = num_shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = dense(x, self.weight[...])
+        y = sum_over_shards(dense(x, self.weight[...]), self.num_shards)
         return y if self.bias is None else y + self.bias[...]

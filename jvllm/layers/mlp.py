@@ -14,8 +14,8 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, config: ModelConfig):
         d, f, dtype = config.hidden_size, config.intermediate_size, jnp.dtype(config.dtype)
-        self.gate_up = Linear(d, 2 * f, ("mlp", "embed"), dtype=dtype)
-        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype)
+        self.gate_up = Linear(d, 2 * f, ("mlp", "embed"), dtype=dtype, segments=((f, 1), (f, 1)))
+        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype, num_shards=config.num_shards)
         self.act = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -29,7 +29,9 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, bias: bool):
         d, f, dtype = config.hidden_size, config.intermediate_size, jnp.dtype(config.dtype)
         self.up = Linear(d, f, ("mlp", "embed"), dtype=dtype, bias=bias)
-        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype, bias=bias)
+        self.down = Linear(
+            f, d, ("embed", "mlp"), dtype=dtype, bias=bias, num_shards=config.num_shards
+        )
         self.act = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.layers.linear import dense
+from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import param
 
 
@@ -117,12 +118,14 @@ class SparseMoE(nnx.Module):
         f = config.moe_intermediate_size or config.intermediate_size
         dtype = jnp.dtype(config.dtype)
         self.router = param((e, d), dtype, ("experts", "embed"))
-        self.gate_up = param((e, d, 2 * f), dtype, ("experts", "embed", "mlp"))
+        self.gate_up = param((e, d, 2 * f), dtype, ("experts", "embed", "mlp"), ((f, 1), (f, 1)))
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.num_shards = config.num_shards  # > 1: each device holds a slice of every expert's F
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
-        return moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])
+        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])
+        return sum_over_shards(out, self.num_shards)

@@ -26,10 +26,22 @@ AXIS_NAMES = (
 )
 
 
-def param(shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...]) -> nnx.Param:
-    """A weight of `shape` whose axes are named `axes` (one of AXIS_NAMES each)."""
+# A fused axis's pieces, in order, as (count, unit) each: q|k|v is ((N, H), (K, H), (K, H)),
+# gate|up ((F, 1), (F, 1)). Tensor parallelism cuts each piece into its shards and lays the
+# axis out shard-major (distributed/tensor_parallel.py), so that every device's slice holds its
+# own share of each piece.
+Segments = tuple[tuple[int, int], ...]
+
+
+def param(
+    shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...], segments: Segments | None = None
+) -> nnx.Param:
+    """A weight of `shape` whose axes are named `axes` (one of AXIS_NAMES each); `segments`
+    describes its fused axis (the one named "heads" or "mlp") when it concatenates pieces."""
     if len(axes) != len(shape) or not set(axes) <= set(AXIS_NAMES):
         raise ValueError(f"axes {axes} must name each of the {len(shape)} axes from {AXIS_NAMES}")
     # eager_sharding=False: the names describe the axes; they shard nothing until a mesh is
     # configured.
-    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False)
+    return nnx.Param(
+        jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False, segments=segments
+    )

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.tensor_parallel import placer
 from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jvllm.model_loader.hf import resolve_dtype
@@ -113,10 +114,12 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
     return hf_config, tensors
 
 
-def load_gguf(path: str, dtype: str = "auto") -> tuple[ModelConfig, dict]:
-    """Dequantize a Llama GGUF to float32 and fuse it; "auto" means float32 here."""
+def load_gguf(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig, dict]:
+    """Dequantize a Llama GGUF to float32 and fuse it; "auto" means float32 here. Placed on
+    `mesh` (None: JAX's default device)."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
-    return config, load_checkpoint_weights(config, lambda name: tensors[name].read())
+    get = lambda name: tensors[name].read()
+    return config, load_checkpoint_weights(config, get, placer(config, mesh))

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from jvllm.config import SUPPORTED_DTYPES, ModelConfig
+from jvllm.distributed.tensor_parallel import placer
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
 
@@ -49,8 +50,9 @@ def read_hf_config(path: str, dtype: str = "auto") -> ModelConfig:
     return ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
 
 
-def load_hf_dir(path: str, dtype: str = "auto") -> tuple[ModelConfig, dict]:
-    """Load `path/config.json` and all `path/*.safetensors` (sharded or not)."""
+def load_hf_dir(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig, dict]:
+    """Load `path/config.json` and all `path/*.safetensors` (sharded or not), placed on `mesh`
+    (None: JAX's default device)."""
     config = read_hf_config(path, dtype)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -64,4 +66,4 @@ def load_hf_dir(path: str, dtype: str = "auto") -> tuple[ModelConfig, dict]:
             raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
         return tensors[name]
 
-    return config, load_checkpoint_weights(config, get)
+    return config, load_checkpoint_weights(config, get, placer(config, mesh))

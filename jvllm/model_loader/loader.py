@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jax.sharding import Mesh
+
 from jvllm.config import ModelConfig
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 from jvllm.model_loader.dummy import dummy_params
@@ -35,7 +37,7 @@ def _load_dir_tokenizer(path: str, is_default_model: bool = False) -> Any | None
 
 
 def load_model(
-    model: str | None, dtype: str = "auto", load_format: str = "auto"
+    model: str | None, dtype: str = "auto", load_format: str = "auto", mesh: Mesh | None = None
 ) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
@@ -46,6 +48,9 @@ def load_model(
     dtype: "auto" (the checkpoint's; float32 for GGUF), "float32" or "bfloat16".
     load_format "dummy" reads only the directory's config.json (and tokenizer, if any) and draws
     random weights (see dummy.py); a directory without weights is enough.
+
+    mesh: where the params go, each device given only its slice under tensor parallelism
+    (distributed/tensor_parallel.py); None: whole on JAX's default device.
     """
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
@@ -56,8 +61,12 @@ def load_model(
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         if load_format == "dummy":
             config = read_hf_config(model, dtype)
-            return config, dummy_params(config), _load_dir_tokenizer(model, is_default_model)
-        config, params = load_hf_dir(model, dtype)
+            return (
+                config,
+                dummy_params(config, mesh=mesh),
+                _load_dir_tokenizer(model, is_default_model),
+            )
+        config, params = load_hf_dir(model, dtype, mesh)
         return config, params, _load_dir_tokenizer(model, is_default_model)
     if model.endswith(".gguf") and os.path.isfile(model):
         if load_format == "dummy":
@@ -65,7 +74,7 @@ def load_model(
                 "load_format='dummy' needs an HF model directory (its config.json), "
                 f"not a .gguf file: {model}"
             )
-        config, params = load_gguf(model, dtype)
+        config, params = load_gguf(model, dtype, mesh)
         return config, params, tokenizer_from_gguf(model)
     raise ValueError(
         f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "

@@ -32,7 +32,9 @@ class CheckpointWeights:
     models/model.py's param_shapes) from `get(name)` -> the named tensor as NumPy.
 
     Each param is built in its declared dtype one layer at a time, so the host holds at most
-    one param of the model at full precision plus one layer's float32 piece.
+    one param of the model at full precision plus one layer's float32 piece. `place(path, x)`
+    puts a finished param on its device(s): by default whole on JAX's default device; under
+    tensor parallelism each device gets only its slice (distributed/tensor_parallel.py).
     """
 
     def __init__(
@@ -41,7 +43,9 @@ class CheckpointWeights:
         shapes: dict,
         num_layers: int,
         layer_prefix: str = "model.layers.{}.",
+        place: Callable[[str, np.ndarray], jax.Array] | None = None,
     ):
+        self._place = place or (lambda path, x: jax.device_put(x, may_alias=True))
         self._get = get
         self._shapes = shapes
         self._num_layers = num_layers
@@ -74,7 +78,7 @@ class CheckpointWeights:
             raise ValueError(self._mismatch([name], [x.shape], spec.shape, transform))
         out = aligned_empty(spec.shape, spec.dtype)
         out[...] = x
-        self._set(path, jax.device_put(out, may_alias=True))
+        self._set(path, self._place(path, out))
 
     def stacked(
         self,
@@ -97,7 +101,7 @@ class CheckpointWeights:
                     self._mismatch(full_names, [p.shape for p in pieces], spec.shape[1:], transform)
                 )
             np.concatenate(pieces, axis=0, out=out[i], casting="unsafe")
-        self._set(path, jax.device_put(out, may_alias=True))
+        self._set(path, self._place(path, out))
 
     def stacked_experts(self, path: str, names: tuple[str, ...], num_experts: int) -> None:
         """The param at `path` [L, E, in, out] is, for layer i and expert j, the tensors
@@ -116,7 +120,7 @@ class CheckpointWeights:
                         self._mismatch(full_names, [p.shape for p in pieces], expected)
                     )
                 out[i, j] = np.concatenate(pieces, axis=0).T
-        self._set(path, jax.device_put(out, may_alias=True))
+        self._set(path, self._place(path, out))
 
     def params(self) -> dict:
         """The filled params dict; every declared param must have been given."""

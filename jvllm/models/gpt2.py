@@ -64,7 +64,7 @@ class GPT2LMHeadModel(nnx.Module):
     def __init__(self, config: ModelConfig):
         dtype = jnp.dtype(config.dtype)
         d = config.hidden_size
-        self.embed = Embed(config.vocab_size, d, dtype=dtype)
+        self.embed = Embed(config.vocab_size, d, dtype=dtype, num_shards=config.num_shards)
         self.positions = PositionEmbed(config.max_position_embeddings, d, dtype=dtype)
         self.layers = stacked_layers(lambda: LayerNormDecoderLayer(config), config.num_layers)
         self.final_norm = LayerNorm(d, config.rms_norm_eps)

@@ -76,7 +76,9 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: ModelConfig):
         dtype = jnp.dtype(config.dtype)
         self.config = config
-        self.embed = Embed(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed = Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, num_shards=config.num_shards
+        )
         self.layers = stacked_layers(lambda: LlamaDecoderLayer(config), config.num_layers)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (

@@ -31,11 +31,25 @@ def param_shapes(config: ModelConfig) -> dict:
 
 def param_axes(config: ModelConfig) -> dict:
     """Each param's logical axis names (layers/params.py's AXIS_NAMES), in the params' tree."""
+    return _metadata(config, "out_sharding")
+
+
+def param_segments(config: ModelConfig) -> dict:
+    """Each param's fused-axis pieces (layers/params.py's Segments), or None, in the params'
+    tree."""
+    return _metadata(config, "segments")
+
+
+def _metadata(config: ModelConfig, name: str) -> dict:
     _, state = _abstract(config)
     is_param = lambda x: isinstance(x, nnx.Variable)
-    return nnx.to_pure_dict(
-        jax.tree.map(lambda v: v.get_metadata()["out_sharding"], state, is_leaf=is_param)
-    )
+    # Wrapped in a 1-tuple, so that a None or a tuple stays one leaf of the tree.
+    boxed = jax.tree.map(lambda v: (v.get_metadata()[name],), state, is_leaf=is_param)
+    return jax.tree.map(lambda b: b[0], nnx.to_pure_dict(boxed), is_leaf=_is_box)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 1
 
 
 def _module(params: dict, config: ModelConfig) -> nnx.Module:
@@ -64,8 +78,9 @@ def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> j
     return _module(params, config).compute_logits(hidden)
 
 
-def load_checkpoint_weights(config: ModelConfig, get) -> dict:
-    """The params of `config`'s family from HF-named torch-layout tensors `get(name)`."""
-    weights = CheckpointWeights(get, param_shapes(config), config.num_layers)
+def load_checkpoint_weights(config: ModelConfig, get, place=None) -> dict:
+    """The params of `config`'s family from HF-named torch-layout tensors `get(name)`, each put
+    on its device(s) by `place(path, array)` (see CheckpointWeights)."""
+    weights = CheckpointWeights(get, param_shapes(config), config.num_layers, place=place)
     model_class(config.architecture).load_weights(config, weights)
     return weights.params()

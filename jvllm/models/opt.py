@@ -60,7 +60,7 @@ class OPTForCausalLM(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         d, e = config.hidden_size, config.option("word_embed_proj_dim")
         is_affine = config.option("layer_norm_elementwise_affine")
-        self.embed = Embed(config.vocab_size, e, dtype=dtype)
+        self.embed = Embed(config.vocab_size, e, dtype=dtype, num_shards=config.num_shards)
         self.positions = PositionEmbed(
             config.max_position_embeddings, d, dtype=dtype, offset=_POSITION_OFFSET
         )

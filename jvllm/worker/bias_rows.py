@@ -77,10 +77,11 @@ def set_row(rows: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
 
 
 class BiasRows:
-    def __init__(self, num_slots: int, vocab_size: int, set_row_fn):
-        """`set_row_fn` is the model runner's jit of `set_row`."""
+    def __init__(self, num_slots: int, vocab_size: int, set_row_fn, sharding=None):
+        """`set_row_fn` is the model runner's jit of `set_row`; `sharding`: where the rows live
+        (the runner's devices, each holding them whole)."""
         self.vocab_size = vocab_size
-        self.rows = jnp.zeros((num_slots, vocab_size), jnp.float32)  # [R, V]
+        self.rows = jnp.zeros((num_slots, vocab_size), jnp.float32, device=sharding)  # [R, V]
         self._set_row = set_row_fn
         self._free = list(range(num_slots - 1, 0, -1))
         self.num_sends = 0  # rows sent so far: a step built before a send is stale

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.tensor_parallel import num_kv_heads
 
 
 def kv_cache_dtype(model_dtype: str, attention_backend: str) -> jnp.dtype:
@@ -18,6 +19,10 @@ def kv_cache_dtype(model_dtype: str, attention_backend: str) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16)
 
 
-def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    # [L, 2, K, P, B, H]
-    return (config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+def kv_cache_shape(
+    config: ModelConfig, num_blocks: int, block_size: int, num_shards: int = 1
+) -> tuple[int, ...]:
+    """[L, 2, K, P, B, H] over all devices; K counts the repeated KV heads when a model has
+    fewer than its `num_shards` tensor-parallel devices (distributed/tensor_parallel.py)."""
+    k = num_kv_heads(config, num_shards)
+    return (config.num_layers, 2, k, num_blocks, block_size, config.head_dim)

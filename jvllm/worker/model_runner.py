@@ -8,11 +8,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from jvllm.attention.backends import get_attention
 from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.scheduler import SchedulerOutput
+from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
+from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.logger import init_logger
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
@@ -54,9 +57,14 @@ class ModelRunner:
         max_num_seqs: int = 128,
         num_scheduler_steps: int = 1,
         async_scheduling: bool = False,
+        mesh: Mesh | None = None,
     ):
+        """`params` already lie on `mesh` (the loaders place them); None: JAX's default
+        device. Every array the runner makes lies on the same devices."""
         self.config = config
         self.params = params
+        self.mesh = mesh = mesh or make_mesh()
+        num_shards = mesh.shape[TP_AXIS]
         self.block_size = block_size
         self.buckets = buckets
         self.attention_backend = attention_backend
@@ -65,13 +73,18 @@ class ModelRunner:
         chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
         self.max_pages = math.ceil(math.ceil(max_model_len / block_size) / chunk) * chunk
         self.kv_cache = jnp.zeros(
-            kv_cache_shape(config, num_blocks, block_size),
+            kv_cache_shape(config, num_blocks, block_size, num_shards),
             kv_cache_dtype(config.dtype, attention_backend),
+            device=NamedSharding(mesh, KV_CACHE_SPEC),
         )
-        self.token_cache = jnp.zeros((num_blocks, block_size), jnp.int32)  # [P, B]
+        self.token_cache = jnp.zeros(
+            (num_blocks, block_size), jnp.int32, device=replicated(mesh)
+        )  # [P, B]
         self._set_bias_row = jax.jit(set_row, donate_argnums=0)
         # One row per running request at most, plus the shared zero row.
-        self.bias_rows = BiasRows(max_num_seqs + 1, config.vocab_size, self._set_bias_row)
+        self.bias_rows = BiasRows(
+            max_num_seqs + 1, config.vocab_size, self._set_bias_row, replicated(mesh)
+        )
         self.max_logprobs = max_logprobs
         attn = get_attention(
             attention_backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap
@@ -79,7 +92,7 @@ class ModelRunner:
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
         self.step = step = functools.partial(
-            model_step, config=config, attn=attn, max_logprobs=max_logprobs
+            model_step, model=sharded_model(config, mesh, attn), max_logprobs=max_logprobs
         )
         self._step_fn = jax.jit(functools.partial(single_step, step=step), donate_argnums=(1, 2))
         # Decode windows: one more executable per decode bucket, for up to k steps a call.

@@ -4,8 +4,7 @@ ModelRunner binds its statics and jits it; the decode windows, the step run ahea
 jvllm.step_loop chain it.
 """
 
-from jvllm.config import ModelConfig
-from jvllm.models.model import compute_logits, forward
+from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.sample.sampler import sample_step
 from jvllm.worker.step_inputs import StepInputs
 
@@ -17,8 +16,7 @@ def model_step(
     bias_rows,
     inputs: StepInputs,
     *,
-    config: ModelConfig,
-    attn,
+    model: ShardedModel,
     max_logprobs: int,
 ):
     """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
@@ -27,9 +25,7 @@ def model_step(
     f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
     engine's executables drop them)."""
     md = inputs.attn
-    hidden, kv_cache = forward(
-        params, kv_cache, inputs.token_ids, inputs.positions, md, config=config, attn=attn
-    )
+    hidden, kv_cache = model.forward(params, kv_cache, inputs.token_ids, inputs.positions, md)
     num_pages, block_size = token_cache.shape
     token_cache = (
         token_cache.reshape(-1)
@@ -37,7 +33,7 @@ def model_step(
         .set(inputs.token_ids)
         .reshape(num_pages, block_size)
     )
-    logits = compute_logits(params, hidden[md.logits_indices], config=config)  # [S, V]
+    logits = model.logits(params, hidden[md.logits_indices])  # [S, V]
     out = sample_step(
         logits,
         hidden,
@@ -46,7 +42,7 @@ def model_step(
         token_cache=token_cache,
         block_tables=md.block_tables,
         seq_lens=md.seq_lens,
-        logits_fn=lambda h: compute_logits(params, h, config=config),
+        logits_fn=lambda h: model.logits(params, h),
         max_logprobs=max_logprobs,
     )
     return out, logits, kv_cache, token_cache

@@ -1,0 +1,72 @@
+"""The device mesh: axes ("data", "model") over the first D*T devices, row d the devices of
+data-parallel replica d, each row one tensor-parallel group of T devices."""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DP_AXIS = "data"
+TP_AXIS = "model"
+
+_CPU_HINT = (
+    "; on CPU, more devices come from XLA_FLAGS=--xla_force_host_platform_device_count=N, "
+    "set before JAX starts"
+)
+
+
+def make_mesh(data_parallel_size: int = 1, tensor_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh of shape [D, T] over the first D*T devices (of every process,
+    once jax.distributed is initialized)."""
+    devices = jax.devices() if devices is None else list(devices)
+    needed = data_parallel_size * tensor_parallel_size
+    if needed > len(devices):
+        platform = devices[0].platform if devices else "no"
+        raise ValueError(
+            f"data_parallel_size ({data_parallel_size}) x tensor_parallel_size "
+            f"({tensor_parallel_size}) needs {needed} devices, but {len(devices)} {platform} "
+            f"device(s) are present; lower them{_CPU_HINT if platform == 'cpu' else ''}"
+        )
+    grid = np.array(devices[:needed], dtype=object).reshape(data_parallel_size, -1)
+    return Mesh(grid, (DP_AXIS, TP_AXIS))
+
+
+def engine_mesh(
+    tensor_parallel_size: int, data_parallel_size: int, data_parallel_rank: int | None
+) -> Mesh:
+    """The [1, T] mesh one engine (one data-parallel replica) runs on."""
+    if data_parallel_size > 1 and data_parallel_rank is None:
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size}: an LLMEngine runs one replica, so it "
+            "needs data_parallel_rank; LLM(...) and `jvllm serve` run them all "
+            "(jvllm.engine.data_parallel.make_engine)"
+        )
+    mesh = make_mesh(data_parallel_size, tensor_parallel_size)
+    return replica_mesh(mesh, data_parallel_rank or 0)
+
+
+def replica_mesh(mesh: Mesh, rank: int) -> Mesh:
+    """Data-parallel replica `rank`'s own [1, T] mesh: one row of `mesh`."""
+    return Mesh(mesh.devices[rank : rank + 1], mesh.axis_names)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A whole copy of the array on every device of `mesh`."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def describe_placement(mesh: Mesh, params) -> str:
+    """For the start-up log: the devices, and each one's bytes of weights, when there are
+    several."""
+    if mesh.size == 1:
+        return ""
+    device = mesh.devices.flat[0]
+    weight_bytes = sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(params)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
+    return (
+        f" on {mesh.size} devices (tensor_parallel_size={mesh.shape[TP_AXIS]}), "
+        f"{weight_bytes / 2**20:.1f} MiB of weights per device"
+    )

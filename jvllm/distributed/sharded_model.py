@@ -1,0 +1,66 @@
+"""The model as the step calls it, on a mesh: `forward` and `logits` over the whole params.
+
+With T = 1 these are models/model.py's functions as they are. With T > 1 each runs inside
+`shard_map` over the "model" axis: every device runs `shard_config`'s model on its own slices
+of the params and of the KV cache (the attention backend, Pallas kernels included, only ever
+sees a device's local heads and pages), and the row-parallel layers all-reduce. The hidden
+states leave replicated; the LM head's vocabulary slices are all-gathered into whole logits,
+which the sampler (outside shard_map) reads on every device alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jvllm.config import ModelConfig
+from jvllm.distributed.mesh import TP_AXIS
+from jvllm.distributed.tensor_parallel import param_specs, shard_config
+from jvllm.models.model import compute_logits, forward
+
+# The KV cache [L, 2, K, P, B, H] is cut on its KV-head axis.
+KV_CACHE_SPEC = PartitionSpec(None, None, TP_AXIS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    # forward(params, kv_cache, token_ids i32[T], positions i32[T], metadata)
+    #     -> (post-norm hidden f32[T, D], kv_cache)
+    forward: Callable
+    # logits(params, hidden f32[S, D]) -> f32[S, V], whole on every device
+    logits: Callable
+
+
+def sharded_model(config: ModelConfig, mesh: Mesh, attn) -> ShardedModel:
+    num_shards = mesh.shape[TP_AXIS]
+    if num_shards == 1:
+        return ShardedModel(
+            functools.partial(forward, config=config, attn=attn),
+            functools.partial(compute_logits, config=config),
+        )
+    local = shard_config(config, num_shards)
+    specs = param_specs(config)
+    whole = PartitionSpec()
+    sharded_forward = jax.shard_map(
+        functools.partial(forward, config=local, attn=attn),
+        mesh=mesh,
+        in_specs=(specs, KV_CACHE_SPEC, whole, whole, whole),
+        out_specs=(whole, KV_CACHE_SPEC),
+        check_vma=False,
+    )
+
+    def local_logits(params, hidden):
+        logits = compute_logits(params, hidden, config=local)  # [S, V/T]
+        return jax.lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)  # [S, padded V]
+
+    gathered = jax.shard_map(
+        local_logits, mesh=mesh, in_specs=(specs, whole), out_specs=whole, check_vma=False
+    )
+    return ShardedModel(
+        sharded_forward,
+        lambda params, hidden: gathered(params, hidden)[:, : config.vocab_size],
+    )

@@ -1,0 +1,161 @@
+"""Tensor parallelism (Megatron's layout) over the mesh's "model" axis of T devices.
+
+Each device holds 1/T of every sharded weight: q|k|v and gate|up column-parallel (cut on their
+output axis), o and down row-parallel (cut on their input axis; the layer all-reduces its
+partial outputs, layers/parallel.py), the embedding and an untied LM head cut on the vocabulary
+(padded to a multiple of T), and the KV cache cut on its KV-head axis. Everything else (norms,
+routers, position tables) is replicated.
+
+A fused axis is laid out shard-major (params.py's Segments): device i's slice of q|k|v holds its
+N/T query heads, then its K/T KV heads of k and of v, so that the slice is exactly the
+q|k|v weight of `shard_config`'s model, the per-device module `shard_map` runs. With fewer KV
+heads than devices (K < T, T a multiple of K), KV head j is repeated on the T/K devices whose
+query heads use it, as vLLM does: every device holds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jvllm.config import ModelConfig
+from jvllm.distributed.mesh import TP_AXIS
+from jvllm.models.model import param_axes, param_segments, param_shapes
+
+# Logical axis names (layers/params.py) -> the mesh axis that cuts them; the rest replicate.
+AXIS_RULES = {"heads": TP_AXIS, "kv_heads": TP_AXIS, "mlp": TP_AXIS, "vocab": TP_AXIS}
+
+
+def check_tensor_parallel(config: ModelConfig, num_shards: int) -> None:
+    """Raise ValueError, naming the numbers, unless `config` splits over `num_shards` devices."""
+    if num_shards == 1:
+        return
+    t, k = num_shards, config.num_kv_heads
+    problems = []
+    if config.num_heads % t:
+        problems.append(f"the {config.num_heads} query heads")
+    if k % t and t % k:
+        problems.append(
+            f"the {k} KV heads (with fewer KV heads than devices, tensor_parallel_size must be "
+            "a multiple of them, each then repeated on tensor_parallel_size / K devices)"
+        )
+    if not config.num_experts and config.intermediate_size % t:
+        problems.append(f"the MLP's intermediate size {config.intermediate_size}")
+    if config.num_experts and config.moe_intermediate_size % t:
+        problems.append(f"each expert's intermediate size {config.moe_intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={t} does not divide {' nor '.join(problems)} of "
+            f"{config.architecture}; choose a tensor_parallel_size that does"
+        )
+
+
+def num_kv_heads(config: ModelConfig, num_shards: int) -> int:
+    """The KV heads the cache holds over all devices: K, or T when K < T (repeated heads)."""
+    return max(config.num_kv_heads, num_shards)
+
+
+def shard_config(config: ModelConfig, num_shards: int) -> ModelConfig:
+    """The model one device runs: its share of the heads, of F and of the (padded) vocabulary."""
+    if num_shards == 1:
+        return config
+    check_tensor_parallel(config, num_shards)
+    t = num_shards
+    return dataclasses.replace(
+        config,
+        vocab_size=math.ceil(config.vocab_size / t),
+        intermediate_size=config.intermediate_size // t if not config.num_experts else 0,
+        moe_intermediate_size=config.moe_intermediate_size // t,
+        num_heads=config.num_heads // t,
+        num_kv_heads=num_kv_heads(config, t) // t,
+        num_shards=t,
+    )
+
+
+def param_specs(config: ModelConfig) -> dict:
+    """Each param's PartitionSpec over the mesh, in the params' tree."""
+    return jax.tree.map(
+        lambda axes: PartitionSpec(*(AXIS_RULES.get(a) for a in axes)),
+        param_axes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def sharded_param_shapes(config: ModelConfig, num_shards: int) -> dict:
+    """The params as the mesh holds them (T devices' slices side by side), as ShapeDtypeStructs:
+    the checkpoint's shapes, with K repeated up to T and the vocabulary padded."""
+    local = param_shapes(shard_config(config, num_shards))
+
+    def whole(spec: jax.ShapeDtypeStruct, pspec: PartitionSpec) -> jax.ShapeDtypeStruct:
+        shape = tuple(n * num_shards if p else n for n, p in zip(spec.shape, pspec))
+        return jax.ShapeDtypeStruct(shape, spec.dtype)
+
+    return jax.tree.map(whole, local, param_specs(config))
+
+
+def shard_layout(
+    x: np.ndarray, axes: tuple[str, ...], segments, num_shards: int, shape: tuple[int, ...]
+) -> np.ndarray:
+    """A checkpoint-layout param -> its mesh layout of `shape` (see the module docstring):
+    vocabulary rows padded with zeros, fused pieces cut shard-major, KV heads repeated."""
+    cut = [i for i, a in enumerate(axes) if AXIS_RULES.get(a)]
+    if num_shards == 1 or not cut:
+        return x
+    (axis,) = cut
+    if axes[axis] == "vocab":
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, shape[axis] - x.shape[axis])
+        return np.pad(x, pad)
+    if segments is None:
+        return x
+    bounds = np.cumsum([count * unit for count, unit in segments])[:-1]
+    per_shard: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    for (count, _), piece in zip(segments, np.split(x, bounds, axis=axis)):
+        if count >= num_shards:
+            chunks = np.split(piece, num_shards, axis=axis)
+        else:  # fewer KV heads than devices: device s holds head s*K/T
+            heads = np.split(piece, count, axis=axis)
+            chunks = [heads[s * count // num_shards] for s in range(num_shards)]
+        for s, chunk in enumerate(chunks):
+            per_shard[s].append(chunk)
+    out = np.concatenate([np.concatenate(p, axis=axis) for p in per_shard], axis=axis)
+    assert out.shape == shape, (out.shape, shape)
+    return out
+
+
+class ParamPlacer:
+    """`place(path, host array)` -> the param on `mesh`, each device given only its slice
+    (jax.make_array_from_callback): what CheckpointWeights calls for every param it builds."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh):
+        self._num_shards = mesh.shape[TP_AXIS]
+        check_tensor_parallel(config, self._num_shards)
+        self._mesh = mesh
+        self._axes = param_axes(config)
+        self._segments = param_segments(config)
+        self._specs = param_specs(config)
+        self._shapes = sharded_param_shapes(config, self._num_shards)
+
+    def __call__(self, path: str, x: np.ndarray) -> jax.Array:
+        keys = path.split(".")
+        axes, segments, spec, shape = (
+            _lookup(tree, keys) for tree in (self._axes, self._segments, self._specs, self._shapes)
+        )
+        host = shard_layout(x, axes, segments, self._num_shards, shape.shape)
+        sharding = NamedSharding(self._mesh, spec)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def placer(config: ModelConfig, mesh: Mesh | None) -> ParamPlacer | None:
+    """What a loader places `config`'s params with on `mesh` (None: JAX's default device)."""
+    return None if mesh is None else ParamPlacer(config, mesh)
+
+
+def _lookup(tree: dict, keys: list[str]):
+    for key in keys:
+        tree = tree[key]
+    return tree

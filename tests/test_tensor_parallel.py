@@ -1,0 +1,169 @@
+"""Tensor parallelism on the 8 fake CPU devices conftest.py asks XLA for: the same tokens as one
+device, each device holding 1/T of the weights and of the KV cache, and the step's collectives
+what the Megatron layout implies."""
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from family_parity import ragged_prompts, save_random_model
+
+from jvllm import LLM, SamplingParams
+from jvllm.distributed.tensor_parallel import shard_layout
+
+ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
+VOCAB = 1001  # not a multiple of T: the sharded vocabulary is padded
+
+
+def _llama(path, num_kv_heads: int, tie: bool) -> str:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=num_kv_heads,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    )
+    save_random_model(str(path), config)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def kv2_dir(tmp_path_factory):
+    """8 query heads, 2 KV heads: T = 4 and 8 repeat each KV head; tied embeddings."""
+    return _llama(tmp_path_factory.mktemp("tp_kv2"), 2, tie=True)
+
+
+@pytest.fixture(scope="module")
+def kv8_dir(tmp_path_factory):
+    """8 query and 8 KV heads, an LM head of its own."""
+    return _llama(tmp_path_factory.mktemp("tp_kv8"), 8, tie=False)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The T = 1 engines the sharded ones are compared with, one per model and setting."""
+    return functools.cache(lambda path, **kwargs: LLM(path, **ENGINE_KWARGS, **kwargs))
+
+
+def _summary(llm: LLM, params: SamplingParams, prompts) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks  # every block came back
+    return [(c.token_ids, c.finish_reason) for o in outputs for c in o.outputs]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Chunked prefill (a 45-token prompt over 32-token steps), then a second batch whose prompts
+# share the first's prefixes (prefix-cache hits).
+PROMPTS = ragged_prompts(VOCAB)
+SHARED = [p + [7, 8, 9] for p in PROMPTS[2:]]
+
+
+@pytest.mark.parametrize(("model", "t"), [("kv2", 2), ("kv2", 4), ("kv2", 8), ("kv8", 8)])
+def test_greedy_matches_one_device(request, one_device, model, t):
+    path = request.getfixturevalue(f"{model}_dir")
+    expected = one_device(path)
+    sharded = LLM(path, tensor_parallel_size=t, **ENGINE_KWARGS)
+    for prompts in (PROMPTS, SHARED):
+        assert _summary(sharded, GREEDY, prompts) == _summary(expected, GREEDY, prompts)
+    assert sharded.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits > 0
+
+
+def test_preempted_requests_match_one_device(kv2_dir, one_device):
+    """A pool of 12 blocks for five requests: some are preempted and recomputed."""
+    kwargs = {**ENGINE_KWARGS, "num_gpu_blocks_override": 12}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = _summary(one_device(kv2_dir, num_gpu_blocks_override=12), params, PROMPTS)
+    sharded = LLM(kv2_dir, tensor_parallel_size=4, **kwargs)
+    assert _summary(sharded, params, PROMPTS) == expected
+    assert sharded.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_seeded_sampling_matches_one_device(kv8_dir, one_device):
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=7, n=2)
+    expected = _summary(one_device(kv8_dir), params, PROMPTS[:3])
+    assert _summary(LLM(kv8_dir, tensor_parallel_size=4, **ENGINE_KWARGS), params, PROMPTS[:3]) == (
+        expected
+    )
+
+
+def test_pallas_backend_matches_one_device(kv2_dir, one_device):
+    kwargs = {**ENGINE_KWARGS, "attention_backend": "pallas"}
+    expected = _summary(one_device(kv2_dir), GREEDY, PROMPTS[:3])
+    assert _summary(LLM(kv2_dir, tensor_parallel_size=2, **kwargs), GREEDY, PROMPTS[:3]) == (
+        expected
+    )
+
+
+def _local_shapes(array: jax.Array) -> set:
+    return {shard.data.shape for shard in array.addressable_shards}
+
+
+def test_each_device_holds_its_slice(kv2_dir):
+    runner = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS).llm_engine.model_runner
+    layers = runner.params["layers"]
+    # [L, (N + 2K) H, D] with 2 query heads and the 1 (repeated) KV head of each device.
+    assert _local_shapes(layers["attn"]["qkv"]["weight"]) == {(2, (2 + 2) * 16, 64)}
+    assert _local_shapes(layers["attn"]["o"]["weight"]) == {(2, 64, 2 * 16)}
+    assert _local_shapes(layers["mlp"]["gate_up"]["weight"]) == {(2, 2 * 24, 64)}
+    assert _local_shapes(layers["mlp"]["down"]["weight"]) == {(2, 64, 24)}
+    assert _local_shapes(runner.params["embed"]["embedding"]) == {(251, 64)}  # 1004 / 4 rows
+    assert _local_shapes(layers["input_norm"]["weight"]) == {(2, 64)}  # replicated
+    num_blocks = runner.kv_cache.shape[3]
+    assert _local_shapes(runner.kv_cache) == {(2, 2, 1, num_blocks, 16, 16)}
+    assert len(runner.kv_cache.addressable_shards) == 4
+
+
+def test_step_has_the_layouts_collectives(kv2_dir):
+    """Per layer, one all-reduce after o and one after down (the layer scan's body holds them
+    once), one for the embedding lookup; one all-gather of the logits, and one more in the
+    prompt-logprobs branch; nothing else."""
+    runner = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS).llm_engine.model_runner
+    for shape in runner.all_shapes()[:2]:
+        text = runner._compiled.wait(shape).as_text()
+        ops = re.findall(r"= \S+ ([a-z-]+?)(?:-start)?\(", text)
+        collectives = sorted(op for op in ops if op.startswith(("all-", "collective", "reduce-s")))
+        assert collectives == ["all-gather"] * 2 + ["all-reduce"] * 3
+
+
+def test_shard_layout_puts_each_devices_heads_together():
+    """q|k|v of 4 query heads and 2 KV heads (H = 1) over 4 devices: device i holds query head
+    i, then KV head i // 2 of k and of v."""
+    q, k, v = np.arange(4), 10 + np.arange(2), 20 + np.arange(2)
+    fused = np.concatenate([q, k, v])[:, None]  # [(N + 2K) H, D = 1]
+    laid_out = shard_layout(fused, ("heads", "embed"), ((4, 1), (2, 1), (2, 1)), 4, (12, 1))
+    assert laid_out[:, 0].tolist() == [0, 10, 20, 1, 10, 20, 2, 11, 21, 3, 11, 21]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 does not divide the 8 query heads"),
+        ({"tensor_parallel_size": 16}, r"needs 16 devices, but 8 cpu device\(s\) are present"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
+    ],
+)
+def test_bad_sizes_are_refused(kv8_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(kv8_dir, **ENGINE_KWARGS, **kwargs)
+
+
+def test_three_kv_heads_do_not_split_over_two(tmp_path):
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+    )
+    save_random_model(str(tmp_path), config)
+    with pytest.raises(ValueError, match="does not divide the 3 KV heads"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_KWARGS)
