@@ -43,6 +43,7 @@ import numpy as np
 
 from jvllm.core.decode_window import fits_window, window_limit
 from jvllm.core.request import Request
+from jvllm.engine.data_parallel import DataParallelEngine
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.sample.metadata import SamplerOutput
@@ -84,6 +85,11 @@ class StepLoop:
 
     def __init__(self, llm):
         self.engine: LLMEngine = getattr(llm, "llm_engine", llm)
+        if isinstance(self.engine, DataParallelEngine):
+            raise ValueError(  # noqa: TRY004 - a bad setting of the engine, as vLLM reports it
+                "the step loop drives one engine replica: build the LLM with "
+                "data_parallel_size=1 (tensor_parallel_size may be any)"
+            )
         self._runner = self.engine.model_runner
         self._requests: list[Request] = []  # every prompt's request, in prompt order
         self._rows: list[Request] = []  # the requests still decoding after prefill, row order

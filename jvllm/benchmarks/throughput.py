@@ -22,7 +22,9 @@ import jax
 import numpy as np
 
 from jvllm import LLM, SamplingParams
+from jvllm.distributed.mesh import ensure_cpu_devices
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.engine.data_parallel import replicas
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.model_loader.loader import LOAD_FORMATS
 
@@ -58,20 +60,26 @@ def median_time(fn, num_iters: int) -> float:
 def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, float, float]:
     """Medians over num_iters generates of (wall, dispatch, device wait) seconds; the last two
     are the model runner's counters (ModelRunner.dispatch_seconds, device_wait_seconds)."""
-    runner = llm.llm_engine.model_runner
+    runners = [replica.model_runner for replica in replicas(llm.llm_engine)]
     walls, dispatches, waits = [], [], []
     for _ in range(num_iters):
-        dispatch, wait = runner.dispatch_seconds, runner.device_wait_seconds
+        dispatch = sum(r.dispatch_seconds for r in runners)
+        wait = sum(r.device_wait_seconds for r in runners)
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - start)
-        dispatches.append(runner.dispatch_seconds - dispatch)
-        waits.append(runner.device_wait_seconds - wait)
+        dispatches.append(sum(r.dispatch_seconds for r in runners) - dispatch)
+        waits.append(sum(r.device_wait_seconds for r in runners) - wait)
     return statistics.median(walls), statistics.median(dispatches), statistics.median(waits)
 
 
 def bench_jvllm(
-    args, prompt_sets, num_scheduler_steps: int = 1, async_scheduling: bool = False
+    args,
+    prompt_sets,
+    num_scheduler_steps: int = 1,
+    async_scheduling: bool = False,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> dict:
     start = time.perf_counter()
     llm = LLM(
@@ -86,9 +94,12 @@ def bench_jvllm(
         compile_all_buckets=True,  # no compile inside the timed runs
         num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
+    runners = [replica.model_runner for replica in replicas(engine)]
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -127,10 +138,10 @@ def bench_jvllm(
         "tok_s": args.num_prompts * args.output_len / elapsed,
         "elapsed": elapsed,
         "startup": startup,
-        "load": engine.load_seconds,
-        "compile": engine.model_runner.compile_seconds,
-        "warmup": engine.model_runner.warmup_seconds,
-        "num_compilations": engine.model_runner.num_compilations,
+        "load": sum(replica.load_seconds for replica in replicas(engine)),
+        "compile": sum(r.compile_seconds for r in runners),
+        "warmup": sum(r.warmup_seconds for r in runners),
+        "num_compilations": sum(r.num_compilations for r in runners),
         "batch1_decode_tok_s": 1 / step[0],
         "batch1_step_split_ms": (1e3 * step[1], 1e3 * step[2], 1e3 * (step[0] - step[1] - step[2])),
         "vocab_size": engine.model_config.vocab_size,
@@ -214,8 +225,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true")
 
 
-def _setting_name(num_scheduler_steps: int, async_scheduling: bool) -> str:
-    return f"[k={num_scheduler_steps}{', async' if async_scheduling else ''}]"
+def _setting_name(num_scheduler_steps: int, async_scheduling: bool, tp: int, dp: int) -> str:
+    mesh = (f", T={tp}" if tp > 1 else "") + (f", D={dp}" if dp > 1 else "")
+    return f"[k={num_scheduler_steps}{', async' if async_scheduling else ''}{mesh}]"
 
 
 def _print_jvllm(label: str, ours: dict) -> None:
@@ -251,6 +263,14 @@ def main(argv=None) -> None:
         action="store_true",
         help="also run jvllm with asynchronous scheduling, against it off",
     )
+    for name in ("--tensor-parallel-size", "--data-parallel-size"):
+        parser.add_argument(
+            name,
+            type=int,
+            default=1,
+            help="> 1: also run jvllm over a device mesh, against one device (on a CPU, fake "
+            "devices that share its cores: the figure says little)",
+        )
     # Sampling features whose cost to measure (off by default: the plain greedy path).
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -262,11 +282,22 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
-    chosen = (args.num_scheduler_steps, args.async_scheduling)
+    chosen = (
+        args.num_scheduler_steps,
+        args.async_scheduling,
+        args.tensor_parallel_size,
+        args.data_parallel_size,
+    )
     try:  # the engine's own checks of the setting, before the minutes of the baseline's run
-        EngineArgs(num_scheduler_steps=chosen[0], async_scheduling=chosen[1])
+        EngineArgs(
+            num_scheduler_steps=chosen[0],
+            async_scheduling=chosen[1],
+            tensor_parallel_size=chosen[2],
+            data_parallel_size=chosen[3],
+        )
     except ValueError as e:
         parser.error(str(e))
+    ensure_cpu_devices(args.tensor_parallel_size * args.data_parallel_size)
     if not args.skip_hf:
         require_hf()
 
@@ -282,7 +313,7 @@ def main(argv=None) -> None:
         for i in range(args.num_iters)
     ]
     # The engine as it is, then (when set) with the scheduling options, each on its own engine.
-    settings = [(1, False)] + ([chosen] if chosen != (1, False) else [])
+    settings = [(1, False, 1, 1)] + ([chosen] if chosen != (1, False, 1, 1) else [])
     runs = [(_setting_name(*s), bench_jvllm(args, prompt_sets, *s)) for s in settings]
     extras = [
         f"{name}={getattr(args, name)}"

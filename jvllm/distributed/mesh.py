@@ -1,6 +1,8 @@
 """The device mesh: axes ("data", "model") over the first D*T devices, row d the devices of
 data-parallel replica d, each row one tensor-parallel group of T devices."""
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -12,6 +14,14 @@ _CPU_HINT = (
     "; on CPU, more devices come from XLA_FLAGS=--xla_force_host_platform_device_count=N, "
     "set before JAX starts"
 )
+
+
+def ensure_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` CPU devices (for scripts run on a CPU with fake devices); only
+    before JAX starts its backends, and only the CPU platform reads it."""
+    if count > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def make_mesh(data_parallel_size: int = 1, tensor_parallel_size: int = 1, devices=None) -> Mesh:

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
@@ -84,7 +85,10 @@ class AsyncLLM:
     """
 
     def __init__(
-        self, engine: LLMEngine, stat_loggers: list[Any] | None = None, log_stats: bool = False
+        self,
+        engine: LLMEngine | DataParallelEngine,
+        stat_loggers: list[Any] | None = None,
+        log_stats: bool = False,
     ):
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
@@ -104,7 +108,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs) -> AsyncLLM:
-        return cls(LLMEngine(model, **kwargs))
+        return cls(make_engine(model, **kwargs))
 
     @property
     def is_running(self) -> bool:
@@ -174,7 +178,8 @@ class AsyncLLM:
         """Stop the engine thread; unfinished requests get an `EngineDeadError`."""
         self._shutdown = True
         self._wakeup.set()
-        self.engine.model_runner.cancel_compiles()
+        for replica in replicas(self.engine):
+            replica.model_runner.cancel_compiles()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -287,17 +292,18 @@ class AsyncLLM:
         return self.engine.has_request(request_id)
 
     def _snapshot(self) -> SchedulerStats:
-        scheduler = self.engine.scheduler
-        kv = scheduler.kv_cache_manager
+        """Summed over the data-parallel replicas (KV usage: their mean)."""
+        schedulers = [replica.scheduler for replica in replicas(self.engine)]
+        kvs = [s.kv_cache_manager for s in schedulers]
         return SchedulerStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=scheduler.num_preemptions_total,
-            num_prompt_tokens=scheduler.num_prompt_tokens_total,
-            num_generation_tokens=scheduler.num_generation_tokens_total,
+            num_running=sum(len(s.running) for s in schedulers),
+            num_waiting=sum(len(s.waiting) for s in schedulers),
+            kv_cache_usage=sum(kv.usage for kv in kvs) / len(kvs),
+            prefix_cache_queries=sum(kv.prefix_cache_queries for kv in kvs),
+            prefix_cache_hits=sum(kv.prefix_cache_hits for kv in kvs),
+            num_preemptions=sum(s.num_preemptions_total for s in schedulers),
+            num_prompt_tokens=sum(s.num_prompt_tokens_total for s in schedulers),
+            num_generation_tokens=sum(s.num_generation_tokens_total for s in schedulers),
         )
 
     def _deliver_many(self, pairs: list[tuple[_Stream, RequestOutput]], now: float) -> None:

@@ -15,6 +15,7 @@ from jvllm.engine.input_processor import PromptType, tokenize_prompt, validate_r
 from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
+from jvllm.engine.start_up import compile_up_front
 from jvllm.logger import init_logger
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
@@ -95,22 +96,9 @@ class LLMEngine:
             async_scheduling=args.async_scheduling,
             mesh=self.mesh,
         )
-        if args.compile_all_buckets and args.compile_in_background:
-            self.model_runner.compile_in_background()
-            logger.info(
-                "ready after %.1fs of loading; compiling %d executables in the background",
-                self.load_seconds,
-                len(self.model_runner.all_shapes()),
-            )
-        elif args.compile_all_buckets:
-            compile_seconds = self.model_runner.compile_all()
-            logger.info(
-                "ready in %.1fs: load %.1fs, compile %.1fs (%d executables), warm-up %.1fs",
-                time.perf_counter() - start,
-                self.load_seconds,
-                compile_seconds,
-                self.model_runner.num_compilations,
-                self.model_runner.warmup_seconds,
+        if args.compile_all_buckets:
+            compile_up_front(
+                self.model_runner, args.compile_in_background, start, self.load_seconds
             )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_rng = np.random.default_rng(args.seed)

@@ -5,8 +5,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jvllm.engine.data_parallel import make_engine, replicas
 from jvllm.engine.input_processor import PromptType
-from jvllm.engine.llm_engine import LLMEngine
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, render_conversation
 from jvllm.outputs import BeamSearchOutput, RequestOutput
@@ -21,7 +21,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.llm_engine = LLMEngine(model, **kwargs)
+        # data_parallel_size > 1: replicas behind one front end (engine/data_parallel.py).
+        self.llm_engine = make_engine(model, **kwargs)
         self._request_counter = 0
 
     def get_tokenizer(self):
@@ -111,8 +112,10 @@ class LLM:
             dynamic_ncols=True,
         )
         num_output_tokens = 0
-        runner = engine.model_runner
-        compile_wait_start = runner.compile_wait_seconds
+        runners = [replica.model_runner for replica in replicas(engine)]
+        # Replicas step side by side: the longest of their waits is what delayed the outputs.
+        compile_wait = lambda: max(r.compile_wait_seconds for r in runners)
+        compile_wait_start = compile_wait()
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
@@ -121,7 +124,7 @@ class LLM:
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)
                         # The rate leaves out the time steps waited for compiles.
-                        compiling = runner.compile_wait_seconds - compile_wait_start
+                        compiling = compile_wait() - compile_wait_start
                         elapsed = max(progress.format_dict["elapsed"] - compiling, 1e-9)
                         progress.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} tok/s")
         except BaseException:

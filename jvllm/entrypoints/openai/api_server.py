@@ -195,7 +195,7 @@ def build_server_engine(
     **engine_kwargs,
 ):
     """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords."""
-    from jvllm.engine.llm_engine import LLMEngine
+    from jvllm.engine.data_parallel import make_engine
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
     name = served_model_name or model or DEFAULT_MODEL
@@ -203,7 +203,7 @@ def build_server_engine(
     # most for its own bucket's compile, and none once all are done.
     engine_kwargs.setdefault("compile_all_buckets", True)
     engine_kwargs.setdefault("compile_in_background", True)
-    engine = AsyncLLM(LLMEngine(model, **engine_kwargs), log_stats=log_stats)
+    engine = AsyncLLM(make_engine(model, **engine_kwargs), log_stats=log_stats)
     metrics = ServingMetrics(engine, name)
     engine.stat_loggers.append(metrics)
     return engine, metrics, name

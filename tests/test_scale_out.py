@@ -1,7 +1,8 @@
-"""Tensor parallelism on the 8 fake CPU devices conftest.py asks XLA for: the same tokens as one
-device, each device holding 1/T of the weights and of the KV cache, and the step's collectives
-what the Megatron layout implies."""
+"""Tensor and data parallelism on the 8 fake CPU devices conftest.py asks XLA for: the same
+tokens as one device, each device holding 1/T of the weights and of the KV cache, the step's
+collectives what the Megatron layout implies, and D replicas sharing the requests."""
 
+import asyncio
 import functools
 import re
 
@@ -11,8 +12,10 @@ import pytest
 import transformers
 from family_parity import ragged_prompts, save_random_model
 
-from jvllm import LLM, SamplingParams
+from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.tensor_parallel import shard_layout
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.data_parallel import replicas
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
 VOCAB = 1001  # not a multiple of T: the sharded vocabulary is padded
@@ -54,8 +57,9 @@ def one_device():
 
 def _summary(llm: LLM, params: SamplingParams, prompts) -> list:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    manager = llm.llm_engine.scheduler.kv_cache_manager
-    assert manager.num_free_blocks == manager.num_usable_blocks  # every block came back
+    for replica in replicas(llm.llm_engine):
+        manager = replica.scheduler.kv_cache_manager
+        assert manager.num_free_blocks == manager.num_usable_blocks  # every block came back
     return [(c.token_ids, c.finish_reason) for o in outputs for c in o.outputs]
 
 
@@ -147,7 +151,15 @@ def test_shard_layout_puts_each_devices_heads_together():
     [
         ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 does not divide the 8 query heads"),
         ({"tensor_parallel_size": 16}, r"needs 16 devices, but 8 cpu device\(s\) are present"),
+        (
+            {"tensor_parallel_size": 4, "data_parallel_size": 4},
+            r"data_parallel_size \(4\) x tensor_parallel_size \(4\) needs 16 devices",
+        ),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
+        (
+            {"data_parallel_size": 2, "data_parallel_rank": 1},
+            "the data-parallel front end runs them all, so leave it unset",
+        ),
     ],
 )
 def test_bad_sizes_are_refused(kv8_dir, kwargs, message):
@@ -167,3 +179,45 @@ def test_three_kv_heads_do_not_split_over_two(tmp_path):
     save_random_model(str(tmp_path), config)
     with pytest.raises(ValueError, match="does not divide the 3 KV heads"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_KWARGS)
+
+
+def test_data_parallel_replicas_share_requests_and_match_one_device(kv2_dir, one_device):
+    """D = 2 x T = 2: requests alternate between the idle replicas, each prefix-cache hit is
+    found within the replica that holds the prefix, and the tokens are one device's."""
+    llm = LLM(kv2_dir, tensor_parallel_size=2, data_parallel_size=2, **ENGINE_KWARGS)
+    for prompts in (PROMPTS, SHARED):
+        assert _summary(llm, GREEDY, prompts) == _summary(one_device(kv2_dir), GREEDY, prompts)
+    engines = llm.llm_engine.replicas
+    assert [r.mesh.devices.flatten().tolist() for r in engines] == [
+        jax.devices()[0:2],
+        jax.devices()[2:4],
+    ]
+    assert all(r.scheduler.num_prompt_tokens_total > 0 for r in engines)
+    # Idle replicas take requests in turn, so each shared prompt went to the replica that
+    # served its prefix, and hit that prefix's whole blocks (16 + 16 + 32 tokens).
+    assert sum(r.scheduler.kv_cache_manager.prefix_cache_hits for r in engines) == 64
+
+
+def test_an_llm_engine_runs_one_replica(kv8_dir):
+    with pytest.raises(ValueError, match="an LLMEngine runs one replica, so it needs"):
+        LLMEngine(kv8_dir, data_parallel_size=2, **ENGINE_KWARGS)
+
+
+def test_async_engine_streams_from_data_parallel_replicas(kv2_dir, one_device):
+    expected = _summary(one_device(kv2_dir), GREEDY, PROMPTS)
+    llm = AsyncLLM.from_engine_args(kv2_dir, data_parallel_size=2, **ENGINE_KWARGS)
+
+    async def one(i, prompt):
+        outputs = [o async for o in llm.generate({"prompt_token_ids": prompt}, GREEDY, f"r{i}")]
+        return outputs[-1].outputs[0]
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        finals = asyncio.run(main())
+        assert [(c.token_ids, c.finish_reason) for c in finals] == expected
+        assert llm.stats.num_running == 0
+        assert llm.stats.num_prompt_tokens == sum(len(p) for p in PROMPTS)
+    finally:
+        llm.shutdown()

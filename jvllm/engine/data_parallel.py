@@ -1,0 +1,114 @@
+"""Data parallelism: D engine replicas behind one front end (vLLM's DP, in one process).
+
+Replica r is an LLMEngine on row r of the ("data", "model") mesh: its own T devices, weights
+and KV pool, scheduler and prefix cache. The front end sends each new request to the least
+loaded replica (fewest unfinished requests, the lowest rank on a tie) and steps every busy
+replica at once, each in its own thread: a replica's host work and device calls release the
+GIL while XLA runs, so the replicas' devices work side by side.
+
+`make_engine` is what LLM and the server construct: an LLMEngine when D = 1, else this.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.logger import init_logger
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+def make_engine(model: str | None = None, **kwargs) -> LLMEngine | DataParallelEngine:
+    args = EngineArgs(model=model, **kwargs)  # every option checked before any replica loads
+    if args.data_parallel_size == 1:
+        return LLMEngine(model, **kwargs)
+    return DataParallelEngine(model, **kwargs)
+
+
+def replicas(engine: LLMEngine | DataParallelEngine) -> list[LLMEngine]:
+    """The LLMEngines that `engine` runs: itself, or its data-parallel replicas."""
+    return engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
+
+
+class DataParallelEngine:
+    """LLMEngine's request API over `data_parallel_size` replicas."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.args = EngineArgs(model=model, **kwargs)
+        if self.args.data_parallel_rank is not None:
+            raise ValueError(
+                "data_parallel_rank picks the one replica an LLMEngine runs; the "
+                "data-parallel front end runs them all, so leave it unset"
+            )
+        size = self.args.data_parallel_size
+        self.replicas = [LLMEngine(model, **kwargs, data_parallel_rank=r) for r in range(size)]
+        first = self.replicas[0]
+        # What every replica shares: the model, its tokenizer and limits.
+        self.model_config = first.model_config
+        self.tokenizer = first.tokenizer
+        self.generation_config = first.generation_config
+        self.max_model_len = first.max_model_len
+        self._replica_of: dict[str, LLMEngine] = {}
+        self._pool = ThreadPoolExecutor(size, thread_name_prefix="jvllm-dp")
+        logger.info("serving with %d data-parallel replicas", size)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.replicas[0].get_default_sampling_params()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.replicas[0].eos_token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """LLMEngine.add_request on the least loaded replica."""
+        if isinstance(request_id, str) and self.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        replica = min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
+        replica.add_request(request_id, prompt, params, arrival_time)
+        self._replica_of[request_id] = replica
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            replica = self._replica_of.pop(rid, None)
+            if replica is not None:
+                replica.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def has_request(self, request_id: str) -> bool:
+        replica = self._replica_of.get(request_id)
+        return replica is not None and replica.has_request(request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(r.get_num_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with work, side by side; their outputs in rank order."""
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        if len(busy) == 1:
+            outputs = busy[0].step()
+        else:
+            outputs = [o for step in self._pool.map(LLMEngine.step, busy) for o in step]
+        for output in outputs:
+            if output.finished:
+                self._replica_of.pop(output.request_id, None)
+        return outputs
+
+    @property
+    def last_finished_requests(self) -> list:
+        return [req for r in self.replicas for req in r.last_finished_requests]
