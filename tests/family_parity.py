@@ -26,6 +26,26 @@ def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15):
     return model
 
 
+TP_VOCAB = 1001  # not a multiple of T: a sharded vocabulary is padded
+
+
+def save_tp_llama(path, num_kv_heads: int, tie: bool) -> str:
+    """A 2-layer Llama with 8 query heads, for tensor parallelism up to T = 8."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=num_kv_heads,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=TP_VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    )
+    save_random_model(str(path), config)
+    return str(path)
+
+
 def ragged_prompts(vocab_size: int, lengths=(1, 5, 16, 17, 45), seed: int = 0) -> list[list[int]]:
     """Prompts of different lengths (one batch), ids in [0, vocab_size)."""
     rng = np.random.default_rng(seed)

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 import transformers
-from family_parity import ragged_prompts, save_random_model
+from family_parity import TP_VOCAB as VOCAB
+from family_parity import ragged_prompts, save_random_model, save_tp_llama
 
 from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.tensor_parallel import shard_layout
@@ -18,35 +19,18 @@ from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
-VOCAB = 1001  # not a multiple of T: the sharded vocabulary is padded
-
-
-def _llama(path, num_kv_heads: int, tie: bool) -> str:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=8,
-        num_key_value_heads=num_kv_heads,
-        head_dim=16,
-        intermediate_size=96,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-    )
-    save_random_model(str(path), config)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
 def kv2_dir(tmp_path_factory):
     """8 query heads, 2 KV heads: T = 4 and 8 repeat each KV head; tied embeddings."""
-    return _llama(tmp_path_factory.mktemp("tp_kv2"), 2, tie=True)
+    return save_tp_llama(tmp_path_factory.mktemp("tp_kv2"), 2, tie=True)
 
 
 @pytest.fixture(scope="module")
 def kv8_dir(tmp_path_factory):
     """8 query and 8 KV heads, an LM head of its own."""
-    return _llama(tmp_path_factory.mktemp("tp_kv8"), 8, tie=False)
+    return save_tp_llama(tmp_path_factory.mktemp("tp_kv8"), 8, tie=False)
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None  # the replica an LLMEngine runs; None when D = 1
+    # Several processes (one per host) through jax.distributed; unset, the launcher's
+    # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (distributed/multihost.py).
+    distributed_coordinator_address: str | None = None  # host:port of process 0
+    distributed_num_processes: int | None = None
+    distributed_process_id: int | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:

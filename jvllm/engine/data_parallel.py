@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+
+from jvllm.distributed.multihost import DistributedConfig, initialize, run_worker
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType
+from jvllm.engine.leader import LeaderEngine
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
@@ -24,10 +28,29 @@ logger = init_logger(__name__)
 
 
 def make_engine(model: str | None = None, **kwargs) -> LLMEngine | DataParallelEngine:
+    """On a worker process of a multi-process engine, this follows process 0 until it stops,
+    then exits the process (SystemExit(0)): the same command serves every host."""
     args = EngineArgs(model=model, **kwargs)  # every option checked before any replica loads
-    if args.data_parallel_size == 1:
-        return LLMEngine(model, **kwargs)
-    return DataParallelEngine(model, **kwargs)
+    distributed = DistributedConfig.resolve(
+        args.distributed_coordinator_address,
+        args.distributed_num_processes,
+        args.distributed_process_id,
+    )
+    if distributed is None:
+        if args.data_parallel_size == 1:
+            return LLMEngine(model, **kwargs)
+        return DataParallelEngine(model, **kwargs)
+    if args.data_parallel_size > 1:
+        raise ValueError(
+            "data_parallel_size > 1 over several processes is not supported; spread "
+            "tensor_parallel_size over the hosts instead"
+        )
+    if not jax.distributed.is_initialized():
+        initialize(distributed)
+    if distributed.process_id == 0:
+        return LeaderEngine(model, **kwargs)
+    run_worker(LLMEngine(model, **kwargs))
+    raise SystemExit(0)
 
 
 def replicas(engine: LLMEngine | DataParallelEngine) -> list[LLMEngine]:

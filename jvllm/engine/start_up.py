@@ -12,8 +12,9 @@ logger = init_logger(__name__)
 def compile_up_front(
     runner: ModelRunner, in_background: bool, start: float, load_seconds: float
 ) -> None:
-    """`start`: when the engine began loading (perf_counter)."""
-    if in_background:
+    """`start`: when the engine began loading (perf_counter). Several processes compile up
+    front, in the same order, whatever `in_background` says (see Executables.lockstep)."""
+    if in_background and not runner.lockstep:
         runner.compile_in_background()
         logger.info(
             "ready after %.1fs of loading; compiling %d executables in the background",

@@ -30,6 +30,9 @@ _ENGINE_FLAGS = {
     "async_scheduling": {"action": argparse.BooleanOptionalAction},
     "tensor_parallel_size": {"type": int},
     "data_parallel_size": {"type": int},
+    "distributed_coordinator_address": {},
+    "distributed_num_processes": {"type": int},
+    "distributed_process_id": {"type": int},
 }
 
 

@@ -34,9 +34,12 @@ class Executables:
         self,
         compile_fn: Callable[[Shape], jax.stages.Compiled],
         describe: Callable[[Shape], str],
+        lockstep: bool = False,
     ):
-        """compile_fn(shape) compiles one shape (in any thread); describe(shape) names it."""
+        """compile_fn(shape) compiles one shape (in any thread); describe(shape) names it.
+        `lockstep`: nothing compiles in the background (see compile_in_background)."""
         self._compile_fn = compile_fn
+        self.lockstep = lockstep
         self._describe = describe
         self._ready: dict[Shape, jax.stages.Compiled] = {}
         self._queued: dict[Shape, concurrent.futures.Future] = {}
@@ -102,7 +105,11 @@ class Executables:
             on_ready(shape)
 
     def compile_in_background(self, shapes: Iterable[Shape]) -> None:
-        """Queue the shapes (in this order) that are neither ready nor queued."""
+        """Queue the shapes (in this order) that are neither ready nor queued. Not in lockstep
+        (several processes): which executables are ready must not depend on a thread's timing,
+        since it picks each step's bucket, and every process must pick the same."""
+        if self.lockstep:
+            return
         with self._lock:
             for shape in shapes:
                 if shape not in self._ready and shape not in self._queued:

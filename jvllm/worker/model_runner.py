@@ -116,6 +116,7 @@ class ModelRunner:
         self._compiled = Executables(
             lambda shape: self._compile(shape, self._state_spec),
             lambda shape: _describe(*shape, num_scheduler_steps),
+            lockstep=jax.process_count() > 1,  # every process's steps must be the same
         )
         self.warmup_seconds = 0.0
         # Where execute_model's time goes: calling the executable until it returns (argument
@@ -124,6 +125,11 @@ class ModelRunner:
         # that the host's work did not hide).
         self.dispatch_seconds = 0.0
         self.device_wait_seconds = 0.0
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether this runner is one of several processes' (compiles never in background)."""
+        return self._compiled.lockstep
 
     @property
     def num_compilations(self) -> int:

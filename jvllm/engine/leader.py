@@ -1,0 +1,70 @@
+"""Process 0's engine when the engine spans several processes (distributed/multihost.py).
+
+An LLMEngine that records what enters it (requests added, aborted) and broadcasts the record
+with each step, so that every worker process applies the same changes and steps alongside.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+
+from jvllm.distributed.multihost import broadcast_commands
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+
+class LeaderEngine(LLMEngine):
+    def __init__(self, model: str | None = None, **kwargs):
+        super().__init__(model, **kwargs)
+        self._pending: list[tuple] = []
+        self._stopped = False
+        # At exit (before jax.distributed shuts down: its hook was registered first).
+        ref = weakref.ref(self)
+        atexit.register(lambda: (engine := ref()) and engine.stop_workers())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        super().add_request(request_id, prompt, params, arrival_time)  # raises: nothing sent
+        self._pending.append(("add", request_id, prompt, params, arrival_time))
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        super().abort_request(request_id)
+        self._pending.append(("abort", request_id))
+
+    def step(self) -> list[RequestOutput]:
+        self._send("step")
+        return super().step()
+
+    def stop_workers(self) -> None:
+        """Let the workers end (once; later steps would wait for them forever)."""
+        if not self._stopped:
+            self._stopped = True
+            self._send("stop")
+
+    def _send(self, last: str) -> None:
+        if self._stopped and last == "step":
+            raise WorkersLostError("the worker processes were stopped; start every process anew")
+        commands, self._pending = [*self._pending, (last,)], []
+        try:
+            broadcast_commands(commands)
+        except Exception as e:
+            self._stopped = True
+            raise WorkersLostError(
+                "a worker process stopped answering (it exited, crashed or lost its "
+                f"connection): {type(e).__name__}: {e}. The engine cannot go on without it; "
+                "restart every process"
+            ) from e
+
+
+class WorkersLostError(RuntimeError):
+    """Process 0 can no longer reach a worker process: the multi-process engine is over."""

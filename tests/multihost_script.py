@@ -1,0 +1,31 @@
+"""One process of a multi-process engine, for tests/test_multihost.py (run as a script, with
+the launcher's JAX_* variables set). Every process runs the same script: process 0 prints
+its outputs as JSON after "RESULT "; a worker follows it inside LLM() and exits when it stops.
+
+argv: model directory, then "generate-then-wait" and the prompts as JSON (process 0 generates,
+waits 3 s, generates again), or "initialize-twice" and a coordinator address."""
+
+import json
+import sys
+import time
+
+from jvllm import LLM, SamplingParams
+from jvllm.distributed.multihost import DistributedConfig, initialize
+
+model, mode = sys.argv[1], sys.argv[2]
+if mode == "initialize-twice":
+    config = DistributedConfig(sys.argv[3], 1, 0)
+    initialize(config)
+    try:
+        initialize(config)
+    except RuntimeError as e:
+        print("RESULT", json.dumps({"error": str(e)}), flush=True)
+    sys.exit(0)
+prompts = json.loads(sys.argv[3])
+llm = LLM(model, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=4)
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+print("RESULT", json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
+if mode == "generate-then-wait":
+    time.sleep(3)  # the test kills the worker meanwhile
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

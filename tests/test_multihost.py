@@ -1,0 +1,108 @@
+"""Two processes on this machine (jax.distributed over a loopback coordinator, gloo CPU
+collectives, 2 fake devices each) running one engine at T = 4 across them."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from family_parity import TP_VOCAB, ragged_prompts, save_tp_llama
+
+from jvllm import LLM, SamplingParams
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "multihost_script.py")
+TIMEOUT_S = 15  # JVLLM_DISTRIBUTED_TIMEOUT: joining, and a silent process counted dead
+PROMPTS = ragged_prompts(TP_VOCAB, lengths=(3, 17, 40))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tp_llama(tmp_path_factory.mktemp("multihost"), 2, tie=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(process_id: int, port: int, *args: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": str(process_id),
+        "JVLLM_DISTRIBUTED_TIMEOUT": str(TIMEOUT_S),
+    }
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture
+def processes():
+    """Started processes, killed at the end whatever happened."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def _result(process: subprocess.Popen):
+    """The JSON the script prints after "RESULT " (gloo prints to stdout too)."""
+    for line in process.stdout:
+        if line.startswith("RESULT "):
+            return json.loads(line.removeprefix("RESULT "))
+    _, err = process.communicate(timeout=60)
+    raise AssertionError(f"process exited with {process.returncode}:\n{err[-3000:]}")
+
+
+def _one_device(model_dir) -> list:
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_two_processes_match_one_device_and_a_dead_worker_fails_process_0(model_dir, processes):
+    port, prompts = _free_port(), json.dumps(PROMPTS)
+    worker = _start(1, port, model_dir, "generate-then-wait", prompts)
+    leader = _start(0, port, model_dir, "generate-then-wait", prompts)
+    processes += [worker, leader]
+    assert _result(leader) == _one_device(model_dir)
+    worker.kill()  # while process 0 waits before its second generate
+    start = time.monotonic()
+    _, err = leader.communicate(timeout=TIMEOUT_S + 60)
+    assert leader.returncode != 0
+    assert "WorkersLostError: a worker process stopped answering" in err
+    assert time.monotonic() - start < TIMEOUT_S + 30
+
+
+def test_a_dead_process_0_stops_the_worker(model_dir, processes):
+    port, prompts = _free_port(), json.dumps(PROMPTS[:1])
+    worker = _start(1, port, model_dir, "generate-then-wait", prompts)
+    leader = _start(0, port, model_dir, "generate-then-wait", prompts)
+    processes += [worker, leader]
+    _result(leader)
+    leader.send_signal(signal.SIGKILL)
+    _, err = worker.communicate(timeout=TIMEOUT_S + 60)
+    assert worker.returncode != 0
+    assert "lost process 0" in err
+
+
+def test_initializing_twice_is_refused(processes):
+    process = _start(0, 0, "-", "initialize-twice", f"127.0.0.1:{_free_port()}")
+    processes.append(process)
+    error = _result(process)["error"]
+    assert "jax.distributed is already initialized in this process" in error
