@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import transformers
 from family_parity import TP_VOCAB as VOCAB
-from family_parity import ragged_prompts, save_random_model, save_tp_llama
+from family_parity import assert_matches_hf, ragged_prompts, save_random_model, save_tp_llama
 
 from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.tensor_parallel import shard_layout
@@ -205,3 +205,39 @@ def test_async_engine_streams_from_data_parallel_replicas(kv2_dir, one_device):
         assert llm.stats.num_prompt_tokens == sum(len(p) for p in PROMPTS)
     finally:
         llm.shutdown()
+
+
+FAMILY_VOCAB = 511  # odd: the vocabulary shards are padded
+_TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": FAMILY_VOCAB,
+    "max_position_embeddings": 256,
+}
+FAMILIES = {
+    "qwen2": lambda: transformers.Qwen2Config(**_TINY),  # q|k|v biases, cut with their heads
+    "gemma2": lambda: transformers.Gemma2Config(
+        **_TINY,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        attn_implementation="eager",
+    ),
+    "gpt2": lambda: transformers.GPT2Config(  # biases after the all-reduces
+        n_layer=2, n_embd=64, n_head=4, vocab_size=FAMILY_VOCAB, n_positions=256
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_families_at_t2_decode_like_hf(tmp_path, name):
+    hf_model = save_random_model(tmp_path, FAMILIES[name]())
+    prompts = ragged_prompts(FAMILY_VOCAB)
+    assert_matches_hf(tmp_path, hf_model, prompts, block_size=4, tensor_parallel_size=2)

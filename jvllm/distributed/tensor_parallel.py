@@ -43,15 +43,21 @@ def check_tensor_parallel(config: ModelConfig, num_shards: int) -> None:
             f"the {k} KV heads (with fewer KV heads than devices, tensor_parallel_size must be "
             "a multiple of them, each then repeated on tensor_parallel_size / K devices)"
         )
-    if not config.num_experts and config.intermediate_size % t:
-        problems.append(f"the MLP's intermediate size {config.intermediate_size}")
-    if config.num_experts and config.moe_intermediate_size % t:
-        problems.append(f"each expert's intermediate size {config.moe_intermediate_size}")
+    if _mlp_width(config) % t:
+        what = "each expert's" if config.num_experts else "the MLP's"
+        problems.append(f"{what} intermediate size {_mlp_width(config)}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={t} does not divide {' nor '.join(problems)} of "
             f"{config.architecture}; choose a tensor_parallel_size that does"
         )
+
+
+def _mlp_width(config: ModelConfig) -> int:
+    """The F that the MLP's (or each expert's) gate|up and down are cut on."""
+    if config.num_experts:
+        return config.moe_intermediate_size or config.intermediate_size
+    return config.intermediate_size
 
 
 def num_kv_heads(config: ModelConfig, num_shards: int) -> int:
@@ -68,7 +74,8 @@ def shard_config(config: ModelConfig, num_shards: int) -> ModelConfig:
     return dataclasses.replace(
         config,
         vocab_size=math.ceil(config.vocab_size / t),
-        intermediate_size=config.intermediate_size // t if not config.num_experts else 0,
+        # A mixture of experts that reads moe_intermediate_size never reads this one.
+        intermediate_size=max(1, config.intermediate_size // t),
         moe_intermediate_size=config.moe_intermediate_size // t,
         num_heads=config.num_heads // t,
         num_kv_heads=num_kv_heads(config, t) // t,
