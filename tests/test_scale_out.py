@@ -7,6 +7,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
@@ -17,6 +18,7 @@ from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.tensor_parallel import shard_layout
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
+from jvllm.step_loop import StepLoop
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
 
@@ -80,6 +82,22 @@ def test_seeded_sampling_matches_one_device(kv8_dir, one_device):
     assert _summary(LLM(kv8_dir, tensor_parallel_size=4, **ENGINE_KWARGS), params, PROMPTS[:3]) == (
         expected
     )
+
+
+def test_step_loop_runs_the_sharded_step(kv2_dir, one_device):
+    """jvllm.step_loop chains the engine's step, shard_map and all, in a caller's jit."""
+    llm = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS)
+    loop = StepLoop(llm)
+    state = loop.prefill(PROMPTS, GREEDY)
+    call = loop.jit(lambda state: loop.step(state))
+    tokens, active = [], []
+    for _ in range(GREEDY.max_tokens - 1):
+        state, out = call(state)
+        tokens.append(out.token_ids)
+        active.append(out.active)
+    token_ids = loop.finish(state, jnp.stack(tokens), jnp.stack(active))
+    expected = _summary(one_device(kv2_dir), GREEDY, PROMPTS)
+    assert token_ids == [ids for ids, _ in expected]
 
 
 def test_pallas_backend_matches_one_device(kv2_dir, one_device):
