@@ -1,6 +1,7 @@
-"""Tensor and data parallelism on the 8 fake CPU devices conftest.py asks XLA for: the same
-tokens as one device, each device holding 1/T of the weights and of the KV cache, the step's
-collectives what the Megatron layout implies, and D replicas sharing the requests."""
+"""Tensor and data parallelism on the 8 fake CPU devices conftest.py asks XLA for when
+test_scale_out_suite.py runs this directory: the same tokens as one device, each device
+holding 1/T of the weights and of the KV cache, the step's collectives what the Megatron
+layout implies, and D replicas sharing the requests."""
 
 import asyncio
 import functools
