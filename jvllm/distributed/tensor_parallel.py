@@ -152,8 +152,10 @@ class ParamPlacer:
         axes, segments, spec, shape = (
             _lookup(tree, keys) for tree in (self._axes, self._segments, self._specs, self._shapes)
         )
-        host = shard_layout(x, axes, segments, self._num_shards, shape.shape)
         sharding = NamedSharding(self._mesh, spec)
+        if self._mesh.size == 1:  # on CPU the device array may alias the loader's buffer
+            return jax.device_put(x, sharding, may_alias=True)
+        host = shard_layout(x, axes, segments, self._num_shards, shape.shape)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
