@@ -4,7 +4,12 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.entrypoints.llm import LLM
 from jvllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
-from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from jvllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "LLM",
@@ -17,5 +22,6 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

@@ -35,6 +35,60 @@ def _as_list(value) -> list:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names): a JSON schema (`json`, a dict or
+    its JSON text), a `regex`, one of the strings in `choice`, a Lark (or GBNF) `grammar`, or
+    `json_object=True` for any JSON object. `disable_any_whitespace` makes JSON compact (no
+    free whitespace between tokens of the JSON)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(CONSTRAINT_KINDS)}; got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a dict or a str, got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty str")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of str, got {self.choice!r}"
+            )
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object must be a bool")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(  # noqa: TRY004 - a bad field value, as the others
+                "structured_outputs.disable_any_whitespace must be a bool"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of CONSTRAINT_KINDS."""
+        return next(n for n in CONSTRAINT_KINDS if getattr(self, n) not in (None, False))
+
+
+# The constraints a request may set, one at a time.
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     """How to sample a request's tokens and when to stop it.
 
@@ -66,6 +120,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -138,6 +193,15 @@ class SamplingParams:
         ):
             raise ValueError(f"bad_words must be a list of non-blank strs, got {self.bad_words!r}")
         self._validate_token_maps()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)

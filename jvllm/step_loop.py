@@ -29,8 +29,8 @@ tokens. A row stops by itself at its stop token ids (EOS included), max_tokens o
 after that it writes only the null page and `out.active` is False for it.
 
 Between `prefill` and `finish` the loop owns the engine's requests and KV arrays: do not step
-the engine. Stop strings are text and are not checked; min_tokens, n > 1 and multi-token bad
-words are not supported here (`prefill` says so).
+the engine. Stop strings are text and are not checked; min_tokens, n > 1, multi-token bad
+words and structured outputs are not supported here (`prefill` says so).
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ class StepLoop:
             bucket,
             runner.block_size,
             runner.max_pages,
+            runner.config.vocab_size,
             runner.bias_rows.slots_for(self._rows),
         )
         # Device arrays throughout, as a jitted loop returns them: host arrays in the first
@@ -247,10 +248,12 @@ def _check_supported(params: SamplingParams) -> None:
         "n": params.n != 1,
         "min_tokens": params.min_tokens > 0,
         "stop": bool(params.stop),
+        "structured_outputs": params.structured_outputs is not None,
     }
     named = [name for name, used in unsupported.items() if used]
     if named:
         raise ValueError(
             f"the step loop does not support {', '.join(named)} (stop strings are text, "
-            "min_tokens bans change mid-loop, n > 1 forks requests); use LLM.generate"
+            "min_tokens bans change mid-loop, n > 1 forks requests, grammar masks are built on "
+            "the host); use LLM.generate"
         )

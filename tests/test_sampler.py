@@ -30,10 +30,12 @@ def _metadata(num_seqs: int, **fields) -> SamplingMetadata:
         "num_prompt_tokens": np.zeros(num_seqs, np.int32),
         "bias_slot": np.zeros(num_seqs, np.int32),
         "prompt_target_ids": np.full(num_seqs, -1, np.int32),
+        "token_bitmask": np.full((num_seqs, 1), -1, np.int32),
         "all_greedy": np.bool_(False),
         "any_filter": np.bool_(True),
         "any_penalties": np.bool_(False),
         "any_bias": np.bool_(False),
+        "any_constrained": np.bool_(False),
         "any_logprobs": np.bool_(False),
         "any_prompt_logprobs": np.bool_(False),
     }

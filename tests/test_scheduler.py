@@ -340,3 +340,54 @@ def test_a_window_short_of_blocks_falls_back_to_a_single_step():
     assert scheduler.kv_cache_manager.num_free_blocks == 0
     output, _ = _window_step(scheduler)
     assert output.num_steps == 1 and not output.preempted_requests
+
+
+class _FakeGrammar:
+    """A structured-outputs matcher stand-in: compiling until `ready`, then ending after
+    `length` tokens."""
+
+    def __init__(self, length=3, error=None):
+        self.ready, self.error, self.length, self.accepted = False, error, length, []
+
+    def is_ready(self):
+        return self.ready
+
+    def accept(self, token_id):
+        self.accepted.append(token_id)
+        return True
+
+    @property
+    def is_terminated(self):
+        return len(self.accepted) >= self.length
+
+
+def test_request_whose_grammar_compiles_waits_without_holding_back_others():
+    scheduler = make_scheduler(num_scheduler_steps=4)
+    constrained = add(scheduler, "constrained", max_tokens=10)
+    constrained.structured_output = grammar = _FakeGrammar(length=3)
+    add(scheduler, "free", max_tokens=10)
+    output, _ = step(scheduler)
+    assert [r.request_id for r in output.scheduled_requests] == ["free"]
+    assert list(scheduler.waiting) == [constrained]
+    grammar.ready = True
+    finished = run_to_completion(scheduler)
+    # The grammar's end stops the request with reason "stop" after exactly its tokens.
+    assert constrained.finish_reason == "stop" and constrained.num_output_tokens == 3
+    assert grammar.accepted == constrained.output_token_ids
+    assert {r.request_id for r in finished} == {"constrained", "free"}
+
+
+def test_constrained_requests_run_single_steps_and_failed_grammars_abort():
+    scheduler = make_scheduler(num_scheduler_steps=4)
+    constrained = add(scheduler, "constrained", max_tokens=10)
+    constrained.structured_output = _FakeGrammar(length=5)
+    constrained.structured_output.ready = True
+    broken = add(scheduler, "broken", max_tokens=10)
+    broken.structured_output = _FakeGrammar(error="the grammar failed to compile: boom")
+    broken.structured_output.ready = True
+    _, finished = step(scheduler)
+    assert finished == [broken] and broken.finish_reason == "abort"
+    assert "boom" in broken.status_message
+    while scheduler.has_unfinished_requests():
+        assert step(scheduler)[0].num_steps == 1  # never a decode window
+    assert scheduler.kv_cache_manager.num_free_blocks == 63

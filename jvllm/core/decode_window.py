@@ -21,8 +21,9 @@ def has_token_dependent_bans(request: Request) -> bool:
 
 
 def fits_window(request: Request) -> bool:
-    """Whether the request's stops and logit processors can run inside a decode window."""
-    if has_token_dependent_bans(request):
+    """Whether the request's stops and logit processors can run inside a decode window.
+    A grammar's mask follows every token: structured outputs run single steps."""
+    if has_token_dependent_bans(request) or request.structured_output is not None:
         return False
     return len(window_stop_token_ids(request)) <= MAX_WINDOW_STOP_IDS
 

@@ -83,6 +83,9 @@ class Request:
         self.bad_words_token_ids: list[list[int]] = []
         # Milestone times (a jvllm.outputs.RequestMetrics); the engine fills it in.
         self.metrics = None
+        # The matcher of a request with structured_outputs (a structured_output.GrammarState:
+        # is_ready(), error, accept(token_id), is_terminated), set by the engine; else None.
+        self.structured_output = None
 
     @property
     def num_tokens(self) -> int:

@@ -143,7 +143,7 @@ class Scheduler:
                 request.num_computed_tokens += i > 0
                 request.append_output_token_ids(token_id)
                 self.num_generation_tokens_total += 1
-                if self._check_stop(request):
+                if self._check_grammar(request, token_id) or self._check_stop(request):
                     stopped.append(request)
                     self._free_finished(request)
                     break
@@ -223,8 +223,18 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         kv = self.kv_cache_manager
+        # Requests whose grammar is still compiling wait without holding back those behind.
+        compiling: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            grammar = request.structured_output
+            if grammar is not None and not grammar.is_ready():
+                compiling.append(self.waiting.popleft())
+                continue
+            if grammar is not None and grammar.error:
+                self._finish_failed_grammar(self.waiting.popleft())
+                output.finished_requests.append(request)
+                continue
             if self._finish_if_never_fits(request):
                 self.waiting.popleft()
                 output.finished_requests.append(request)
@@ -249,6 +259,13 @@ class Scheduler:
             output.scheduled_requests.append(request)
             output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(compiling))
+
+    def _finish_failed_grammar(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.status_message = request.structured_output.error
+        self._free_finished(request)
+        logger.warning("aborted %s: %s", request.request_id, request.status_message)
 
     def _num_new_tokens(
         self, request: Request, token_budget: int, num_computed: int | None = None
@@ -324,6 +341,22 @@ class Scheduler:
             return True
         if request.num_tokens >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _check_grammar(self, request: Request, token_id: int) -> bool:
+        """Advance a constrained request's matcher past its new token; its end (nothing more
+        can follow) stops the request, a token it rejects aborts it."""
+        grammar = request.structured_output
+        if grammar is None:
+            return False
+        if not grammar.accept(token_id):
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.status_message = f"the grammar rejected token {token_id}"
+            logger.warning("aborted %s: %s", request.request_id, request.status_message)
+            return True
+        if grammar.is_terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
 

@@ -21,6 +21,7 @@ from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.outputs import RequestMetrics, RequestOutput
 from jvllm.sampling_params import SamplingParams
+from jvllm.structured_output.manager import GrammarState, StructuredOutputManager
 from jvllm.worker.bias_rows import bad_words_token_ids
 from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
@@ -101,6 +102,9 @@ class LLMEngine:
                 self.model_runner, args.compile_in_background, start, self.load_seconds
             )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, config.vocab_size, self.eos_token_ids
+        )
         self._seed_rng = np.random.default_rng(args.seed)
         self._requests: dict[str, Request] = {}
         # n > 1: parent request id -> child ids, and each live child's parent.
@@ -142,6 +146,9 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *extra_eos]
             )
+        grammar = None  # the compiled constraint, shared by the n samples
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs.compile(params.structured_outputs)
         bad_words = []
         if params.bad_words:
             if self.tokenizer is None:
@@ -174,6 +181,8 @@ class LLMEngine:
                 seed=seed,
             )
             request.bad_words_token_ids = bad_words
+            if grammar is not None:
+                request.structured_output = GrammarState(grammar)
             request.metrics = metrics  # shared by the n samples: the parent's milestones
             self._requests[child_id] = request
             self.output_processor.add_request(request, parent, index)
@@ -228,6 +237,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute (forward + sample: one jitted call) -> update -> outputs."""
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.waiting:
+            self.structured_outputs.wait(timeout=0.05)  # only grammars compiling hold them
         try:
             runner_output = self._execute(scheduler_output)
         except Exception:  # noqa: BLE001 - any failure of the step aborts its requests only
@@ -245,7 +256,8 @@ class LLMEngine:
         if not requests:
             return None
         block_ids = [scheduler_output.block_ids[r.request_id] for r in requests]
-        return self.model_runner.execute_model(scheduler_output, block_ids)
+        bitmask = self.structured_outputs.bitmask(requests, scheduler_output.will_sample)
+        return self.model_runner.execute_model(scheduler_output, block_ids, bitmask)
 
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None

@@ -20,11 +20,15 @@ class SamplingMetadata:
     num_prompt_tokens: jax.Array  # i32[S] positions at or past this are outputs (penalties)
     bias_slot: jax.Array  # i32[S] row of the engine's logit-bias table; 0 = the zero row
     prompt_target_ids: jax.Array  # i32[T] the prompt token each position predicts; -1 = none
+    # Packed allowed-token bits of each row's grammar, token v at bit v % 32 of word v // 32:
+    # i32[S, ceil(V / 32)], all ones (-1) for a row without structured outputs.
+    token_bitmask: jax.Array
     # Batch-level switches: a step whose requests ask for none of it skips the work (lax.cond).
     all_greedy: jax.Array  # bool[] every row is greedy: skip the sort and the noise
     any_filter: jax.Array  # bool[] some row uses top-k, top-p or min-p: sort the vocabulary
     any_penalties: jax.Array  # bool[]
     any_bias: jax.Array  # bool[]
+    any_constrained: jax.Array  # bool[] some row's grammar masks its logits
     any_logprobs: jax.Array  # bool[]
     any_prompt_logprobs: jax.Array  # bool[]
 

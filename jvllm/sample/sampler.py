@@ -78,6 +78,18 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf on the tokens whose bit is 0 in `bitmask: i32[S, W]` (token v at bit v % 32 of word
+    v // 32), for logits f32[S, V]; ids past 32 W are masked too."""
+    num_seqs, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_seqs, -1)[:, :vocab].astype(bool)
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def process_logits(
     logits: jax.Array,
     md: SamplingMetadata,
@@ -86,8 +98,15 @@ def process_logits(
     block_tables: jax.Array,
     seq_lens: jax.Array,
 ) -> jax.Array:
-    """vLLM's order: logit processors (bias, allowed ids, bad words, min_tokens: one additive
-    row per request in `bias_rows: f32[R, V]`), then penalties."""
+    """vLLM's order: the grammar masks of structured outputs, the other logit processors (bias,
+    allowed ids, bad words, min_tokens: one additive row per request in `bias_rows: f32[R, V]`),
+    then penalties."""
+    logits = jax.lax.cond(
+        md.any_constrained,
+        lambda x: apply_token_bitmask(x, md.token_bitmask),
+        lambda x: x,
+        logits,
+    )
     logits = jax.lax.cond(md.any_bias, lambda x: x + bias_rows[md.bias_slot], lambda x: x, logits)
 
     def penalize(x):

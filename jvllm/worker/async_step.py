@@ -53,8 +53,8 @@ def can_run_ahead(
 ) -> bool:
     """Whether the step after this one is known but for this step's tokens: this step decodes
     one token of every request, and the next would need no new block and keep every bias row
-    (a request reaching min_tokens lifts its stop-id bans; multi-token bad words follow the
-    tokens)."""
+    (a request reaching min_tokens lifts its stop-id bans; multi-token bad words and grammar
+    masks follow the tokens)."""
     if scheduler_output.num_steps > 1 or not scheduler_output.is_decode_only:
         return False
     for request, blocks in zip(scheduler_output.scheduled_requests, block_ids, strict=True):
@@ -62,7 +62,7 @@ def can_run_ahead(
             return False  # the token sampled now lands in a block not allocated yet
         if request.num_output_tokens + 1 == request.sampling_params.min_tokens:
             return False
-        if has_token_dependent_bans(request):
+        if has_token_dependent_bans(request) or request.structured_output is not None:
             return False
     return True
 

@@ -167,7 +167,9 @@ class ModelRunner:
 
     def _compile(self, shape: tuple[Bucket, str], state) -> jax.stages.Compiled:
         bucket, kind = shape
-        dummy = prepare_step_inputs([], [], [], bucket, self.block_size, self.max_pages)
+        dummy = prepare_step_inputs(
+            [], [], [], bucket, self.block_size, self.max_pages, self.config.vocab_size
+        )
         if kind == "window":
             window = prepare_window_inputs([], [], bucket.num_seqs)
             return self._window_fn.lower(*state, dummy, window).compile()
@@ -258,7 +260,9 @@ class ModelRunner:
         dispatch and compile_all's final wait, i.e. what the runs add to start-up).
         """
         start = time.perf_counter()
-        dummy = prepare_step_inputs([], [], [], bucket, self.block_size, self.max_pages)
+        dummy = prepare_step_inputs(
+            [], [], [], bucket, self.block_size, self.max_pages, self.config.vocab_size
+        )
         for tiles in dummy.attn.tiles:  # padding token 0, in every group: its output is dropped
             tiles.kv_lens[0, 0] = 1
         _, self.kv_cache, self.token_cache = self._executable(bucket)(
@@ -267,10 +271,14 @@ class ModelRunner:
         self.warmup_seconds += time.perf_counter() - start
 
     def execute_model(
-        self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
+        self,
+        scheduler_output: SchedulerOutput,
+        block_ids: list[list[int]],
+        token_bitmask: np.ndarray | None = None,
     ) -> ModelRunnerOutput:
         """Run one scheduled step: the sampled token of every scheduled request, in order, and
-        the logprobs that any of them asked for; a decode window's tokens as a list each."""
+        the logprobs that any of them asked for; a decode window's tokens as a list each.
+        `token_bitmask`: the requests' grammar masks (structured outputs), None for none."""
         # The decode steps that follow this one: their compiles start now, beside this step's.
         requests = scheduler_output.scheduled_requests
         self._compiled.compile_in_background(self._decode_shapes(len(requests)))
@@ -292,7 +300,15 @@ class ModelRunner:
             kind = "window" if is_window else "step"
             bucket = self._select_bucket(sum(counts), num_reqs, kind)
             inputs = prepare_step_inputs(
-                requests, counts, block_ids, bucket, self.block_size, self.max_pages, bias_slots
+                requests,
+                counts,
+                block_ids,
+                bucket,
+                self.block_size,
+                self.max_pages,
+                self.config.vocab_size,
+                bias_slots,
+                token_bitmask,
             )
             any_logprobs = bool(inputs.sampling.any_logprobs)
             args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]

@@ -1,6 +1,7 @@
 """Gather a scheduled step into flat, bucket-padded host arrays for the jitted step."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -28,11 +29,14 @@ def prepare_step_inputs(
     bucket: Bucket,
     block_size: int,
     max_pages: int,
+    vocab_size: int,
     bias_slots: np.ndarray | None = None,
+    token_bitmask: np.ndarray | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`.
 
-    `bias_slots` (i32, one per request) are the requests' rows of the logit-bias table."""
+    `bias_slots` (i32, one per request) are the requests' rows of the logit-bias table;
+    `token_bitmask` (i32[len(requests), ceil(V / 32)]) their grammar masks, None for none."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
     num_real = len(requests)
     params = [req.sampling_params for req in requests]
@@ -86,6 +90,11 @@ def prepare_step_inputs(
             end, t = min(start + n, req.num_prompt_tokens - 1), int(query_start_loc[s])
             prompt_target_ids[t : t + end - start] = req.prompt_token_ids[start + 1 : end + 1]
     bias_slot = per_seq(bias_slots if bias_slots is not None else 0, np.int32)
+    if token_bitmask is None:
+        bitmask = _all_tokens_allowed(num_seqs, vocab_size)
+    else:
+        bitmask = np.full((num_seqs, token_bitmask.shape[1]), -1, np.int32)
+        bitmask[:num_real] = token_bitmask
     logits_indices = np.maximum(query_start_loc[1:] - 1, 0)
 
     attn = AttentionMetadata(
@@ -109,13 +118,23 @@ def prepare_step_inputs(
         num_prompt_tokens=per_seq([req.num_prompt_tokens for req in requests], np.int32),
         bias_slot=bias_slot,
         prompt_target_ids=prompt_target_ids,
+        token_bitmask=bitmask,
         all_greedy=np.bool_(bool(np.all(temperature[:num_real] < GREEDY_TEMPERATURE))),
         any_filter=np.bool_(
             bool(np.any((top_k[:num_real] > 0) | (top_p[:num_real] < 1) | (min_p[:num_real] > 0)))
         ),
         any_penalties=np.bool_(any_penalties),
         any_bias=np.bool_(bool(bias_slot.any())),
+        any_constrained=np.bool_(token_bitmask is not None),
         any_logprobs=np.bool_(any_logprobs),
         any_prompt_logprobs=np.bool_(any_prompt_logprobs),
     )
     return StepInputs(token_ids, positions, attn, sampling)
+
+
+@functools.cache
+def _all_tokens_allowed(num_seqs: int, vocab_size: int) -> np.ndarray:
+    """The bitmask of a step without structured outputs: one array per bucket, never written."""
+    mask = np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32)
+    mask.flags.writeable = False
+    return mask

@@ -1,0 +1,54 @@
+"""A request's constraint as an llguidance grammar, checked at the edge.
+
+llguidance (not xgrammar) because it needs no torch at run time, fills packed int32 bitmasks
+straight into NumPy arrays, takes JSON schemas, regexes and Lark grammars (GBNF too), and
+builds a grammar lazily, so a new schema costs well under a millisecond to start.
+"""
+
+import json
+
+import llguidance
+
+from jvllm.sampling_params import StructuredOutputsParams
+
+# `json_object=True`: any JSON object, as vLLM asks of its grammar backends.
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (a JSON string) of one constraint; unchecked (see `validate`)."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = _ANY_OBJECT if kind == "json_object" else params.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("a JSON schema must be an object")
+        defaults = {"whitespace_flexible": not params.disable_any_whitespace}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+    if kind == "regex":
+        return llguidance.grammar_from("regex", params.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(params.choice))
+    return llguidance.grammar_from("grammar", params.grammar)
+
+
+def cache_key(params: StructuredOutputsParams) -> str:
+    """Requests with equal keys share one compiled grammar."""
+    value = getattr(params, params.kind)
+    return json.dumps(
+        [params.kind, value, params.disable_any_whitespace], sort_keys=True, ensure_ascii=False
+    )
+
+
+def validate(params: StructuredOutputsParams) -> str:
+    """The grammar of `params` after llguidance has checked it; raises ValueError that says
+    what is wrong (an invalid schema, regex or grammar) before the request enters the engine."""
+    try:
+        grammar = grammar_text(params)
+    except Exception as e:  # noqa: BLE001 - llguidance raises its own types for bad input
+        raise ValueError(f"invalid structured_outputs.{params.kind}: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"invalid structured_outputs.{params.kind}: {error.strip()}")
+    return grammar

@@ -1,0 +1,134 @@
+"""Grammars compiled once per distinct constraint, off the step loop, and each step's masks.
+
+The engine compiles each request's constraint at `add_request` and gives the request a
+`GrammarState` over it; the scheduler holds a request back (without holding back others) until
+its state `is_ready()`, and after each sampled token calls `accept`. Before each step the engine asks for the step's bitmask:
+one packed row `i32[ceil(V / 32)]` per scheduled request, all ones for the unconstrained.
+"""
+
+import concurrent.futures
+import logging
+import time
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from jvllm.sampling_params import StructuredOutputsParams
+from jvllm.structured_output.grammar import cache_key, validate
+
+logger = logging.getLogger("jvllm.structured_output")
+
+
+class GrammarState:
+    """One request's matcher: ready once its grammar compiled, then advanced token by token.
+
+    The state lives on the host beside the request's tokens, so preemption (which keeps the
+    tokens and recomputes only the KV) leaves it as it is."""
+
+    def __init__(self, template: concurrent.futures.Future):
+        self._template = template
+        self.matcher: llguidance.LLMatcher | None = None
+        self.error: str | None = None  # set when the grammar failed to compile
+
+    def is_ready(self) -> bool:
+        """Whether the grammar is compiled (or failed: then `error` says why)."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self._template.done():
+            return False
+        try:
+            self.matcher = self._template.result().deep_copy()
+        except Exception as e:  # noqa: BLE001 - reported on the request, not raised
+            self.error = f"the grammar failed to compile: {e}"
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar rejects it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar accepted its end (or EOS) and nothing more can follow."""
+        return self.matcher.is_stopped()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        """`vocab_size`: the model's logits width (masks cover it; ids the tokenizer lacks are
+        never allowed). `eos_token_ids`: the tokens a grammar allows once it may end."""
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids) or None
+        # One thread: the tokenizer's token table (about a second for a 49k vocabulary) is built
+        # on first use, then each new grammar; the step loop never waits on either.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jvllm-grammar")
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._templates: dict[str, concurrent.futures.Future] = {}
+        self._executor: llguidance.LLExecutor | None = None
+        self.num_words = (vocab_size + 31) // 32
+        self.mask_seconds = 0.0  # time spent filling masks, for the benchmarks
+
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """Validate the constraint (ValueError saying what is wrong) and start compiling it,
+        unless an equal one was compiled before -> the compiled matcher, to be given to each
+        request's `GrammarState`."""
+        if self._hf_tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer; this model ships none")
+        grammar = validate(params)
+        key = cache_key(params)
+        template = self._templates.get(key)
+        if template is None or (template.done() and template.exception() is not None):
+            template = self._pool.submit(self._compile, grammar, key)
+            self._templates[key] = template
+        return template
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for a compile in flight (the engine has nothing else
+        to do)."""
+        pending = [f for f in self._templates.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def _compile(self, grammar: str, key: str) -> llguidance.LLMatcher:
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        logger.debug("compiled grammar %s in %.3fs", key[:80], time.perf_counter() - start)
+        return matcher
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            start = time.perf_counter()
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+            )
+            logger.info("built the grammar tokenizer in %.1fs", time.perf_counter() - start)
+        return self._tokenizer
+
+    def bitmask(self, requests: list, will_sample) -> np.ndarray | None:
+        """i32[len(requests), ceil(V / 32)]: the allowed next tokens of each constrained request
+        that samples in this step (`will_sample(request)`), all ones elsewhere; None when no
+        request needs a mask, so the step skips applying one."""
+        rows = [
+            (request.structured_output.matcher, i)
+            for i, request in enumerate(requests)
+            if request.structured_output is not None and will_sample(request)
+        ]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        mask = np.full((len(requests), self.num_words), -1, np.int32)
+        if len(rows) == 1:
+            llguidance.numpy.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        self.mask_seconds += time.perf_counter() - start
+        return mask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,236 @@
+"""Structured outputs on the default model: what comes back matches its constraint, greedy and
+sampled, and requests without one are untouched by those with one."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams, StructuredOutputsParams
+
+_NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {"name": _NAME, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            },
+            "city": _NAME,
+        },
+        "required": ["person"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "object",
+        "properties": {"colors": {"type": "array", "items": _NAME, "minItems": 2, "maxItems": 3}},
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
+    "enum_and_bounds": {
+        "type": "object",
+        "properties": {
+            "size": {"enum": ["small", "medium", "large"]},
+            "score": {"type": "number", "minimum": 0, "maximum": 10},
+            "count": {"type": "integer", "minimum": 3, "maximum": 7},
+        },
+        "required": ["size", "score", "count"],
+        "additionalProperties": False,
+    },
+    "ref": {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"],
+        "additionalProperties": False,
+    },
+}
+PROMPT = "Answer with a JSON object describing something: "
+ARITHMETIC = """start: "(" NUMBER OP NUMBER ")" OP NUMBER
+OP: "+" | "-" | "*"
+NUMBER: /[1-9][0-9]{0,2}/
+"""
+
+
+def _params(temperature: float, **constraint) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature,
+        seed=7,
+        max_tokens=96,
+        structured_outputs=StructuredOutputsParams(**constraint),
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_json_outputs_validate_against_their_schemas(smollm2_llm, temperature):
+    names = list(SCHEMAS)
+    # Sampled JSON is asked compact: free whitespace lets a sampled small model idle in it.
+    params = [
+        _params(temperature, json=SCHEMAS[n], disable_any_whitespace=temperature > 0) for n in names
+    ]
+    outputs = smollm2_llm.generate([PROMPT] * len(names), params, use_tqdm=False)
+    for name, output in zip(names, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (name, completion.text)
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_regex_choice_grammar_and_json_object_are_obeyed(smollm2_llm, temperature):
+    cases = [
+        ("A phone number: ", {"regex": r"\d{3}-\d{3}-\d{4}"}),
+        ("Is the sky blue? ", {"choice": ["yes", "no", "maybe so"]}),
+        ("Some arithmetic: ", {"grammar": ARITHMETIC}),
+    ]
+    if temperature == 0:  # any JSON object, sampled from a small model, rarely closes
+        cases.append(("A JSON object:", {"json_object": True}))
+    outputs = smollm2_llm.generate(
+        [p for p, _ in cases], [_params(temperature, **c) for _, c in cases], use_tqdm=False
+    )
+    texts = [o.outputs[0].text for o in outputs]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs), texts
+    assert re.fullmatch(r"\d{3}-\d{3}-\d{4}", texts[0])
+    assert texts[1] in ("yes", "no", "maybe so")
+    assert re.fullmatch(r"\(\d+[-+*]\d+\)[-+*]\d+", texts[2])
+    assert isinstance(eval(texts[2]), int)  # the grammar allows arithmetic only
+    if temperature == 0:
+        assert isinstance(json.loads(texts[3]), dict)
+
+
+def test_unconstrained_requests_get_the_same_tokens_beside_constrained_ones(smollm2_llm):
+    free = ["The capital of France is", "Once upon a time"]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone = smollm2_llm.generate(free, greedy, use_tqdm=False)
+    constrained = _params(0.0, json=SCHEMAS["nested"])
+    mixed = smollm2_llm.generate(
+        [PROMPT, free[0], PROMPT, free[1]],
+        [constrained, greedy, constrained, greedy],
+        use_tqdm=False,
+    )
+    assert [mixed[1].outputs[0].token_ids, mixed[3].outputs[0].token_ids] == [
+        a.outputs[0].token_ids for a in alone
+    ]
+    assert mixed[0].outputs[0].text == mixed[2].outputs[0].text  # batch-invariant greedy
+
+
+def test_n_seeds_and_logprobs_work_with_a_constraint(smollm2_llm):
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=3,
+        max_tokens=8,
+        logprobs=2,
+        structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]),
+    )
+    first = smollm2_llm.generate(["My favourite colour is "], params, use_tqdm=False)[0]
+    again = smollm2_llm.generate(["My favourite colour is "], params, use_tqdm=False)[0]
+    assert [c.text for c in first.outputs] == [c.text for c in again.outputs]
+    for completion in first.outputs:
+        assert completion.text in ("red", "green", "blue")
+        # Logprobs are the raw model's (vLLM's default): the sampled token is among them.
+        assert len(completion.logprobs) == len(completion.token_ids)
+        assert completion.token_ids[0] in completion.logprobs[0]
+
+
+def test_constrained_outputs_survive_preemption_windows_and_async_steps(tiny_llama_dir):
+    """A pool too small for the batch preempts requests mid-JSON (their matchers keep their
+    place), and an engine with decode windows and async scheduling runs constrained requests in
+    single steps: both give the tokens of a plain engine."""
+    prompts = [f"{PROMPT}{i}" for i in range(5)]
+    params = _params(0.0, json=SCHEMAS["array"], disable_any_whitespace=True)
+    kwargs = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 8}
+
+    def run(**extra) -> tuple[list[list[int]], LLM]:
+        llm = LLM(tiny_llama_dir, **kwargs, **extra)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for output in outputs:
+            jsonschema.validate(json.loads(output.outputs[0].text), SCHEMAS["array"])
+        return [o.outputs[0].token_ids for o in outputs], llm
+
+    expected, _ = run(num_gpu_blocks_override=200)
+    tokens, tight = run(num_gpu_blocks_override=10)
+    assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    assert tokens == expected
+    tokens, _ = run(num_gpu_blocks_override=200, num_scheduler_steps=4, async_scheduling=True)
+    assert tokens == expected
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"json": {"type": "nonsense"}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": "[a-"}, "structured_outputs.regex"),
+        ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+    ],
+)
+def test_invalid_constraints_are_refused_before_entering_the_engine(
+    smollm2_llm, constraint, message
+):
+    engine = smollm2_llm.llm_engine
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request("bad", "Hello", params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_structured_outputs_params_take_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    params = SamplingParams(structured_outputs={"regex": "[ab]+"})
+    assert params.structured_outputs.kind == "regex"
+
+
+def test_mask_agrees_with_the_matcher_on_random_token_walks(smollm2_llm):
+    """The device's unpacked mask allows exactly the tokens llguidance's matcher accepts, along
+    random walks through a schema (at each step a random allowed token is taken)."""
+    import jax
+    import jax.numpy as jnp
+    import llguidance
+
+    from jvllm.sample.sampler import apply_token_bitmask
+    from jvllm.structured_output.manager import GrammarState
+
+    engine = smollm2_llm.llm_engine
+    manager, vocab = engine.structured_outputs, engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    apply = jax.jit(apply_token_bitmask)
+    for name in ("nested", "enum_and_bounds"):
+        template = manager.compile(StructuredOutputsParams(json=SCHEMAS[name]))
+        state = GrammarState(template)
+        template.result(timeout=30)
+        assert state.is_ready()
+        reference: llguidance.LLMatcher = state.matcher.deep_copy()
+        for _ in range(12):
+            mask = manager.bitmask([_Constrained(state)], lambda r: True)
+            masked = apply(jnp.zeros((1, vocab)), mask)
+            allowed = np.flatnonzero(np.isfinite(np.asarray(masked[0])))
+            some_allowed = rng.choice(allowed, min(len(allowed), 100), replace=False)
+            probe = np.unique(np.concatenate([some_allowed, rng.integers(0, vocab, 200)]))
+            accepted = [t for t in probe.tolist() if reference.validate_tokens([t]) == 1]
+            assert np.intersect1d(probe, allowed).tolist() == accepted
+            token = int(rng.choice(allowed))
+            assert state.accept(token) and reference.consume_token(token)
+            if state.is_terminated:
+                break
+
+
+class _Constrained:
+    def __init__(self, state):
+        self.structured_output = state
