@@ -263,7 +263,7 @@ def test_out_of_range_params_are_400(setup, body, param):
         assert error["param"] == param
 
 
-def test_malformed_json_and_unknown_model_are_400(setup):
+def test_malformed_json_is_400_and_unknown_model_404(setup):
     url = setup["url"] + "/v1/chat/completions"
     response = httpx.post(
         url,
@@ -274,7 +274,7 @@ def test_malformed_json_and_unknown_model_are_400(setup):
     response = httpx.post(
         url, json={"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}
     )
-    error = _error(response, 400)
+    error = _error(response, 404)
     assert error["param"] == "model" and "gpt-5" in error["message"]
 
 

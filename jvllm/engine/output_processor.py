@@ -126,6 +126,13 @@ class OutputProcessor:
         state.num_processed = len(request.output_token_ids)
         if state.detokenizer is None or request.status == RequestStatus.FINISHED_ABORTED:
             return None
+        if (
+            request.status == RequestStatus.FINISHED_STOPPED
+            and not params.include_stop_str_in_output
+        ):
+            # Stopped by a stop token id or EOS (a stop string finishes the request only after
+            # this): as in vLLM, that token stays in token_ids but its text is not output.
+            new_tokens = new_tokens[:-1]
         for i, token in enumerate(new_tokens):
             delta = state.detokenizer.add_token(token)
             state.text += delta

@@ -2,12 +2,14 @@
 
 Each step runs every live beam as a one-token request asking for `2 * beam_width` logprobs; a
 beam's tokens so far are its prompt, so beams that share a prefix share its KV blocks through the
-prefix cache and only their last partial block is recomputed.
+prefix cache and only their last partial block is recomputed. `BeamSearch` holds the beams; the
+offline `LLM` and the server's `AsyncLLM` each drive its steps.
 """
 
+import asyncio
 import dataclasses
 
-from jvllm.outputs import BeamSearchOutput, BeamSearchSequence
+from jvllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -28,63 +30,122 @@ class _Instance:
     completed: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
 
 
+class BeamSearch:
+    """The beams of some prompts: `live_prompts()` -> run them one token -> `advance()`, up to
+    `max_tokens` times or until no beam is left, then `results()`."""
+
+    def __init__(
+        self,
+        prompts_token_ids: list[list[int]],
+        params: BeamSearchParams,
+        eos_token_ids: tuple[int, ...],
+        max_logprobs: int,
+    ):
+        width = params.beam_width
+        if 2 * width > max_logprobs:
+            raise ValueError(
+                f"beam_width must be at most max_logprobs / 2 = {max_logprobs // 2} "
+                f"(each step ranks 2 * beam_width candidates), got {width}; raise max_logprobs"
+            )
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.step_params = SamplingParams(
+            n=1,
+            logprobs=2 * width,
+            max_tokens=1,
+            temperature=params.temperature,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=False,
+        )
+        self._instances = [
+            _Instance([BeamSearchSequence(tokens=list(ids), logprobs=[])])
+            for ids in prompts_token_ids
+        ]
+        self._live: list[tuple[_Instance, BeamSearchSequence]] = []
+
+    def _key(self, beam: BeamSearchSequence) -> float:
+        return beam_score(
+            beam.tokens, beam.cum_logprob, self.eos_token_ids, self.params.length_penalty
+        )
+
+    def live_prompts(self) -> list[dict]:
+        """This step's one-token requests, one per live beam (none: the search is over)."""
+        self._live = [(inst, beam) for inst in self._instances for beam in inst.beams]
+        return [{"prompt_token_ids": beam.tokens} for _, beam in self._live]
+
+    def advance(self, step_logprobs: list[dict[int, Logprob]]) -> None:
+        """Extend each live beam by each of its candidates (the logprobs of its one token) and
+        keep the `beam_width` best of each prompt; those ending in EOS are complete."""
+        candidates: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in self._instances}
+        for (inst, beam), logprobs in zip(self._live, step_logprobs):
+            for token_id, logprob in logprobs.items():
+                new = BeamSearchSequence(
+                    tokens=beam.tokens + [token_id],
+                    logprobs=beam.logprobs + [logprobs],
+                    cum_logprob=beam.cum_logprob + logprob.logprob,
+                )
+                if token_id in self.eos_token_ids and not self.params.ignore_eos:
+                    new.finish_reason = "stop"
+                    inst.completed.append(new)
+                else:
+                    candidates[id(inst)].append(new)
+        for inst in self._instances:
+            ranked = sorted(candidates[id(inst)], key=self._key, reverse=True)
+            inst.beams = ranked[: self.params.beam_width]
+
+    def results(self, tokenizer) -> list[BeamSearchOutput]:
+        """The `beam_width` best sequences of each prompt, with their text (prompt included)."""
+        results = []
+        for inst in self._instances:
+            for beam in inst.beams:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(inst.completed + inst.beams, key=self._key, reverse=True)
+            best = best[: self.params.beam_width]
+            for beam in best:
+                if tokenizer is not None:
+                    beam.text = tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
+
+
 def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
     from jvllm.engine.input_processor import tokenize_prompt
 
     engine = llm.llm_engine
     tokenizer = engine.get_tokenizer()
-    eos = engine.eos_token_ids
-    width = params.beam_width
-    if 2 * width > engine.args.max_logprobs:
-        raise ValueError(
-            f"beam_width must be at most max_logprobs / 2 = {engine.args.max_logprobs // 2} "
-            f"(each step ranks 2 * beam_width candidates), got {width}; raise max_logprobs"
-        )
-
-    def key(beam: BeamSearchSequence) -> float:
-        return beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-    step_params = SamplingParams(
-        n=1,
-        logprobs=2 * width,
-        max_tokens=1,
-        temperature=params.temperature,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-        detokenize=False,
-    )
-    instances = []
-    for prompt in prompts:
-        _, token_ids = tokenize_prompt(prompt, tokenizer)
-        instances.append(_Instance([BeamSearchSequence(tokens=token_ids, logprobs=[])]))
+    prompts_token_ids = [tokenize_prompt(prompt, tokenizer)[1] for prompt in prompts]
+    search = BeamSearch(prompts_token_ids, params, engine.eos_token_ids, engine.args.max_logprobs)
     for _ in range(params.max_tokens):
-        live = [(inst, beam) for inst in instances for beam in inst.beams]
-        if not live:
+        step_prompts = search.live_prompts()
+        if not step_prompts:
             break
-        outputs = llm.generate(
-            [{"prompt_token_ids": b.tokens} for _, b in live], step_params, use_tqdm=False
+        outputs = llm.generate(step_prompts, search.step_params, use_tqdm=False)
+        search.advance([out.outputs[0].logprobs[0] for out in outputs])
+    return search.results(tokenizer)
+
+
+async def beam_search_async(
+    engine, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str
+) -> BeamSearchOutput:
+    """The same search for one prompt through an `AsyncLLM`: each step's beams run at once, as
+    requests `{request_id}-{step}-{beam}`."""
+    inner = engine.engine
+    search = BeamSearch([prompt_token_ids], params, inner.eos_token_ids, inner.args.max_logprobs)
+    for step in range(params.max_tokens):
+        step_prompts = search.live_prompts()
+        if not step_prompts:
+            break
+        outputs = await asyncio.gather(
+            *(
+                _last(engine.generate(prompt, search.step_params, f"{request_id}-{step}-{i}"))
+                for i, prompt in enumerate(step_prompts)
+            )
         )
-        candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
-        for (inst, beam), out in zip(live, outputs):
-            for token_id, logprob in out.outputs[0].logprobs[0].items():
-                new = BeamSearchSequence(
-                    tokens=beam.tokens + [token_id],
-                    logprobs=beam.logprobs + [out.outputs[0].logprobs[0]],
-                    cum_logprob=beam.cum_logprob + logprob.logprob,
-                )
-                if token_id in eos and not params.ignore_eos:
-                    new.finish_reason = "stop"
-                    inst.completed.append(new)
-                else:
-                    candidates[id(inst)].append(new)
-        for inst in instances:
-            inst.beams = sorted(candidates[id(inst)], key=key, reverse=True)[:width]
-    results = []
-    for inst in instances:
-        for beam in inst.beams:
-            beam.finish_reason = beam.finish_reason or "length"
-        best = sorted(inst.completed + inst.beams, key=key, reverse=True)[:width]
-        for beam in best:
-            if tokenizer is not None:
-                beam.text = tokenizer.decode(beam.tokens)
-        results.append(BeamSearchOutput(sequences=best))
-    return results
+        search.advance([out.outputs[0].logprobs[0] for out in outputs])
+    return search.results(None)[0]
+
+
+async def _last(outputs):
+    async for output in outputs:
+        last = output
+    return last

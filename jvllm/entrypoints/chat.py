@@ -15,24 +15,51 @@ def as_conversations(messages) -> list[Conversation]:
     raise ValueError("messages must be a list of message dicts or a list of such conversations")
 
 
+def text_content(conversation: Conversation) -> Conversation:
+    """The conversation with each list of content parts (OpenAI's multi-part input) joined into
+    one string, its text parts separated by newlines, as vLLM does for templates that take a
+    string; a part of any other type (image_url, input_audio, ...) is a ValueError naming it."""
+    flat = []
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes only "
+                        'text parts ({"type": "text", "text": ...})'
+                    )
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        flat.append(message)
+    return flat
+
+
 def render_conversation(
     tokenizer,
     conversation: Conversation,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    chat_template_kwargs: dict | None = None,
+    add_special_tokens: bool = False,
 ) -> dict:
     """A prompt dict holding the rendered text and its token ids, tokenized as HF's
-    `apply_chat_template` does (the template writes the special tokens itself)."""
+    `apply_chat_template` does (the template writes the special tokens itself, so
+    `add_special_tokens` adds any only on request)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model ships none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template: pass chat_template")
     text = tokenizer.apply_chat_template(
-        conversation,
+        text_content(conversation),
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        **(chat_template_kwargs or {}),
     )
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return {"prompt": text, "prompt_token_ids": ids}

@@ -9,41 +9,49 @@ import sys
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.model_loader.loader import LOAD_FORMATS
 
-# EngineArgs fields exposed as flags (vLLM's flag names).
+# EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
 _ENGINE_FLAGS = {
-    "dtype": {"choices": ["auto", "float32", "bfloat16"]},
-    "load_format": {"choices": list(LOAD_FORMATS)},
-    "max_model_len": {"type": int},
-    "max_num_seqs": {"type": int},
-    "max_num_batched_tokens": {"type": int},
-    "block_size": {"type": int},
-    "kv_cache_memory_bytes": {"type": int},
-    "num_gpu_blocks_override": {"type": int},
-    "gpu_memory_utilization": {"type": float},
-    "long_prefill_token_threshold": {"type": int},
-    "attention_backend": {},
-    "seed": {"type": int},
-    "generation_config": {},
-    "enable_prefix_caching": {"action": argparse.BooleanOptionalAction},
-    "enable_chunked_prefill": {"action": argparse.BooleanOptionalAction},
-    "num_scheduler_steps": {"type": int},
-    "async_scheduling": {"action": argparse.BooleanOptionalAction},
-    "tensor_parallel_size": {"type": int},
-    "data_parallel_size": {"type": int},
-    "distributed_coordinator_address": {},
-    "distributed_num_processes": {"type": int},
-    "distributed_process_id": {"type": int},
+    "dtype": {
+        "choices": ["auto", "float32", "bfloat16"],
+        "help": "weights' and activations' dtype",
+    },
+    "load_format": {"choices": list(LOAD_FORMATS), "help": "dummy: random weights (benchmarks)"},
+    "max_model_len": {"type": int, "help": "longest prompt + output (None: the model's)"},
+    "max_num_seqs": {"type": int, "help": "most requests in one step"},
+    "max_num_batched_tokens": {"type": int, "help": "most tokens in one step"},
+    "block_size": {"type": int, "help": "tokens per KV cache block"},
+    "kv_cache_memory_bytes": {"type": int, "help": "KV cache size in bytes"},
+    "num_gpu_blocks_override": {"type": int, "help": "KV cache size in blocks (wins)"},
+    "gpu_memory_utilization": {"type": float, "help": "share of device memory to use"},
+    "long_prefill_token_threshold": {"type": int, "help": "prefill chunk cap per request (0: off)"},
+    "attention_backend": {"help": "None: pallas on GPU, reference elsewhere"},
+    "seed": {"type": int, "help": "seed of the seeds of requests that set none"},
+    "generation_config": {"help": "auto: the model's generation_config.json; vllm: ignore it"},
+    "enable_prefix_caching": {"action": argparse.BooleanOptionalAction, "help": "reuse KV blocks"},
+    "enable_chunked_prefill": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "split long prompts over steps",
+    },
+    "num_scheduler_steps": {"type": int, "help": "decode steps per device call"},
+    "async_scheduling": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "overlap the host's work with the next step",
+    },
+    "tensor_parallel_size": {"type": int, "help": "devices each replica is cut over"},
+    "data_parallel_size": {"type": int, "help": "replicas"},
+    "distributed_coordinator_address": {"help": "host:port of process 0 (several hosts)"},
+    "distributed_num_processes": {"type": int, "help": "processes (hosts) in all"},
+    "distributed_process_id": {"type": int, "help": "this process's rank"},
 }
+# What `jvllm serve` imports beyond the engine's own dependencies (the `serve` extra).
+_SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "pydantic", "starlette")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineArgs()
     group = parser.add_argument_group("engine")
     for name, kwargs in _ENGINE_FLAGS.items():
-        default = getattr(defaults, name)
-        group.add_argument(
-            f"--{name.replace('_', '-')}", default=default, help=f"(default: {default})", **kwargs
-        )
+        group.add_argument(f"--{name.replace('_', '-')}", default=getattr(defaults, name), **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,8 +60,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from jvllm.entrypoints.openai.api_server import run_server
-
+    try:
+        from jvllm.entrypoints.openai.api_server import run_server
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in _SERVER_PACKAGES:
+            raise
+        sys.exit(f"jvllm serve needs {e.name}, which is not installed: pip install 'jvllm[serve]'")
     run_server(
         args.model,
         host=args.host,
@@ -63,6 +75,7 @@ def _serve(args: argparse.Namespace) -> None:
         log_level=args.uvicorn_log_level,
         log_stats=not args.disable_log_stats,
         compile_in_background=args.compile_in_background,
+        trust_request_chat_template=args.trust_request_chat_template,
         **engine_kwargs(args),
     )
 
@@ -70,22 +83,35 @@ def _serve(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jvllm", description="jvllm: vLLM's engine in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
+    serve = commands.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     serve.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+        help="HF model directory or .gguf file; None: the default model, SmolLM2-135M-Instruct",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 and /invocations",
+    )
     serve.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name clients pass (default: MODEL, or the default model's)",
+        help="the model name clients pass; None: MODEL, or the default model's",
     )
-    serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (a Jinja template runs on the server)",
+    )
     serve.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -95,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-in-background",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="listen at once and compile the step shapes in the background (default); with "
+        help="listen at once and compile the step shapes in the background; with "
         "--no-compile-in-background every shape compiles before the port opens",
     )
     add_engine_args(serve)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jvllm
@@ -31,8 +32,14 @@ from jvllm.logger import init_logger
 logger = init_logger(__name__)
 
 
+# Paths that need the API key when the server has one. vLLM leaves /invocations open; here it
+# runs the same generations as /v1, so it is closed the same way.
+_KEYED_PATHS = ("/v1", "/invocations")
+
+
 class _ApiKeyMiddleware:
-    """401 on /v1/* without `Authorization: Bearer <key>` (health, metrics stay open, as in vLLM)."""
+    """401 on /v1/* and /invocations without `Authorization: Bearer <key>` (health, metrics and
+    the tokenizer routes stay open, as in vLLM)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -41,7 +48,7 @@ class _ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if (
             scope["type"] == "http"
-            and scope["path"].startswith("/v1")
+            and scope["path"].startswith(_KEYED_PATHS)
             and scope["method"] != "OPTIONS"
         ):
             auth = dict(scope["headers"]).get(b"authorization", b"")
@@ -77,12 +84,14 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     metrics: ServingMetrics | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. Pass the `ServingMetrics` that the
-    engine records into (its `stat_loggers`) to expose them on /metrics."""
+    engine records into (its `stat_loggers`) to expose them on /metrics. A request's own
+    `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag)."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
     completion = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name, trust_request_chat_template)
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
     app.state.engine = engine
@@ -147,11 +156,39 @@ def build_app(
             ],
         }
 
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        """SageMaker's route (vLLM's): a chat completion for a body with `messages`, a
+        completion for one with `prompt`."""
+        try:
+            body = await raw.json()
+        except ValueError as e:
+            raise OpenAIError(f"malformed JSON body: {e}") from None
+        kinds = [
+            ("messages", ChatCompletionRequest, chat),
+            ("prompt", CompletionRequest, completion),
+        ]
+        for key, model, serving in kinds:
+            if isinstance(body, dict) and key in body:
+                try:
+                    request = model.model_validate(body)
+                except ValidationError as e:
+                    raise RequestValidationError(e.errors()) from None
+                return _respond(await serving.create(request))
+        raise OpenAIError(
+            "an /invocations body needs `messages` (a chat completion) or `prompt` (a completion)"
+        )
+
     @app.get("/health")
     async def health():
         if not engine.is_running:
             return Response(status_code=503)
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health check."""
+        return await health()
 
     @app.get("/version")
     async def version():
@@ -162,11 +199,26 @@ def build_app(
         completion.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("pass exactly one of prompt and messages", param="prompt")
+        add_special_tokens = request.add_special_tokens
         if request.messages is not None:
-            tokens = chat.render(request.messages, request.add_generation_prompt)
+            tokens = chat.render(
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+                request.chat_template,
+                bool(add_special_tokens),
+            )
         else:
-            tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+            add_special_tokens = add_special_tokens is None or add_special_tokens
+            tokens = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
+        token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": engine.max_model_len,
+            "token_strs": token_strs,
+        }
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
@@ -217,6 +269,7 @@ def run_server(
     served_model_name: str | None = None,
     log_level: str = "info",
     log_stats: bool = True,
+    trust_request_chat_template: bool = False,
     **engine_kwargs,
 ) -> None:
     import uvicorn
@@ -224,7 +277,7 @@ def run_server(
     engine, metrics, name = build_server_engine(
         model, served_model_name, log_stats, **engine_kwargs
     )
-    app = build_app(engine, name, api_key, metrics)
+    app = build_app(engine, name, api_key, metrics, trust_request_chat_template)
     logger.info("serving %s on http://%s:%d", name, host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

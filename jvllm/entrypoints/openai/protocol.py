@@ -1,8 +1,15 @@
 """Request bodies of the OpenAI API (pydantic), and the OpenAI-shaped error."""
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jvllm.entrypoints.openai.unsupported import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    TOKENIZE_FIELDS,
+    first_unsupported,
+)
 
 
 class OpenAIError(Exception):
@@ -37,10 +44,24 @@ class OpenAIError(Exception):
 class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI clients send vendor extensions freely.
     model_config = ConfigDict(extra="ignore")
+    # Fields vLLM's API knows and jvllm does not implement (see unsupported.py).
+    unsupported_fields: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            name = first_unsupported(data, cls.unsupported_fields, set(cls.model_fields))
+            if name is not None:
+                raise OpenAIError(
+                    f"'{name}' is not supported by jvllm; leave it out (or at its default)",
+                    param=name,
+                )
+        return data
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default: `{"continuous_usage_stats": true}` is enough
     continuous_usage_stats: bool = False
 
 
@@ -67,18 +88,29 @@ class _SamplingFields(_Request):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    request_id: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
+    unsupported_fields = COMPLETION_FIELDS
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True
 
 
 class ChatCompletionRequest(_SamplingFields):
+    unsupported_fields = CHAT_FIELDS
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -87,14 +119,22 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    echo: bool = False
+    add_special_tokens: bool = False
 
 
 class TokenizeRequest(_Request):
+    unsupported_fields = TOKENIZE_FIELDS
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Request):

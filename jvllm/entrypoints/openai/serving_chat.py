@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.entrypoints.chat import render_conversation, text_content
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     now,
-    random_id,
+    response_id,
     sse,
     usage,
 )
@@ -17,15 +19,30 @@ from jvllm.sampling_params import RequestOutputKind
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool):
+        super().__init__(engine, model_name)
+        self.trust_request_chat_template = trust_request_chat_template
+
     def render(
         self,
         messages: list[dict],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         kwargs: dict | None = None,
+        chat_template: str | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """The prompt token ids of a conversation under the tokenizer's chat template."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        """The prompt token ids of a conversation under the chat template: the tokenizer's, or
+        the request's own when the server trusts those (vLLM's --trust-request-chat-template)."""
+        kwargs = dict(kwargs or {})
+        chat_template = chat_template or kwargs.pop("chat_template", None)
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError(
+                "this server refuses a chat_template sent with the request; start it with "
+                "--trust-request-chat-template to allow one",
+                param="chat_template",
+            )
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError("this model's tokenizer has no chat template", param="messages")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
@@ -33,26 +50,48 @@ class OpenAIServingChat(OpenAIServing):
                     f"messages[{i}] must be an object with a 'role'", param="messages"
                 )
         try:
-            encoded = self.tokenizer.apply_chat_template(
+            prompt = render_conversation(
+                self.tokenizer,
                 messages,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                return_dict=True,
-                **(kwargs or {}),
+                chat_template,
+                add_generation_prompt and not continue_final_message,
+                continue_final_message,
+                kwargs,
+                add_special_tokens,
             )
         except Exception as e:  # noqa: BLE001 - a template error is the messages' fault
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
-        return list(encoded["input_ids"])
+        return prompt["prompt_token_ids"]
+
+    @staticmethod
+    def _role(request: ChatCompletionRequest) -> str:
+        """The reply's role (vLLM's): the assistant's after a generation prompt, else the role of
+        the message it continues."""
+        if request.add_generation_prompt and not request.continue_final_message:
+            return "assistant"
+        return request.messages[-1]["role"]
+
+    @staticmethod
+    def _echo(request: ChatCompletionRequest, role: str) -> str:
+        """With echo, the text the reply starts with: the last message's when it has the reply's
+        role (continue_final_message, or an assistant's message before a generation prompt), as
+        vLLM does."""
+        last = text_content(request.messages[-1:])[0]
+        if not request.echo or last.get("role") != role:
+            return ""
+        return last.get("content") or ""
 
     async def create(self, request: ChatCompletionRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
         self.check_model(request.model)
+        self.check_request(request)
         prompt_token_ids = self.render(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
+            request.chat_template,
+            request.add_special_tokens,
         )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -66,11 +105,12 @@ class OpenAIServingChat(OpenAIServing):
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (top or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs)
-        request_id = random_id("chatcmpl")
+        params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
+        beam = self.beam_search_params(request, max_tokens)
+        request_id = response_id("chatcmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         prompt = {"prompt": None, "prompt_token_ids": prompt_token_ids}
-        outputs = self.generate_all([prompt], params, request_id, kind)
+        outputs = self.generate_all([prompt], params, request_id, kind, beam)
         try:
             first = await anext(outputs)
         except StopAsyncIteration:
@@ -79,19 +119,23 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(request, request_id, params.n, first, outputs)
         result = first[1]
         await outputs.aclose()
-        choices = [
-            {
+        role = self._role(request)
+        echo = self._echo(request, role)
+        choices = []
+        for c in sorted(result.outputs, key=lambda c: c.index):
+            choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, top or 0) if request.logprobs else None,
+                "message": {"role": role, "content": echo + c.text},
+                "logprobs": self._logprobs(request, c, top or 0) if request.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in sorted(result.outputs, key=lambda c: c.index)
-        ]
+            if request.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         num_prompt = len(result.prompt_token_ids)
         num_completion = sum(len(c.token_ids) for c in result.outputs)
-        return {
+        response = {
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
@@ -99,12 +143,18 @@ class OpenAIServingChat(OpenAIServing):
             "choices": choices,
             "usage": usage(num_prompt, num_completion),
         }
+        if request.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.prompt_logprobs_json(result.prompt_logprobs)
+        if request.return_token_ids:
+            response["prompt_token_ids"] = list(result.prompt_token_ids)
+        return response
 
-    def _logprobs(self, completion: CompletionOutput, num: int) -> dict:
+    def _logprobs(self, request, completion: CompletionOutput, num: int) -> dict:
+        as_ids = request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(completion.token_ids, completion.logprobs or []):
             chosen = position.get(token_id)
-            text = self.token_text(token_id, chosen)
+            text = self.token_text(token_id, chosen, as_ids)
             content.append(
                 {
                     "token": text,
@@ -112,7 +162,7 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (t := self.token_text(tid, lp)),
+                            "token": (t := self.token_text(tid, lp, as_ids)),
                             "logprob": self.logprob_value(lp),
                             "bytes": list(t.encode()),
                         }
@@ -126,50 +176,76 @@ class OpenAIServingChat(OpenAIServing):
         self, request, request_id: str, n: int, first, outputs: AsyncIterator
     ) -> AsyncIterator[str]:
         created = now()
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
         top = request.top_logprobs or 0
+        role = self._role(request)
+        echo = self._echo(request, role)
+        num_prompt = len(first[1].prompt_token_ids) if first is not None else 0
+        num_completion = 0
 
-        def chunk(choices: list[dict], usage_body: dict | None = None) -> str:
+        def chunk(choices: list[dict], final_usage: dict | None = None, **extra) -> str:
             body = {
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
                 "choices": choices,
+                **extra,
             }
-            if include_usage:
-                body["usage"] = usage_body
+            if include_usage:  # vLLM's continuous_usage_stats: the counts so far, every chunk
+                body["usage"] = final_usage or (
+                    usage(num_prompt, num_completion) if continuous else None
+                )
             return sse(body)
 
+        extra = {}
+        if request.return_token_ids and first is not None:
+            extra["prompt_token_ids"] = list(first[1].prompt_token_ids)
         yield chunk(
             [
                 {
                     "index": i,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": {"role": role, "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
                 for i in range(n)
-            ]
+            ],
+            **extra,
         )
-        num_prompt = num_completion = 0
+        if echo:
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"content": echo},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(n)
+                ]
+            )
         item = first
         try:
             while item is not None:
                 result = item[1]
-                num_prompt = len(result.prompt_token_ids)
                 deltas, finals = [], []
                 for c in result.outputs:
                     num_completion += len(c.token_ids)
                     if c.text or c.token_ids:
-                        deltas.append(
-                            {
-                                "index": c.index,
-                                "delta": {"content": c.text},
-                                "logprobs": self._logprobs(c, top) if request.logprobs else None,
-                                "finish_reason": None,
-                            }
-                        )
+                        delta = {
+                            "index": c.index,
+                            "delta": {"content": c.text},
+                            "logprobs": self._logprobs(request, c, top)
+                            if request.logprobs
+                            else None,
+                            "finish_reason": None,
+                        }
+                        if request.return_token_ids:
+                            delta["token_ids"] = list(c.token_ids)
+                        deltas.append(delta)
                     if c.finish_reason:
                         finals.append(
                             {
@@ -186,10 +262,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(finals)
                 item = await anext(outputs, None)
             if include_usage:
-                yield chunk(
-                    [],
-                    usage(num_prompt, num_completion),
-                )
+                yield chunk([], usage(num_prompt, num_completion))
         except OpenAIError as e:
             yield sse(e.body())
         finally:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from jvllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
-from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, random_id, sse, usage
+from jvllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    now,
+    response_id,
+    sse,
+    usage,
+)
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import RequestOutputKind
 
@@ -24,7 +30,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise OpenAIError("prompt must not be empty", param="prompt")
-                out.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
+                ids = self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)
+                out.append({"prompt": p, "prompt_token_ids": ids})
             else:
                 if not p:
                     raise OpenAIError("prompt must not be empty (it has 0 tokens)", param="prompt")
@@ -34,21 +41,23 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
         self.check_model(request.model)
-        if request.suffix:
-            raise OpenAIError("suffix is not supported", param="suffix")
+        self.check_request(request)
         if request.best_of is not None and request.best_of != request.n:
-            raise OpenAIError("best_of must equal n (no beam search)", param="best_of")
+            raise OpenAIError("best_of must equal n (every sample is returned)", param="best_of")
         prompts = self._prompts(request)
         # One SamplingParams serves every prompt: without max_tokens, the room the longest leaves.
         max_tokens = min(
             self.check_length(len(p["prompt_token_ids"]), request.max_tokens, "prompt")
             for p in prompts
         )
-        echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        params = self.sampling_params(request, max_tokens, request.logprobs, echo_logprobs)
-        request_id = random_id("cmpl")
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:  # echoed logprobs are the prompt's
+            prompt_logprobs = request.logprobs
+        params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+        beam = self.beam_search_params(request, max_tokens)
+        request_id = response_id("cmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        outputs = self.generate_all(prompts, params, request_id, kind)
+        outputs = self.generate_all(prompts, params, request_id, kind, beam)
         try:
             first = await anext(outputs)  # errors at admission become a 400, not a broken stream
         except StopAsyncIteration:
@@ -94,14 +103,21 @@ class OpenAIServingCompletion(OpenAIServing):
             text = self._prompt_text(result) + text
         logprobs = None
         if request.logprobs is not None:
-            logprobs = self._logprobs(result, completion, request.logprobs, echo)
-        return {
+            logprobs = self._logprobs(result, completion, echo, request.return_tokens_as_token_ids)
+        choice = {
             "index": base + completion.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
         }
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_json(result.prompt_logprobs)
+        if request.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk
+            if first:
+                choice["prompt_token_ids"] = list(result.prompt_token_ids)
+            choice["token_ids"] = list(completion.token_ids)
+        return choice
 
     def _prompt_text(self, result: RequestOutput) -> str:
         if result.prompt is not None:
@@ -109,7 +125,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(result.prompt_token_ids)
 
     def _logprobs(
-        self, result: RequestOutput, completion: CompletionOutput, num: int, echo: bool
+        self, result: RequestOutput, completion: CompletionOutput, echo: bool, as_ids: bool
     ) -> dict:
         """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
         token_ids: list[int] = []
@@ -126,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
         offset = 0
         for token_id, position in zip(token_ids, positions):
             chosen = position.get(token_id) if position else None
-            text = self.token_text(token_id, chosen)
+            text = self.token_text(token_id, chosen, as_ids)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
@@ -135,10 +151,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 top.append(None)
                 continue
             token_logprobs.append(self.logprob_value(chosen) if chosen is not None else None)
-            # The top `num` and the sampled token (k + 1 entries when it is not among them).
+            # The top k and the sampled token (k + 1 entries when it is not among them).
             top.append(
                 {
-                    self.token_text(t, lp): self.logprob_value(lp)
+                    self.token_text(t, lp, as_ids): self.logprob_value(lp)
                     for t, lp in self.top_entries(position, len(position))
                 }
             )
@@ -153,7 +169,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request, request_id: str, n: int, first, outputs: AsyncIterator
     ) -> AsyncIterator[str]:
         created = now()
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
         num_prompt: dict[int, int] = {}
         num_completion = 0
         started: set[int] = set()
@@ -179,8 +197,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     "model": self.model_name,
                     "choices": choices,
                 }
-                if include_usage:
-                    chunk["usage"] = None
+                if include_usage:  # vLLM's continuous_usage_stats: the counts so far
+                    chunk["usage"] = (
+                        usage(sum(num_prompt.values()), num_completion) if continuous else None
+                    )
                 yield sse(chunk)
                 item = await anext(outputs, None)
             if include_usage:

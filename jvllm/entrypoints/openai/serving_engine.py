@@ -4,15 +4,20 @@ and running several prompts (or choices) of one HTTP request through the engine 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from jvllm.entrypoints.beam_search import beam_search_async
 from jvllm.entrypoints.openai.protocol import OpenAIError
-from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.sampling_params import BeamSearchParams, SamplingParams
+
+_ENGINE_SEEDS = 2**32  # the engine's seeds are u32 (a PRNG key each)
+_INT64 = 2**63
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -24,8 +29,20 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     }
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def response_id(prefix: str, request_id: str | None) -> str:
+    """`{prefix}-{request_id}` (vLLM's), with a random id when the request sent none."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def engine_seed(seed: int | None) -> int | None:
+    """An API seed (any int64, as vLLM takes) as an engine seed in [0, 2**32): those already in
+    range as they are (the same samples as offline), any other hashed into it."""
+    if seed is None or 0 <= seed < _ENGINE_SEEDS:
+        return seed
+    if not -_INT64 <= seed < _INT64:
+        raise OpenAIError(f"seed must be an int64 (in [-2**63, 2**63)), got {seed}", param="seed")
+    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 class OpenAIServing:
@@ -42,9 +59,50 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise OpenAIError(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                status_code=404,
                 param="model",
+                type="not_found_error",
                 code="model_not_found",
             )
+
+    @staticmethod
+    def check_request(request) -> None:
+        """Combinations of fields that vLLM refuses, or that would be silently ignored."""
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError(
+                "stream_options can only be given with stream=true", param="stream_options"
+            )
+        if request.prompt_logprobs is not None and request.stream:
+            raise OpenAIError(
+                "prompt_logprobs are not available with stream=true", param="prompt_logprobs"
+            )
+        if request.length_penalty != 1.0 and not request.use_beam_search:
+            raise OpenAIError(
+                "length_penalty applies only with use_beam_search=true", param="length_penalty"
+            )
+        if request.use_beam_search and request.logprobs not in (None, False):
+            raise OpenAIError(
+                "logprobs are not supported with use_beam_search=true", param="logprobs"
+            )
+
+    def beam_search_params(self, request, max_tokens: int) -> BeamSearchParams | None:
+        """vLLM's beam search of `n` beams, when the request asks for it."""
+        if not request.use_beam_search:
+            return None
+        temperature = request.temperature
+        if temperature is None:
+            temperature = self.defaults.get("temperature", 0.0)
+        try:
+            return BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=max_tokens,
+                ignore_eos=request.ignore_eos,
+                temperature=temperature,
+                length_penalty=request.length_penalty,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise OpenAIError(f"use_beam_search: {e}", param="n") from None
 
     def sampling_params(
         self, request, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -57,7 +115,7 @@ class OpenAIServing:
             "top_p": request.top_p,
             "top_k": request.top_k,
             "min_p": request.min_p,
-            "seed": request.seed,
+            "seed": engine_seed(request.seed),
             "stop": request.stop,
             "stop_token_ids": request.stop_token_ids,
             "max_tokens": max_tokens,
@@ -65,6 +123,9 @@ class OpenAIServing:
             "ignore_eos": request.ignore_eos,
             "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
+            "spaces_between_special_tokens": request.spaces_between_special_tokens,
+            "allowed_token_ids": request.allowed_token_ids,
+            "bad_words": request.bad_words,
             "presence_penalty": request.presence_penalty,
             "frequency_penalty": request.frequency_penalty,
             "repetition_penalty": request.repetition_penalty,
@@ -116,18 +177,25 @@ class OpenAIServing:
         return min(max_tokens, cap)
 
     async def generate_all(
-        self, prompts: list[dict], params: SamplingParams, request_id: str, kind: RequestOutputKind
+        self,
+        prompts: list[dict],
+        params: SamplingParams,
+        request_id: str,
+        kind: RequestOutputKind,
+        beam: BeamSearchParams | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all."""
+        """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all.
+        With `beam`, each prompt is one beam search, reported once, at its end."""
         if len(prompts) == 1:
-            async for output in self._generate(prompts[0], params, request_id, kind):
+            async for output in self._generate(prompts[0], params, request_id, kind, beam):
                 yield 0, output
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, prompt: dict) -> None:
+            rid = f"{request_id}-{index}"
             try:
-                async for output in self._generate(prompt, params, f"{request_id}-{index}", kind):
+                async for output in self._generate(prompt, params, rid, kind, beam):
                     queue.put_nowait((index, output))
             except BaseException as e:
                 queue.put_nowait((index, e))
@@ -151,9 +219,17 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate(
-        self, prompt: dict, params: SamplingParams, request_id: str, kind: RequestOutputKind
+        self,
+        prompt: dict,
+        params: SamplingParams,
+        request_id: str,
+        kind: RequestOutputKind,
+        beam: BeamSearchParams | None,
     ) -> AsyncIterator[RequestOutput]:
         try:
+            if beam is not None:
+                yield await self._beam_search(prompt, beam, request_id)
+                return
             async for output in self.engine.generate(prompt, params, request_id, output_kind=kind):
                 yield output
         except (ValueError, TypeError) as e:
@@ -161,9 +237,38 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise OpenAIError(str(e), status_code=500, type="internal_server_error") from None
 
+    async def _beam_search(
+        self, prompt: dict, beam: BeamSearchParams, request_id: str
+    ) -> RequestOutput:
+        """One finished output whose completions are the best beams (vLLM's online beam search:
+        the text leaves out a final EOS unless include_stop_str_in_output)."""
+        prompt_ids = prompt["prompt_token_ids"]
+        found = await beam_search_async(self.engine, prompt_ids, beam, request_id)
+        eos = self.engine.engine.eos_token_ids
+        outputs = []
+        for index, sequence in enumerate(found.sequences):
+            token_ids = sequence.tokens[len(prompt_ids) :]
+            shown = token_ids
+            if token_ids and token_ids[-1] in eos and not beam.include_stop_str_in_output:
+                shown = token_ids[:-1]
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=self.tokenizer.decode(shown),
+                    token_ids=token_ids,
+                    cumulative_logprob=sequence.cum_logprob,
+                    finish_reason=sequence.finish_reason,
+                    stop_reason=sequence.stop_reason,
+                )
+            )
+        return RequestOutput(request_id, prompt.get("prompt"), prompt_ids, outputs, finished=True)
+
     # ---- logprobs ----
 
-    def token_text(self, token_id: int, logprob) -> str:
+    def token_text(self, token_id: int, logprob, as_id: bool = False) -> str:
+        """A token's text in logprobs, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
         decoded = getattr(logprob, "decoded_token", None)
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
@@ -176,6 +281,26 @@ class OpenAIServing:
         """The `num` most likely (token id, Logprob) of one position's dict."""
         ranked = sorted(position.items(), key=lambda kv: -self.logprob_value(kv[1]))
         return ranked[:num]
+
+    @classmethod
+    def prompt_logprobs_json(cls, prompt_logprobs: list | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt position None (the first) or
+        {token_id: {logprob, rank, decoded_token}}."""
+        if prompt_logprobs is None:
+            return None
+        return [
+            None
+            if position is None
+            else {
+                token_id: {
+                    "logprob": cls.logprob_value(lp),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for token_id, lp in position.items()
+            }
+            for position in prompt_logprobs
+        ]
 
 
 def now() -> int:
