@@ -127,11 +127,14 @@ class OutputProcessor:
         if state.detokenizer is None or request.status == RequestStatus.FINISHED_ABORTED:
             return None
         if (
-            request.status == RequestStatus.FINISHED_STOPPED
+            new_tokens
+            and request.status == RequestStatus.FINISHED_STOPPED
             and not params.include_stop_str_in_output
+            and _is_stop_token(request, new_tokens[-1])
         ):
             # Stopped by a stop token id or EOS (a stop string finishes the request only after
-            # this): as in vLLM, that token stays in token_ids but its text is not output.
+            # this, a grammar's end on a token of its text): as in vLLM, that token stays in
+            # token_ids but its text is not output.
             new_tokens = new_tokens[:-1]
         for i, token in enumerate(new_tokens):
             delta = state.detokenizer.add_token(token)
@@ -220,3 +223,11 @@ class OutputProcessor:
             finish_reason=RequestStatus.finish_reason(request.status) if finished else None,
             stop_reason=request.stop_reason,
         )
+
+
+def _is_stop_token(request: Request, token_id: int) -> bool:
+    """Whether `token_id` is one of the request's stop token ids or (unless ignored) its EOS."""
+    params = request.sampling_params
+    if token_id in params.stop_token_ids:
+        return True
+    return token_id == request.eos_token_id and not params.ignore_eos
