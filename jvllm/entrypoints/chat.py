@@ -1,5 +1,7 @@
 """Chat conversations -> prompts through the tokenizer's chat template (vLLM's `LLM.chat`)."""
 
+import json
+
 Conversation = list[dict]
 
 
@@ -37,6 +39,28 @@ def text_content(conversation: Conversation) -> Conversation:
     return flat
 
 
+def _tool_call_arguments_as_objects(conversation: Conversation) -> Conversation:
+    """Assistant `tool_calls` whose arguments are JSON text (OpenAI's form) with the arguments
+    parsed, as chat templates expect a mapping there (vLLM does the same)."""
+    out = []
+    for message in conversation:
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            parsed = []
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                    try:
+                        arguments = json.loads(function["arguments"])
+                    except json.JSONDecodeError:
+                        arguments = function["arguments"]
+                    call = {**call, "function": {**function, "arguments": arguments}}
+                parsed.append(call)
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
+
+
 def render_conversation(
     tokenizer,
     conversation: Conversation,
@@ -45,16 +69,19 @@ def render_conversation(
     continue_final_message: bool = False,
     chat_template_kwargs: dict | None = None,
     add_special_tokens: bool = False,
+    tools: list[dict] | None = None,
 ) -> dict:
     """A prompt dict holding the rendered text and its token ids, tokenized as HF's
     `apply_chat_template` does (the template writes the special tokens itself, so
-    `add_special_tokens` adds any only on request)."""
+    `add_special_tokens` adds any only on request). `tools` (OpenAI's function definitions) go
+    to the template, which writes them into the prompt."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model ships none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template: pass chat_template")
     text = tokenizer.apply_chat_template(
-        text_content(conversation),
+        _tool_call_arguments_as_objects(text_content(conversation)),
+        tools=tools,
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
 
 # EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
@@ -60,6 +61,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        sys.exit(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME "
+            f"({', '.join(sorted(TOOL_PARSERS))})"
+        )
     try:
         from jvllm.entrypoints.openai.api_server import run_server
     except ModuleNotFoundError as e:
@@ -76,6 +82,7 @@ def _serve(args: argparse.Namespace) -> None:
         log_stats=not args.disable_log_stats,
         compile_in_background=args.compile_in_background,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         **engine_kwargs(args),
     )
 
@@ -111,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-request-chat-template",
         action="store_true",
         help="let a request bring its own chat_template (a Jinja template runs on the server)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" by reading the calls out of the reply with '
+        '--tool-call-parser (without it, "auto" is a 400)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls: hermes (Qwen2.5/3, <tool_call> JSON), "
+        "llama3_json (Llama 3.1/3.2 JSON)",
     )
     serve.add_argument(
         "--disable-log-stats",

@@ -80,9 +80,12 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
-        of conversations, rendered through the tokenizer's chat template (or `chat_template`)."""
+        of conversations, rendered through the tokenizer's chat template (or `chat_template`).
+        `tools`: OpenAI-style function definitions, written into the prompt by the template;
+        the replies are text (constrain them with `structured_outputs` to force a call)."""
         tokenizer = self.get_tokenizer()
         prompts = [
             render_conversation(
@@ -91,6 +94,7 @@ class LLM:
                 chat_template,
                 add_generation_prompt,
                 continue_final_message,
+                tools=tools,
             )
             for conversation in as_conversations(messages)
         ]

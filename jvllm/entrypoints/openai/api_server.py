@@ -27,6 +27,7 @@ from jvllm.entrypoints.openai.protocol import (
 )
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -85,13 +86,17 @@ def build_app(
     api_key: str | None = None,
     metrics: ServingMetrics | None = None,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. Pass the `ServingMetrics` that the
     engine records into (its `stat_loggers`) to expose them on /metrics. A request's own
-    `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag)."""
+    `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag).
+    `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls out of replies to
+    tool_choice "auto" (vLLM's --enable-auto-tool-choice); None refuses "auto"."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
     completion = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name, trust_request_chat_template)
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    chat = OpenAIServingChat(engine, model_name, trust_request_chat_template, parser)
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
     app.state.engine = engine
@@ -270,6 +275,7 @@ def run_server(
     log_level: str = "info",
     log_stats: bool = True,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
     **engine_kwargs,
 ) -> None:
     import uvicorn
@@ -277,7 +283,7 @@ def run_server(
     engine, metrics, name = build_server_engine(
         model, served_model_name, log_stats, **engine_kwargs
     )
-    app = build_app(engine, name, api_key, metrics, trust_request_chat_template)
+    app = build_app(engine, name, api_key, metrics, trust_request_chat_template, tool_call_parser)
     logger.info("serving %s on http://%s:%d", name, host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

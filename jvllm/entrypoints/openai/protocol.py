@@ -97,6 +97,13 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     request_id: str | None = None
+    # Output constraints (structured.py): OpenAI's, vLLM's, and vLLM's older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -122,6 +129,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     echo: bool = False
     add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Request):
@@ -142,4 +152,4 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None

@@ -14,14 +14,26 @@ from jvllm.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from jvllm.entrypoints.openai.structured import structured_outputs
+from jvllm.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, reply
+from jvllm.entrypoints.openai.tool_parsers import ToolParser
 from jvllm.outputs import CompletionOutput
 from jvllm.sampling_params import RequestOutputKind
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        trust_request_chat_template: bool,
+        tool_parser: type[ToolParser] | None = None,
+    ):
+        """`tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice and
+        --tool-call-parser), None when "auto" is refused."""
         super().__init__(engine, model_name)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser = tool_parser
 
     def render(
         self,
@@ -31,6 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         kwargs: dict | None = None,
         chat_template: str | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The prompt token ids of a conversation under the chat template: the tokenizer's, or
         the request's own when the server trusts those (vLLM's --trust-request-chat-template)."""
@@ -58,6 +71,7 @@ class OpenAIServingChat(OpenAIServing):
                 continue_final_message,
                 kwargs,
                 add_special_tokens,
+                tools,
             )
         except Exception as e:  # noqa: BLE001 - a template error is the messages' fault
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
@@ -85,6 +99,16 @@ class OpenAIServingChat(OpenAIServing):
         """A response dict, or an async iterator of SSE lines when streaming."""
         self.check_model(request.model)
         self.check_request(request)
+        tools = plan_tools(request, self.tool_parser)
+        constraint = structured_outputs(request)
+        if tools.constraint is not None:
+            if constraint is not None:
+                raise OpenAIError(
+                    f"tool_choice {request.tool_choice!r} already constrains the reply; "
+                    "leave out response_format and structured_outputs",
+                    param="tool_choice",
+                )
+            constraint = tools.constraint
         prompt_token_ids = self.render(
             request.messages,
             request.add_generation_prompt,
@@ -92,6 +116,7 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template_kwargs,
             request.chat_template,
             request.add_special_tokens,
+            request.tools,
         )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -105,7 +130,9 @@ class OpenAIServingChat(OpenAIServing):
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (top or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
+        params = self.sampling_params(
+            request, max_tokens, logprobs, request.prompt_logprobs, constraint
+        )
         beam = self.beam_search_params(request, max_tokens)
         request_id = response_id("chatcmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -116,18 +143,22 @@ class OpenAIServingChat(OpenAIServing):
         except StopAsyncIteration:
             first = None
         if request.stream:
-            return self._stream(request, request_id, params.n, first, outputs)
+            return self._stream(request, request_id, params.n, first, outputs, tools)
         result = first[1]
         await outputs.aclose()
         role = self._role(request)
         echo = self._echo(request, role)
         choices = []
         for c in sorted(result.outputs, key=lambda c: c.index):
+            content, calls = reply(tools, c.text)
+            message = {"role": role, "content": echo + content if content is not None else None}
+            if calls:
+                message["tool_calls"] = calls
             choice = {
                 "index": c.index,
-                "message": {"role": role, "content": echo + c.text},
+                "message": message,
                 "logprobs": self._logprobs(request, c, top or 0) if request.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": _finish_reason(c.finish_reason, bool(calls)),
                 "stop_reason": c.stop_reason,
             }
             if request.return_token_ids:
@@ -173,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
         return {"content": content}
 
     async def _stream(
-        self, request, request_id: str, n: int, first, outputs: AsyncIterator
+        self, request, request_id: str, n: int, first, outputs: AsyncIterator, tools: ToolPlan
     ) -> AsyncIterator[str]:
         created = now()
         options = request.stream_options
@@ -227,22 +258,26 @@ class OpenAIServingChat(OpenAIServing):
                     for i in range(n)
                 ]
             )
+        streams = [ToolCallStream(tools) if tools.mode != "none" else None for _ in range(n)]
         item = first
         try:
             while item is not None:
                 result = item[1]
-                deltas, finals = [], []
+                deltas, tails, finals = [], [], []
                 for c in result.outputs:
                     num_completion += len(c.token_ids)
-                    if c.text or c.token_ids:
-                        delta = {
-                            "index": c.index,
-                            "delta": {"content": c.text},
-                            "logprobs": self._logprobs(request, c, top)
-                            if request.logprobs
-                            else None,
-                            "finish_reason": None,
-                        }
+                    calls = streams[c.index]
+                    if calls is None:
+                        content = {"content": c.text} if c.text or c.token_ids else None
+                    else:
+                        content = calls.feed(c.text)
+                        tail = calls.finish() if c.finish_reason else None
+                        if tail:  # what the parser held back, in a chunk of its own
+                            tails.append(_choice_delta(c.index, tail))
+                    if content:
+                        delta = _choice_delta(c.index, content)
+                        if request.logprobs:
+                            delta["logprobs"] = self._logprobs(request, c, top)
                         if request.return_token_ids:
                             delta["token_ids"] = list(c.token_ids)
                         deltas.append(delta)
@@ -252,12 +287,16 @@ class OpenAIServingChat(OpenAIServing):
                                 "index": c.index,
                                 "delta": {},
                                 "logprobs": None,
-                                "finish_reason": c.finish_reason,
+                                "finish_reason": _finish_reason(
+                                    c.finish_reason, calls is not None and calls.called
+                                ),
                                 "stop_reason": c.stop_reason,
                             }
                         )
                 if deltas:
                     yield chunk(deltas)
+                if tails:
+                    yield chunk(tails)
                 if finals:
                     yield chunk(finals)
                 item = await anext(outputs, None)
@@ -268,3 +307,12 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply that made tool calls and ended on its own finishes with "tool_calls" (OpenAI's)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _choice_delta(index: int, delta: dict) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}

@@ -12,6 +12,7 @@ from jvllm.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from jvllm.entrypoints.openai.structured import structured_outputs
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import RequestOutputKind
 
@@ -53,7 +54,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:  # echoed logprobs are the prompt's
             prompt_logprobs = request.logprobs
-        params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+        params = self.sampling_params(
+            request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs(request)
+        )
         beam = self.beam_search_params(request, max_tokens)
         request_id = response_id("cmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY

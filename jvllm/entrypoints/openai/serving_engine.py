@@ -14,7 +14,7 @@ from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from jvllm.entrypoints.beam_search import beam_search_async
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.outputs import CompletionOutput, RequestOutput
-from jvllm.sampling_params import BeamSearchParams, SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 _ENGINE_SEEDS = 2**32  # the engine's seeds are u32 (a PRNG key each)
 _INT64 = 2**63
@@ -105,10 +105,20 @@ class OpenAIServing:
             raise OpenAIError(f"use_beam_search: {e}", param="n") from None
 
     def sampling_params(
-        self, request, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        request,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams for a request; out-of-range values become a 400 that
-        names the parameter."""
+        names the parameter. `constraint`: the output constraint (structured.py, tools)."""
+        if constraint is not None and request.use_beam_search:
+            raise OpenAIError(
+                "use_beam_search cannot be combined with structured outputs or forced tool calls",
+                param="use_beam_search",
+            )
         values = {
             "n": request.n,
             "temperature": request.temperature,
@@ -131,6 +141,7 @@ class OpenAIServing:
             "repetition_penalty": request.repetition_penalty,
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
+            "structured_outputs": constraint,
         }
         if request.logit_bias:
             try:

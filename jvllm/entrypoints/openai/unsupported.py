@@ -17,6 +17,8 @@ _COMMON: dict[str, tuple] = {
     "kv_transfer_params": ({},),
     "vllm_xargs": ({},),
     "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
 }
 
 COMPLETION_FIELDS: dict[str, tuple] = {
