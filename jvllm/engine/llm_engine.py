@@ -103,7 +103,10 @@ class LLMEngine:
             )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputManager(
-            self.tokenizer, config.vocab_size, self.eos_token_ids
+            self.tokenizer,
+            config.vocab_size,
+            self.eos_token_ids,
+            synchronous=self.model_runner.lockstep,
         )
         self._seed_rng = np.random.default_rng(args.seed)
         self._requests: dict[str, Request] = {}

@@ -55,12 +55,21 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        synchronous: bool = False,
+    ):
         """`vocab_size`: the model's logits width (masks cover it; ids the tokenizer lacks are
-        never allowed). `eos_token_ids`: the tokens a grammar allows once it may end."""
+        never allowed). `eos_token_ids`: the tokens a grammar allows once it may end.
+        `synchronous`: compile each grammar before `compile` returns, for engines that run in
+        lockstep over several processes, whose schedules must not depend on a thread's timing."""
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids) or None
+        self._synchronous = synchronous
         # One thread: the tokenizer's token table (about a second for a 49k vocabulary) is built
         # on first use, then each new grammar; the step loop never waits on either.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jvllm-grammar")
@@ -82,6 +91,8 @@ class StructuredOutputManager:
         if template is None or (template.done() and template.exception() is not None):
             template = self._pool.submit(self._compile, grammar, key)
             self._templates[key] = template
+        if self._synchronous:
+            concurrent.futures.wait([template])
         return template
 
     def wait(self, timeout: float) -> None:
