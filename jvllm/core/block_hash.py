@@ -42,8 +42,9 @@ def sha256(parent: BlockHash, token_ids: Sequence[int], extra_keys: ExtraKeys) -
 
 
 def sha256_cbor(parent: BlockHash, token_ids: Sequence[int], extra_keys: ExtraKeys) -> BlockHash:
-    """SHA-256 of the canonical CBOR (RFC 8949) of (parent, token ids, extra keys or None): the
-    value vLLM's sha256_cbor hashes, in a serialization any language can reproduce."""
+    """SHA-256 of the canonical CBOR (RFC 8949) of (parent, token ids, extra keys or None), in a
+    serialization any language can reproduce: the value vLLM's sha256_cbor hashes, though from
+    another root (NONE_HASH), so the digests are not vLLM's."""
     digest = hashlib.sha256(_cbor_head(4, 3))  # the 3-item array
     digest.update(_cbor(parent))
     digest.update(_cbor_token_ids(token_ids))
