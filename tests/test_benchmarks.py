@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jvllm.benchmarks import dense_bound, serve, startup, throughput
+from jvllm.benchmarks import dense_bound, prefix_hash, serve, startup, throughput
 
 _TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
 # Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
@@ -54,6 +54,17 @@ def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, cap
     out = capsys.readouterr().out
     assert "server:" in out and ", 8 tokens)" in out  # 2 requests x 4 tokens
     assert "server / offline" in out
+
+
+def test_prefix_hash_benchmark_times_every_algo(capsys):
+    prefix_hash.main(["--num-tokens", "64", "--num-iters", "3", "--cache-salt", "s"])
+    out = capsys.readouterr().out
+    assert "CPU: " in out and "64-token prompts (4 blocks of 16)" in out
+    rows = [line.split() for line in out.splitlines()[3:]]
+    assert [row[0] for row in rows] == ["sha256", "sha256_cbor", "builtin"]
+    for _, per_prompt, per_block in rows:
+        assert float(per_prompt) > 0
+        assert float(per_block) == pytest.approx(float(per_prompt) / 4, abs=0.05)  # rounding
 
 
 def _startup_rows(out: str) -> dict[str, list[str]]:

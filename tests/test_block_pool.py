@@ -1,6 +1,7 @@
 """Block pool and KV cache manager: ref counts, LRU eviction, prefix caching."""
 
-from jvllm.core.block_pool import BlockPool, hash_block_tokens
+from jvllm.core.block_hash import NONE_HASH, sha256
+from jvllm.core.block_pool import ROOT_CACHE_ID, BlockPool
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request
 from jvllm.sampling_params import SamplingParams
@@ -138,16 +139,16 @@ def test_decode_tokens_complete_and_register_blocks():
     request.num_computed_tokens = 3
     request.append_output_token_ids(4)
     kv.allocate_slots(request, 1)
-    assert kv.req_to_blocks["a"][0].block_hash == hash_block_tokens(None, [1, 2, 3, 4])
+    assert kv.req_to_blocks["a"][0].block_hash == sha256(NONE_HASH, [1, 2, 3, 4], ())
     assert kv.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5]))[1] == 4
 
 
 def test_hash_collision_with_different_tokens_is_a_miss():
     pool = BlockPool(num_blocks=4)
     (block,) = pool.get_new_blocks(1)
-    pool.cache_full_block(block, block_hash=123, token_ids=[1, 2])
-    assert pool.get_cached_block(123, [1, 2]) is block
-    assert pool.get_cached_block(123, [1, 3]) is None
+    pool.cache_full_block(block, b"h", ROOT_CACHE_ID, [1, 2], ())
+    assert pool.get_cached_block(b"h", ROOT_CACHE_ID, [1, 2], ()) is block
+    assert pool.get_cached_block(b"h", ROOT_CACHE_ID, [1, 3], ()) is None
 
 
 def test_disabled_prefix_caching_never_hits():

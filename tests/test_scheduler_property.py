@@ -55,8 +55,9 @@ def check_block_accounting(scheduler: Scheduler) -> None:
         assert block.ref_cnt == refs[block.block_id]
     num_used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
     assert num_used + kv.num_free_blocks == kv.num_usable_blocks
-    for block_hash, block in pool._cached_blocks.items():
-        assert block.block_hash == block_hash
+    for block_hash, blocks in pool._cached_blocks.items():
+        assert blocks
+        assert all(block.block_hash == block_hash for block in blocks)
 
 
 request_specs = st.tuples(

@@ -5,25 +5,28 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# Parent hash of a request's first block. Python hashes ints and tuples of ints the same way in
-# every process, so block hashes are reproducible.
-_ROOT_HASH = 0
+from jvllm.core.block_hash import BlockHash, ExtraKeys
 
+# The cache id a request's first block has for parent; registered blocks count from 1.
+ROOT_CACHE_ID = 0
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chain hash of one full block: it depends on every token before the block too."""
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+# What a block's KV depends on: (its parent's cache id, its token ids, its extra keys).
+CacheKey = tuple[int, tuple[int, ...], ExtraKeys]
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
-    """One page of the KV cache. `block_hash` is set while the block holds a full, registered
-    block of tokens (in use or free but not yet evicted); `token_ids` guards hash collisions."""
+    """One page of the KV cache. While the block holds a full, registered block of tokens (in
+    use or free but not yet evicted), `block_hash` is its key in the pool's map, `cache_key`
+    what its KV depends on, and `cache_id` a number no other registration ever gets: a child
+    names its parent by it, so a parent evicted and re-registered with other tokens is a
+    different parent."""
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    block_hash: BlockHash | None = None
+    cache_key: CacheKey | None = None
+    cache_id: int | None = None
 
 
 class BlockPool:
@@ -34,17 +37,19 @@ class BlockPool:
     (an OrderedDict makes all three O(1)).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self._free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (block.block_id, block) for block in self.blocks[1:]
         )
-        self._cached_blocks: dict[int, KVCacheBlock] = {}
+        # Registered blocks by hash. More than one under a hash when it collides, or when a
+        # block outlived its parent and the same tokens were registered again after a new one.
+        self._cached_blocks: dict[BlockHash, list[KVCacheBlock]] = {}
+        self._num_registrations = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,22 +61,40 @@ class BlockPool:
         num_usable = self.num_blocks - 1
         return (num_usable - self.num_free_blocks) / num_usable
 
-    def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
-        block = self._cached_blocks.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
-            return None
-        return block
+    def get_cached_block(
+        self,
+        block_hash: BlockHash,
+        parent_id: int,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys,
+    ) -> KVCacheBlock | None:
+        """The registered block with these tokens and extra keys after the block whose cache id
+        is `parent_id` (ROOT_CACHE_ID for a first block): its KV is the one this block needs.
+        The hash only narrows the search; the comparison makes a hit exact."""
+        return self._find(block_hash, (parent_id, tuple(token_ids), extra_keys))
 
     def cache_full_block(
-        self, block: KVCacheBlock, block_hash: int, token_ids: Sequence[int]
-    ) -> None:
-        """Register a full block. If another block already holds the same tokens (two requests
-        computed it in parallel), this one stays unregistered and is simply freed later."""
-        if not self.enable_caching or block_hash in self._cached_blocks:
-            return
-        block.block_hash = block_hash
-        block.token_ids = tuple(token_ids)
-        self._cached_blocks[block_hash] = block
+        self,
+        block: KVCacheBlock,
+        block_hash: BlockHash,
+        parent_id: int,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys,
+    ) -> int:
+        """Register a full block computed after the block with cache id `parent_id` and return
+        the cache id its children name as parent. A block already registered (a prefix hit)
+        keeps its own; if another block holds the same KV (two requests computed it in
+        parallel), this one stays unregistered, is freed later, and stands for that one."""
+        if block.cache_id is not None:
+            return block.cache_id
+        key = (parent_id, tuple(token_ids), extra_keys)
+        same = self._find(block_hash, key)
+        if same is not None:
+            return same.cache_id
+        self._num_registrations += 1
+        block.block_hash, block.cache_key, block.cache_id = block_hash, key, self._num_registrations
+        self._cached_blocks.setdefault(block_hash, []).append(block)
+        return block.cache_id
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop blocks from the front of the free queue, evicting their cached contents."""
@@ -104,9 +127,9 @@ class BlockPool:
         """Forget every cached block. Only possible while no request holds blocks."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block in self._cached_blocks.values():
-            block.block_hash = None
-            block.token_ids = None
+        for blocks in self._cached_blocks.values():
+            for block in blocks:
+                block.block_hash = block.cache_key = block.cache_id = None
         self._cached_blocks.clear()
         return True
 
@@ -114,9 +137,17 @@ class BlockPool:
         """Forget a block's hash: its KV was never written (the step computing it failed)."""
         self._evict(block)
 
+    def _find(self, block_hash: BlockHash, key: CacheKey) -> KVCacheBlock | None:
+        for block in self._cached_blocks.get(block_hash, ()):
+            if block.cache_key == key:
+                return block
+        return None
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        del self._cached_blocks[block.block_hash]
-        block.block_hash = None
-        block.token_ids = None
+        same_hash = self._cached_blocks[block.block_hash]
+        same_hash.remove(block)
+        if not same_hash:
+            del self._cached_blocks[block.block_hash]
+        block.block_hash = block.cache_key = block.cache_id = None

@@ -1,6 +1,7 @@
 """Per-request block tables over the block pool, with automatic prefix caching."""
 
-from jvllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from jvllm.core.block_hash import NONE_HASH, ExtraKeys, get_hash_fn
+from jvllm.core.block_pool import ROOT_CACHE_ID, BlockPool, KVCacheBlock
 from jvllm.core.request import Request
 
 
@@ -12,22 +13,29 @@ class KVCacheManager:
     """Maps each request to an append-only list of blocks; token at position p lives in block
     `table[p // block_size]`, offset `p % block_size`.
 
-    With prefix caching, every full block is registered under a chain hash of its tokens, so a
-    later request with the same prefix reuses the blocks instead of recomputing them.
+    With prefix caching, every full block is registered under a chain hash of its tokens
+    (`hash_algo`, block_hash.py), so a later request with the same prefix, and the same
+    `cache_salt`, reuses the blocks instead of recomputing them.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._hash_fn = get_hash_fn(hash_algo)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each table are already registered in the hash map.
-        self._num_cached_blocks: dict[str, int] = {}
+        # For each leading block of a table already registered, the cache id that its next
+        # block names as parent (block_pool.py: its own, or that of a block with the same KV).
+        self._cache_ids: dict[str, list[int]] = {}
         # Hit statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -65,7 +73,12 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks = []
         for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
-            block = self.block_pool.get_cached_block(block_hash, self._block_token_ids(request, i))
+            block = self.block_pool.get_cached_block(
+                block_hash,
+                hit_blocks[-1].cache_id if hit_blocks else ROOT_CACHE_ID,
+                self._block_token_ids(request, i),
+                self._extra_keys(request, i),
+            )
             if block is None:
                 break
             hit_blocks.append(block)
@@ -113,7 +126,7 @@ class KVCacheManager:
         """Release the request's blocks. Tail blocks are freed first so that they are evicted
         first: a prefix's head is shared by more requests than its tail."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
+        self._cache_ids.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def uncache_uncomputed_blocks(self, request: Request) -> None:
@@ -123,8 +136,7 @@ class KVCacheManager:
         first = request.num_computed_tokens // self.block_size
         for block in blocks[first:]:
             self.block_pool.uncache(block)
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
-        self._num_cached_blocks[request.request_id] = min(num_cached, first)
+        del self._cache_ids.get(request.request_id, [])[first:]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
@@ -136,21 +148,36 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self._update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
-        num_full = num_tokens // self.block_size
-        for i in range(num_cached, num_full):
-            if blocks[i].block_hash is None:
+        cache_ids = self._cache_ids.setdefault(request.request_id, [])
+        for i in range(len(cache_ids), num_tokens // self.block_size):
+            cache_ids.append(
                 self.block_pool.cache_full_block(
-                    blocks[i], request.block_hashes[i], self._block_token_ids(request, i)
+                    blocks[i],
+                    request.block_hashes[i],
+                    cache_ids[-1] if cache_ids else ROOT_CACHE_ID,
+                    self._block_token_ids(request, i),
+                    self._extra_keys(request, i),
                 )
-        self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
+            )
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chain of full-block hashes to cover all its current tokens."""
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_tokens // self.block_size):
-            parent = hashes[i - 1] if i > 0 else None
-            hashes.append(hash_block_tokens(parent, self._block_token_ids(request, i)))
+            parent = hashes[i - 1] if i > 0 else NONE_HASH
+            hashes.append(
+                self._hash_fn(
+                    parent, self._block_token_ids(request, i), self._extra_keys(request, i)
+                )
+            )
+
+    @staticmethod
+    def _extra_keys(request: Request, block_index: int) -> ExtraKeys:
+        """What a block's KV depends on beyond its tokens: the salt, on the first block (the
+        chain carries it to the others)."""
+        if block_index == 0 and request.cache_salt is not None:
+            return (request.cache_salt,)
+        return ()
 
     def _block_token_ids(self, request: Request, block_index: int) -> list[int]:
         start = block_index * self.block_size

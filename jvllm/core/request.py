@@ -43,6 +43,8 @@ class Request:
     `num_tokens` (prompt + outputs); the request samples a token whenever it catches up.
 
     `seed` is the request's sampling seed; the engine passes one it drew when the user gave none.
+    `cache_salt` (vLLM's): the request reuses only prefix-cache blocks computed under the same
+    salt, so that users who do not share one cannot learn each other's prompts from hit timing.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Request:
         arrival_time: float | None = None,
         prompt: str | None = None,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -64,6 +67,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.seed = sampling_params.seed if seed is None else seed
+        self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -78,7 +82,7 @@ class Request:
         self.status_message: str | None = None
         # Chain hashes of the request's full blocks, in order; filled by the KV cache manager
         # and kept across preemption so a resumed request finds its own blocks again.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         # `sampling_params.bad_words` as token id sequences (the engine tokenizes them).
         self.bad_words_token_ids: list[list[int]] = []
         # Milestone times (a jvllm.outputs.RequestMetrics); the engine fills it in.

@@ -3,6 +3,7 @@
 import dataclasses
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
+from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -22,6 +23,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # How full blocks are hashed for the prefix cache (core/block_hash.py): "sha256",
+    # "sha256_cbor" (the same, over a portable serialization), or "builtin" (Python's hash():
+    # fastest, not collision-resistant; the pool's exact comparison still keeps hits correct).
+    prefix_caching_hash_algo: str = "sha256"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
@@ -115,6 +120,11 @@ class EngineArgs:
             raise ValueError(
                 "generation_config must be 'auto', 'vllm' or a directory holding "
                 f"generation_config.json, got {self.generation_config!r}"
+            )
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
             )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -27,6 +27,15 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[str | None, list[int
     )
 
 
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's): the request then shares prefix-cache blocks only
+    with requests of the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty str (or None), got {salt!r}")
+    return salt
+
+
 def _token_list(ids) -> list[int]:
     ids = list(ids)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

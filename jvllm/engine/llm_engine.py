@@ -11,7 +11,12 @@ from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.engine.input_processor import PromptType, tokenize_prompt, validate_request
+from jvllm.engine.input_processor import (
+    PromptType,
+    prompt_cache_salt,
+    tokenize_prompt,
+    validate_request,
+)
 from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
@@ -81,7 +86,12 @@ class LLMEngine:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps,
             ),
-            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
+            KVCacheManager(
+                num_blocks,
+                args.block_size,
+                args.enable_prefix_caching,
+                args.prefix_caching_hash_algo,
+            ),
         )
         self.model_runner = ModelRunner(
             config,
@@ -140,6 +150,7 @@ class LLMEngine:
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        cache_salt = prompt_cache_salt(prompt)
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
         eos_ids = self.eos_token_ids
@@ -182,6 +193,7 @@ class LLMEngine:
                 arrival_time=metrics.arrival_time,
                 prompt=prompt_text,
                 seed=seed,
+                cache_salt=cache_salt,
             )
             request.bad_words_token_ids = bad_words
             if grammar is not None:

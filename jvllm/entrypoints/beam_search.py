@@ -27,16 +27,19 @@ def beam_score(
 @dataclasses.dataclass
 class _Instance:
     beams: list[BeamSearchSequence]
+    cache_salt: str | None
     completed: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
 
 
 class BeamSearch:
     """The beams of some prompts: `live_prompts()` -> run them one token -> `advance()`, up to
-    `max_tokens` times or until no beam is left, then `results()`."""
+    `max_tokens` times or until no beam is left, then `results()`. Each prompt's beams run
+    under its `cache_salt` (None: unsalted)."""
 
     def __init__(
         self,
         prompts_token_ids: list[list[int]],
+        cache_salts: list[str | None],
         params: BeamSearchParams,
         eos_token_ids: tuple[int, ...],
         max_logprobs: int,
@@ -58,8 +61,8 @@ class BeamSearch:
             detokenize=False,
         )
         self._instances = [
-            _Instance([BeamSearchSequence(tokens=list(ids), logprobs=[])])
-            for ids in prompts_token_ids
+            _Instance([BeamSearchSequence(tokens=list(ids), logprobs=[])], salt)
+            for ids, salt in zip(prompts_token_ids, cache_salts, strict=True)
         ]
         self._live: list[tuple[_Instance, BeamSearchSequence]] = []
 
@@ -71,7 +74,10 @@ class BeamSearch:
     def live_prompts(self) -> list[dict]:
         """This step's one-token requests, one per live beam (none: the search is over)."""
         self._live = [(inst, beam) for inst in self._instances for beam in inst.beams]
-        return [{"prompt_token_ids": beam.tokens} for _, beam in self._live]
+        return [
+            {"prompt_token_ids": beam.tokens, "cache_salt": inst.cache_salt}
+            for inst, beam in self._live
+        ]
 
     def advance(self, step_logprobs: list[dict[int, Logprob]]) -> None:
         """Extend each live beam by each of its candidates (the logprobs of its one token) and
@@ -109,12 +115,18 @@ class BeamSearch:
 
 
 def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    from jvllm.engine.input_processor import tokenize_prompt
+    from jvllm.engine.input_processor import prompt_cache_salt, tokenize_prompt
 
     engine = llm.llm_engine
     tokenizer = engine.get_tokenizer()
     prompts_token_ids = [tokenize_prompt(prompt, tokenizer)[1] for prompt in prompts]
-    search = BeamSearch(prompts_token_ids, params, engine.eos_token_ids, engine.args.max_logprobs)
+    search = BeamSearch(
+        prompts_token_ids,
+        [prompt_cache_salt(prompt) for prompt in prompts],
+        params,
+        engine.eos_token_ids,
+        engine.args.max_logprobs,
+    )
     for _ in range(params.max_tokens):
         step_prompts = search.live_prompts()
         if not step_prompts:
@@ -125,12 +137,18 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
 
 
 async def beam_search_async(
-    engine, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str
+    engine,
+    prompt_token_ids: list[int],
+    params: BeamSearchParams,
+    request_id: str,
+    cache_salt: str | None = None,
 ) -> BeamSearchOutput:
     """The same search for one prompt through an `AsyncLLM`: each step's beams run at once, as
     requests `{request_id}-{step}-{beam}`."""
     inner = engine.engine
-    search = BeamSearch([prompt_token_ids], params, inner.eos_token_ids, inner.args.max_logprobs)
+    search = BeamSearch(
+        [prompt_token_ids], [cache_salt], params, inner.eos_token_ids, inner.args.max_logprobs
+    )
     for step in range(params.max_tokens):
         step_prompts = search.live_prompts()
         if not step_prompts:

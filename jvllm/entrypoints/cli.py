@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
@@ -29,6 +30,10 @@ _ENGINE_FLAGS = {
     "seed": {"type": int, "help": "seed of the seeds of requests that set none"},
     "generation_config": {"help": "auto: the model's generation_config.json; vllm: ignore it"},
     "enable_prefix_caching": {"action": argparse.BooleanOptionalAction, "help": "reuse KV blocks"},
+    "prefix_caching_hash_algo": {
+        "choices": list(PREFIX_CACHING_HASH_ALGOS),
+        "help": "block hash of the prefix cache; builtin: fastest, not collision-resistant",
+    },
     "enable_chunked_prefill": {
         "action": argparse.BooleanOptionalAction,
         "help": "split long prompts over steps",

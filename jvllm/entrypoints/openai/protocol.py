@@ -97,6 +97,8 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     request_id: str | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt.
+    cache_salt: str | None = None
     # Output constraints (structured.py): OpenAI's, vLLM's, and vLLM's older fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -136,7 +136,11 @@ class OpenAIServingChat(OpenAIServing):
         beam = self.beam_search_params(request, max_tokens)
         request_id = response_id("chatcmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        prompt = {"prompt": None, "prompt_token_ids": prompt_token_ids}
+        prompt = {
+            "prompt": None,
+            "prompt_token_ids": prompt_token_ids,
+            "cache_salt": request.cache_salt,
+        }
         outputs = self.generate_all([prompt], params, request_id, kind, beam)
         try:
             first = await anext(outputs)

@@ -32,11 +32,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not p:
                     raise OpenAIError("prompt must not be empty", param="prompt")
                 ids = self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)
-                out.append({"prompt": p, "prompt_token_ids": ids})
+                out.append({"prompt": p, "prompt_token_ids": ids, "cache_salt": request.cache_salt})
             else:
                 if not p:
                     raise OpenAIError("prompt must not be empty (it has 0 tokens)", param="prompt")
-                out.append({"prompt": None, "prompt_token_ids": list(p)})
+                out.append(
+                    {"prompt": None, "prompt_token_ids": list(p), "cache_salt": request.cache_salt}
+                )
         return out
 
     async def create(self, request: CompletionRequest):

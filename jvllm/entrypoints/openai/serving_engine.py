@@ -80,6 +80,10 @@ class OpenAIServing:
             raise OpenAIError(
                 "length_penalty applies only with use_beam_search=true", param="length_penalty"
             )
+        if request.cache_salt == "":
+            raise OpenAIError(
+                "cache_salt must be a non-empty string (or left out)", param="cache_salt"
+            )
         if request.use_beam_search and request.logprobs not in (None, False):
             raise OpenAIError(
                 "logprobs are not supported with use_beam_search=true", param="logprobs"
@@ -254,7 +258,9 @@ class OpenAIServing:
         """One finished output whose completions are the best beams (vLLM's online beam search:
         the text leaves out a final EOS unless include_stop_str_in_output)."""
         prompt_ids = prompt["prompt_token_ids"]
-        found = await beam_search_async(self.engine, prompt_ids, beam, request_id)
+        found = await beam_search_async(
+            self.engine, prompt_ids, beam, request_id, prompt.get("cache_salt")
+        )
         eos = self.engine.engine.eos_token_ids
         outputs = []
         for index, sequence in enumerate(found.sequences):

@@ -13,7 +13,6 @@ _COMMON: dict[str, tuple] = {
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),
     "priority": (0,),
-    "cache_salt": (),
     "kv_transfer_params": ({},),
     "vllm_xargs": ({},),
     "guided_decoding_backend": (),
