@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (a step raised, or the engine was shut down)."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine refused a request at admission: `max_waiting_requests` already wait."""
+
+
 class _Stream:
     """One request's mailbox on its event loop. Outputs the consumer has not taken yet are merged
     (per completion index, the latest cumulative one wins), so a slow consumer skips outputs,
@@ -82,6 +86,8 @@ class AsyncLLM:
     `stat_loggers` have `record(items, now)`, called on the event loop with each step's
     `(stream, output)` pairs (see `jvllm.engine.metrics`); `stats` is the latest `SchedulerStats`.
     With `log_stats`, the engine thread logs throughput and load every few seconds (stat_logger.py).
+    `max_waiting_requests` (None: no bound) is how many requests may wait beyond the
+    `max_num_seqs` that run; a request past it fails at once with `EngineOverloadedError`.
     """
 
     def __init__(
@@ -89,8 +95,19 @@ class AsyncLLM:
         engine: LLMEngine | DataParallelEngine,
         stat_loggers: list[Any] | None = None,
         log_stats: bool = False,
+        max_waiting_requests: int | None = None,
     ):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(
+                f"max_waiting_requests must be >= 0 or None (no bound), got {max_waiting_requests}"
+            )
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        # Requests the engine holds before one more must wait past the bound (DP: all replicas).
+        self._max_admitted = None
+        if max_waiting_requests is not None:
+            num_slots = sum(r.args.max_num_seqs for r in replicas(engine))
+            self._max_admitted = num_slots + max_waiting_requests
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.stat_loggers = list(stat_loggers or [])
@@ -174,6 +191,10 @@ class AsyncLLM:
         """Abort a request: its KV blocks are freed and its `generate()` ends with "abort"."""
         self._submit(("abort_id", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request (a server's shutdown once its drain time is over)."""
+        self._submit(("abort_all",))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; unfinished requests get an `EngineDeadError`."""
         self._shutdown = True
@@ -249,6 +270,14 @@ class AsyncLLM:
                 _, stream, prompt, params, added = command
                 if not added.set_running_or_notify_cancel():
                     continue
+                if self._is_full():
+                    added.set_exception(
+                        EngineOverloadedError(
+                            f"{self.max_waiting_requests} requests are already waiting "
+                            "(max_waiting_requests); retry later"
+                        )
+                    )
+                    continue
                 try:
                     engine.add_request(stream.request_id, prompt, params)
                 except Exception as e:  # noqa: BLE001 - the caller's bad input reaches that caller only
@@ -266,6 +295,19 @@ class AsyncLLM:
                 if stream is not None:
                     engine.abort_request(command[1])
                     stream.loop.call_soon_threadsafe(stream.abort)
+            elif op == "abort_all":
+                engine.abort_request(list(self._live))
+                for stream in self._live.values():
+                    try:
+                        stream.loop.call_soon_threadsafe(stream.abort)
+                    except RuntimeError:  # that loop is closed: its consumer is gone
+                        pass
+                self._live.clear()
+
+    def _is_full(self) -> bool:
+        if self._max_admitted is None:
+            return False
+        return self.engine.get_num_unfinished_requests() >= self._max_admitted
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -8,6 +8,7 @@ import sys
 
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
 
@@ -88,6 +89,9 @@ def _serve(args: argparse.Namespace) -> None:
         compile_in_background=args.compile_in_background,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
         **engine_kwargs(args),
     )
 
@@ -148,6 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="listen at once and compile the step shapes in the background; with "
         "--no-compile-in-background every shape compiles before the port opens",
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="requests that may wait beyond the --max-num-seqs running; more get a 503 with "
+        "Retry-After (None: no bound)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="a larger request body is a 413, refused before it is read",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, seconds the requests in flight get to finish before they are aborted",
     )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

@@ -1,6 +1,7 @@
 """`LLM`: vLLM's offline API. Add every prompt, step the engine until all finish, return in order."""
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -18,12 +19,18 @@ class LLM:
 
     Keyword arguments are `EngineArgs` fields (dtype, max_model_len, block_size,
     kv_cache_memory_bytes, max_num_seqs, attention_backend, ...).
+
+    Calls from several threads run one at a time, each with its own correct outputs; to serve
+    concurrent callers in shared steps, use `jvllm.engine.async_llm.AsyncLLM`.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         # data_parallel_size > 1: replicas behind one front end (engine/data_parallel.py).
         self.llm_engine = make_engine(model, **kwargs)
         self._request_counter = 0
+        # One generate at a time steps the engine: two would step each other's requests and
+        # donate the same KV cache. (chat and beam_search go through generate.)
+        self._lock = threading.Lock()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
@@ -40,6 +47,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in the order of `prompts`."""
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()

@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jvllm
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
+from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jvllm.entrypoints.openai.admission import Admission, AdmissionMiddleware, unless_disconnected
 from jvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,6 +29,7 @@ from jvllm.entrypoints.openai.protocol import (
 )
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jvllm.entrypoints.openai.shutdown import DrainingServer
 from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
 
@@ -87,26 +90,31 @@ def build_app(
     metrics: ServingMetrics | None = None,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. Pass the `ServingMetrics` that the
     engine records into (its `stat_loggers`) to expose them on /metrics. A request's own
     `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag).
     `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls out of replies to
-    tool_choice "auto" (vLLM's --enable-auto-tool-choice); None refuses "auto"."""
+    tool_choice "auto" (vLLM's --enable-auto-tool-choice); None refuses "auto". A body over
+    `max_request_body_bytes` is a 413 (admission.py)."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
     completion = OpenAIServingCompletion(engine, model_name)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     chat = OpenAIServingChat(engine, model_name, trust_request_chat_template, parser)
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
+    admission = Admission(max_request_body_bytes)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.admission = admission
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(AdmissionMiddleware, admission=admission)  # outermost: first to refuse
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -131,6 +139,8 @@ def build_app(
         return JSONResponse(error.body(), status_code=500)
 
     def _respond(result):
+        if isinstance(result, Response):  # the client left (unless_disconnected)
+            return result
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(
@@ -138,12 +148,12 @@ def build_app(
         )
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest):
-        return _respond(await completion.create(request))
+    async def create_completion(request: CompletionRequest, raw: Request):
+        return _respond(await unless_disconnected(raw, completion.create(request)))
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest):
-        return _respond(await chat.create(request))
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
+        return _respond(await unless_disconnected(raw, chat.create(request)))
 
     @app.get("/v1/models")
     async def list_models():
@@ -179,14 +189,14 @@ def build_app(
                     request = model.model_validate(body)
                 except ValidationError as e:
                     raise RequestValidationError(e.errors()) from None
-                return _respond(await serving.create(request))
+                return _respond(await unless_disconnected(raw, serving.create(request)))
         raise OpenAIError(
             "an /invocations body needs `messages` (a chat completion) or `prompt` (a completion)"
         )
 
     @app.get("/health")
     async def health():
-        if not engine.is_running:
+        if not engine.is_running or admission.is_draining:
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -249,6 +259,7 @@ def build_server_engine(
     model: str | None,
     served_model_name: str | None = None,
     log_stats: bool = True,
+    max_waiting_requests: int | None = None,
     **engine_kwargs,
 ):
     """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords."""
@@ -260,7 +271,11 @@ def build_server_engine(
     # most for its own bucket's compile, and none once all are done.
     engine_kwargs.setdefault("compile_all_buckets", True)
     engine_kwargs.setdefault("compile_in_background", True)
-    engine = AsyncLLM(make_engine(model, **engine_kwargs), log_stats=log_stats)
+    engine = AsyncLLM(
+        make_engine(model, **engine_kwargs),
+        log_stats=log_stats,
+        max_waiting_requests=max_waiting_requests,
+    )
     metrics = ServingMetrics(engine, name)
     engine.stat_loggers.append(metrics)
     return engine, metrics, name
@@ -276,40 +291,54 @@ def run_server(
     log_stats: bool = True,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = None,
+    max_waiting_requests: int | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    shutdown_timeout: float = 0.0,
     **engine_kwargs,
 ) -> None:
-    import uvicorn
-
+    """Serve until SIGTERM or SIGINT, then shut down as shutdown.py says."""
     engine, metrics, name = build_server_engine(
-        model, served_model_name, log_stats, **engine_kwargs
+        model, served_model_name, log_stats, max_waiting_requests, **engine_kwargs
     )
-    app = build_app(engine, name, api_key, metrics, trust_request_chat_template, tool_call_parser)
+    app = build_app(
+        engine,
+        name,
+        api_key,
+        metrics,
+        trust_request_chat_template,
+        tool_call_parser,
+        max_request_body_bytes,
+    )
+    server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level)
     logger.info("serving %s on http://%s:%d", name, host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.shutdown()
 
 
 class ServerThread:
-    """uvicorn serving `app` from a background thread of this process (tests, notebooks)."""
+    """uvicorn serving `app` (of `build_app`) from a background thread of this process (tests,
+    notebooks); `stop()` shuts it down as SIGTERM does `jvllm serve`."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout: float = 0.0,
+    ):
         import socket
         import threading
-
-        import uvicorn
 
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.host, self.port = host, port
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2
+        self.server = DrainingServer(
+            app, shutdown_timeout, host=host, port=port, log_level="warning"
         )
-        self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self.server.run, name="jvllm-uvicorn", daemon=True)
 
     @property
@@ -325,6 +354,7 @@ class ServerThread:
             time.sleep(0.02)
         return self
 
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+    def stop(self, timeout: float = 10.0) -> None:
+        """Drain (shutdown.py) and wait up to `timeout` seconds for the server to stop."""
+        self.server.request_shutdown()
+        self.thread.join(timeout)

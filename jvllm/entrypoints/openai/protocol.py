@@ -13,7 +13,8 @@ from jvllm.entrypoints.openai.unsupported import (
 
 
 class OpenAIError(Exception):
-    """An error a client caused, sent back as `{"error": {message, type, param, code}}`."""
+    """An error a client caused, sent back as `{"error": {message, type, param, code}}` (with
+    `headers`, e.g. a 503's Retry-After)."""
 
     def __init__(
         self,
@@ -22,8 +23,10 @@ class OpenAIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | int | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
+        self.headers = headers
         self.message = message
         self.status_code = status_code
         self.param = param

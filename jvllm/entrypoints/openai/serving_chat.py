@@ -109,6 +109,7 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             constraint = tools.constraint
+        self.check_prompt_chars(_num_text_chars(request.messages), "messages")
         prompt_token_ids = self.render(
             request.messages,
             request.add_generation_prompt,
@@ -311,6 +312,17 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _num_text_chars(messages: list) -> int:
+    """The characters of the messages' text content, which the chat template's prompt holds."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += len(text) if isinstance(text, str) else 0
+    return total
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -31,6 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise OpenAIError("prompt must not be empty", param="prompt")
+                self.check_prompt_chars(len(p), "prompt")
                 ids = self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)
                 out.append({"prompt": p, "prompt_token_ids": ids, "cache_salt": request.cache_salt})
             else:

@@ -10,7 +10,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from jvllm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestOutputKind,
+)
 from jvllm.entrypoints.beam_search import beam_search_async
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.outputs import CompletionOutput, RequestOutput
@@ -18,6 +23,8 @@ from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOu
 
 _ENGINE_SEEDS = 2**32  # the engine's seeds are u32 (a PRNG key each)
 _INT64 = 2**63
+# What a 503 for a full waiting queue tells the client to wait: about a few steps' worth.
+RETRY_AFTER_SECONDS = 1
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -32,6 +39,15 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
 def response_id(prefix: str, request_id: str | None) -> str:
     """`{prefix}-{request_id}` (vLLM's), with a random id when the request sent none."""
     return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters one token stands for: its longest vocabulary entry (a byte-level
+    entry has one character per byte, at least as many as the text it decodes to). None without
+    a tokenizer."""
+    if tokenizer is None:
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 def engine_seed(seed: int | None) -> int | None:
@@ -51,6 +67,11 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
+        chars_per_token = max_chars_per_token(self.tokenizer)
+        # A text longer than this has more than max_model_len tokens, whatever they are.
+        self.max_prompt_chars = None
+        if chars_per_token is not None:
+            self.max_prompt_chars = self.max_model_len * chars_per_token
         self.max_logprobs = engine.engine.args.max_logprobs
         # The model's generation_config.json defaults, for the fields a request leaves out.
         self.defaults = engine.engine.generation_config.sampling_defaults
@@ -165,6 +186,18 @@ class OpenAIServing:
             first = message.split(" ", 1)[0]
             raise OpenAIError(message, param=first if first in values else None) from None
 
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a prompt text too long for max_model_len tokens before tokenizing it (a huge
+        text would cost the tokenizer time and memory only to be refused)."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; your "
+                f"prompt has {num_chars} characters, more than {self.max_model_len} tokens can "
+                f"hold ({self.max_prompt_chars} characters at most).",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """The request's max_tokens, checked against max_model_len (None: all the room left),
         and at most the model's max_new_tokens when its generation_config.json sets one (as
@@ -251,6 +284,13 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from None
         except EngineDeadError as e:
             raise OpenAIError(str(e), status_code=500, type="internal_server_error") from None
+        except EngineOverloadedError as e:
+            raise OpenAIError(
+                f"the server is overloaded: {e}",
+                status_code=503,
+                type="service_unavailable_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
 
     async def _beam_search(
         self, prompt: dict, beam: BeamSearchParams, request_id: str
