@@ -36,6 +36,8 @@ logger = init_logger(__name__)
 # Paths that need the API key when the server has one. vLLM leaves /invocations open; here it
 # runs the same generations as /v1, so it is closed the same way.
 _KEYED_PATHS = ("/v1", "/invocations")
+# The routes that generate: a 400 on one of them counts as a rejected request in the metrics.
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 
 
 class _ApiKeyMiddleware:
@@ -104,12 +106,18 @@ def build_app(
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
+    def _count_rejected(request: Request, status_code: int) -> None:
+        if metrics is not None and status_code == 400 and request.url.path in _GENERATION_PATHS:
+            metrics.record_rejected("invalid_request")
+
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError):
+    async def _openai_error(request: Request, exc: OpenAIError):
+        _count_rejected(request, exc.status_code)
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        _count_rejected(request, 400)
         message, param = _validation_message(exc)
         return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
 
@@ -249,19 +257,23 @@ def build_server_engine(
     model: str | None,
     served_model_name: str | None = None,
     log_stats: bool = True,
+    metrics_prefix: str = "jvllm",
     **engine_kwargs,
 ):
-    """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords."""
+    """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords;
+    the metrics' names start with `metrics_prefix:` ("vllm": vLLM's own names)."""
     from jvllm.engine.data_parallel import make_engine
+    from jvllm.engine.metrics import check_metrics_prefix
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
+    check_metrics_prefix(metrics_prefix)  # before the model loads
     name = served_model_name or model or DEFAULT_MODEL
     # A server listens at once and compiles every bucket in the background: a request waits at
     # most for its own bucket's compile, and none once all are done.
     engine_kwargs.setdefault("compile_all_buckets", True)
     engine_kwargs.setdefault("compile_in_background", True)
     engine = AsyncLLM(make_engine(model, **engine_kwargs), log_stats=log_stats)
-    metrics = ServingMetrics(engine, name)
+    metrics = ServingMetrics(engine, name, prefix=metrics_prefix)
     engine.stat_loggers.append(metrics)
     return engine, metrics, name
 
@@ -276,12 +288,13 @@ def run_server(
     log_stats: bool = True,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = None,
+    metrics_prefix: str = "jvllm",
     **engine_kwargs,
 ) -> None:
     import uvicorn
 
     engine, metrics, name = build_server_engine(
-        model, served_model_name, log_stats, **engine_kwargs
+        model, served_model_name, log_stats, metrics_prefix, **engine_kwargs
     )
     app = build_app(engine, name, api_key, metrics, trust_request_chat_template, tool_call_parser)
     logger.info("serving %s on http://%s:%d", name, host, port)
