@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
+from jvllm.entrypoints import cli
+from jvllm.entrypoints.openai import api_server
 from jvllm.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "tiny"
@@ -443,3 +445,11 @@ def test_vllm_prefix_names_every_series_as_vllm_does(setup):
 
 def _family_names(url: str) -> set[str]:
     return {f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+
+
+def test_serve_passes_the_metrics_prefix_to_the_server(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: calls.append(kw))
+    cli.main(["serve", "--metrics-prefix", "vllm"])
+    cli.main(["serve"])
+    assert [kw["metrics_prefix"] for kw in calls] == ["vllm", "jvllm"]

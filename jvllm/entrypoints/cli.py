@@ -83,6 +83,7 @@ def _serve(args: argparse.Namespace) -> None:
         compile_in_background=args.compile_in_background,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        metrics_prefix=args.metrics_prefix,
         **engine_kwargs(args),
     )
 
@@ -136,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-log-stats",
         action="store_true",
         help="no periodic throughput / load line (JVLLM_LOG_STATS_INTERVAL sets its seconds)",
+    )
+    serve.add_argument(
+        "--metrics-prefix",
+        default="jvllm",
+        help="namespace of every /metrics series; vllm exports vLLM's names "
+        "(vllm:num_requests_running, ...) so that dashboards and alerts written for vLLM work",
     )
     serve.add_argument(
         "--compile-in-background",
