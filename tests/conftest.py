@@ -54,6 +54,17 @@ def wait_idle(async_llm, timeout: float = 10.0) -> None:
     assert not async_llm.engine.has_unfinished_requests()
 
 
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """A server's /metrics as {(sample name, sorted label pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
 @contextlib.contextmanager
 def streamed_completion(url: str, body: dict, num_events: int = 3):
     """A streamed /v1/completions request read for `num_events` events; leaving the block

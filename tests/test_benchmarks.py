@@ -2,6 +2,7 @@
 on a 2-layer model of width 64 it costs a second."""
 
 import os
+import re
 
 import pytest
 
@@ -43,16 +44,26 @@ def test_dense_bound_benchmark_runs_against_hf(capsys):
 
 def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):
     # Its own `jvllm serve` process, as a user's run starts; token-id prompts need no tokenizer.
+    # Poisson arrivals; 2 of the 4 clients leave after 1 to 3 of their 4 tokens.
     serve.main(
         [
             *("--model-path", tiny_llama_weights_dir, "--model", "tiny"),
-            *("--num-prompts", "2", "--input-len", "8", "--output-len", "4"),
-            *("--max-concurrency", "2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"),
-            *("--max-model-len", "64"),
+            *("--num-prompts", "4", "--input-len", "8", "--output-len", "4"),
+            *("--max-concurrency", "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"),
+            *("--max-model-len", "64", "--request-rate", "50", "--disconnect-fraction", "0.5"),
         ]
     )
     out = capsys.readouterr().out
-    assert "server:" in out and ", 8 tokens)" in out  # 2 requests x 4 tokens
+    num_tokens = int(re.search(r"s, (\d+) tokens\)", out).group(1))
+    assert 2 * 4 + 2 <= num_tokens <= 2 * 4 + 2 * 3  # 2 requests x 4 tokens, 2 left early
+    assert re.search(r"TTFT p50 [\d.]+, p90 [\d.]+, p99 [\d.]+ ms", out)
+    assert re.search(r"ITL p50 [\d.]+, p90 [\d.]+, p99 [\d.]+ ms", out)
+    # The tiny model may finish all 4 tokens before a client's leaving reaches the server.
+    counts = re.search(
+        r"2 completed, 2 left mid-stream, 0 refused; .* (\d) aborted, 0 rejected", out
+    )
+    assert counts and int(counts.group(1)) <= 2
+    assert "KV blocks in use at the end: 0 of " in out
     assert "server / offline" in out
 
 

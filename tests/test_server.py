@@ -5,16 +5,20 @@ One in-process server per module (so a test can look at the engine's block pool)
 """
 
 import asyncio
+import time
 
 import httpx
 import openai
 import pytest
-from conftest import streamed_completion, wait_idle
+from conftest import scrape_metrics, streamed_completion, wait_idle
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
+from jvllm.entrypoints import cli
+from jvllm.entrypoints.openai import api_server
 from jvllm.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "tiny"
@@ -228,12 +232,51 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(setup):
     assert _generation_tokens(setup["url"]) - generated_before < 200  # it did not run to the end
 
 
+LABEL = (("model_name", MODEL),)
+
+
 def _generation_tokens(url: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == "jvllm:generation_tokens_total":
-                return sample.value
-    return 0.0
+    return scrape_metrics(url).get(("jvllm:generation_tokens_total", LABEL), 0.0)
+
+
+def _success(samples: dict, reason: str) -> float:
+    labels = tuple(sorted({"model_name": MODEL, "finished_reason": reason}.items()))
+    return samples[("jvllm:request_success_total", labels)]
+
+
+def test_gauges_read_zero_right_after_the_last_request_is_aborted(setup):
+    engine = setup["engine"]
+    wait_idle(engine)
+    aborted_before = _success(scrape_metrics(setup["url"]), "abort")
+    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 200, "stream": True}
+    with streamed_completion(setup["url"], {**body, "ignore_eos": True}):
+        busy = scrape_metrics(setup["url"])
+        assert busy[("jvllm:num_requests_running", LABEL)] == 1
+        assert busy[("jvllm:kv_cache_usage_perc", LABEL)] > 0
+    # No step runs after the abort: the engine thread refreshes the stats when it applies it.
+    deadline = time.monotonic() + 5
+    while scrape_metrics(setup["url"])[("jvllm:num_requests_running", LABEL)] != 0:
+        assert time.monotonic() < deadline, "num_requests_running stayed above 0 when idle"
+        time.sleep(0.02)
+    idle = scrape_metrics(setup["url"])
+    assert idle[("jvllm:num_requests_waiting", LABEL)] == 0
+    assert idle[("jvllm:kv_cache_usage_perc", LABEL)] == 0
+    assert _success(idle, "abort") == aborted_before + 1
+
+
+def test_400s_on_generation_routes_count_as_rejected(setup):
+    url = setup["url"]
+    key = (
+        "jvllm:num_requests_rejected_total",
+        (("model_name", MODEL), ("reason", "invalid_request")),
+    )
+    before = scrape_metrics(url).get(key, 0.0)
+    too_long = {"model": MODEL, "prompt": list(range(100, 400)), "max_tokens": 1}
+    assert httpx.post(url + "/v1/completions", json=too_long).status_code == 400  # OpenAIError
+    invalid = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 2}
+    assert httpx.post(url + "/v1/chat/completions", json=invalid).status_code == 400  # pydantic
+    assert httpx.post(url + "/tokenize", json={}).status_code == 400  # generates nothing
+    assert scrape_metrics(url)[key] == before + 2
 
 
 def _error(response: httpx.Response, status: int) -> dict:
@@ -316,14 +359,9 @@ def test_models_health_version_tokenize_detokenize(setup, client):
 
 def test_metrics_parse_and_counters_move(setup, client):
     def scrape() -> dict:
-        text = httpx.get(setup["url"] + "/metrics").text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-        return samples
+        return scrape_metrics(setup["url"])
 
-    label = (("model_name", MODEL),)
+    label = LABEL
     before = scrape()
     client.completions.create(prompt=PROMPTS[6], **_greedy())
     after = scrape()
@@ -345,3 +383,73 @@ def test_metrics_parse_and_counters_move(setup, client):
     assert after[itl] - before.get(itl, 0) == MAX_TOKENS - 1
     queries = ("jvllm:prefix_cache_queries_total", label)
     assert after[queries] > before.get(queries, 0)
+
+    def moved(name: str) -> float:
+        return after[(name, label)] - before.get((name, label), 0)
+
+    assert _success(after, "length") == _success(before, "length") + 1
+    for hist in (
+        "request_prompt_tokens",
+        "request_params_n",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_time_per_output_token_seconds",
+    ):
+        assert moved(f"jvllm:{hist}_count") == 1, hist
+    assert moved("jvllm:request_generation_tokens_sum") == MAX_TOKENS
+    assert moved("jvllm:request_max_num_generation_tokens_sum") == MAX_TOKENS
+    assert moved("jvllm:request_params_max_tokens_sum") == MAX_TOKENS
+    # Every step computed some tokens: the prompt's (less any prefix cache hits), then one each.
+    assert moved("jvllm:iteration_tokens_total_sum") >= MAX_TOKENS
+    assert moved("jvllm:iteration_tokens_total_count") >= MAX_TOKENS - 1
+    [info] = [labels for name, labels in after if name == "jvllm:cache_config_info"]
+    kv = setup["engine"].engine.scheduler.kv_cache_manager
+    assert dict(info)["num_gpu_blocks"] == str(kv.num_blocks)
+    assert dict(info)["block_size"] == str(kv.block_size)
+
+
+# The series vLLM's Grafana dashboard reads (examples/observability/prometheus_grafana).
+_VLLM_DASHBOARD_SERIES = {
+    "vllm:e2e_request_latency_seconds",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:inter_token_latency_seconds",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_success",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_max_num_generation_tokens",
+}
+
+
+def test_vllm_prefix_names_every_series_as_vllm_does(setup):
+    metrics = ServingMetrics(setup["engine"], MODEL, prefix="vllm")
+    text = generate_latest(metrics.registry).decode()
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert all(name.startswith("vllm:") for name in names)
+    assert _VLLM_DASHBOARD_SERIES <= names
+    assert {"vllm:iteration_tokens_total", "vllm:cache_config_info"} <= names
+    default = {n.replace("jvllm:", "vllm:", 1) for n in _family_names(setup["url"])}
+    assert default == names  # the same series, only the prefix differs
+    with pytest.raises(ValueError, match="metrics prefix must be a Prometheus name"):
+        ServingMetrics(setup["engine"], MODEL, prefix="v-llm")
+
+
+def _family_names(url: str) -> set[str]:
+    return {f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+
+
+def test_serve_passes_the_metrics_prefix_to_the_server(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: calls.append(kw))
+    cli.main(["serve", "--metrics-prefix", "vllm"])
+    cli.main(["serve"])
+    assert [kw["metrics_prefix"] for kw in calls] == ["vllm", "jvllm"]

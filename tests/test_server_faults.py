@@ -16,11 +16,12 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_idle
+from conftest import scrape_metrics, wait_idle
 from fastapi.testclient import TestClient
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.metrics import ServingMetrics
 from jvllm.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "tiny"
@@ -43,7 +44,10 @@ def llm(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def served(llm):
     engine = AsyncLLM(llm.llm_engine, max_waiting_requests=1)
-    server = ServerThread(build_app(engine, MODEL, max_request_body_bytes=MAX_BODY_BYTES)).start()
+    metrics = ServingMetrics(engine, MODEL)
+    engine.stat_loggers.append(metrics)
+    app = build_app(engine, MODEL, metrics=metrics, max_request_body_bytes=MAX_BODY_BYTES)
+    server = ServerThread(app).start()
     yield {"engine": engine, "url": server.url}
     server.stop()
     engine.shutdown()
@@ -161,6 +165,10 @@ def test_requests_past_the_waiting_bound_get_503_with_retry_after(served, slow_s
     assert error["type"] == "service_unavailable_error"
     assert "max_waiting_requests" in error["message"]
     wait_idle(engine)
+    rejected = scrape_metrics(served["url"])[
+        ("jvllm:num_requests_rejected_total", (("model_name", MODEL), ("reason", "overloaded")))
+    ]
+    assert rejected >= 1
 
 
 def test_an_oversized_body_is_413_before_it_is_read(served, monkeypatch):

@@ -3,10 +3,14 @@ against a jvllm server, then the same workload through offline `LLM.generate` fo
 
     python -m jvllm.benchmarks.serve --num-prompts 64 --input-len 64 --output-len 64 \
         --max-concurrency 32                      # starts `jvllm serve` itself
+    python -m jvllm.benchmarks.serve --request-rate 8 --disconnect-fraction 0.25
     jvllm bench serve --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct
 
-Prompts are random token ids, generation is greedy with ignore_eos, so every request produces
-exactly output-len tokens. TTFT and inter-token latency are measured by the client on the SSE stream.
+Prompts are random token ids, generation is greedy with ignore_eos, so every request that stays
+produces exactly output-len tokens; with --disconnect-fraction, that share of the requests leave
+after a random number of tokens. TTFT and inter-token latency are measured by the client on the
+SSE stream. Aborted and rejected counts and the KV blocks still in use once the server is idle
+(0 unless blocks leak) come from the server's /metrics.
 """
 
 from __future__ import annotations
@@ -28,8 +32,14 @@ from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    leave_after: int | None = None,
 ) -> dict:
+    """One streamed request; with `leave_after`, the client goes away after that many chunks."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -41,9 +51,11 @@ async def _one(
     }
     start = time.perf_counter()
     token_times = []
-    num_tokens = 0
+    num_tokens = None
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            await response.aread()
+            return {"status": response.status_code, "itl": [], "num_tokens": 0}
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -52,12 +64,14 @@ async def _one(
                 num_tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices"):
                 token_times.append(time.perf_counter())
-    end = time.perf_counter()
+                if len(token_times) == leave_after:
+                    break  # leaving the block closes the connection mid-stream
     return {
-        "ttft": token_times[0] - start,
+        "status": 200,
+        "left": num_tokens is None,
+        "ttft": token_times[0] - start if token_times else None,
         "itl": list(np.diff(token_times)),
-        "latency": end - start,
-        "num_tokens": num_tokens,
+        "num_tokens": len(token_times) if num_tokens is None else num_tokens,
     }
 
 
@@ -69,38 +83,85 @@ async def run_load(
     max_concurrency: int,
     request_rate: float,
     seed: int,
+    disconnect_fraction: float = 0.0,
 ) -> dict:
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = np.random.default_rng(seed)
+    # Which requests leave, and after how many chunks (at least one, before the last).
+    leaving = rng.permutation(len(prompts))[: round(disconnect_fraction * len(prompts))]
+    leave_after = [None] * len(prompts)
+    for i in leaving:
+        leave_after[i] = int(rng.integers(1, max(output_len, 2)))
     limits = httpx.Limits(max_connections=max_concurrency + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         await _one(client, url, model, prompts[0], 2)  # warm-up
 
-        async def limited(prompt):
+        async def limited(prompt, leave):
             async with semaphore:
-                return await _one(client, url, model, prompt, output_len)
+                return await _one(client, url, model, prompt, output_len, leave)
 
         tasks = []
         start = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for prompt, leave in zip(prompts, leave_after):
+            tasks.append(asyncio.create_task(limited(prompt, leave)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
-    itl = [x for r in results for x in r["itl"]]
-    num_tokens = sum(r["num_tokens"] for r in results)
-    return {
+    served = [r for r in results if r["status"] == 200]
+    ttft = [r["ttft"] for r in served if r["ttft"] is not None]
+    itl = [x for r in served for x in r["itl"]]
+    num_tokens = sum(r["num_tokens"] for r in served)
+    num_completed = sum(not r["left"] for r in served)
+    stats = {
         "elapsed": elapsed,
         "num_tokens": num_tokens,
         "tok_s": num_tokens / elapsed,
-        "req_s": len(results) / elapsed,
-        "ttft_p50": np.percentile(ttft, 50),
-        "ttft_p99": np.percentile(ttft, 99),
-        "itl_p50": np.percentile(itl, 50),
-        "itl_p99": np.percentile(itl, 99),
+        "req_s": num_completed / elapsed,
+        "num_completed": num_completed,
+        "num_left": len(served) - num_completed,
+        "num_refused": len(results) - len(served),
     }
+    for name, values in (("ttft", ttft), ("itl", itl)):
+        for q in (50, 90, 99):
+            stats[f"{name}_p{q}"] = np.percentile(values, q) if values else float("nan")
+    return stats
+
+
+def scrape(url: str) -> dict[str, float]:
+    """From the server's /metrics, whatever its prefix (jvllm: or vllm:): the requests running
+    and waiting, the KV blocks in use, and the requests counted aborted and rejected so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    values = {"aborted": 0.0, "rejected": 0.0}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            name = sample.name.split(":", 1)[-1]
+            if name in gauges:
+                values[name] = sample.value
+            elif name == "request_success_total" and sample.labels["finished_reason"] == "abort":
+                values["aborted"] += sample.value
+            elif name == "num_requests_rejected_total":
+                values["rejected"] += sample.value
+            elif name == "cache_config_info":
+                values["num_gpu_blocks"] = float(sample.labels["num_gpu_blocks"])
+    # Block 0 is the null block, never held; usage is over the others (as in vLLM).
+    values["kv_blocks_in_use"] = round(
+        values["kv_cache_usage_perc"] * (values["num_gpu_blocks"] - 1)
+    )
+    return values
+
+
+def scrape_when_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits (aborts land between steps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape(url)
+        busy = values["num_requests_running"] + values["num_requests_waiting"]
+        if not busy or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
 
 
 def offline_tok_s(args, prompts) -> float:
@@ -193,6 +254,12 @@ def main(argv=None) -> None:
         default=float("inf"),
         help="requests/s, Poisson arrivals (default: all at once)",
     )
+    parser.add_argument(
+        "--disconnect-fraction",
+        type=float,
+        default=0.0,
+        help="share of the requests whose client leaves after a random number of tokens",
+    )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument(
@@ -202,6 +269,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not 0 <= args.disconnect_fraction <= 1:
+        parser.error(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
 
     with open(os.path.join(args.model_path or default_model_dir(), "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
@@ -211,6 +280,7 @@ def main(argv=None) -> None:
     if url is None:
         proc, url = _start_server(args)
     try:
+        before = scrape_when_idle(url)
         online = asyncio.run(
             run_load(
                 url,
@@ -220,23 +290,35 @@ def main(argv=None) -> None:
                 args.max_concurrency,
                 args.request_rate,
                 args.seed,
+                args.disconnect_fraction,
             )
         )
+        after = scrape_when_idle(url)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
     print(
         f"workload: {args.num_prompts} requests x {args.input_len} in x {args.output_len} out, "
-        f"greedy, ignore_eos, concurrency {args.max_concurrency}, rate {args.request_rate}"
+        f"greedy, ignore_eos, concurrency {args.max_concurrency}, rate {args.request_rate}, "
+        f"disconnect fraction {args.disconnect_fraction}"
     )
     print(
         f"server: {online['tok_s']:.1f} output tok/s, {online['req_s']:.2f} req/s "
         f"({online['elapsed']:.2f}s, {online['num_tokens']} tokens)"
     )
+    for name in ("ttft", "itl"):
+        cells = ", ".join(f"p{q} {1000 * online[f'{name}_p{q}']:.1f}" for q in (50, 90, 99))
+        print(f"{name.upper()} {cells} ms")
     print(
-        f"TTFT p50 {1000 * online['ttft_p50']:.0f} ms, p99 {1000 * online['ttft_p99']:.0f} ms; "
-        f"ITL p50 {1000 * online['itl_p50']:.1f} ms, p99 {1000 * online['itl_p99']:.1f} ms"
+        f"requests: {online['num_completed']} completed, {online['num_left']} left mid-stream, "
+        f"{online['num_refused']} refused; the server counted "
+        f"{after['aborted'] - before['aborted']:.0f} aborted, "
+        f"{after['rejected'] - before['rejected']:.0f} rejected"
+    )
+    print(
+        f"KV blocks in use at the end: {after['kv_blocks_in_use']} "
+        f"of {after['num_gpu_blocks'] - 1:.0f}"
     )
     if not args.skip_offline:
         offline = offline_tok_s(args, prompts)
@@ -244,6 +326,8 @@ def main(argv=None) -> None:
             f"offline LLM.generate: {offline:.1f} output tok/s; "
             f"server / offline = {online['tok_s'] / offline:.2f}"
         )
+    if after["kv_blocks_in_use"]:
+        sys.exit("KV blocks are still in use with no request running or waiting: a leak")
 
 
 if __name__ == "__main__":

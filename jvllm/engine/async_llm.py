@@ -45,10 +45,17 @@ class _Stream:
     (per completion index, the latest cumulative one wins), so a slow consumer skips outputs,
     never completions or tokens."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, arrival: float):
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        arrival: float,
+        sampling_params: SamplingParams,
+    ):
         self.request_id = request_id
         self.loop = loop
         self.arrival_time = arrival
+        self.sampling_params = sampling_params  # for the metrics (n, max_tokens)
         self.header: RequestOutput | None = None  # the latest output, for its request fields
         self.pending: dict[int, CompletionOutput] = {}
         self.finished = False
@@ -84,7 +91,9 @@ class AsyncLLM:
     """vLLM's async engine API: `generate()` streams `RequestOutput`s, `abort()` ends a request.
 
     `stat_loggers` have `record(items, now)`, called on the event loop with each step's
-    `(stream, output)` pairs (see `jvllm.engine.metrics`); `stats` is the latest `SchedulerStats`.
+    `(stream, output)` pairs, and `record_step(num_tokens)` and `record_aborted(stream)`, called
+    on the engine thread (see `jvllm.engine.metrics`). `stats` is the latest `SchedulerStats`,
+    taken after every step and every batch of adds and aborts, so it reads 0 running when idle.
     With `log_stats`, the engine thread logs throughput and load every few seconds (stat_logger.py).
     `max_waiting_requests` (None: no bound) is how many requests may wait beyond the
     `max_num_seqs` that run; a request past it fails at once with `EngineOverloadedError`.
@@ -111,7 +120,7 @@ class AsyncLLM:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.stat_loggers = list(stat_loggers or [])
-        self.stats = SchedulerStats()
+        self.stats = self._snapshot()  # the engine may have run before: steps count from here
         self._stat_logger = LoggingStatLogger() if log_stats else None
         if self._stat_logger is not None:  # counting starts now, not at the first step's end
             self._stat_logger.maybe_log(self._snapshot(), time.monotonic())
@@ -161,7 +170,7 @@ class AsyncLLM:
             sampling_params = dataclasses.replace(
                 sampling_params, output_kind=RequestOutputKind.CUMULATIVE
             )
-        stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic())
+        stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic(), sampling_params)
         shaper = OutputShaper(kind)
         added = concurrent.futures.Future()
         self._submit(("add", stream, prompt, sampling_params, added))
@@ -233,7 +242,8 @@ class AsyncLLM:
         engine = self.engine
         try:
             while not self._shutdown:
-                self._apply_commands()
+                if self._apply_commands():
+                    self.stats = self._snapshot()  # an abort may have left the engine idle
                 if not engine.has_unfinished_requests():
                     self._idle()
                     continue
@@ -261,8 +271,10 @@ class AsyncLLM:
             self._stat_logger.maybe_log(self.stats, time.monotonic())
         self._wakeup.clear()
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self) -> bool:
+        """Apply the queued commands; whether there were any."""
         engine = self.engine
+        had_commands = bool(self._commands)
         while self._commands:
             command = self._commands.popleft()
             op = command[0]
@@ -290,19 +302,27 @@ class AsyncLLM:
                 if self._live.get(stream.request_id) is stream:
                     del self._live[stream.request_id]
                     engine.abort_request(stream.request_id)
+                    self._record_aborted(stream)
             elif op == "abort_id":
                 stream = self._live.pop(command[1], None)
                 if stream is not None:
                     engine.abort_request(command[1])
                     stream.loop.call_soon_threadsafe(stream.abort)
+                    self._record_aborted(stream)
             elif op == "abort_all":
                 engine.abort_request(list(self._live))
                 for stream in self._live.values():
+                    self._record_aborted(stream)
                     try:
                         stream.loop.call_soon_threadsafe(stream.abort)
                     except RuntimeError:  # that loop is closed: its consumer is gone
                         pass
                 self._live.clear()
+        return had_commands
+
+    def _record_aborted(self, stream: _Stream) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_aborted(stream)
 
     def _is_full(self) -> bool:
         if self._max_admitted is None:
@@ -326,8 +346,17 @@ class AsyncLLM:
                 stream,
                 RuntimeError(f"request {stream.request_id} failed in the engine and was aborted"),
             )
-        self.stats = self._snapshot()
+        before, self.stats = self.stats, self._snapshot()
+        self._record_step(before, self.stats)
         self._deliver_many(pairs, now)
+
+    def _record_step(self, before: SchedulerStats, after: SchedulerStats) -> None:
+        num_tokens = (after.num_prompt_tokens - before.num_prompt_tokens) + (
+            after.num_generation_tokens - before.num_generation_tokens
+        )
+        if num_tokens > 0:  # a step that computed nothing (all waiting on grammars) is no step
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_step(num_tokens)
 
     def _engine_has(self, request_id: str) -> bool:
         """Whether the engine still knows the request (or, with n > 1, its children)."""

@@ -92,6 +92,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        metrics_prefix=args.metrics_prefix,
         **engine_kwargs(args),
     )
 
@@ -145,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-log-stats",
         action="store_true",
         help="no periodic throughput / load line (JVLLM_LOG_STATS_INTERVAL sets its seconds)",
+    )
+    serve.add_argument(
+        "--metrics-prefix",
+        default="jvllm",
+        help="namespace of every /metrics series; vllm exports vLLM's names "
+        "(vllm:num_requests_running, ...) so that dashboards and alerts written for vLLM work",
     )
     serve.add_argument(
         "--compile-in-background",

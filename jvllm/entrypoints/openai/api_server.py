@@ -39,6 +39,10 @@ logger = init_logger(__name__)
 # Paths that need the API key when the server has one. vLLM leaves /invocations open; here it
 # runs the same generations as /v1, so it is closed the same way.
 _KEYED_PATHS = ("/v1", "/invocations")
+# The routes that generate: a 400 on one of them counts as a rejected request in the metrics.
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+# Refusals counted by jvllm:num_requests_rejected_total, by status: bad input, a full queue.
+_REJECTED_REASONS = {400: "invalid_request", 503: "overloaded"}
 
 
 class _ApiKeyMiddleware:
@@ -112,12 +116,19 @@ def build_app(
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AdmissionMiddleware, admission=admission)  # outermost: first to refuse
 
+    def _count_rejected(request: Request, status_code: int) -> None:
+        reason = _REJECTED_REASONS.get(status_code)
+        if metrics is not None and reason and request.url.path in _GENERATION_PATHS:
+            metrics.record_rejected(reason)
+
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError):
+    async def _openai_error(request: Request, exc: OpenAIError):
+        _count_rejected(request, exc.status_code)
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        _count_rejected(request, 400)
         message, param = _validation_message(exc)
         return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
 
@@ -260,12 +271,16 @@ def build_server_engine(
     served_model_name: str | None = None,
     log_stats: bool = True,
     max_waiting_requests: int | None = None,
+    metrics_prefix: str = "jvllm",
     **engine_kwargs,
 ):
-    """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords."""
+    """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords;
+    the metrics' names start with `metrics_prefix:` ("vllm": vLLM's own names)."""
     from jvllm.engine.data_parallel import make_engine
+    from jvllm.engine.metrics import check_metrics_prefix
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
+    check_metrics_prefix(metrics_prefix)  # before the model loads
     name = served_model_name or model or DEFAULT_MODEL
     # A server listens at once and compiles every bucket in the background: a request waits at
     # most for its own bucket's compile, and none once all are done.
@@ -276,7 +291,7 @@ def build_server_engine(
         log_stats=log_stats,
         max_waiting_requests=max_waiting_requests,
     )
-    metrics = ServingMetrics(engine, name)
+    metrics = ServingMetrics(engine, name, prefix=metrics_prefix)
     engine.stat_loggers.append(metrics)
     return engine, metrics, name
 
@@ -294,11 +309,17 @@ def run_server(
     max_waiting_requests: int | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     shutdown_timeout: float = 0.0,
+    metrics_prefix: str = "jvllm",
     **engine_kwargs,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down as shutdown.py says."""
     engine, metrics, name = build_server_engine(
-        model, served_model_name, log_stats, max_waiting_requests, **engine_kwargs
+        model,
+        served_model_name,
+        log_stats,
+        max_waiting_requests=max_waiting_requests,
+        metrics_prefix=metrics_prefix,
+        **engine_kwargs,
     )
     app = build_app(
         engine,
