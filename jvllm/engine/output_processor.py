@@ -129,9 +129,12 @@ class OutputProcessor:
         if (
             request.status == RequestStatus.FINISHED_STOPPED
             and not params.include_stop_str_in_output
+            and new_tokens
+            and new_tokens[-1] in (request.eos_token_id, *params.stop_token_ids)
         ):
             # Stopped by a stop token id or EOS (a stop string finishes the request only after
-            # this): as in vLLM, that token stays in token_ids but its text is not output.
+            # this): as in vLLM, that token stays in token_ids but its text is not output. A
+            # grammar's end also stops a request, on a token whose text is the output's last.
             new_tokens = new_tokens[:-1]
         for i, token in enumerate(new_tokens):
             delta = state.detokenizer.add_token(token)
