@@ -35,6 +35,17 @@ def test_throughput_benchmark_compares_a_scheduling_setting_with_k1(capsys):
     assert "jvllm [k=2, async] / jvllm [k=1]: throughput" in out
 
 
+def test_throughput_benchmark_compares_a_json_schema_with_none(tiny_llama_dir, capsys):
+    # The grammar needs the tokenizer; random weights rarely close the JSON in 4 tokens.
+    throughput.main([*_TINY_WORKLOAD, "--model", tiny_llama_dir, "--structured", "json"])
+    out = capsys.readouterr().out
+    assert "jvllm [unconstrained]:" in out and "jvllm [constrained]:" in out
+    assert "jvllm [constrained] valid JSON for the schema: " in out
+    assert "jvllm [constrained] / jvllm [unconstrained]: throughput" in out
+    assert "ms a step" in out
+    assert "HF transformers" not in out
+
+
 def test_dense_bound_benchmark_runs_against_hf(capsys):
     dense_bound.main(_TINY_WORKLOAD)
     out = capsys.readouterr().out

@@ -9,7 +9,8 @@ output-len tokens per prompt. With --random-range-ratio R (vLLM's name) prompt l
 uniformly from [input-len * (1 - R), input-len * (1 + R)]; HF then gets them left-padded.
 Figures are medians over --num-iters. With --num-scheduler-steps K > 1 or --async-scheduling,
 jvllm runs twice, as it is (one scheduler step a model step) and then as set, and both are
-printed with their ratio.
+printed with their ratio. With --structured json, jvllm runs the prompts with and without a JSON
+schema instead, with EOS honoured (see jvllm/benchmarks/structured.py), and HF is not run.
 """
 
 import argparse
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 
 from jvllm import LLM, SamplingParams
+from jvllm.benchmarks import structured
 from jvllm.distributed.mesh import ensure_cpu_devices
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import replicas
@@ -73,16 +75,9 @@ def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, f
     return statistics.median(walls), statistics.median(dispatches), statistics.median(waits)
 
 
-def bench_jvllm(
-    args,
-    prompt_sets,
-    num_scheduler_steps: int = 1,
-    async_scheduling: bool = False,
-    tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-) -> dict:
-    start = time.perf_counter()
-    llm = LLM(
+def _make_llm(args, **settings) -> LLM:
+    """The benchmark's engine for the workload's options, with `settings` on top."""
+    return LLM(
         args.model,
         dtype=args.dtype,
         load_format=args.load_format,
@@ -92,6 +87,37 @@ def bench_jvllm(
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         compile_all_buckets=True,  # no compile inside the timed runs
+        **settings,
+    )
+
+
+def _sampling_params(args, ignore_eos: bool = True) -> SamplingParams:
+    """The timed requests' sampling: greedy, or seeded with the sampling options."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=0 if args.temperature > 0 else None,
+        max_tokens=args.output_len,
+        ignore_eos=ignore_eos,
+        logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+    )
+
+
+def bench_jvllm(
+    args,
+    prompt_sets,
+    num_scheduler_steps: int = 1,
+    async_scheduling: bool = False,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+) -> dict:
+    start = time.perf_counter()
+    llm = _make_llm(
+        args,
         num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling,
         tensor_parallel_size=tensor_parallel_size,
@@ -100,18 +126,7 @@ def bench_jvllm(
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     runners = [replica.model_runner for replica in replicas(engine)]
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=0 if args.temperature > 0 else None,
-        max_tokens=args.output_len,
-        ignore_eos=True,
-        logprobs=args.logprobs,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-    )
+    params = _sampling_params(args)
     llm.generate(
         [[1] * args.input_len],
         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
@@ -245,6 +260,34 @@ def _print_jvllm(label: str, ours: dict) -> None:
     )
 
 
+def _print_workload(args, ignore_eos: bool) -> None:
+    extras = [
+        f"{name}={getattr(args, name)}"
+        for name, off in (
+            ("temperature", 0.0),
+            ("top_p", 1.0),
+            ("top_k", 0),
+            ("logprobs", None),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        )
+        if getattr(args, name) != off
+    ]
+    print(
+        f"workload: {args.num_prompts} prompts x {args.input_len}"
+        + (f" (+-{args.random_range_ratio:.0%})" if args.random_range_ratio else "")
+        + f" in x {args.output_len} out, "
+        f"{'sampled' if args.temperature > 0 else 'greedy'}, "
+        + ("ignore_eos, " if ignore_eos else "EOS honoured, ")
+        + f"{args.dtype}, "
+        + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
+        + f"median of {args.num_iters}"
+        + (f", {', '.join(extras)}" if extras else "")
+    )
+    print(f"device: {jax.devices()[0].device_kind}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
@@ -279,6 +322,18 @@ def main(argv=None) -> None:
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument(
+        "--structured",
+        choices=sorted(structured.CHOICES),
+        default=None,
+        help="run jvllm with and without this constraint (a small JSON schema) on one engine, "
+        "EOS honoured, instead of against HF",
+    )
+    parser.add_argument(
+        "--disable-any-whitespace",
+        action="store_true",
+        help="with --structured: compact JSON (no free whitespace between its tokens)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
@@ -297,8 +352,17 @@ def main(argv=None) -> None:
         )
     except ValueError as e:
         parser.error(str(e))
+    if args.structured and chosen != (1, False, 1, 1):
+        parser.error(
+            "--structured compares one engine with and without a schema; run it without "
+            "--num-scheduler-steps, --async-scheduling and the parallel sizes"
+        )
+    if args.disable_any_whitespace and not args.structured:
+        parser.error("--disable-any-whitespace applies to --structured alone")
     ensure_cpu_devices(args.tensor_parallel_size * args.data_parallel_size)
-    if not args.skip_hf:
+    if args.structured:
+        structured.require_jsonschema()
+    elif not args.skip_hf:
         require_hf()
 
     # The vocabulary size is needed before any engine exists; read it from the model's config.
@@ -312,32 +376,20 @@ def main(argv=None) -> None:
         )
         for i in range(args.num_iters)
     ]
+    if args.structured:
+        # Each prompt set runs twice on the engine: its second run must not find the prefixes.
+        llm = _make_llm(args, enable_prefix_caching=False)
+        schema, compact = structured.CHOICES[args.structured], args.disable_any_whitespace
+        params = _sampling_params(args, ignore_eos=False)
+        results = structured.bench_structured(llm, prompt_sets, params, schema, compact)
+        _print_workload(args, ignore_eos=False)
+        print(f"constraint: {'compact ' if compact else ''}JSON of {json.dumps(schema)}")
+        structured.print_structured(results)
+        return
     # The engine as it is, then (when set) with the scheduling options, each on its own engine.
     settings = [(1, False, 1, 1)] + ([chosen] if chosen != (1, False, 1, 1) else [])
     runs = [(_setting_name(*s), bench_jvllm(args, prompt_sets, *s)) for s in settings]
-    extras = [
-        f"{name}={getattr(args, name)}"
-        for name, off in (
-            ("temperature", 0.0),
-            ("top_p", 1.0),
-            ("top_k", 0),
-            ("logprobs", None),
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        )
-        if getattr(args, name) != off
-    ]
-    print(
-        f"workload: {args.num_prompts} prompts x {args.input_len}"
-        + (f" (+-{args.random_range_ratio:.0%})" if args.random_range_ratio else "")
-        + f" in x {args.output_len} out, "
-        f"{'sampled' if args.temperature > 0 else 'greedy'}, ignore_eos, {args.dtype}, "
-        + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
-        + f"median of {args.num_iters}"
-        + (f", {', '.join(extras)}" if extras else "")
-    )
-    print(f"device: {jax.devices()[0].device_kind}")
+    _print_workload(args, ignore_eos=True)
     is_comparison = len(runs) > 1
     for name, ours in runs:
         _print_jvllm(f"jvllm {name}" if is_comparison else "jvllm", ours)
