@@ -38,8 +38,8 @@ def _as_list(value) -> list:
 class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's names): a JSON schema (`json`, a dict or
     its JSON text), a `regex`, one of the strings in `choice`, a Lark (or GBNF) `grammar`, or
-    `json_object=True` for any JSON object. `disable_any_whitespace` makes JSON compact (no
-    free whitespace between tokens of the JSON)."""
+    `json_object=True` for any JSON object. JSON may hold up to 32 whitespace characters
+    between its tokens; `disable_any_whitespace` makes it compact."""
 
     json: str | dict | None = None
     regex: str | None = None
