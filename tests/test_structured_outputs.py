@@ -10,14 +10,17 @@ import pytest
 
 from jvllm import LLM, SamplingParams, StructuredOutputsParams
 
+# Every leaf has a bounded length (strings, integers) so that sampled outputs close in time
+# on any CPU; a bounded number may still have any number of decimals, so it is tested greedy.
 _NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+_SMALL_INT = {"type": "integer", "minimum": -1000, "maximum": 1000}
 SCHEMAS = {
     "nested": {
         "type": "object",
         "properties": {
             "person": {
                 "type": "object",
-                "properties": {"name": _NAME, "age": {"type": "integer"}},
+                "properties": {"name": _NAME, "age": _SMALL_INT},
                 "required": ["name", "age"],
                 "additionalProperties": False,
             },
@@ -46,7 +49,7 @@ SCHEMAS = {
         "$defs": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "properties": {"x": _SMALL_INT, "y": _SMALL_INT},
                 "required": ["x", "y"],
                 "additionalProperties": False,
             }
@@ -75,7 +78,7 @@ def _params(temperature: float, **constraint) -> SamplingParams:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_json_outputs_validate_against_their_schemas(smollm2_llm, temperature):
-    names = list(SCHEMAS)
+    names = [n for n in SCHEMAS if temperature == 0 or n != "enum_and_bounds"]
     # Sampled JSON is asked compact: free whitespace lets a sampled small model idle in it.
     params = [
         _params(temperature, json=SCHEMAS[n], disable_any_whitespace=temperature > 0) for n in names
