@@ -3,8 +3,8 @@
 A decode window (`num_scheduler_steps=k`) runs up to k decode steps in one device call, each
 sampled token fed back as the next input. The device stops a row by itself at its EOS, a stop
 token id or its limit, so everything that decides when a request stops must be known before the
-call; what cannot be (multi-token bad words, whose bans follow the tokens just sampled) makes
-the step a single one. Stop strings need the text: the host checks them afterwards and drops the
+call; what cannot be (multi-token bad words and grammar masks, which follow the tokens just
+sampled) makes the step a single one. Stop strings need the text: the host checks them afterwards and drops the
 tokens past a stop.
 """
 
@@ -16,14 +16,16 @@ MAX_WINDOW_STOP_IDS = 16
 
 
 def has_token_dependent_bans(request: Request) -> bool:
-    """Multi-token bad words ban a token only after the others: bans that follow each token."""
+    """Bans that follow each sampled token: a grammar's mask (structured outputs), and
+    multi-token bad words, which ban a token only after the others."""
+    if request.structured_output is not None:
+        return True
     return any(len(word) > 1 for word in request.bad_words_token_ids)
 
 
 def fits_window(request: Request) -> bool:
-    """Whether the request's stops and logit processors can run inside a decode window.
-    A grammar's mask follows every token: structured outputs run single steps."""
-    if has_token_dependent_bans(request) or request.structured_output is not None:
+    """Whether the request's stops and logit processors can run inside a decode window."""
+    if has_token_dependent_bans(request):
         return False
     return len(window_stop_token_ids(request)) <= MAX_WINDOW_STOP_IDS
 

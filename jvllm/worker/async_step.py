@@ -62,7 +62,7 @@ def can_run_ahead(
             return False  # the token sampled now lands in a block not allocated yet
         if request.num_output_tokens + 1 == request.sampling_params.min_tokens:
             return False
-        if has_token_dependent_bans(request) or request.structured_output is not None:
+        if has_token_dependent_bans(request):
             return False
     return True
 
