@@ -85,11 +85,11 @@ class StructuredOutputManager:
         request's `GrammarState`."""
         if self._hf_tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this model ships none")
-        grammar = validate(params)
         key = cache_key(params)
         template = self._templates.get(key)
         if template is None or (template.done() and template.exception() is not None):
-            template = self._pool.submit(self._compile, grammar, key)
+            # Checked once per distinct constraint: a cached one was valid when it came.
+            template = self._pool.submit(self._compile, validate(params), key)
             self._templates[key] = template
         if self._synchronous:
             concurrent.futures.wait([template])
