@@ -9,6 +9,7 @@ one packed row `i32[ceil(V / 32)]` per scheduled request, all ones for the uncon
 import concurrent.futures
 import logging
 import time
+from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
@@ -19,6 +20,9 @@ from jvllm.sampling_params import StructuredOutputsParams
 from jvllm.structured_output.grammar import cache_key, validate
 
 logger = logging.getLogger("jvllm.structured_output")
+
+# Distinct constraints whose compiled matchers are kept for the requests that repeat them.
+_MAX_CACHED = 256
 
 
 class GrammarState:
@@ -74,7 +78,9 @@ class StructuredOutputManager:
         # on first use, then each new grammar; the step loop never waits on either.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jvllm-grammar")
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._templates: dict[str, concurrent.futures.Future] = {}
+        # Compiled constraints, least recently used first; at most _MAX_CACHED of them, so a
+        # server that sees ever new schemas does not grow without bound.
+        self._templates: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         self.num_words = (vocab_size + 31) // 32
         self.mask_seconds = 0.0  # time spent filling masks, for the benchmarks
@@ -91,6 +97,9 @@ class StructuredOutputManager:
             # Checked once per distinct constraint: a cached one was valid when it came.
             template = self._pool.submit(self._compile, validate(params), key)
             self._templates[key] = template
+            if len(self._templates) > _MAX_CACHED:
+                self._templates.popitem(last=False)  # requests hold their own copies
+        self._templates.move_to_end(key)
         if self._synchronous:
             concurrent.futures.wait([template])
         return template
