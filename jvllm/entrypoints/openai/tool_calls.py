@@ -5,12 +5,12 @@ or streamed. "auto" reads calls out of free text with a tool call parser (tool_p
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.entrypoints.openai.structured import checked
 from jvllm.entrypoints.openai.tool_parsers import ToolParser
+from jvllm.entrypoints.openai.tool_parsers.base import new_call_id
 from jvllm.sampling_params import StructuredOutputsParams
 
 # A function without `parameters` takes none.
@@ -116,7 +116,7 @@ def _required(functions: dict[str, dict], parallel: bool | None) -> StructuredOu
 
 def _call(name: str, arguments: str) -> dict:
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }

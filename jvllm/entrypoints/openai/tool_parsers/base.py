@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from jvllm.entrypoints.openai.tool_parsers.call_reader import CallReader, call_fields
 
 
+def new_call_id() -> str:
+    """A tool call's id, OpenAI's form: `call_` and 24 hex digits."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ExtractedToolCalls:
     tools_called: bool
@@ -123,6 +128,14 @@ class ToolParser:
         self._pos = start
         self._reader = CallReader(start)
 
+    def _read_call_to_its_end(self, is_final: bool) -> bool:
+        """`_read_call`, and a call still open when the output is complete is malformed."""
+        if self._read_call():
+            return True
+        if is_final:
+            raise ValueError("the output ends inside a tool call's JSON")
+        return False
+
     def _read_call(self) -> bool:
         """Sends what the current call's text shows now; True once it closed, text through its
         closing brace then handled. The name goes out once the arguments have begun (or the
@@ -137,7 +150,7 @@ class ToolParser:
                 raise ValueError("streamed arguments disagree with the parsed call")
         index = self._num_calls
         if self._call_id is None and name is not None and (reader.has_arguments or reader.end):
-            self._call_id = f"call_{uuid.uuid4().hex[:24]}"
+            self._call_id = new_call_id()
             self._delta_calls[index] = {
                 "index": index,
                 "id": self._call_id,

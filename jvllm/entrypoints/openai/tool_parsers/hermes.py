@@ -51,9 +51,7 @@ class Hermes2ProToolParser(ToolParser):
                 self._start_call(pos)
                 self._state = _State.CALL
             elif self._state is _State.CALL:
-                if not self._read_call():
-                    if is_final:
-                        raise ValueError("the output ends inside a tool call's JSON")
+                if not self._read_call_to_its_end(is_final):
                     return
                 self._state = _State.CLOSE
             else:
