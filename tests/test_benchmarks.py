@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from jvllm.benchmarks import dense_bound, prefix_hash, serve, startup, throughput
+from jvllm.benchmarks import dense_bound, prefix_hash, serve, startup, throughput, workload
 
 _TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
 # Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
@@ -130,7 +130,7 @@ def _must_not_run(*_):
 
 @pytest.mark.parametrize("bench_main", [throughput.main, dense_bound.main])
 def test_benchmarks_without_torch_stop_before_jvllm_runs(bench_main, monkeypatch):
-    monkeypatch.setattr(throughput, "hf_available", lambda: False)
+    monkeypatch.setattr(workload, "hf_available", lambda: False)
     monkeypatch.setattr(throughput, "bench_jvllm", _must_not_run)
     monkeypatch.setattr(dense_bound, "load_model", _must_not_run)
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[test\]'.*--skip-hf"):

@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jvllm.benchmarks.throughput import (
+from jvllm.benchmarks.workload import (
     add_workload_args,
     bench_hf,
     median_time,

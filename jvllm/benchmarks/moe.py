@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jvllm.benchmarks.throughput import median_time
+from jvllm.benchmarks.workload import median_time
 from jvllm.layers.moe import dense_moe_mlp, moe_mlp, route
 
 

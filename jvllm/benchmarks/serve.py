@@ -27,7 +27,7 @@ import time
 import httpx
 import numpy as np
 
-from jvllm.benchmarks.throughput import random_prompts
+from jvllm.benchmarks.workload import random_prompts
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 
 
