@@ -24,9 +24,10 @@ from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
+from jvllm.engine.request_stream import RequestStream
 from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats
 from jvllm.logger import init_logger
-from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
@@ -38,53 +39,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The engine refused a request at admission: `max_waiting_requests` already wait."""
-
-
-class _Stream:
-    """One request's mailbox on its event loop. Outputs the consumer has not taken yet are merged
-    (per completion index, the latest cumulative one wins), so a slow consumer skips outputs,
-    never completions or tokens."""
-
-    def __init__(
-        self,
-        request_id: str,
-        loop: asyncio.AbstractEventLoop,
-        arrival: float,
-        sampling_params: SamplingParams,
-    ):
-        self.request_id = request_id
-        self.loop = loop
-        self.arrival_time = arrival
-        self.sampling_params = sampling_params  # for the metrics (n, max_tokens)
-        self.header: RequestOutput | None = None  # the latest output, for its request fields
-        self.pending: dict[int, CompletionOutput] = {}
-        self.finished = False
-        self.aborted = False
-        self.error: BaseException | None = None
-        self.ready = asyncio.Event()
-        # Metrics bookkeeping (event loop side): tokens seen per completion index.
-        self.num_tokens_seen: dict[int, int] = {}
-        self.last_token_time: float | None = None
-
-    def put(self, output: RequestOutput) -> None:
-        self.header = output
-        for completion in output.outputs:
-            self.pending[completion.index] = completion
-        self.finished = self.finished or output.finished
-        self.ready.set()
-
-    def take(self) -> tuple[RequestOutput | None, list[CompletionOutput]]:
-        changed = [self.pending[i] for i in sorted(self.pending)]
-        self.pending = {}
-        return self.header, changed
-
-    def abort(self) -> None:
-        self.aborted = True
-        self.ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.ready.set()
 
 
 class AsyncLLM:
@@ -126,7 +80,7 @@ class AsyncLLM:
             self._stat_logger.maybe_log(self._snapshot(), time.monotonic())
         self._commands: collections.deque = collections.deque()
         self._wakeup = threading.Event()
-        self._live: dict[str, _Stream] = {}  # engine thread only
+        self._live: dict[str, RequestStream] = {}  # engine thread only
         self._dead: BaseException | None = None
         self._shutdown = False
         self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
@@ -170,7 +124,9 @@ class AsyncLLM:
             sampling_params = dataclasses.replace(
                 sampling_params, output_kind=RequestOutputKind.CUMULATIVE
             )
-        stream = _Stream(request_id, asyncio.get_running_loop(), time.monotonic(), sampling_params)
+        stream = RequestStream(
+            request_id, asyncio.get_running_loop(), time.monotonic(), sampling_params
+        )
         shaper = OutputShaper(kind)
         added = concurrent.futures.Future()
         self._submit(("add", stream, prompt, sampling_params, added))
@@ -320,7 +276,7 @@ class AsyncLLM:
                 self._live.clear()
         return had_commands
 
-    def _record_aborted(self, stream: _Stream) -> None:
+    def _record_aborted(self, stream: RequestStream) -> None:
         for stat_logger in self.stat_loggers:
             stat_logger.record_aborted(stream)
 
@@ -377,7 +333,7 @@ class AsyncLLM:
             num_generation_tokens=sum(s.num_generation_tokens_total for s in schedulers),
         )
 
-    def _deliver_many(self, pairs: list[tuple[_Stream, RequestOutput]], now: float) -> None:
+    def _deliver_many(self, pairs: list[tuple[RequestStream, RequestOutput]], now: float) -> None:
         """One wake-up per event loop per step; the loop puts outputs and records metrics."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, output in pairs:
@@ -388,13 +344,13 @@ class AsyncLLM:
             except RuntimeError:  # that loop is closed: its consumers are gone
                 pass
 
-    def _on_loop(self, items: list[tuple[_Stream, RequestOutput]], now: float) -> None:
+    def _on_loop(self, items: list[tuple[RequestStream, RequestOutput]], now: float) -> None:
         for stat_logger in self.stat_loggers:
             stat_logger.record(items, now)
         for stream, output in items:
             stream.put(output)
 
-    def _fail(self, stream: _Stream, error: BaseException) -> None:
+    def _fail(self, stream: RequestStream, error: BaseException) -> None:
         try:
             stream.loop.call_soon_threadsafe(stream.fail, error)
         except RuntimeError:
