@@ -292,7 +292,10 @@ class LLMEngine:
             sampled = {r.request_id: t for r, t in zip(requests, tokens)}
         else:
             sampled = {r.request_id: int(t) for r, t in zip(requests, tokens)}
-        self._record_prompt_logprobs(scheduler_output, runner_output)
+        if runner_output.prompt_logprobs is not None:
+            self.output_processor.add_step_prompt_logprobs(
+                scheduler_output, runner_output.prompt_logprobs
+            )
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         self._record_logprobs(scheduler_output, runner_output, sampling, num_outputs)
         return sampled, finished
@@ -321,20 +324,6 @@ class LLMEngine:
             del self._requests[request.request_id]
         return outputs
 
-    def _record_prompt_logprobs(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> None:
-        if runner_output.prompt_logprobs is None:
-            return
-        row = 0
-        for request in scheduler_output.scheduled_requests:
-            n = scheduler_output.num_scheduled_tokens[request.request_id]
-            if request.sampling_params.prompt_logprobs is not None and not request.is_finished:
-                self.output_processor.add_prompt_logprobs(
-                    request, request.num_computed_tokens, runner_output.prompt_logprobs, row, n
-                )
-            row += n
-
     def _record_logprobs(
         self,
         scheduler_output: SchedulerOutput,
@@ -354,14 +343,13 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            if runner_output.logprobs is None or request.sampling_params.logprobs is None:
-                continue
-            top_ids, top_lps, token_lps, ranks = runner_output.logprobs
-            i, first = rows[request.request_id], num_outputs[request.request_id]
-            for j, token_id in enumerate(request.output_token_ids[first:]):
-                at = (j, i) if scheduler_output.num_steps > 1 else (i,)
-                self.output_processor.add_logprobs(
-                    request, token_id, top_ids[at], top_lps[at], token_lps[at], ranks[at]
+            if runner_output.logprobs is not None:
+                self.output_processor.add_step_logprobs(
+                    request,
+                    num_outputs[request.request_id],
+                    runner_output.logprobs,
+                    rows[request.request_id],
+                    is_window=scheduler_output.num_steps > 1,
                 )
 
     def _process_outputs(

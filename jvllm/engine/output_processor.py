@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 
 from jvllm.core.request import Request, RequestStatus
+from jvllm.core.scheduler import SchedulerOutput
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.logprobs import TokenDecoder, logprobs_entry
 from jvllm.engine.parallel_sampling import ParentRequest
@@ -89,6 +90,33 @@ class OutputProcessor:
             )
         )
         state.cumulative_logprob += float(token_logprob)
+
+    def add_step_logprobs(
+        self, request: Request, first: int, logprobs: tuple, row: int, is_window: bool
+    ) -> None:
+        """Record the logprobs of the request's output tokens from index `first` on: one step's
+        (top ids, top logprobs, sampled logprobs, ranks) at `row`, with a leading step axis
+        for a decode window."""
+        if request.sampling_params.logprobs is None:
+            return
+        top_ids, top_lps, token_lps, ranks = logprobs
+        for j, token_id in enumerate(request.output_token_ids[first:]):
+            at = (j, row) if is_window else (row,)
+            self.add_logprobs(request, token_id, top_ids[at], top_lps[at], token_lps[at], ranks[at])
+
+    def add_step_prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, prompt_logprobs: tuple
+    ) -> None:
+        """Record one step's prompt logprobs (rows: the step's scheduled tokens, in order) for
+        the requests that asked for them."""
+        row = 0
+        for request in scheduler_output.scheduled_requests:
+            n = scheduler_output.num_scheduled_tokens[request.request_id]
+            if request.sampling_params.prompt_logprobs is not None and not request.is_finished:
+                self.add_prompt_logprobs(
+                    request, request.num_computed_tokens, prompt_logprobs, row, n
+                )
+            row += n
 
     def add_prompt_logprobs(
         self,
