@@ -5,6 +5,7 @@ import dataclasses
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS
+from jvllm.quantization import QUANTIZATION_METHODS
 
 _DTYPES = ("auto", "float32", "bfloat16")
 
@@ -13,6 +14,10 @@ _DTYPES = ("auto", "float32", "bfloat16")
 class EngineArgs:
     model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
     dtype: str = "auto"
+    # Weights kept quantized (jvllm/quantization/): "gguf" (a GGUF's blocks stay packed; the
+    # default for a .gguf file with dtype "auto"), "int8" or "fp8" (per-channel scales, made at
+    # load); None: the model dtype.
+    quantization: str | None = None
     load_format: str = "auto"  # "dummy": random weights, only config.json read (benchmarks)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
@@ -66,6 +71,11 @@ class EngineArgs:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be None or one of {QUANTIZATION_METHODS}, "
+                f"got {self.quantization!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _positive("block_size", self.block_size)

@@ -25,6 +25,7 @@ from jvllm.logger import init_logger
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.outputs import RequestMetrics, RequestOutput
+from jvllm.quantization import describe_weights
 from jvllm.sampling_params import SamplingParams
 from jvllm.structured_output.manager import GrammarState, StructuredOutputManager
 from jvllm.worker.bias_rows import bad_words_token_ids
@@ -46,7 +47,7 @@ class LLMEngine:
             args.tensor_parallel_size, args.data_parallel_size, args.data_parallel_rank
         )
         self.model_config, params, self.tokenizer = load_model(
-            args.model, args.dtype, args.load_format, self.mesh
+            args.model, args.dtype, args.load_format, self.mesh, args.quantization
         )
         self.load_seconds = time.perf_counter() - start
         config = self.model_config
@@ -66,7 +67,7 @@ class LLMEngine:
         logger.info(
             "loaded %s (%s) in %.1fs%s; KV cache: %s",
             args.model or "the default model",
-            config.dtype,
+            describe_weights(params, config.dtype),
             self.load_seconds,
             describe_placement(self.mesh, params),
             kv_size.describe(args.block_size, per_device=self.mesh.size > 1),

@@ -9,12 +9,15 @@ from jvllm.distributed.mesh import TP_AXIS
 from jvllm.layers.linear import dense
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import param
+from jvllm.quantization.packed_weight import GGUFWeight
 
 
-def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+def _take_rows(table: jax.Array | GGUFWeight, ids: jax.Array) -> jax.Array:
     """table [R, D] rows at ids i32[T] -> float32 [T, D]. XLA:CPU cannot gather bfloat16
     natively (it converts the whole table to float32 and back each call), so a bfloat16 table is
-    gathered as uint16."""
+    gathered as uint16. A GGUF table dequantizes only the rows it gives."""
+    if isinstance(table, GGUFWeight):
+        return table.dequantize(ids).astype(table.dtype).astype(jnp.float32)
     if table.dtype != jnp.bfloat16:
         return table[ids].astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[ids]

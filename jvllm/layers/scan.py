@@ -43,7 +43,7 @@ def scan_layers(
         weights = jax.tree.map(
             lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), weights
         )
-        if _is_one_cpu_row(carry) and _has_bfloat16(weights):
+        if _is_one_cpu_row(carry) and _has_narrow_weights(weights):
             # One row on CPU: copy the slice as it is, so the float32 conversion stays fused
             # into the multiply-reduce that reads it (see dense); XLA:CPU would otherwise write
             # the slice out converted to float32 in a slow fusion (batch-1 decode: 36 against
@@ -61,5 +61,6 @@ def _is_one_cpu_row(carry: Any) -> bool:
     return x.shape[0] == 1 and jax.default_backend() == "cpu"
 
 
-def _has_bfloat16(weights: nnx.State) -> bool:
-    return any(w.dtype == jnp.bfloat16 for w in jax.tree.leaves(weights))
+def _has_narrow_weights(weights: nnx.State) -> bool:
+    """Whether some weight is stored narrower than float32 (bfloat16, or quantized)."""
+    return any(w.dtype.itemsize < 4 for w in jax.tree.leaves(weights))

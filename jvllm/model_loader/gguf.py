@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF file (Llama architecture) by dequantizing it to float32.
+"""Load a llama.cpp GGUF file (Llama architecture): packed, or dequantized to float32.
 
 The GGUF is first turned into what an HF checkpoint would hold (a config dict and HF-named
 torch-layout tensors, each dequantized when read), so the fusion into our layout is shared with
@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.tensor_parallel import placer
@@ -19,6 +20,7 @@ from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jvllm.model_loader.hf import resolve_dtype
 from jvllm.models.model import load_checkpoint_weights
+from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
 # GGUF per-layer tensor names -> HF names (after "blk.{i}." / "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -52,6 +54,21 @@ class HFTensor:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.source.shape
+
+    @property
+    def qtype(self) -> GGMLQuantizationType:
+        return self.source.qtype
+
+    def blocks(self) -> np.ndarray:
+        """The encoded blocks [O, nb] (a structured array of the block format's fields), rows
+        in HF's order: a block never spans two rows, so reordering rows moves whole blocks."""
+        src = self.source
+        blocks = src.data.view(BLOCK_FORMATS[src.qtype].fields).reshape(src.shape[0], -1)
+        if self.num_rope_heads is None:
+            return blocks
+        out_dim = self.shape[0]
+        gguf_order = blocks.reshape(self.num_rope_heads, out_dim // self.num_rope_heads // 2, 2, -1)
+        return gguf_order.swapaxes(1, 2).reshape(out_dim, -1)  # a copy, in HF's order
 
     def read(self, out: np.ndarray | None = None) -> np.ndarray:
         """-> f32[shape] in HF's layout, written into `out` when given."""
@@ -114,12 +131,51 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
     return hf_config, tensors
 
 
-def load_gguf(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig, dict]:
-    """Dequantize a Llama GGUF to float32 and fuse it; "auto" means float32 here. Placed on
-    `mesh` (None: JAX's default device)."""
+# What quantization="gguf" loads: block formats kept packed, and float tensors (norms).
+_KEPT_QTYPES = (
+    *PACKED_QTYPES,
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+)
+
+
+def _check_packable(tensors: dict[str, HFTensor], path: str) -> None:
+    """Every tensor is of a block format kept packed, or a float one."""
+    unsupported = {
+        t.source.name: t.qtype.name for t in tensors.values() if t.qtype not in _KEPT_QTYPES
+    }
+    if unsupported:
+        name, qtype = next(iter(unsupported.items()))
+        raise ValueError(
+            f"{path}: tensor {name!r} is {qtype} ({len(unsupported)} tensors of types "
+            f"{sorted(set(unsupported.values()))}), which quantization='gguf' does not keep "
+            f"packed; supported: {[q.name for q in _KEPT_QTYPES]}. Pass dtype='float32' or "
+            "'bfloat16' to dequantize the file at load instead."
+        )
+
+
+def load_gguf(
+    path: str, dtype: str = "auto", mesh=None, keep_packed: bool = False
+) -> tuple[ModelConfig, dict]:
+    """Load a Llama GGUF, fused into our layout; dtype "auto" means float32 here. Placed on
+    `mesh` (None: JAX's default device).
+
+    keep_packed: tensors of a block format that stays packed (quantization/gguf_blocks.py)
+    become GGUFWeights of their blocks, dequantized inside the step; otherwise (and for other
+    formats) every tensor is dequantized to float32 here and cast to the model dtype."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+    if keep_packed and mesh is not None and mesh.size > 1:
+        raise ValueError(
+            "quantization='gguf' keeps weights packed on one device; tensor parallelism over "
+            f"{mesh.size} devices needs them dequantized: pass dtype='float32' or 'bfloat16' "
+            "and no quantization"
+        )
+    if keep_packed:
+        _check_packable(tensors, path)
+        return config, load_checkpoint_weights(config, tensors.__getitem__, keep_packed=True)
     get = lambda name: tensors[name].read()
     return config, load_checkpoint_weights(config, get, placer(config, mesh))

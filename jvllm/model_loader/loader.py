@@ -8,11 +8,17 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
-from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
+from jvllm.model_loader.default_model import (
+    DEFAULT_MODEL,
+    default_model_dir,
+    resolve_default_model,
+)
 from jvllm.model_loader.dummy import dummy_params
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
 from jvllm.model_loader.hf import load_hf_dir, read_hf_config, resolve_dtype
+from jvllm.quantization import QUANTIZATION_METHODS
+from jvllm.quantization.online import quantize_layer_weights
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # "auto": the checkpoint's weights; "dummy": random weights of its shapes (only config.json read).
@@ -37,7 +43,11 @@ def _load_dir_tokenizer(path: str, is_default_model: bool = False) -> Any | None
 
 
 def load_model(
-    model: str | None, dtype: str = "auto", load_format: str = "auto", mesh: Mesh | None = None
+    model: str | None,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    mesh: Mesh | None = None,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
@@ -51,12 +61,52 @@ def load_model(
 
     mesh: where the params go, each device given only its slice under tensor parallelism
     (distributed/tensor_parallel.py); None: whole on JAX's default device.
+
+    quantization (vLLM's names, see `resolve_quantization`): "gguf" keeps a GGUF's blocks
+    packed; "int8" / "fp8" quantize the layers' matmul weights at load.
     """
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
+    quantization = resolve_quantization(model, dtype, quantization)
+    config, params, tokenizer = _load(model, dtype, load_format, mesh, quantization)
+    if quantization in ("int8", "fp8"):
+        if mesh is not None and mesh.size > 1:
+            raise ValueError(
+                f"quantization={quantization!r} runs on one device; tensor parallelism over "
+                f"{mesh.size} devices is not supported with it yet"
+            )
+        params = quantize_layer_weights(params, quantization, config.dtype)
+    return config, params, tokenizer
+
+
+def resolve_quantization(model: str | None, dtype: str, quantization: str | None) -> str | None:
+    """The quantization a load uses: the one asked for, checked against the model; or, when
+    None, "gguf" for a .gguf file loaded with dtype "auto" (a float dtype dequantizes it at
+    load) and none for anything else, the default model included (its float32 copy)."""
+    if quantization is None:
+        is_gguf = isinstance(model, str) and model.endswith(".gguf")
+        return "gguf" if is_gguf and dtype == "auto" else None
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization={quantization!r} is not supported; allowed: {QUANTIZATION_METHODS} "
+            "(or None: GGUF files stay packed, other checkpoints load in the model dtype)"
+        )
     is_default_model = model is None or model == DEFAULT_MODEL
-    if is_default_model:
+    if quantization == "gguf" and not (is_default_model or model.endswith(".gguf")):
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf file (or the default model), got model={model!r}"
+        )
+    return quantization
+
+
+def _load(
+    model: str | None, dtype: str, load_format: str, mesh: Mesh | None, quantization: str | None
+) -> tuple[ModelConfig, dict, Any | None]:
+    is_default_model = model is None or model == DEFAULT_MODEL
+    if is_default_model and quantization == "gguf":
+        model = resolve_default_model()
+    elif is_default_model:
         model = default_model_dir()
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         if load_format == "dummy":
@@ -74,7 +124,7 @@ def load_model(
                 "load_format='dummy' needs an HF model directory (its config.json), "
                 f"not a .gguf file: {model}"
             )
-        config, params = load_gguf(model, dtype, mesh)
+        config, params = load_gguf(model, dtype, mesh, keep_packed=quantization == "gguf")
         return config, params, tokenizer_from_gguf(model)
     raise ValueError(
         f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "

@@ -13,6 +13,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
+from jvllm.quantization.packed_weight import GGUFWeight
+
 _XLA_CPU_ALIGNMENT = 64  # what a host buffer needs for XLA:CPU to use it in place
 
 
@@ -35,6 +38,10 @@ class CheckpointWeights:
     one param of the model at full precision plus one layer's float32 piece. `place(path, x)`
     puts a finished param on its device(s): by default whole on JAX's default device; under
     tensor parallelism each device gets only its slice (distributed/tensor_parallel.py).
+
+    With `keep_packed`, `get` gives lazy GGUF tensors (model_loader/gguf.py's HFTensor); a param
+    whose tensors all share one block format that stays packed (quantization/gguf_blocks.py)
+    becomes a GGUFWeight of their blocks, any other is read as floats.
     """
 
     def __init__(
@@ -44,9 +51,11 @@ class CheckpointWeights:
         num_layers: int,
         layer_prefix: str = "model.layers.{}.",
         place: Callable[[str, np.ndarray], jax.Array] | None = None,
+        keep_packed: bool = False,
     ):
         self._place = place or (lambda path, x: jax.device_put(x, may_alias=True))
-        self._get = get
+        self._get = get if not keep_packed else lambda name: _read(get(name))
+        self._get_lazy = get if keep_packed else None
         self._shapes = shapes
         self._num_layers = num_layers
         self._layer_prefix = layer_prefix
@@ -72,13 +81,13 @@ class CheckpointWeights:
         """The param at `path` ("embed.embedding") is the tensor `name`, as `transform` makes
         it (e.g. a transpose)."""
         spec = self._spec(path)
+        if self._set_packed(path, spec, [[name]], transform, stack=False):
+            return
         x = self._get(name)
         x = x if transform is None else transform(x)
         if tuple(x.shape) != tuple(spec.shape):
             raise ValueError(self._mismatch([name], [x.shape], spec.shape, transform))
-        out = aligned_empty(spec.shape, spec.dtype)
-        out[...] = x
-        self._set(path, self._place(path, out))
+        self._set(path, self._place(path, aligned_copy(x, spec.dtype)))
 
     def stacked(
         self,
@@ -90,9 +99,13 @@ class CheckpointWeights:
         (after the layer prefix) concatenated along their first axis, each as `transform`
         makes it."""
         spec = self._spec(path)
+        layer_names = [
+            [self._layer_prefix.format(i) + n for n in names] for i in range(self._num_layers)
+        ]
+        if self._set_packed(path, spec, layer_names, transform, stack=True):
+            return
         out = aligned_empty(spec.shape, spec.dtype)
-        for i in range(self._num_layers):
-            full_names = [self._layer_prefix.format(i) + n for n in names]
+        for i, full_names in enumerate(layer_names):
             pieces = [self._get(n) for n in full_names]
             pieces = pieces if transform is None else [transform(p) for p in pieces]
             rows = sum(p.shape[0] for p in pieces)
@@ -121,6 +134,29 @@ class CheckpointWeights:
                     )
                 out[i, j] = np.concatenate(pieces, axis=0).T
         self._set(path, self._place(path, out))
+
+    def _set_packed(self, path, spec, layer_names, transform, stack: bool) -> bool:
+        """Set the param at `path` as a GGUFWeight of the tensors `layer_names` ([L][pieces],
+        one row of pieces when not `stack`) if they can stay packed; whether it did."""
+        if self._get_lazy is None or transform is not None:
+            return False
+        sources = [[self._get_lazy(n) for n in names] for names in layer_names]
+        qtypes = {s.qtype for names in sources for s in names}
+        if len(qtypes) != 1 or (qtype := qtypes.pop()) not in PACKED_QTYPES:
+            return False
+        shapes = [[s.shape for s in names] for names in sources]
+        rows = [sum(shape[0] for shape in layer) for layer in shapes]
+        expected = spec.shape[1:] if stack else spec.shape
+        if any(
+            r != expected[0] or {s[1:] for s in layer} != {expected[1:]}
+            for r, layer in zip(rows, shapes)
+        ):
+            return False  # _mismatch's message comes from the float path
+        blocks = np.stack([np.concatenate([s.blocks() for s in names]) for names in sources])
+        fields = split_fields(blocks if stack else blocks[0], qtype)  # [(L,) O, nb, ...] each
+        placed = {k: self._place(path, aligned_copy(v)) for k, v in fields.items()}
+        self._set(path, GGUFWeight(placed, int(qtype), str(spec.dtype)))
+        return True
 
     def params(self) -> dict:
         """The filled params dict; every declared param must have been given."""
@@ -156,6 +192,18 @@ class CheckpointWeights:
             f"{tuple(expected)}{' (concatenated along axis 0)' if len(names) > 1 else ''}; "
             "is config.json the one these weights were saved with?"
         )
+
+
+def aligned_copy(x: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """x copied into an aligned_empty array (of `dtype`, else x's)."""
+    out = aligned_empty(x.shape, x.dtype if dtype is None else dtype)
+    out[...] = x
+    return out
+
+
+def _read(x):
+    """A lazy tensor's float values; an array as it is."""
+    return x.read() if hasattr(x, "read") else x
 
 
 def _lookup(tree: dict, keys: list[str]) -> Any:

@@ -15,6 +15,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.registry import model_class
+from jvllm.quantization import is_quantized
 
 
 @functools.cache
@@ -56,7 +57,9 @@ def _module(params: dict, config: ModelConfig) -> nnx.Module:
     """The model's module holding `params` (arrays or tracers)."""
     graphdef, state = _abstract(config)
     treedef = jax.tree.structure(state)
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(params)))
+    # A quantized weight is one param, however many arrays it holds.
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 def forward(
@@ -78,9 +81,11 @@ def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> j
     return _module(params, config).compute_logits(hidden)
 
 
-def load_checkpoint_weights(config: ModelConfig, get, place=None) -> dict:
+def load_checkpoint_weights(config: ModelConfig, get, place=None, keep_packed=False) -> dict:
     """The params of `config`'s family from HF-named torch-layout tensors `get(name)`, each put
-    on its device(s) by `place(path, array)` (see CheckpointWeights)."""
-    weights = CheckpointWeights(get, param_shapes(config), config.num_layers, place=place)
+    on its device(s) by `place(path, array)` (see CheckpointWeights, also for keep_packed)."""
+    weights = CheckpointWeights(
+        get, param_shapes(config), config.num_layers, place=place, keep_packed=keep_packed
+    )
     model_class(config.architecture).load_weights(config, weights)
     return weights.params()

@@ -1,0 +1,33 @@
+"""Quantized weights: GGUF blocks kept packed on the device (gguf_blocks.py, packed_weight.py)
+and int8 / fp8 weights with per-channel scales (channel_weight.py), chosen at load
+(model_loader/loader.py) and dequantized inside the jitted step."""
+
+import jax
+from gguf.constants import GGMLQuantizationType as Q
+
+from jvllm.quantization.channel_weight import ChannelWeight
+from jvllm.quantization.packed_weight import GGUFWeight
+
+# vLLM's `quantization=` names that jvllm accepts.
+QUANTIZATION_METHODS = ("gguf", "int8", "fp8")
+QuantizedWeight = GGUFWeight | ChannelWeight
+
+
+def is_quantized(x) -> bool:
+    """Whether a params leaf is a quantized weight (one param, however many arrays)."""
+    return isinstance(x, GGUFWeight | ChannelWeight)
+
+
+def describe_weights(params, dtype: str) -> str:
+    """For the start-up log: the model dtype, the quantized formats held, and the bytes of
+    weights resident, e.g. "float32; GGUF Q4_1+Q8_0 packed; 92.1 MiB of weights"."""
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    num_bytes = sum(x.nbytes for x in leaves)
+    gguf = sorted({Q(x.qtype).name for x in leaves if isinstance(x, GGUFWeight)})
+    channel = sorted({x.values.dtype.name for x in leaves if isinstance(x, ChannelWeight)})
+    formats = []
+    if gguf:
+        formats.append(f"GGUF {'+'.join(gguf)} packed")
+    if channel:
+        formats.append(f"{'+'.join(channel)} per-channel")
+    return "; ".join([dtype, *formats, f"{num_bytes / 2**20:.1f} MiB of weights"])

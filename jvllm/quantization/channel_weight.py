@@ -1,0 +1,89 @@
+"""int8 and fp8 weights with one scale per output channel, quantized at load (vLLM's online
+`quantization="fp8"`, and its int8 counterpart).
+
+A [..., O, I] weight becomes values [..., O, I] (int8, or float8 e4m3) and scale f32[..., O]
+with w ~= values * scale: symmetric, the largest |w| of a row mapped to the format's largest
+value. Because the scale is per output row, it factors out of the matmul: the step multiplies
+by the 1-byte values (converted in the model dtype, exact for both formats) and scales the
+float32 result, so a decode step reads one byte per weight. On a GPU, fp8 weights meet
+activations quantized to fp8 per row in an fp8 matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+_FORMATS = {  # method -> (values dtype, its largest finite magnitude)
+    "int8": (jnp.int8, 127.0),
+    "fp8": (jnp.float8_e4m3fn, 448.0),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChannelWeight:
+    """values: [..., O, I] int8 or float8_e4m3fn; scale: f32[..., O]; dtype: the model dtype
+    the values are used in."""
+
+    values: jax.Array
+    scale: jax.Array
+    dtype: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+    def __getitem__(self, key):
+        """`param[...]` (how the layers read a weight) gives the weight itself."""
+        if key is not Ellipsis:
+            raise TypeError("a quantized weight is read whole (weight[...]); use dense()")
+        return self
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """x [..., I] @ weight [O, I].T -> f32[..., O]. One row multiplies and reduces, so that
+        XLA fuses the conversion into the product (layers/linear.py)."""
+        if self.values.dtype == jnp.float8_e4m3fn and jax.default_backend() == "gpu":
+            return fp8_matmul(x, self)
+        w = self.values.astype(self.dtype)  # exact: 1-byte values fit every model dtype
+        if math.prod(x.shape[:-1]) == 1:
+            xs = x.astype(self.dtype).astype(jnp.float32).reshape(-1)  # one flat row
+            y = (w.astype(jnp.float32) * xs).sum(-1).reshape(*x.shape[:-1], -1)
+        else:
+            contract = (((x.ndim - 1,), (1,)), ((), ()))
+            y = jax.lax.dot_general(
+                x.astype(self.dtype), w, contract, preferred_element_type=jnp.float32
+            )
+        return y * self.scale
+
+
+def fp8_matmul(x: jax.Array, w: ChannelWeight) -> jax.Array:
+    """x [..., I] @ fp8 weight [O, I].T -> f32[..., O] in fp8: each row of x is scaled to
+    e4m3's range and rounded to it, the product accumulates in float32, and both scales are
+    applied to the result (dynamic per-token activation scales, as vLLM's fp8 linear)."""
+    max_value = _FORMATS["fp8"][1]
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.abs(x32).max(-1, keepdims=True), 1e-12) / max_value  # [..., 1]
+    xq = (x32 / x_scale).astype(jnp.float8_e4m3fn)
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.float32)
+    return y * x_scale * w.scale
+
+
+def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
+    """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8")."""
+    values_dtype, max_value = _FORMATS[method]
+    w32 = w.astype(jnp.float32)
+    row_max = jnp.abs(w32).max(-1)  # [..., O]
+    scale = jnp.where(row_max > 0, row_max / max_value, 1.0)
+    scaled = w32 / scale[..., None]
+    if method == "int8":
+        scaled = jnp.clip(jnp.round(scaled), -max_value, max_value)
+    return ChannelWeight(scaled.astype(values_dtype), scale, dtype)

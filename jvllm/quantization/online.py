@@ -1,0 +1,20 @@
+"""Online quantization: a float model's layer weights to int8 or fp8 at load."""
+
+from __future__ import annotations
+
+import jax
+
+from jvllm.quantization.channel_weight import quantize_channels
+
+
+def quantize_layer_weights(params: dict, method: str, dtype: str) -> dict:
+    """params with every stacked matmul weight (`layers...weight` [L, O, I]) replaced by its
+    ChannelWeight; embeddings, the LM head, norms, biases and experts stay as they are."""
+
+    def convert(path, x):
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[0] == "layers" and keys[-1] == "weight" and x.ndim == 3:
+            return quantize_channels(x, method, dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(convert, params)
