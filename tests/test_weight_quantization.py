@@ -9,6 +9,7 @@ import pytest
 
 from jvllm import LLM
 from jvllm.benchmarks import quality
+from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.loader import load_model
 from jvllm.quantization import ChannelWeight, is_quantized
 from jvllm.quantization.channel_weight import fp8_matmul, quantize_channels
@@ -85,3 +86,10 @@ def test_quantized_default_model_stays_close_to_bfloat16(method, bfloat16_qualit
     agreement = quality.greedy_agreement(quality.greedy_token_ids(llm), reference_tokens)
     assert ratio < _MAX_PERPLEXITY_RATIO[method]
     assert agreement.num_all_equal >= _MIN_ALL_EQUAL[method], agreement
+
+
+def test_serve_takes_the_quantization_flag():
+    args = build_parser().parse_args(["serve", "--quantization", "int8"])
+    assert engine_kwargs(args)["quantization"] == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "awq"])

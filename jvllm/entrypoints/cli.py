@@ -11,6 +11,7 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
+from jvllm.quantization import QUANTIZATION_METHODS
 
 # EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
 _ENGINE_FLAGS = {
@@ -19,6 +20,10 @@ _ENGINE_FLAGS = {
         "help": "weights' and activations' dtype",
     },
     "load_format": {"choices": list(LOAD_FORMATS), "help": "dummy: random weights (benchmarks)"},
+    "quantization": {
+        "choices": list(QUANTIZATION_METHODS),
+        "help": "weights kept quantized (None: gguf for a .gguf file, else the model dtype)",
+    },
     "max_model_len": {"type": int, "help": "longest prompt + output (None: the model's)"},
     "max_num_seqs": {"type": int, "help": "most requests in one step"},
     "max_num_batched_tokens": {"type": int, "help": "most tokens in one step"},
