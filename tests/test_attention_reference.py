@@ -5,6 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jvllm.attention.kv_quant import (
+    QuantizedKVCache,
+    bits_dtype,
+    dequantize,
+    kv_values,
+    quantize,
+    quantized_dtype,
+    to_storage,
+)
 from jvllm.attention.metadata import AttentionMetadata, build_tiles, paged_kv_lens
 from jvllm.attention.reference import paged_attention, write_kv
 from jvllm.worker.buckets import Bucket
@@ -54,7 +63,22 @@ def test_bfloat16_cache_matches_dense_within_bfloat16_error(case):
     _check_against_dense(case, 6, 2, jnp.bfloat16)
 
 
-def _check_against_dense(case, num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize(
+    ("case", "kv_cache_dtype", "dtype"),
+    [
+        ("decode", "fp8", jnp.float32),
+        ("long_prefills", "fp8", jnp.bfloat16),
+        ("decode", "int8", jnp.bfloat16),
+        ("mixed", "int8", jnp.float32),
+    ],
+)
+def test_quantized_cache_matches_dense_over_what_the_cache_holds(case, kv_cache_dtype, dtype):
+    """A quantized cache (as stored on CPU: float8 and bfloat16 as bits) gives dense attention
+    over its dequantized pages, and, in steps with prefills, over the step's own k, v as given."""
+    _check_against_dense(case, 6, 2, dtype, kv_cache_dtype)
+
+
+def _check_against_dense(case, num_heads, num_kv_heads, dtype, kv_cache_dtype="auto"):
     tile_q, seqs = CASES[case]
     rng = np.random.default_rng(len(case) * 100 + num_heads)
     block_size, head_dim, num_pages, num_layers, layer = 4, 8, 256, 2, 1
@@ -69,7 +93,12 @@ def _check_against_dense(case, num_heads, num_kv_heads, dtype):
     kv_cache = jnp.asarray(
         rng.standard_normal((num_layers, 2, num_kv_heads, num_pages, block_size, head_dim)), dtype
     )
-    if dtype == jnp.bfloat16:  # stored as its bits, as the engine does (kv_cache_dtype)
+    if kv_cache_dtype != "auto":
+        values, scales = quantize(kv_cache, quantized_dtype(kv_cache_dtype))
+        kv_cache = QuantizedKVCache(
+            to_storage(values, bits_dtype(values.dtype)), to_storage(scales, jnp.uint16)
+        )
+    elif dtype == jnp.bfloat16:  # stored as its bits, as the engine does (kv_cache_spec)
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
     q_lens = np.array([q for _, q in seqs])
     seq_lens = np.array([kv for kv, _ in seqs], np.int32)
@@ -109,20 +138,29 @@ def _check_against_dense(case, num_heads, num_kv_heads, dtype):
     out = jax.jit(paged_attention, static_argnums=6)(q_in, k_in, v_in, cache, layer_idx, md, scale)
     out = np.asarray(out.astype(jnp.float32))
 
-    cache_np = np.asarray(cache)
-    if cache.dtype == jnp.uint16:
+    if kv_cache_dtype != "auto":
+        cache_np = np.asarray(dequantize(cache.values, cache.scales))
+    elif cache.dtype == jnp.uint16:
         cache_np = np.asarray(jax.lax.bitcast_convert_type(cache, jnp.bfloat16).astype(jnp.float32))
+    else:
+        cache_np = np.asarray(cache)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for s, (kv_len, ql) in enumerate(seqs):
         pages = tables[s, : -(-kv_len // block_size)]
         k = cache_np[layer, 0][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
         v = cache_np[layer, 1][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
+        if not md.is_decode:  # a step with prefills reads its own tokens from k, v
+            k[kv_len - ql : kv_len], v[kv_len - ql : kv_len] = (
+                x[qsl[s] : qsl[s + 1]] for x in (new_k, new_v)
+            )
         want = _dense_attention(
             q[qsl[s] : qsl[s + 1]], k[:kv_len], v[:kv_len], np.arange(kv_len - ql, kv_len), scale
         )
         np.testing.assert_allclose(out[qsl[s] : qsl[s + 1]], want, rtol=tol, atol=tol)
     # the other layer is untouched by the write
-    np.testing.assert_array_equal(np.asarray(cache)[0], np.asarray(kv_cache)[0])
+    np.testing.assert_array_equal(
+        np.asarray(kv_values(cache))[0], np.asarray(kv_values(kv_cache))[0]
+    )
 
 
 @pytest.mark.parametrize(

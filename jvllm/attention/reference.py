@@ -7,9 +7,20 @@ as far as the longest context. In steps with prefills the step's recent tokens a
 directly from k, v (window.py), which XLA:CPU runs as dense matmuls: page gathers are what cost.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from jvllm.attention.kv_quant import (
+    KVCache,
+    QuantizedKVCache,
+    from_storage,
+    kv_values,
+    quantize,
+    stored_dtype,
+    to_storage,
+)
 from jvllm.attention.matmul import batched_matmul
 from jvllm.attention.metadata import AttentionMetadata, Tiles
 from jvllm.attention.window import MASKED, attend_window, soft_cap, token_seq_and_position
@@ -33,62 +44,67 @@ def pages_per_chunk(block_size: int, tile_q: int = 1) -> int:
     return max(1, positions // block_size)
 
 
-def _to_storage(x: jax.Array, storage_dtype) -> jax.Array:
-    """Values as the cache stores them; a uint16 cache holds bfloat16 bits (see kv_cache_dtype)."""
-    if storage_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(storage_dtype)
-
-
-def _from_storage(x: jax.Array, dtype) -> jax.Array:
-    if x.dtype == jnp.uint16:
-        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x.astype(dtype)
-
-
-def _page_rows(kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
-    """Row ids [*pages.shape, K] of `pages` (K or V by `kv`) in the [L*2*K*P, B*H] view.
+def _page_rows(cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
+    """Row ids [*pages.shape, K] of `pages` (K or V by `kv`) in the [L*2*K*P, B*...] view of a
+    cache [L, 2, K, P, B, ...] (the values [..., H], or a quantized cache's scales).
 
     Taking whole rows of that view moves a contiguous page per head: several times faster on
     CPU than advanced indexing of the 6-D array.
     """
-    _, _, num_kv_heads, num_pages, _, _ = kv_cache.shape
+    _, _, num_kv_heads, num_pages = cache.shape[:4]
     heads = jnp.arange(num_kv_heads)
     return ((layer * 2 + kv) * num_kv_heads + heads) * num_pages + pages[..., None]
 
 
+def _scatter(
+    cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array, offsets: jax.Array, new
+) -> jax.Array:
+    """cache [L, 2, K, P, B, ...] with K (kv=0) or V (kv=1) of `layer` at the slots of pages,
+    offsets i32[T] set to new [T, K, ...]."""
+    block_size = cache.shape[4]
+    rows = _page_rows(cache, layer, kv, pages) * block_size + offsets[:, None]  # [T, K]
+    flat = cache.reshape(-1, *cache.shape[5:])  # [L*2*K*P*B, ...]
+    return flat.at[rows].set(to_storage(new, cache.dtype)).reshape(cache.shape)
+
+
 def write_kv(
-    kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> jax.Array:
-    """Scatter this step's k, v [T, K, H] into kv_cache[L, 2, K, P, B, H] at their slots."""
-    shape, block_size, head_dim = kv_cache.shape, kv_cache.shape[4], kv_cache.shape[5]
+    kv_cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> KVCache:
+    """Scatter this step's k, v [T, K, H] into kv_cache[L, 2, K, P, B, H] at their slots; a
+    quantized cache takes them at one byte a value with a scale per (token, KV head)."""
+    block_size = kv_values(kv_cache).shape[4]
     pages, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
-    flat = kv_cache.reshape(-1, head_dim)  # [L*2*K*P*B, H]
     for kv, new in ((0, k), (1, v)):
-        rows = _page_rows(kv_cache, layer, kv, pages) * block_size + offsets[:, None]  # [T, K]
-        flat = flat.at[rows].set(_to_storage(new, kv_cache.dtype))
-    return flat.reshape(shape)
+        if isinstance(kv_cache, QuantizedKVCache):
+            values, scales = quantize(new, stored_dtype(kv_cache.values.dtype))  # [T, K, H], [T, K]
+            kv_cache = QuantizedKVCache(
+                _scatter(kv_cache.values, layer, kv, pages, offsets, values),
+                _scatter(kv_cache.scales, layer, kv, pages, offsets, scales),
+            )
+        else:
+            kv_cache = _scatter(kv_cache, layer, kv, pages, offsets, new)
+    return kv_cache
 
 
-def _gather_pages(
-    kv_cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array, dtype
-) -> jax.Array:
-    """K (kv=0) or V (kv=1) of `pages` i32[NT, C] at `layer` -> dtype[NT, K, C*B, H]."""
-    _, _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+def _gather_pages(cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array, dtype):
+    """K (kv=0) or V (kv=1) of `pages` i32[NT, C] at `layer` of a cache [L, 2, K, P, B, ...]
+    -> dtype[NT, K, C*B, ...]."""
+    num_kv_heads, block_size = cache.shape[2], cache.shape[4]
     num_tiles, chunk = pages.shape
-    flat = kv_cache.reshape(-1, block_size * head_dim)  # [L*2*K*P, B*H]
-    rows = _page_rows(kv_cache, layer, kv, pages).transpose(0, 2, 1)  # [NT, K, C]
-    out = _from_storage(jnp.take(flat, rows, axis=0), dtype)  # [NT, K, C, B*H]
-    return out.reshape(num_tiles, num_kv_heads, chunk * block_size, head_dim)
+    flat = cache.reshape(-1, math.prod(cache.shape[4:]))  # [L*2*K*P, B*...]
+    rows = _page_rows(cache, layer, kv, pages).transpose(0, 2, 1)  # [NT, K, C]
+    out = from_storage(jnp.take(flat, rows, axis=0), dtype)  # [NT, K, C, B*...]
+    return out.reshape(num_tiles, num_kv_heads, chunk * block_size, *cache.shape[5:])
 
 
 def _attend_tiles(
     qt: jax.Array,
     tables: jax.Array,
     kv_lens: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: KVCache,
     layer: jax.Array,
     chunk: int,
+    model_dtype: jnp.dtype,
     kv_from: jax.Array | None = None,
     logit_softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -97,20 +113,29 @@ def _attend_tiles(
     the longest needs -> unnormalised (max, sum [TB, K, G, Q], weighted values [TB, K, G, Q, H]).
     With a sliding window, kv_from i32[TB, Q] is each query's first visible position."""
     num_tiles, tile_q, num_kv_heads, group, head_dim = qt.shape
-    block_size = kv_cache.shape[4]
-    # Multi-query tiles of a bfloat16 cache multiply in bfloat16 with float32 accumulation, as
+    is_quantized = isinstance(kv_cache, QuantizedKVCache)
+    values = kv_values(kv_cache)  # [L, 2, K, P, B, H]
+    block_size = values.shape[4]
+    # Multi-query tiles of a bfloat16 model multiply in bfloat16 with float32 accumulation, as
     # the window does (steps with long prompts 7% faster); one-query tiles stay float32, where
-    # XLA:CPU's bfloat16 matmuls of 3 rows ran the decode step 119 -> 157 ms.
-    dtype = jnp.bfloat16 if kv_cache.dtype == jnp.uint16 and tile_q > 1 else jnp.float32
+    # XLA:CPU's bfloat16 matmuls of 3 rows ran the decode step 119 -> 157 ms. A quantized
+    # cache's 1-byte values are exact in either; their scales multiply the float32 scores and
+    # probabilities, not the values.
+    dtype = model_dtype if tile_q > 1 else jnp.float32
     shape = (num_tiles, num_kv_heads, group, tile_q)
     qt = qt.astype(dtype)
     num_steps, chunk_at = _page_walk(tables, kv_lens, kv_from, chunk, block_size)
 
+    def scales(kv: int, pages: jax.Array) -> jax.Array:  # [TB, K, 1, 1, C*B]
+        return _gather_pages(kv_cache.scales, layer, kv, pages, jnp.float32)[:, :, None, None]
+
     def body(j, carry):
         m, l, acc = carry  # [TB, K, G, Q], [TB, K, G, Q], [TB, K, G, Q, H]
         pages, kv_pos = chunk_at(j)  # [TB, C], [TB or 1, 1, C*B]
-        k = _gather_pages(kv_cache, layer, 0, pages, dtype)  # [TB, K, C*B, H]
+        k = _gather_pages(values, layer, 0, pages, dtype)  # [TB, K, C*B, H]
         s = _tile_scores(qt, k)  # [TB, K, G, Q, C*B]
+        if is_quantized:
+            s = s * scales(0, pages)
         if logit_softcap is not None:
             s = soft_cap(s, logit_softcap)
         visible = kv_pos < kv_lens[:, :, None]  # [TB, Q, C*B]
@@ -121,8 +146,9 @@ def _attend_tiles(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        v = _gather_pages(kv_cache, layer, 1, pages, dtype)  # [TB, K, C*B, H]
-        acc = acc * correction[..., None] + _tile_values(p.astype(dtype), v)
+        v = _gather_pages(values, layer, 1, pages, dtype)  # [TB, K, C*B, H]
+        pv = p * scales(1, pages) if is_quantized else p
+        acc = acc * correction[..., None] + _tile_values(pv.astype(dtype), v)
         return m_new, l, acc
 
     init = (jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
@@ -200,27 +226,30 @@ def _to_rows(x: jax.Array) -> jax.Array:
 
 def _attend_pages(
     q: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: KVCache,
     layer: jax.Array,
     tiles: Tiles,
     tables: jax.Array,
     flat: tuple[jax.Array, ...],
     tile_block: int,
     finish=None,
+    *,
+    model_dtype: jnp.dtype,
     first_visible: jax.Array | None = None,
     logit_softcap: float | None = None,
 ) -> tuple[jax.Array, ...]:
-    """Attend `tiles` of q [T, N, H] (pre-scaled f32) to the first kv_lens positions of their
-    sequence's pages `tables` [S, M], and write each query's unnormalised (max, sum [N],
-    weighted values [N, H]), or what `finish` makes of them, over its token's row of `flat`.
-    With a sliding window, first_visible i32[T] is each token's first visible position.
+    """Attend `tiles` of q [T, N, H] (pre-scaled f32, from a model of `model_dtype`) to the
+    first kv_lens positions of their sequence's pages `tables` [S, M], and write each query's
+    unnormalised (max, sum [N], weighted values [N, H]), or what `finish` makes of them, over its
+    token's row of `flat`. With a sliding window, first_visible i32[T] is each token's first
+    visible position.
 
     Tiles are processed `tile_block` at a time, and only the blocks that hold tiles
     reading pages (the host packs them first): work and memory follow the tiles in use, not the
     bucket's capacity, and each block reads only as far as its own longest context.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
+    _, _, num_kv_heads, _, block_size, _ = kv_values(kv_cache).shape
     group = num_heads // num_kv_heads
     num_tiles, tile_q = tiles.token_idx.shape
     chunk = pages_per_chunk(block_size, tile_q)
@@ -238,7 +267,15 @@ def _attend_pages(
         kv_from = None if first_visible is None else first_visible[idx]  # [TB, Q]
         result = finish(
             *_attend_tiles(
-                qt, tables[part(seq)], lens, kv_cache, layer, chunk, kv_from, logit_softcap
+                qt,
+                tables[part(seq)],
+                lens,
+                kv_cache,
+                layer,
+                chunk,
+                model_dtype,
+                kv_from,
+                logit_softcap,
             )
         )
         # Slots that read nothing (padding) go out of range and are dropped.
@@ -253,7 +290,7 @@ def paged_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: KVCache,
     layer: jax.Array,
     md: AttentionMetadata,
     sm_scale: float,
@@ -265,7 +302,9 @@ def paged_attention(
     `kv_cache` already holds this step's k, v [T, K, H]. A decode step reads everything, its
     own key included, from the pages. A step with prefills reads the step's recent tokens from
     k, v directly (window.py) and only older positions from the pages, and skips the pages
-    altogether when no query needs them (fresh prompts that fit their windows).
+    altogether when no query needs them (fresh prompts that fit their windows). So with a
+    quantized cache a prompt attends to its own step's keys and values as the model made them,
+    and to those of earlier steps as the cache holds them.
 
     logit_softcap: None or a static c, scores c * tanh(score / c) after scaling (Gemma 2).
     sliding_window: None or i32[] W, possibly traced: a query at p sees p - W < j <= p, and the
@@ -276,7 +315,11 @@ def paged_attention(
     if sliding_window is not None:
         sliding_window = _window_scalar(sliding_window)
         first_visible = token_seq_and_position(md, q.shape[0])[1] - sliding_window + 1  # [T]
-    pages_options = {"first_visible": first_visible, "logit_softcap": logit_softcap}
+    pages_options = {
+        "model_dtype": q.dtype,
+        "first_visible": first_visible,
+        "logit_softcap": logit_softcap,
+    }
     if md.is_decode:
         (tiles,) = md.tiles
         init = (jnp.zeros(q.shape),)
