@@ -15,6 +15,9 @@ from jax import lax
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# A quantized cache's values: each is exact in every one of SUPPORTED_DTYPES, so the kernels
+# convert pages to q's dtype and apply the scales to the float32 logits and probabilities.
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 # Triton dots need M, N and K >= 16.
 MIN_DOT_DIM = 16
@@ -40,6 +43,7 @@ def validate_paged_inputs(
     layer: jax.Array,
     block_tables: jax.Array,
     seq_lens: jax.Array,
+    kv_scales: jax.Array | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """Checks what both kernels share; returns (L, K, P, B, H, G)."""
     if q.ndim != 3:
@@ -52,7 +56,9 @@ def validate_paged_inputs(
         raise ValueError(f"{name}: q head dim {q.shape[2]} != kv_cache head dim {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{name}: N={num_heads} query heads is not a multiple of K={num_kv_heads}")
-    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+    if kv_scales is not None:
+        _validate_quantized(name, q, kv_cache, kv_scales)
+    elif q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
         raise ValueError(
             f"{name}: q and kv_cache must share one dtype of bfloat16/float16/float32, "
             f"got {q.dtype} and {kv_cache.dtype}"
@@ -73,6 +79,19 @@ def validate_paged_inputs(
             f"got {seq_lens.dtype}{seq_lens.shape}"
         )
     return num_layers, num_kv_heads, num_pages, page_size, head_dim, num_heads // num_kv_heads
+
+
+def _validate_quantized(name: str, q: jax.Array, kv_cache: jax.Array, kv_scales: jax.Array):
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in QUANTIZED_DTYPES:
+        raise ValueError(
+            f"{name}: with kv_scales, q must be bfloat16/float16/float32 and kv_cache int8 or "
+            f"float8_e4m3fn, got {q.dtype} and {kv_cache.dtype}"
+        )
+    if kv_scales.shape != kv_cache.shape[:5] or kv_scales.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{name}: kv_scales must be [L, 2, K, P, B] = {kv_cache.shape[:5]} of "
+            f"bfloat16/float16/float32, got {kv_scales.dtype}{kv_scales.shape}"
+        )
 
 
 def validate_attention_options(
@@ -144,6 +163,34 @@ def load_pages(
     return block.reshape(num_rows, head_dim_padded)  # [n, B, Hp]
 
 
+def load_kv(
+    kv_ref,  # [L, 2, K, P, B, H]
+    scales_ref,  # [L, 2, K, P, B] of a quantized cache, else None
+    layer: jax.Array,
+    head: jax.Array,
+    pages: jax.Array,  # i32[n]
+    head_dim_padded: int,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """K and V of pages of one layer and KV head -> (k [n * B, Hp], v [n * B, Hp], and for a
+    quantized cache the scales of k and of v, f32[n * B] each, else None)."""
+    k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)
+    v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)
+    if scales_ref is None:
+        return k, v, None
+    num_rows = pages.shape[0] * scales_ref.shape[4]
+    k_scale, v_scale = (
+        scales_ref[layer, kv_index, head, pages].reshape(num_rows).astype(jnp.float32)  # [n, B]
+        for kv_index in (0, 1)
+    )
+    return k, v, (k_scale, v_scale)
+
+
+def without_scales(kernel, num_inputs: int):
+    """A kernel `kernel(*inputs, scales_ref, *outputs)` whose scales follow its `num_inputs`
+    other inputs, as pallas_call calls it for a cache with no scales (scales_ref None)."""
+    return lambda *refs: kernel(*refs[:num_inputs], None, *refs[num_inputs:])
+
+
 def online_softmax_step(
     q: jax.Array,  # [R, Hp]
     k: jax.Array,  # [C, Hp]
@@ -155,14 +202,20 @@ def online_softmax_step(
     row_sum: jax.Array,  # f32[R], running sum of exp2(logit - row_max)
     sm_scale: float,
     logit_softcap: float | None = None,
+    kv_scales: tuple[jax.Array, jax.Array] | None = None,  # f32[C] of K and V: quantized k, v
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block of flash attention; the scale (and the soft cap, cap * tanh(logit / cap)) is
-    applied to the f32 logits, not to a rounded q."""
+    applied to the f32 logits, not to a rounded q. A quantized block's 1-byte k, v convert to
+    q's dtype exactly; K's scales multiply the f32 logits and V's the probabilities."""
+    if kv_scales is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     # TF32 would be Triton's default for float32 dots; ask for IEEE so f32 matches the reference.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     logits = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )  # [R, C]
+    if kv_scales is not None:
+        logits = logits * kv_scales[0][None, :]
     if logit_softcap is None:
         logits = logits * (sm_scale * LOG2_E)
     else:
@@ -171,8 +224,11 @@ def online_softmax_step(
     max_next = jnp.maximum(row_max, logits.max(axis=1))
     alpha = jnp.exp2(row_max - max_next)
     p = jnp.exp2(logits - max_next[:, None])  # [R, C]
+    sum_next = alpha * row_sum + p.sum(axis=1)
     # Slots past a length may hold anything (NaN included), and 0 * NaN = NaN: zero them.
     v = jnp.where(is_valid_kv[:, None], v, jnp.zeros_like(v))
+    if kv_scales is not None:
+        p = p * jnp.where(is_valid_kv, kv_scales[1], 0.0)[None, :]
     pv = lax.dot_general(
         p.astype(v.dtype),
         v,
@@ -180,7 +236,23 @@ def online_softmax_step(
         precision=precision,
         preferred_element_type=jnp.float32,
     )  # [R, Hp]
-    return alpha[:, None] * acc + pv, max_next, alpha * row_sum + p.sum(axis=1)
+    return alpha[:, None] * acc + pv, max_next, sum_next
+
+
+def sequence_kv(
+    kv_cache: jax.Array,  # [L, 2, K, P, B, H]
+    kv_scales: jax.Array | None,  # [L, 2, K, P, B]
+    layer: jax.Array,
+    pages: jax.Array,  # i32[M]
+) -> tuple[jax.Array, jax.Array]:
+    """For the references: keys and values of `pages` at `layer` -> each [M*B, K, H], as
+    stored, or dequantized to f32 with kv_scales."""
+    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[5]
+    kv = kv_cache[layer][:, :, pages]  # [2, K, M, B, H]
+    if kv_scales is not None:
+        kv = kv.astype(jnp.float32) * kv_scales[layer][:, :, pages][..., None].astype(jnp.float32)
+    kv = kv.reshape(2, num_kv_heads, -1, head_dim).transpose(0, 2, 1, 3)  # [2, M*B, K, H]
+    return kv[0], kv[1]
 
 
 def reference_attention(

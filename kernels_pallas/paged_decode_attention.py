@@ -17,14 +17,16 @@ from kernels_pallas._paging import (
     MIN_DOT_DIM,
     kernel_scalars,
     kv_tokens_per_step,
-    load_pages,
+    load_kv,
     next_power_of_2,
     num_warps_for,
     online_softmax_step,
     pad_block_tables,
     reference_attention,
+    sequence_kv,
     validate_attention_options,
     validate_paged_inputs,
+    without_scales,
 )
 
 # KV tokens per inner-loop step: large enough to keep many loads in flight, small enough that the
@@ -42,6 +44,7 @@ def _decode_kernel(
     block_tables_ref,  # i32[S, M + pages_per_block]
     q_ref,  # [Gp, Hp]: the query heads of this KV head, zero padded
     kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
+    scales_ref,  # [L, 2, K, P, B]: a quantized cache's scales; None for the others
     # outputs
     acc_ref,  # f32[Gp, Hp]: unnormalized output of this split
     max_ref,  # f32[Gp]: max logit (log2 units)
@@ -86,8 +89,7 @@ def _decode_kernel(
     def body(i, carry):
         page = first_page + i * pages_per_block
         pages = block_tables_ref[seq, pl.ds(page, pages_per_block)]  # i32[pages_per_block]
-        k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)  # [C, Hp]
-        v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)  # [C, Hp]
+        k, v, kv_scales = load_kv(kv_ref, scales_ref, layer, head, pages, head_dim_padded)
         positions = page * page_size + jnp.arange(block_kv, dtype=jnp.int32)
         is_valid = positions < seq_len  # [C]
         if is_windowed:
@@ -101,6 +103,7 @@ def _decode_kernel(
             *carry,
             sm_scale=sm_scale,
             logit_softcap=logit_softcap,
+            kv_scales=kv_scales,
         )
 
     init = (
@@ -139,6 +142,7 @@ def paged_decode_attention(
     seq_lens: jax.Array,
     *,
     sm_scale: float,
+    kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
     num_kv_splits: int | None = None,
@@ -150,13 +154,16 @@ def paged_decode_attention(
     (KV length including the query's own token; 0 = padding sequence). Returns [S, N, H] in q's
     dtype. `num_kv_splits=None` picks enough splits to fill the GPU.
 
+    kv_scales: None, or [L, 2, K, P, B] float scales of an int8 / float8_e4m3fn kv_cache (a value
+    is kv_cache * its scale), applied inside the kernel to each page it reads.
+
     sliding_window: None, or i32[] W (may be traced): the query sees only its last W positions,
     itself included, and only their pages are read. logit_softcap: None, or a static cap for
     cap * tanh(logit / cap) on the scaled logits (Gemma 2).
     """
     name = "paged_decode_attention"
     _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
-        name, q, kv_cache, layer, block_tables, seq_lens
+        name, q, kv_cache, layer, block_tables, seq_lens, kv_scales
     )
     validate_attention_options(name, sliding_window, logit_softcap)
     num_seqs, num_heads, _ = q.shape
@@ -186,6 +193,11 @@ def paged_decode_attention(
         pages_per_block=pages_per_block,
         num_kv_splits=num_kv_splits,
     )
+    kv_operands = [kv_cache]
+    if kv_scales is None:
+        kernel = without_scales(kernel, num_inputs=5)
+    else:
+        kv_operands.append(kv_scales)
     split_shape = (num_kv_splits, num_seqs, num_kv_heads, group_padded)
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
@@ -195,7 +207,8 @@ def paged_decode_attention(
             pl.no_block_spec,  # seq_lens
             pl.no_block_spec,  # block_tables
             pl.BlockSpec((None, None, group_padded, head_dim_padded), lambda s, k, j: (s, k, 0, 0)),
-            pl.no_block_spec,  # kv_cache: pages are gathered inside the kernel
+            # kv_cache (and its scales): pages are gathered inside the kernel
+            *[pl.no_block_spec] * len(kv_operands),
         ],
         out_specs=[
             pl.BlockSpec(
@@ -219,7 +232,7 @@ def paged_decode_attention(
         seq_lens,
         pad_block_tables(block_tables, pages_per_block),
         qg,
-        kv_cache,
+        *kv_operands,
     )
     out = merge_kv_splits(acc, row_max, row_sum)[:, :, :group, :head_dim]  # [S, K, G, H]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
@@ -233,23 +246,22 @@ def paged_decode_attention_reference(
     seq_lens: jax.Array,
     *,
     sm_scale: float,
+    kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
 ) -> jax.Array:
-    """Pure jnp: gather every page of the block table, dense softmax masked by seq_len (and the
-    window: positions >= seq_len - W)."""
+    """Pure jnp: gather every page of the block table (dequantized with kv_scales), dense softmax
+    masked by seq_len (and the window: positions >= seq_len - W)."""
     name = "paged_decode_attention_reference"
-    _, num_kv_heads, _, page_size, head_dim, _ = validate_paged_inputs(
-        name, q, kv_cache, layer, block_tables, seq_lens
-    )
+    page_size = validate_paged_inputs(name, q, kv_cache, layer, block_tables, seq_lens, kv_scales)[
+        3
+    ]
     validate_attention_options(name, sliding_window, logit_softcap)
     max_len = block_tables.shape[1] * page_size
     layer = jnp.asarray(layer, jnp.int32).reshape(())
 
     def one_sequence(q_s, pages, seq_len):  # [N, H], i32[M], i32[]
-        keys, values = kv_cache[layer][:, :, pages]  # each [K, M, B, H]
-        keys = keys.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)  # [C, K, H]
-        values = values.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)
+        keys, values = sequence_kv(kv_cache, kv_scales, layer, pages)  # each [C, K, H]
         positions = jnp.arange(max_len)
         is_visible = positions < seq_len  # [C]
         if sliding_window is not None:

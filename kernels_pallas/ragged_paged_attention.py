@@ -20,14 +20,16 @@ from kernels_pallas._paging import (
     MIN_DOT_DIM,
     kernel_scalars,
     kv_tokens_per_step,
-    load_pages,
+    load_kv,
     next_power_of_2,
     num_warps_for,
     online_softmax_step,
     pad_block_tables,
     reference_attention,
+    sequence_kv,
     validate_attention_options,
     validate_paged_inputs,
+    without_scales,
 )
 
 # Rows (queries x query heads) per tile and KV tokens per inner step: the FlashAttention-2 Triton
@@ -48,6 +50,7 @@ def _ragged_kernel(
     tile_pos_ref,  # i32[num_tiles]: KV position of the tile's first query
     q_ref,  # [T + block_q, K, Gp, Hp]: all queries, zero padded
     kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
+    scales_ref,  # [L, 2, K, P, B]: a quantized cache's scales; None for the others
     # outputs
     o_ref,  # [block_q * Gp, Hp]: rows ordered (query, query head)
     *,
@@ -89,8 +92,7 @@ def _ragged_kernel(
         if is_windowed:
             page = first_page + page
         pages = block_tables_ref[seq, pl.ds(page, pages_per_block)]  # i32[pages_per_block]
-        k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)  # [C, Hp]
-        v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)  # [C, Hp]
+        k, v, kv_scales = load_kv(kv_ref, scales_ref, layer, head, pages, head_dim_padded)
         positions = page * page_size + jnp.arange(block_kv, dtype=jnp.int32)  # [C]
         is_valid_kv = positions < kv_end
         is_visible = (
@@ -107,6 +109,7 @@ def _ragged_kernel(
             *carry,
             sm_scale=sm_scale,
             logit_softcap=logit_softcap,
+            kv_scales=kv_scales,
         )
 
     init = (
@@ -164,6 +167,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,
     *,
     sm_scale: float,
+    kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
     interpret: bool = False,
@@ -174,13 +178,16 @@ def ragged_paged_attention(
     (KV length after this step; 0 = padding); query_start_loc i32[S+1]. Returns [T, N, H] in q's
     dtype; rows past query_start_loc[S] are padding and come back as 0.
 
+    kv_scales: None, or [L, 2, K, P, B] float scales of an int8 / float8_e4m3fn kv_cache (a value
+    is kv_cache * its scale), applied inside the kernel to each page it reads.
+
     sliding_window: None, or i32[] W (may be traced): a query at position p sees p - W < j <= p,
     and a tile reads pages only from its first query's window on. logit_softcap: None, or a static
     cap for cap * tanh(logit / cap) on the scaled logits (Gemma 2).
     """
     name = "ragged_paged_attention"
     _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
-        name, q, kv_cache, layer, block_tables, seq_lens
+        name, q, kv_cache, layer, block_tables, seq_lens, kv_scales
     )
     validate_attention_options(name, sliding_window, logit_softcap)
     num_tokens, num_heads, _ = q.shape
@@ -211,10 +218,16 @@ def ragged_paged_attention(
         block_q=block_q,
         pages_per_block=pages_per_block,
     )
+    kv_operands = [kv_cache]
+    if kv_scales is None:
+        kernel = without_scales(kernel, num_inputs=9)
+    else:
+        kv_operands.append(kv_scales)
     out_tiles = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        in_specs=[pl.no_block_spec] * 9,  # every operand is indexed inside the kernel
+        # every operand is indexed inside the kernel
+        in_specs=[pl.no_block_spec] * (8 + len(kv_operands)),
         out_specs=pl.BlockSpec((None, None, num_rows, head_dim_padded), lambda t, k: (t, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(
             (num_tiles, num_kv_heads, num_rows, head_dim_padded), q.dtype
@@ -233,7 +246,7 @@ def ragged_paged_attention(
         tile_num_q,
         tile_pos,
         qg,
-        kv_cache,
+        *kv_operands,
     )
 
     # Back from tiles to rows of q: row r of sequence s is query (r - start_s) of s.
@@ -257,15 +270,16 @@ def ragged_paged_attention_reference(
     query_start_loc: jax.Array,
     *,
     sm_scale: float,
+    kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
 ) -> jax.Array:
-    """Pure jnp: every query gathers its sequence's pages and runs a dense causal softmax (query
-    at p sees p - W < j <= p with a window W)."""
+    """Pure jnp: every query gathers its sequence's pages (dequantized with kv_scales) and runs
+    a dense causal softmax (query at p sees p - W < j <= p with a window W)."""
     name = "ragged_paged_attention_reference"
-    _, num_kv_heads, _, page_size, head_dim, _ = validate_paged_inputs(
-        name, q, kv_cache, layer, block_tables, seq_lens
-    )
+    page_size = validate_paged_inputs(name, q, kv_cache, layer, block_tables, seq_lens, kv_scales)[
+        3
+    ]
     validate_attention_options(name, sliding_window, logit_softcap)
     num_seqs = block_tables.shape[0]
     _validate_query_start_loc(name, query_start_loc, num_seqs)
@@ -278,9 +292,7 @@ def ragged_paged_attention_reference(
     is_real_row = rows < query_start_loc[-1]
 
     def one_query(q_t, pages, pos, is_real):  # [N, H], i32[M], i32[], bool[]
-        keys, values = kv_cache[layer][:, :, pages]  # each [K, M, B, H]
-        keys = keys.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)  # [C, K, H]
-        values = values.reshape(num_kv_heads, max_len, head_dim).transpose(1, 0, 2)
+        keys, values = sequence_kv(kv_cache, kv_scales, layer, pages)  # each [C, K, H]
         positions = jnp.arange(max_len)
         is_visible = (positions <= pos) & is_real  # [C]
         if sliding_window is not None:

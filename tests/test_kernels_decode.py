@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jvllm.attention.kv_quant import quantize, quantized_dtype
 from kernels_pallas import paged_decode_attention, paged_decode_attention_reference
 from kernels_pallas.testing import make_paged_kv
 
@@ -82,11 +83,17 @@ def _check(
     sm_scale: float = 0.125,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: jax.Array | None = None,
 ):
     window = None if sliding_window is None else jnp.int32(sliding_window)
-    out = _kernel(sm_scale, num_kv_splits, logit_softcap)(*args, sliding_window=window)
+    kernel = _kernel(sm_scale, num_kv_splits, logit_softcap)
+    out = kernel(*args, sliding_window=window, kv_scales=kv_scales)
     ref = paged_decode_attention_reference(
-        *args, sm_scale=sm_scale, sliding_window=window, logit_softcap=logit_softcap
+        *args,
+        sm_scale=sm_scale,
+        sliding_window=window,
+        logit_softcap=logit_softcap,
+        kv_scales=kv_scales,
     )
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -123,6 +130,20 @@ def test_decode_reads_the_requested_layer():
     other_layer = _kernel(0.125, None)(args[0], args[1], jnp.int32(0), *args[3:])
     out = _kernel(0.125, None)(*args)
     assert not np.allclose(np.asarray(out), np.asarray(other_layer))
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype", "head_dim", "window"),
+    [("fp8", jnp.bfloat16, 64, None), ("int8", jnp.float32, 48, 13)],
+)
+def test_decode_on_a_quantized_cache_matches_reference(kv_cache_dtype, dtype, head_dim, window):
+    """1-byte pages and their scales (NaN where no sequence owns a slot) are dequantized inside
+    the kernel as the reference does over whole pages; a padded head dim and a window too."""
+    seq_lens = [*np.random.default_rng(20).integers(1, MAX_PAGES * PAGE_SIZE + 1, 5).tolist(), 0]
+    q, kv_cache, *rest = _case(20, seq_lens, 3, head_dim, jnp.float32)
+    values, scales = quantize(kv_cache, quantized_dtype(kv_cache_dtype))
+    args = (q.astype(dtype), values, *rest)
+    _check(args, sm_scale=head_dim**-0.5, sliding_window=window, kv_scales=scales)
 
 
 # 1 (only itself), inside a page, a page, across pages, the longest length, a global layer's.

@@ -96,6 +96,37 @@ def test_windowed_and_soft_capped_kernels_lower_for_cuda(head_dim):
     assert num_triton_calls(decode) == num_triton_calls(ragged) == 1
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_kernels_on_a_quantized_cache_lower_for_cuda(kv_dtype, head_dim):
+    """1-byte pages with bfloat16 scales, converted inside the kernels (a padded head too)."""
+    num_seqs, page_size, max_pages = 8, 16, 512
+    sm_scale = head_dim**-0.5
+    kv = _kv(8, head_dim, page_size, kv_dtype)
+    scales = SDS(kv.shape[:5], jnp.bfloat16)
+    tables, lens = SDS((num_seqs, max_pages), jnp.int32), SDS((num_seqs,), jnp.int32)
+    decode = lower_for_cuda(
+        lambda *a: paged_decode_attention(*a[:-1], sm_scale=sm_scale, kv_scales=a[-1]),
+        SDS((num_seqs, 32, head_dim), jnp.bfloat16),
+        kv,
+        SDS((), jnp.int32),
+        tables,
+        lens,
+        scales,
+    )
+    ragged = lower_for_cuda(
+        lambda *a: ragged_paged_attention(*a[:-1], sm_scale=sm_scale, kv_scales=a[-1]),
+        SDS((256, 32, head_dim), jnp.bfloat16),
+        kv,
+        SDS((), jnp.int32),
+        tables,
+        lens,
+        SDS((num_seqs + 1,), jnp.int32),
+        scales,
+    )
+    assert num_triton_calls(decode) == num_triton_calls(ragged) == 1
+
+
 def test_lowering_check_catches_a_block_that_is_not_a_power_of_two():
     def copy_kernel(x_ref, o_ref):  # [24, 16]
         o_ref[...] = x_ref[...]

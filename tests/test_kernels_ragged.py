@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jvllm.attention.kv_quant import quantize, quantized_dtype
 from kernels_pallas import (
     paged_decode_attention,
     ragged_paged_attention,
@@ -89,11 +90,16 @@ def _check(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> np.ndarray:
     window = None if sliding_window is None else jnp.int32(sliding_window)
-    out = _kernel(sm_scale, logit_softcap)(*args, sliding_window=window)
+    out = _kernel(sm_scale, logit_softcap)(*args, sliding_window=window, kv_scales=kv_scales)
     ref = ragged_paged_attention_reference(
-        *args, sm_scale=sm_scale, sliding_window=window, logit_softcap=logit_softcap
+        *args,
+        sm_scale=sm_scale,
+        sliding_window=window,
+        logit_softcap=logit_softcap,
+        kv_scales=kv_scales,
     )
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -134,6 +140,26 @@ def test_ragged_decode_only_agrees_with_the_decode_kernel(group):
         q, kv_cache, layer, block_tables, seq_lens, sm_scale=0.125, interpret=True
     )
     np.testing.assert_allclose(out, np.asarray(decode), atol=2e-5, rtol=2e-5)
+
+
+def _random_batch(rng: np.random.Generator, num_seqs: int) -> list[tuple[int, int]]:
+    """(seq_len, q_len) of prefills, chunks and decodes that fit the pool and NUM_TOKENS."""
+    seq_lens = rng.integers(1, MAX_PAGES * PAGE_SIZE + 1, num_seqs)
+    return [(int(n), int(rng.integers(1, min(n, NUM_TOKENS // num_seqs) + 1))) for n in seq_lens]
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype", "window"), [("fp8", jnp.bfloat16, None), ("int8", jnp.float32, 13)]
+)
+def test_ragged_on_a_quantized_cache_matches_reference_on_a_random_batch(
+    kv_cache_dtype, dtype, window
+):
+    """1-byte pages and their scales (NaN where no sequence owns a slot) are dequantized inside
+    the kernel as the reference does over whole pages."""
+    seqs = _random_batch(np.random.default_rng(40), 5)
+    q, kv_cache, *rest = _case(40, seqs, 3, 64, jnp.float32)
+    values, scales = quantize(kv_cache, quantized_dtype(kv_cache_dtype))
+    _check((q.astype(dtype), values, *rest), kv_scales=scales, sliding_window=window)
 
 
 # 1 (only itself), inside a page, a page, across pages and query tiles, a global layer's.
