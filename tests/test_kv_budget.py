@@ -22,9 +22,11 @@ from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import load_model
 from jvllm.worker.buckets import BucketSpec
+from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
 
 GIB = 1 << 30
+F32 = kv_cache_spec("float32", "reference")  # 4 bytes a value
 TINY_2L = "jvllm/benchmarks/model_configs/tiny-2l"
 MEMINFO = """MemTotal:       24576000 kB
 MemFree:         1000000 kB
@@ -62,9 +64,9 @@ def test_a_device_without_memory_stats_asks_for_an_explicit_size(stats):
 def test_gpu_blocks_fill_the_budget(config):
     args = EngineArgs(max_num_seqs=8, max_num_batched_tokens=256)
     max_model_len = 1 << 20  # long enough that 8 of them need more than the device has
-    size = size_kv_cache(args, config, 4, max_model_len, _gpu(GIB, GIB // 8))
+    size = size_kv_cache(args, config, F32, max_model_len, _gpu(GIB, GIB // 8))
     reserve = activation_reserve_bytes(config, 256, 8)
-    per_block = kv_bytes_per_block(config, 16, 4)
+    per_block = kv_bytes_per_block(config, 16, F32)
     assert size.num_blocks == (int(0.9 * GIB) - GIB // 8 - reserve) // per_block
     assert size.num_bytes == size.num_blocks * per_block
     assert size.source.startswith("gpu_memory_utilization=0.9 of 1.0 GiB")
@@ -72,42 +74,42 @@ def test_gpu_blocks_fill_the_budget(config):
 
 def test_override_beats_the_byte_option_which_beats_the_device(config):
     no_stats = MemoryProbe("gpu", None, "")
-    per_block = kv_bytes_per_block(config, 16, 4)
+    per_block = kv_bytes_per_block(config, 16, F32)
     both = EngineArgs(num_gpu_blocks_override=7, kv_cache_memory_bytes=100 * per_block)
-    size = size_kv_cache(both, config, 4, 512, no_stats)
+    size = size_kv_cache(both, config, F32, 512, no_stats)
     assert (size.num_blocks, size.source) == (7, "num_gpu_blocks_override=7")
     given = EngineArgs(kv_cache_memory_bytes=100 * per_block + 5)
-    size = size_kv_cache(given, config, 4, 512, no_stats)
+    size = size_kv_cache(given, config, F32, 512, no_stats)
     assert size.num_blocks == 100
     assert size.source == f"kv_cache_memory_bytes={100 * per_block + 5}"
     with pytest.raises(ValueError, match="no memory stats"):
-        size_kv_cache(EngineArgs(), config, 4, 512, no_stats)
+        size_kv_cache(EngineArgs(), config, F32, 512, no_stats)
 
 
 def test_an_exact_block_count_may_be_smaller_than_one_request(config):
-    size = size_kv_cache(EngineArgs(num_gpu_blocks_override=2), config, 4, 512, _cpu(GIB))
+    size = size_kv_cache(EngineArgs(num_gpu_blocks_override=2), config, F32, 512, _cpu(GIB))
     assert size.num_blocks == 2
 
 
 def test_a_budget_below_one_max_model_len_request_says_what_is_needed_and_what_to_change(config):
-    per_block = kv_bytes_per_block(config, 16, 4)
+    per_block = kv_bytes_per_block(config, 16, F32)
     # 512 tokens = 32 blocks, and the null block.
     args = EngineArgs(kv_cache_memory_bytes=20 * per_block)
     with pytest.raises(ValueError) as error:
-        size_kv_cache(args, config, 4, 512, _cpu(GIB))
+        size_kv_cache(args, config, F32, 512, _cpu(GIB))
     message = str(error.value)
     assert "max_model_len=512" in message and "33 blocks of 16 tokens" in message
     assert "the largest max_model_len is 304" in message  # 19 blocks besides the null block
     assert "increasing kv_cache_memory_bytes or decreasing max_model_len" in message
     full = _gpu(GIB, GIB)  # the weights take the whole device
     with pytest.raises(ValueError, match="increasing gpu_memory_utilization") as error:
-        size_kv_cache(EngineArgs(), config, 4, 512, full)
+        size_kv_cache(EngineArgs(), config, F32, 512, full)
     assert "the largest max_model_len" not in str(error.value)
 
 
 def test_a_budget_beyond_every_sequence_at_full_length_is_capped(config):
     args = EngineArgs(max_num_seqs=4)
-    size = size_kv_cache(args, config, 4, 512, _gpu(80 * GIB, 0))
+    size = size_kv_cache(args, config, F32, 512, _gpu(80 * GIB, 0))
     assert size.num_blocks == 4 * 32 + 1
     assert "capped at max_num_seqs=4 requests of max_model_len=512" in size.source
 
@@ -141,7 +143,7 @@ def test_cpu_budget_grows_to_one_request_where_free_memory_holds_it():
 def test_cpu_with_too_little_free_memory_refuses_to_start(config):
     with pytest.raises(ValueError, match="freeing host memory or decreasing max_model_len"):
         size_kv_cache(
-            EngineArgs(), config, 4, 512, _cpu(activation_reserve_bytes(config, 2048, 128))
+            EngineArgs(), config, F32, 512, _cpu(activation_reserve_bytes(config, 2048, 128))
         )
 
 
@@ -174,12 +176,59 @@ def test_engine_sizes_its_cache_from_kv_cache_memory_bytes(tiny_llama_weights_di
     assert llm.llm_engine.model_runner.kv_cache.shape[3] == 20
     assert llm.llm_engine.scheduler.kv_cache_manager.num_usable_blocks == 19
     line = kv_line()
-    assert "KV cache: 20 blocks of 16 tokens = 304 tokens besides the null block" in line
+    assert "KV cache: float32 at 512 bytes a token, 20 blocks of 16 tokens = 304 tokens" in line
     assert f"from kv_cache_memory_bytes={20 * per_block + 100})" in line
     default = LLM(tiny_llama_weights_dir, **kwargs)
     assert default.llm_engine.model_runner.kv_cache.shape[3] == 4 * 8 + 1
     line = kv_line()
     assert "from CPU free memory" in line and "capped at max_num_seqs=4" in line
+    # int8: 16 one-byte values and a 2-byte scale a head, 144 bytes a token against 512.
+    kwargs["max_num_seqs"] = 16  # a cap above the budget's blocks
+    quantized = LLM(
+        tiny_llama_weights_dir,
+        kv_cache_dtype="int8",
+        kv_cache_memory_bytes=20 * per_block + 100,
+        **kwargs,
+    )
+    kv_cache = quantized.llm_engine.model_runner.kv_cache
+    assert kv_cache.values.shape[3] == kv_cache.scales.shape[3] == (20 * per_block + 100) // 2304
+    assert (
+        "KV cache: int8 (int8 values, a bfloat16 scale a token and KV head) at 144 bytes a "
+        "token, 71 blocks of 16 tokens" in kv_line()
+    )
+
+
+@pytest.mark.parametrize(
+    "model_dtype,kv_cache_dtype,ratio",
+    [
+        ("bfloat16", "fp8", 128 / 66),  # SmolLM2's H = 64: 2 * 64 bytes against 64 + 2
+        ("bfloat16", "int8", 128 / 66),
+        ("float32", "fp8_e4m3", 256 / 66),
+    ],
+)
+def test_a_one_byte_cache_holds_about_twice_the_blocks_of_bfloat16(
+    model_dtype, kv_cache_dtype, ratio
+):
+    config = read_hf_config("jvllm/benchmarks/model_configs/smollm2-135m", model_dtype)
+    args = EngineArgs(kv_cache_memory_bytes=GIB, max_num_seqs=1024)
+    auto, quantized = (
+        size_kv_cache(args, config, kv_cache_spec(model_dtype, "pallas", kind), 512, _cpu(GIB))
+        for kind in ("auto", kv_cache_dtype)
+    )
+    # L * (K, V) * K heads * B * (H one-byte values + a bfloat16 scale)
+    assert quantized.num_blocks == GIB // (30 * 2 * 3 * 16 * (64 + 2))
+    assert quantized.num_blocks / auto.num_blocks == pytest.approx(ratio, rel=1e-3)
+
+
+@pytest.mark.parametrize("value", ["fp16", "float8", "FP8", None])
+def test_a_bad_kv_cache_dtype_names_the_field_and_the_allowed_values(value):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'"):
+        EngineArgs(kv_cache_dtype=value)
+
+
+def test_kv_cache_dtype_is_a_serve_flag():
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8"
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import param_specs, shard_config
 from jvllm.models.model import compute_logits, forward
 
-# The KV cache [L, 2, K, P, B, H] is cut on its KV-head axis.
+# The KV cache [L, 2, K, P, B, H] is cut on its KV-head axis (a quantized cache's scales
+# [L, 2, K, P, B] too: the spec is a prefix of both arrays).
 KV_CACHE_SPEC = PartitionSpec(None, None, TP_AXIS)
 
 

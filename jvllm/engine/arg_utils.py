@@ -3,6 +3,7 @@
 import dataclasses
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
+from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS
 from jvllm.quantization import QUANTIZATION_METHODS
@@ -25,6 +26,10 @@ class EngineArgs:
     # (null block included); else kv_cache_memory_bytes; else gpu_memory_utilization of the
     # device's memory less the weights and activations (on CPU: up to 1 GiB of free memory).
     kv_cache_memory_bytes: int | None = None
+    # What the cache stores (vLLM's names): "auto", the model's dtype; "fp8" (= "fp8_e4m3") or
+    # "int8", one byte a value with a scale per token and KV head (attention/kv_quant.py):
+    # about twice the blocks of a bfloat16 cache in the same memory.
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -75,6 +80,10 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATION_METHODS}, "
                 f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

@@ -15,6 +15,7 @@ from jvllm.config import ModelConfig
 from jvllm.distributed.tensor_parallel import shard_config
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
+from jvllm.worker.kv_layout import KVCacheSpec
 
 # The CPU default: at most this much KV, from at most this fraction of the host's free memory.
 # A few cores gain nothing from a larger pool (their step time, not the pool, bounds the batch),
@@ -56,45 +57,50 @@ class KVCacheSize:
     num_blocks: int  # null block included
     num_bytes: int  # one device's, under tensor parallelism
     source: str
+    kv_dtype: str  # what a value is stored as (KVCacheSpec.name)
 
     def describe(self, block_size: int, per_device: bool) -> str:
         """For the start-up log."""
         return (
-            f"{self.num_blocks} blocks of {block_size} tokens = "
+            f"{self.kv_dtype} at {self.num_bytes // (self.num_blocks * block_size)} bytes a "
+            f"token, {self.num_blocks} blocks of {block_size} tokens = "
             f"{(self.num_blocks - 1) * block_size} tokens besides the null block "
             f"({self.num_bytes / 2**20:.0f} MiB{' per device' if per_device else ''}, "
             f"from {self.source})"
         )
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:
-    """K and V of every layer for `block_size` tokens. (The runner's token cache adds 4 bytes a
-    token beside them, under 0.1% of this for real models: it is left to the headroom.)"""
-    return config.num_layers * 2 * config.num_kv_heads * block_size * config.head_dim * itemsize
+def kv_bytes_per_block(config: ModelConfig, block_size: int, spec: KVCacheSpec) -> int:
+    """K and V of every layer for `block_size` tokens, a quantized cache's scales included.
+    (The runner's token cache adds 4 bytes a token beside them, under 0.1% of this for real
+    models: it is left to the headroom.)"""
+    head_bytes = spec.head_bytes(config.head_dim)
+    return config.num_layers * 2 * config.num_kv_heads * block_size * head_bytes
 
 
 def size_kv_cache(
     args: EngineArgs,
     config: ModelConfig,
-    itemsize: int,
+    spec: KVCacheSpec,
     max_model_len: int,
     probe: MemoryProbe,
     num_shards: int = 1,
 ) -> KVCacheSize:
-    """The pool's block count (null block included) for a cache of `itemsize`-byte values, and
+    """The pool's block count (null block included) for a cache stored as `spec` says, and
     where it came from. With `num_shards` tensor-parallel devices the bytes are one device's
     (its 1/T of the KV heads); a CPU's host memory is shared by its devices, so each gets 1/T
     of the host's budget.
 
     Raises ValueError when the budget holds less than one request of max_model_len tokens (an
     exact `num_gpu_blocks_override` is taken as given: tests use tiny pools on purpose)."""
-    bytes_per_block = kv_bytes_per_block(
-        shard_config(config, num_shards), args.block_size, itemsize
-    )
+    bytes_per_block = kv_bytes_per_block(shard_config(config, num_shards), args.block_size, spec)
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
         return KVCacheSize(
-            num_blocks, num_blocks * bytes_per_block, f"num_gpu_blocks_override={num_blocks}"
+            num_blocks,
+            num_blocks * bytes_per_block,
+            f"num_gpu_blocks_override={num_blocks}",
+            spec.name,
         )
     pages_per_request = -(-max_model_len // args.block_size)
     needed = (pages_per_request + 1) * bytes_per_block  # one full request and the null block
@@ -120,7 +126,7 @@ def size_kv_cache(
             f"; capped at max_num_seqs={args.max_num_seqs} requests of "
             f"max_model_len={max_model_len}"
         )
-    return KVCacheSize(num_blocks, num_blocks * bytes_per_block, source)
+    return KVCacheSize(num_blocks, num_blocks * bytes_per_block, source, spec.name)
 
 
 def _budget(

@@ -31,7 +31,7 @@ from jvllm.structured_output.manager import GrammarState, StructuredOutputManage
 from jvllm.worker.bias_rows import bad_words_token_ids
 from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
-from jvllm.worker.kv_layout import kv_cache_dtype
+from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -59,9 +59,9 @@ class LLMEngine:
             )
         self.model_config = config = config.for_max_model_len(self.max_model_len)
         self.attention_backend = args.attention_backend or default_backend()
-        itemsize = kv_cache_dtype(config.dtype, self.attention_backend).itemsize
+        kv_spec = kv_cache_spec(config.dtype, self.attention_backend, args.kv_cache_dtype)
         kv_size = size_kv_cache(
-            args, config, itemsize, self.max_model_len, probe_memory(), self.mesh.size
+            args, config, kv_spec, self.max_model_len, probe_memory(), self.mesh.size
         )
         num_blocks = kv_size.num_blocks
         logger.info(
@@ -102,6 +102,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             buckets=BucketSpec(args.max_num_batched_tokens, args.max_num_seqs),
             attention_backend=self.attention_backend,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_logprobs=args.max_logprobs,
             max_num_seqs=args.max_num_seqs,
             num_scheduler_steps=args.num_scheduler_steps,

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -29,6 +30,10 @@ _ENGINE_FLAGS = {
     "max_num_batched_tokens": {"type": int, "help": "most tokens in one step"},
     "block_size": {"type": int, "help": "tokens per KV cache block"},
     "kv_cache_memory_bytes": {"type": int, "help": "KV cache size in bytes"},
+    "kv_cache_dtype": {
+        "choices": list(KV_CACHE_DTYPES),
+        "help": "auto: the model's dtype; fp8, int8: 1 byte a value with per-token scales",
+    },
     "num_gpu_blocks_override": {"type": int, "help": "KV cache size in blocks (wins)"},
     "gpu_memory_utilization": {"type": float, "help": "share of device memory to use"},
     "long_prefill_token_threshold": {"type": int, "help": "prefill chunk cap per request (0: off)"},

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm.attention.kv_quant import KVCache
 from jvllm.core.decode_window import MAX_WINDOW_STOP_IDS, window_stop_token_ids
 from jvllm.core.request import Request
 from jvllm.sample.metadata import SamplerOutput
@@ -44,7 +45,7 @@ def prepare_window_inputs(
 class DecodeCarry:
     """What changes from one decode step to the next."""
 
-    kv_cache: jax.Array  # [L, 2, K, P, B, H]
+    kv_cache: KVCache  # [L, 2, K, P, B, H] (and a quantized cache's scales)
     token_cache: jax.Array  # i32[P, B]
     inputs: StepInputs  # the next step's inputs (a decode bucket: T = S)
     num_sampled: jax.Array  # i32[S] tokens each row sampled so far

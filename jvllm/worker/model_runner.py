@@ -22,7 +22,7 @@ from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.decode_loop import prepare_window_inputs, run_window
 from jvllm.worker.executables import Executables
-from jvllm.worker.kv_layout import kv_cache_dtype, kv_cache_shape
+from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
@@ -53,6 +53,7 @@ class ModelRunner:
         max_model_len: int,
         buckets: BucketSpec,
         attention_backend: str,
+        kv_cache_dtype: str = "auto",
         max_logprobs: int = 20,
         max_num_seqs: int = 128,
         num_scheduler_steps: int = 1,
@@ -72,10 +73,10 @@ class ModelRunner:
         # tile them exactly: a chunk that ran past the end would be clamped back onto other pages.
         chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
         self.max_pages = math.ceil(math.ceil(max_model_len / block_size) / chunk) * chunk
-        self.kv_cache = jnp.zeros(
+        self.kv_cache = allocate_kv_cache(
+            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
             kv_cache_shape(config, num_blocks, block_size, num_shards),
-            kv_cache_dtype(config.dtype, attention_backend),
-            device=NamedSharding(mesh, KV_CACHE_SPEC),
+            NamedSharding(mesh, KV_CACHE_SPEC),
         )
         self.token_cache = jnp.zeros(
             (num_blocks, block_size), jnp.int32, device=replicated(mesh)
