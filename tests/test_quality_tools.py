@@ -29,8 +29,10 @@ def test_perplexity_of_the_shipped_text_is_plausible_in_float32(float32_perplexi
     assert 5 < float32_perplexity < 40
 
 
-def test_bfloat16_perplexity_is_within_two_percent_of_float32(float32_perplexity):
-    bfloat16 = quality.perplexity(LLM(**{**_ENGINE_KWARGS, "dtype": "bfloat16"}))
+def test_bfloat16_perplexity_is_within_two_percent_of_float32(
+    float32_perplexity, smollm2_bfloat16_llm
+):
+    bfloat16 = quality.perplexity(smollm2_bfloat16_llm)
     assert abs(bfloat16 / float32_perplexity - 1) < 0.02
 
 

@@ -73,8 +73,8 @@ def test_only_the_layers_matmul_weights_are_quantized():
 
 
 @pytest.fixture(scope="module")
-def bfloat16_quality() -> tuple[float, list[list[int]]]:
-    llm = LLM(**_ENGINE_KWARGS)
+def bfloat16_quality(smollm2_bfloat16_llm) -> tuple[float, list[list[int]]]:
+    llm = smollm2_bfloat16_llm
     return quality.perplexity(llm), quality.greedy_token_ids(llm)
 
 
