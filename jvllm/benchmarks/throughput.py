@@ -34,6 +34,7 @@ from jvllm.distributed.mesh import ensure_cpu_devices
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import replicas
 from jvllm.model_loader.default_model import default_model_dir
+from jvllm.quantization import QUANTIZATION_METHODS
 
 
 def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, float, float]:
@@ -63,6 +64,7 @@ def _make_llm(args, **settings) -> LLM:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        quantization=args.quantization,
         compile_all_buckets=True,  # no compile inside the timed runs
         **settings,
     )
@@ -181,6 +183,7 @@ def _print_workload(args, ignore_eos: bool) -> None:
         f"{'sampled' if args.temperature > 0 else 'greedy'}, "
         + ("ignore_eos, " if ignore_eos else "EOS honoured, ")
         + f"{args.dtype}, "
+        + (f"{args.quantization} weights, " if args.quantization else "")
         + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
         + f"median of {args.num_iters}"
         + (f", {', '.join(extras)}" if extras else "")
@@ -195,6 +198,12 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="jvllm's weights kept quantized (HF runs the --dtype weights)",
+    )
     parser.add_argument(
         "--num-scheduler-steps",
         type=int,
