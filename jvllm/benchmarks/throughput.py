@@ -22,6 +22,7 @@ import time
 import jax
 
 from jvllm import LLM, SamplingParams
+from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.benchmarks import structured
 from jvllm.benchmarks.workload import (
     add_workload_args,
@@ -63,6 +64,7 @@ def _make_llm(args, **settings) -> LLM:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         compile_all_buckets=True,  # no compile inside the timed runs
         **settings,
     )
@@ -181,6 +183,7 @@ def _print_workload(args, ignore_eos: bool) -> None:
         f"{'sampled' if args.temperature > 0 else 'greedy'}, "
         + ("ignore_eos, " if ignore_eos else "EOS honoured, ")
         + f"{args.dtype}, "
+        + (f"KV cache {args.kv_cache_dtype}, " if args.kv_cache_dtype != "auto" else "")
         + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
         + f"median of {args.num_iters}"
         + (f", {', '.join(extras)}" if extras else "")
@@ -195,6 +198,7 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument(
         "--num-scheduler-steps",
         type=int,
