@@ -3,13 +3,13 @@ each (token, KV head) written beside the values when the token's K and V are.
 
 A scale per row of H values needs no calibration data and cannot overflow: a row is divided by
 its own max |x| / QMAX. (vLLM's default fp8 cache has one scale per tensor, 1.0 unless a
-checkpoint brings calibrated ones, which overflows e4m3's +-448 on models with large keys.) The
-scales are bfloat16, so a token takes H + 2 bytes a KV head for K and as many for V, against 2H in
-a bfloat16 cache and 4H in a float32 one.
+checkpoint brings calibrated ones, which can overflow e4m3's +-448 on models with large keys.)
+The scales are bfloat16, so a token takes H + 2 bytes a KV head for K and as many for V, against
+2H in a bfloat16 cache and 4H in a float32 one.
 
 On CPU a cache of float8 or bfloat16 holds their bits (uint8, uint16): XLA:CPU converts a whole
-float8 or bfloat16 array to float32 and back around every scatter into it (measured: a 190 MB
-cache takes 440 ms a scatter as float8, 5 ms as uint8). `to_storage` and `from_storage` convert.
+float8 or bfloat16 array to float32 and back around every scatter into it (BENCHMARKS.md,
+"Quantized KV cache"). `to_storage` and `from_storage` convert.
 """
 
 import dataclasses
@@ -84,15 +84,15 @@ def bits_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return _BITS_OF_FLOAT.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
+def stored_dtype(storage_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype whose values a cache array of `storage_dtype` holds."""
+    return jnp.dtype(_FLOAT_OF_BITS.get(jnp.dtype(storage_dtype), storage_dtype))
+
+
 def to_storage(x: jax.Array, storage_dtype: jnp.dtype) -> jax.Array:
     """x as a cache of `storage_dtype` holds it: uint8 / uint16 hold float8 / bfloat16 bits."""
     x = x.astype(stored_dtype(storage_dtype))
     return x if x.dtype == storage_dtype else jax.lax.bitcast_convert_type(x, storage_dtype)
-
-
-def stored_dtype(storage_dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype whose values a cache array of `storage_dtype` holds."""
-    return jnp.dtype(_FLOAT_OF_BITS.get(jnp.dtype(storage_dtype), storage_dtype))
 
 
 def from_storage(x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:

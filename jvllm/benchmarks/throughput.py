@@ -22,6 +22,7 @@ import time
 import jax
 
 from jvllm import LLM, SamplingParams
+from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.benchmarks import structured
 from jvllm.benchmarks.workload import (
     add_workload_args,
@@ -65,6 +66,7 @@ def _make_llm(args, **settings) -> LLM:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         compile_all_buckets=True,  # no compile inside the timed runs
         **settings,
     )
@@ -184,6 +186,7 @@ def _print_workload(args, ignore_eos: bool) -> None:
         + ("ignore_eos, " if ignore_eos else "EOS honoured, ")
         + f"{args.dtype}, "
         + (f"{args.quantization} weights, " if args.quantization else "")
+        + (f"KV cache {args.kv_cache_dtype}, " if args.kv_cache_dtype != "auto" else "")
         + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
         + f"median of {args.num_iters}"
         + (f", {', '.join(extras)}" if extras else "")
@@ -198,6 +201,7 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATION_METHODS,
