@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jvllm.quantization.rows import quantize_rows
+
 # vLLM's names -> the dtype of the values ("auto": the model's, unquantized).
 _VALUE_DTYPES = {
     "auto": None,
@@ -26,8 +28,6 @@ _VALUE_DTYPES = {
 }
 KV_CACHE_DTYPES = tuple(_VALUE_DTYPES)
 SCALE_DTYPE = jnp.dtype(jnp.bfloat16)
-# The largest magnitude each dtype holds: e4m3fn's largest finite value; int8 kept symmetric.
-_QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}
 # Floats a cache holds as bits on CPU (see the module's docstring) -> their bits' dtype.
 _BITS_OF_FLOAT = {
     jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8),
@@ -62,16 +62,7 @@ def quantized_dtype(kv_cache_dtype: str) -> jnp.dtype | None:
 def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """x [..., H] -> (values dtype[..., H], scales bfloat16[...]), x ~= values * scales, each row
     scaled by its max |x| (a row of zeros gets scale 0 and values 0)."""
-    qmax = _QMAX[jnp.dtype(dtype)]
-    x = x.astype(jnp.float32)
-    scales = (jnp.max(jnp.abs(x), axis=-1) / qmax).astype(SCALE_DTYPE)
-    scale = scales.astype(jnp.float32)[..., None]
-    # Divided by the rounded scale that is stored; its rounding may take the largest value a
-    # hair past qmax, which the clip takes back (e4m3fn has no infinity: it would be NaN).
-    y = jnp.clip(x / jnp.where(scale > 0, scale, 1.0), -qmax, qmax)
-    if jnp.issubdtype(dtype, jnp.integer):
-        y = jnp.round(y)
-    return y.astype(dtype), scales
+    return quantize_rows(x, dtype, SCALE_DTYPE)
 
 
 def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:

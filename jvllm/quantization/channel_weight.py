@@ -17,10 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-_FORMATS = {  # method -> (values dtype, its largest finite magnitude)
-    "int8": (jnp.int8, 127.0),
-    "fp8": (jnp.float8_e4m3fn, 448.0),
-}
+from jvllm.quantization.rows import quantize_rows
+
+_FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
 
 
 @jax.tree_util.register_dataclass
@@ -68,22 +67,13 @@ def fp8_matmul(x: jax.Array, w: ChannelWeight) -> jax.Array:
     """x [..., I] @ fp8 weight [O, I].T -> f32[..., O] in fp8: each row of x is scaled to
     e4m3's range and rounded to it, the product accumulates in float32, and both scales are
     applied to the result (dynamic per-token activation scales, as vLLM's fp8 linear)."""
-    max_value = _FORMATS["fp8"][1]
-    x32 = x.astype(jnp.float32)
-    x_scale = jnp.maximum(jnp.abs(x32).max(-1, keepdims=True), 1e-12) / max_value  # [..., 1]
-    xq = (x32 / x_scale).astype(jnp.float8_e4m3fn)
+    xq, x_scale = quantize_rows(x, jnp.float8_e4m3fn, jnp.float32)  # [..., I], [...]
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     y = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.float32)
-    return y * x_scale * w.scale
+    return y * x_scale[..., None] * w.scale
 
 
 def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
     """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8")."""
-    values_dtype, max_value = _FORMATS[method]
-    w32 = w.astype(jnp.float32)
-    row_max = jnp.abs(w32).max(-1)  # [..., O]
-    scale = jnp.where(row_max > 0, row_max / max_value, 1.0)
-    scaled = w32 / scale[..., None]
-    if method == "int8":
-        scaled = jnp.clip(jnp.round(scaled), -max_value, max_value)
-    return ChannelWeight(scaled.astype(values_dtype), scale, dtype)
+    values, scale = quantize_rows(w, _FORMATS[method], jnp.float32)  # [..., O, I], [..., O]
+    return ChannelWeight(values, scale, dtype)
