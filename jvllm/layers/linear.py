@@ -1,11 +1,10 @@
 """Dense projection with float32 accumulation, and the Linear module built on it."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jvllm.layers.dot import dot_rows
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import Segments, param
 from jvllm.quantization import QuantizedWeight, is_quantized
@@ -23,21 +22,7 @@ def dense(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     """
     if is_quantized(w):
         return w.dense(x)
-    if w.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
-        return _dense_one_bfloat16_row(x, w)
-    contract = (((x.ndim - 1,), (1,)), ((), ()))
-    return jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
-
-
-def _dense_one_bfloat16_row(x: jax.Array, w: jax.Array) -> jax.Array:
-    """dense for one row and bfloat16 weights, as a multiply + reduce.
-
-    XLA:CPU runs a 1-row bfloat16 dot by converting the whole weight to float32 first, which
-    made SmolLM2's 30 layers and head take 139 ms a token; the reduction fuses the conversion and
-    reads the weight once (22 ms). The products and sums are the dot's, in float32.
-    """
-    xs = x.astype(w.dtype).astype(jnp.float32)  # [..., I], rounded as the dot would round it
-    return (w.astype(jnp.float32) * xs[..., None, :]).sum(-1)  # [..., O]
+    return dot_rows(x, w)
 
 
 class Linear(nnx.Module):

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jvllm.quantization import is_quantized
+from jvllm.quantization.packed_weight import GGUFWeight
+
 
 def stacked_layers(make_layer: Callable[[], nnx.Module], num_layers: int) -> nnx.Module:
     """One module whose every weight has a leading [L] axis, named "layers"."""
@@ -43,11 +46,11 @@ def scan_layers(
         weights = jax.tree.map(
             lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), weights
         )
-        if _is_one_cpu_row(carry) and _has_narrow_weights(weights):
-            # One row on CPU: copy the slice as it is, so the float32 conversion stays fused
-            # into the multiply-reduce that reads it (see dense); XLA:CPU would otherwise write
-            # the slice out converted to float32 in a slow fusion (batch-1 decode: 36 against
-            # 3 tok/s). A GPU reads the slice in place, where a copy would add weight traffic.
+        if _is_one_cpu_row(carry) and _has_gguf_blocks(weights):
+            # One row on CPU: copy the slice as it is, so the dequantization stays fused into
+            # the multiply-reduce that reads it (GGUFWeight.dense); XLA:CPU would otherwise
+            # write the slice out converted to float32 in a slow fusion (10x slower). Float and
+            # int8/fp8 weights go to the matmul library, which reads a slice in place.
             weights = jax.lax.optimization_barrier(weights)
         return body(nnx.merge(graphdef, weights), carry, layer, extra), None
 
@@ -61,6 +64,5 @@ def _is_one_cpu_row(carry: Any) -> bool:
     return x.shape[0] == 1 and jax.default_backend() == "cpu"
 
 
-def _has_narrow_weights(weights: nnx.State) -> bool:
-    """Whether some weight is stored narrower than float32 (bfloat16, or quantized)."""
-    return any(w.dtype.itemsize < 4 for w in jax.tree.leaves(weights))
+def _has_gguf_blocks(weights: nnx.State) -> bool:
+    return any(isinstance(w, GGUFWeight) for w in jax.tree.leaves(weights, is_leaf=is_quantized))

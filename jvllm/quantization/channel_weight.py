@@ -12,11 +12,11 @@ activations quantized to fp8 per row in an fp8 matmul.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from jvllm.layers.dot import dot_rows
 from jvllm.quantization.rows import quantize_rows
 
 _FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
@@ -47,20 +47,11 @@ class ChannelWeight:
         return self
 
     def dense(self, x: jax.Array) -> jax.Array:
-        """x [..., I] @ weight [O, I].T -> f32[..., O]. One row multiplies and reduces, so that
-        XLA fuses the conversion into the product (layers/linear.py)."""
+        """x [..., I] @ weight [O, I].T -> f32[..., O]: the values converted to the model dtype
+        (exact: 1-byte values fit every model dtype) meet x in layers/dot.py's matmul."""
         if self.values.dtype == jnp.float8_e4m3fn and jax.default_backend() == "gpu":
             return fp8_matmul(x, self)
-        w = self.values.astype(self.dtype)  # exact: 1-byte values fit every model dtype
-        if math.prod(x.shape[:-1]) == 1:
-            xs = x.astype(self.dtype).astype(jnp.float32).reshape(-1)  # one flat row
-            y = (w.astype(jnp.float32) * xs).sum(-1).reshape(*x.shape[:-1], -1)
-        else:
-            contract = (((x.ndim - 1,), (1,)), ((), ()))
-            y = jax.lax.dot_general(
-                x.astype(self.dtype), w, contract, preferred_element_type=jnp.float32
-            )
-        return y * self.scale
+        return dot_rows(x, self.values.astype(self.dtype)) * self.scale
 
 
 def fp8_matmul(x: jax.Array, w: ChannelWeight) -> jax.Array:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from gguf.constants import GGMLQuantizationType as Q
 
+from jvllm.layers.dot import dot_rows
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, Fields
 
 
@@ -68,8 +69,4 @@ class GGUFWeight:
             w = self._blocks().astype(self.dtype).astype(jnp.float32)  # [O, nb, block_size]
             xs = x.astype(self.dtype).astype(jnp.float32).reshape(w.shape[-2:])
             return (w * xs).sum((-1, -2)).reshape(*x.shape[:-1], -1)
-        w = self.dequantize().astype(self.dtype)  # [O, I]
-        contract = (((x.ndim - 1,), (1,)), ((), ()))
-        return jax.lax.dot_general(
-            x.astype(self.dtype), w, contract, preferred_element_type=jnp.float32
-        )
+        return dot_rows(x, self.dequantize().astype(self.dtype))  # [O, I]
