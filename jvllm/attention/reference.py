@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jvllm.attention import cpu_decode
 from jvllm.attention.kv_quant import (
     KVCache,
     QuantizedKVCache,
@@ -322,6 +323,10 @@ def paged_attention(
     }
     if md.is_decode:
         (tiles,) = md.tiles
+        plain = logit_softcap is None and sliding_window is None
+        if plain and not isinstance(kv_cache, QuantizedKVCache) and cpu_decode.supports(kv_cache):
+            out = cpu_decode.decode_attention(q_scaled, kv_cache, layer, md.block_tables, tiles)
+            return out.astype(q.dtype)
         init = (jnp.zeros(q.shape),)
         (out,) = _attend_pages(
             q_scaled,

@@ -1,0 +1,117 @@
+"""Decode attention on CPU as a native kernel (cpu_decode.cc) called through the XLA FFI.
+
+XLA:CPU runs the reference backend's decode attention as many small batched products, well
+below what reading the KV takes (a SmolLM2 batch-64 step: 66 of 111 ms; BENCHMARKS.md). The
+kernel reads each KV head's rows once for its query heads, in float32 from a bfloat16 or
+float32 cache, on XLA's intra-op threads.
+
+It is built with the system C++ compiler on first use, into ~/.cache/jvllm/native (or
+$JVLLM_NATIVE_CACHE_DIR), keyed by the source and jax's version; a machine without a compiler,
+or JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the same attention.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jvllm.attention.metadata import Tiles
+from jvllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cc")
+# The cache's storage dtype -> its kernel (kv_quant.py keeps bfloat16 as uint16 bits on CPU).
+_TARGETS = {
+    jnp.dtype(jnp.uint16): "DecodeAttentionBF16",
+    jnp.dtype(jnp.float32): "DecodeAttentionF32",
+}
+
+
+def supports(cache: jax.Array) -> bool:
+    """Whether decode attention over `cache` [L, 2, K, P, B, H] can run the kernel here."""
+    return (
+        cache.dtype in _TARGETS
+        and jax.default_backend() == "cpu"
+        and os.environ.get("JVLLM_CPU_DECODE_KERNEL", "1") != "0"
+        and _register()
+    )
+
+
+def decode_attention(
+    q: jax.Array, cache: jax.Array, layer: jax.Array, tables: jax.Array, tiles: Tiles
+) -> jax.Array:
+    """One-query tiles of q f32[T, N, H] (pre-scaled) to the first kv_lens positions of their
+    sequence's pages in cache [L, 2, K, P, B, H] at `layer` -> normalised f32[T, N, H]; tokens
+    no tile reads are 0. Only where `supports(cache)`."""
+    if not _register():
+        raise RuntimeError("the CPU decode attention kernel could not be built (see the log)")
+    call = jax.ffi.ffi_call(_TARGETS[cache.dtype], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q,
+        cache,
+        jnp.asarray(layer, jnp.int32),
+        tables,
+        tiles.token_idx[:, 0],
+        tiles.seq,
+        tiles.kv_lens[:, 0],
+    )
+
+
+@functools.cache
+def _register() -> bool:
+    library = _build()
+    if library is None:
+        return False
+    for name in _TARGETS.values():
+        capsule = jax.ffi.pycapsule(getattr(ctypes.cdll.LoadLibrary(str(library)), name))
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return True
+
+
+def _cpu() -> str:
+    """This machine's CPU model and instruction set, as far as the OS says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    return " ".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _build() -> Path | None:
+    """The kernel's shared library, compiled once per source and jax version; None (logged)
+    when it cannot be built."""
+    # -march=native: the library is for this CPU, so its flags are part of the key.
+    key = hashlib.sha256(_SOURCE.read_bytes() + f"{jax.__version__} {_cpu()}".encode()).hexdigest()
+    root = os.environ.get("JVLLM_NATIVE_CACHE_DIR") or Path.home() / ".cache" / "jvllm" / "native"
+    library = Path(root) / f"cpu_decode-{key[:16]}.so"
+    if library.exists():
+        return library
+    compiler = os.environ.get("CXX", "g++")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
+        partial = Path(out.name)
+    command = [compiler, "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17"]
+    command += ["-w", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as error:
+        partial.unlink(missing_ok=True)
+        detail = getattr(error, "stderr", None) or error
+        logger.warning(
+            "CPU decode attention stays pure JAX: building its kernel with %s failed (%s); "
+            "install a C++ compiler (or set CXX) to get it",
+            compiler,
+            str(detail).strip()[:500],
+        )
+        return None
+    partial.replace(library)  # atomic: a concurrent build sees a whole library or none
+    logger.info("built the CPU decode attention kernel: %s", library)
+    return library

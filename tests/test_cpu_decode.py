@@ -1,0 +1,112 @@
+"""The native CPU decode attention kernel against dense attention, and the engine with it off."""
+
+import logging
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm.attention import cpu_decode
+from jvllm.attention.metadata import Tiles
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="builds the kernel with the system C++ compiler"
+)
+
+
+def _dense(q, k, v):
+    """q [N, H] of one token to k, v [C, K, H] -> [N, H]."""
+    group = q.shape[0] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [C, N, H]
+    s = np.einsum("nh,cnh->nc", q, k)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("nc,cnh->nh", p / p.sum(-1, keepdims=True), v)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (jnp.bfloat16, 9, 3, 64, 16),  # SmolLM2's shapes
+        (jnp.float32, 8, 2, 128, 16),  # Llama-3's head size
+        (jnp.float32, 6, 6, 40, 4),  # no grouping, a head size the kernel does not special-case
+    ],
+)
+def test_kernel_matches_dense_attention_on_ragged_pages(
+    dtype, num_heads, num_kv_heads, head_dim, block_size
+):
+    rng = np.random.default_rng(head_dim)
+    lens = [1, 2, block_size, block_size + 1, 77, 300, 513, 5]
+    num_layers, layer, max_pages = 3, 2, 160
+    num_pages = 1 + sum(-(-n // block_size) for n in lens) + 7
+    tables = np.zeros((len(lens), max_pages), np.int32)
+    free = rng.permutation(np.arange(1, num_pages))  # shuffled pages, the null page unused
+    for s, n in enumerate(lens):
+        tables[s, : -(-n // block_size)], free = np.split(free, [-(-n // block_size)])
+    shape = (num_layers, 2, num_kv_heads, num_pages, block_size, head_dim)
+    cache = jnp.asarray(rng.standard_normal(shape), dtype)
+    values = np.asarray(cache.astype(jnp.float32))
+    if dtype == jnp.bfloat16:  # stored as bits, as the engine does
+        cache = jax.lax.bitcast_convert_type(cache, jnp.uint16)
+    assert cpu_decode.supports(cache)
+    # Tokens in another order than their sequences, two padding tiles (token 0, reads nothing)
+    # and a token that no tile reads.
+    num_tokens = len(lens) + 1
+    token_of = rng.permutation(np.arange(1, num_tokens))
+    tiles = Tiles(
+        token_idx=jnp.asarray(np.r_[token_of, 0, 0][:, None], jnp.int32),
+        kv_lens=jnp.asarray(np.r_[lens, 0, 0][:, None], jnp.int32),
+        seq=jnp.asarray(np.r_[np.arange(len(lens)), 0, 0], jnp.int32),
+    )
+    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32) / 4
+
+    out = jax.jit(cpu_decode.decode_attention)(
+        jnp.asarray(q), cache, jnp.int32(layer), jnp.asarray(tables), tiles
+    )
+
+    out = np.asarray(out)
+    np.testing.assert_array_equal(out[0], 0)  # no tile reads token 0
+    for s, n in enumerate(lens):
+        pages = tables[s, : -(-n // block_size)]
+        k, v = (
+            values[layer, kv][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
+            for kv in (0, 1)
+        )
+        want = _dense(q[token_of[s]], k[:n], v[:n])
+        np.testing.assert_allclose(out[token_of[s]], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", ["decode", "many_decodes"])
+def test_pure_jax_decode_attention_still_matches_dense_with_the_kernel_off(
+    case, dtype, monkeypatch
+):
+    """JVLLM_CPU_DECODE_KERNEL=0 (or no compiler) keeps the reference backend's own decode
+    attention, which the other tests of it no longer reach on a CPU with the kernel."""
+    from test_attention_reference import _check_against_dense
+
+    monkeypatch.setenv("JVLLM_CPU_DECODE_KERNEL", "0")
+    assert not cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1), jnp.float32))
+    jax.clear_caches()  # paged_attention traces again, without the kernel
+    try:
+        _check_against_dense(case, 6, 2, dtype)
+    finally:
+        jax.clear_caches()
+
+
+def test_no_compiler_keeps_the_pure_jax_path_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    records = []  # jvllm's loggers do not propagate to the root
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(cpu_decode.logger, "handlers", [handler])
+    cpu_decode._register.cache_clear()
+    try:
+        assert not cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1), jnp.float32))
+        assert any("install a C++ compiler" in r.getMessage() for r in records)
+        assert list(tmp_path.iterdir()) == []  # nothing half-built is left behind
+    finally:
+        cpu_decode._register.cache_clear()
