@@ -38,18 +38,6 @@ struct Shapes {
 
 // Attention of one tile's G query heads of KV head `kv_head` -> out [G, H]. HD > 0 fixes the
 // head size at compile time (the common 64 and 128), so the row loops vectorise fully.
-// Asks for the page after `pos`'s, whose rows the loop reads next: pages lie anywhere in the
-// cache, so the hardware prefetcher, which follows addresses, does not see the jump coming.
-template <typename T>
-inline void prefetch_next_page(const T* rows, const int32_t* pages, int64_t pos, int64_t kv_len,
-                               int64_t block_size, int64_t head_dim) {
-  const int64_t next = pos / block_size + 1;
-  if (pos % block_size != 0 || next * block_size >= kv_len) return;
-  const char* page = reinterpret_cast<const char*>(rows + pages[next] * block_size * head_dim);
-  const int64_t bytes = block_size * head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(page + at);
-}
-
 template <int HD, typename T>
 void attend_head(const float* __restrict q, const T* __restrict keys,
                  const T* __restrict values, const int32_t* __restrict pages, int64_t kv_len,
@@ -60,7 +48,6 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
   float* __restrict row = scores.data() + G * kv_len;  // one key or value row in float32
   float* __restrict sums = row + H;                    // each query's softmax denominator
   for (int64_t pos = 0; pos < kv_len; ++pos) {
-    prefetch_next_page(keys, pages, pos, kv_len, B, H);
     const T* __restrict k = keys + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
     for (int64_t h = 0; h < H; ++h) row[h] = to_float(k[h]);
     for (int64_t g = 0; g < G; ++g) {
@@ -82,7 +69,6 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
   }
   std::fill(out, out + G * H, 0.f);
   for (int64_t pos = 0; pos < kv_len; ++pos) {
-    prefetch_next_page(values, pages, pos, kv_len, B, H);
     const T* __restrict v = values + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
     for (int64_t h = 0; h < H; ++h) row[h] = to_float(v[h]);
     for (int64_t g = 0; g < G; ++g) {

@@ -86,21 +86,22 @@ def _cpu() -> str:
 
 
 def _build() -> Path | None:
-    """The kernel's shared library, compiled once per source and jax version; None (logged)
-    when it cannot be built."""
-    # -march=native: the library is for this CPU, so its flags are part of the key.
-    key = hashlib.sha256(_SOURCE.read_bytes() + f"{jax.__version__} {_cpu()}".encode()).hexdigest()
+    """The kernel's shared library, compiled once per source, flags, jax version and CPU; None
+    (logged) when it cannot be built."""
+    compiler = os.environ.get("CXX", "g++")
+    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
+    flags += ["-std=c++17", "-w", f"-I{jax.ffi.include_dir()}"]
+    # -march=native builds for this CPU, so what the OS says of it is part of the key.
+    key = f"{compiler} {flags} {jax.__version__} {_cpu()}".encode() + _SOURCE.read_bytes()
     root = os.environ.get("JVLLM_NATIVE_CACHE_DIR") or Path.home() / ".cache" / "jvllm" / "native"
-    library = Path(root) / f"cpu_decode-{key[:16]}.so"
+    library = Path(root) / f"cpu_decode-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if library.exists():
         return library
-    compiler = os.environ.get("CXX", "g++")
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
         partial = Path(out.name)
-    command = [compiler, "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17"]
-    command += ["-w", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)]
     try:
+        command = [compiler, *flags, str(_SOURCE), "-o", str(partial)]
         subprocess.run(command, check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as error:
         partial.unlink(missing_ok=True)
