@@ -2,6 +2,8 @@
 
 import logging
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +112,18 @@ def test_no_compiler_keeps_the_pure_jax_path_and_says_so(tmp_path, monkeypatch):
         assert list(tmp_path.iterdir()) == []  # nothing half-built is left behind
     finally:
         cpu_decode._register.cache_clear()
+
+
+@needs_compiler
+def test_loading_the_kernel_leaves_float_arithmetic_alone():
+    """A library linked with -ffast-math turns on flush-to-zero in the thread that loads it:
+    denormals would become 0 there, and JAX would fold different constants into the steps that
+    thread traces (different compilation-cache keys from one process to the next)."""
+    script = (
+        "import numpy as np; from jvllm.attention import cpu_decode\n"
+        "tiny = np.float32(1e-39)\n"
+        "assert tiny * np.float32(1) != 0\n"
+        "assert cpu_decode._register()\n"
+        "assert tiny * np.float32(1) != 0, 'flush-to-zero after loading the kernel'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)

@@ -28,6 +28,7 @@ from jvllm.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.cc")
+NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
 # The cache's storage dtype -> its kernel (kv_quant.py keeps bfloat16 as uint16 bits on CPU).
 _TARGETS = {
     jnp.dtype(jnp.uint16): "DecodeAttentionBF16",
@@ -89,19 +90,25 @@ def _build() -> Path | None:
     """The kernel's shared library, compiled once per source, flags, jax version and CPU; None
     (logged) when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
-    flags += ["-std=c++17", "-w", f"-I{jax.ffi.include_dir()}"]
+    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-w"]
+    flags += [f"-I{jax.ffi.include_dir()}"]
     # -march=native builds for this CPU, so what the OS says of it is part of the key.
-    key = f"{compiler} {flags} {jax.__version__} {_cpu()}".encode() + _SOURCE.read_bytes()
-    root = os.environ.get("JVLLM_NATIVE_CACHE_DIR") or Path.home() / ".cache" / "jvllm" / "native"
+    key = f"{compiler} {flags} -shared {jax.__version__} {_cpu()}".encode() + _SOURCE.read_bytes()
+    root = os.environ.get(NATIVE_CACHE_DIR_ENV) or Path.home() / ".cache" / "jvllm" / "native"
     library = Path(root) / f"cpu_decode-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
         partial = Path(out.name)
+    objects = partial.with_suffix(".o")
     try:
-        command = [compiler, *flags, str(_SOURCE), "-o", str(partial)]
+        # Compiled with -ffast-math but linked without it: linking it in would add a start-up
+        # routine that turns on flush-to-zero for the thread that loads the library, changing
+        # its float arithmetic (and with it constants that JAX folds into the traced steps).
+        command = [compiler, *flags, "-c", str(_SOURCE), "-o", str(objects)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        command = [compiler, "-shared", str(objects), "-o", str(partial)]
         subprocess.run(command, check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as error:
         partial.unlink(missing_ok=True)
@@ -113,6 +120,8 @@ def _build() -> Path | None:
             str(detail).strip()[:500],
         )
         return None
+    finally:
+        objects.unlink(missing_ok=True)
     partial.replace(library)  # atomic: a concurrent build sees a whole library or none
     logger.info("built the CPU decode attention kernel: %s", library)
     return library

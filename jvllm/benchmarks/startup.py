@@ -3,9 +3,10 @@ then again on what that process left in them (warm).
 
     python -m jvllm.benchmarks.startup --dtype bfloat16
 
-Per dtype, three measurements, each in its own fresh pair of cache directories (XLA's compiled
+Per dtype, three measurements, each in its own fresh set of cache directories (XLA's compiled
 executables, JVLLM_COMPILATION_CACHE_DIR, and the default model's GGUF converted to an HF
-directory, JVLLM_CACHE_DIR), run cold and then warm:
+directory, JVLLM_CACHE_DIR, and the CPU decode kernel, JVLLM_NATIVE_CACHE_DIR), run cold and then
+warm:
 - first token: `LLM(...)` returns (load; it compiles lazily), then `generate` of one prompt with
   max_tokens=1;
 - the README's example: examples/offline_inference.py as written, with the model, dtype and load
@@ -40,6 +41,7 @@ import jax
 
 import jvllm
 from jvllm import LLM, SamplingParams
+from jvllm.attention.cpu_decode import NATIVE_CACHE_DIR_ENV
 from jvllm.benchmarks.serve import free_port
 from jvllm.model_loader.default_model import CACHE_DIR_ENV
 from jvllm.model_loader.loader import LOAD_FORMATS
@@ -117,6 +119,7 @@ def _cache_env(cache_dir: str) -> dict:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env[COMPILATION_CACHE_DIR_ENV] = os.path.join(cache_dir, "xla")
     env[CACHE_DIR_ENV] = os.path.join(cache_dir, "models")
+    env[NATIVE_CACHE_DIR_ENV] = os.path.join(cache_dir, "native")
     return env
 
 
