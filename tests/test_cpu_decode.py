@@ -1,4 +1,5 @@
-"""The native CPU decode attention kernel against dense attention, and the engine with it off."""
+"""The native CPU decode attention kernel against dense attention, and the pure-JAX path with
+it off."""
 
 import logging
 import shutil
@@ -64,12 +65,16 @@ def test_kernel_matches_dense_attention_on_ragged_pages(
     )
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32) / 4
 
-    out = jax.jit(cpu_decode.decode_attention)(
+    found = jax.jit(cpu_decode.attend_pages)(
         jnp.asarray(q), cache, jnp.int32(layer), jnp.asarray(tables), tiles
     )
 
-    out = np.asarray(out)
-    np.testing.assert_array_equal(out[0], 0)  # no tile reads token 0
+    m, l, acc = (np.asarray(x) for x in found)
+    # no tile reads token 0: the pure-JAX path's "no pages" (MASKED, 0, 0)
+    np.testing.assert_array_equal(m[0], np.float32(-1e30))
+    np.testing.assert_array_equal(l[0], 0)
+    np.testing.assert_array_equal(acc[0], 0)
+    out = acc / np.where(l > 0, l, 1)[..., None]
     for s, n in enumerate(lens):
         pages = tables[s, : -(-n // block_size)]
         k, v = (
@@ -81,12 +86,10 @@ def test_kernel_matches_dense_attention_on_ragged_pages(
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", ["decode", "many_decodes"])
-def test_pure_jax_decode_attention_still_matches_dense_with_the_kernel_off(
-    case, dtype, monkeypatch
-):
-    """JVLLM_CPU_DECODE_KERNEL=0 (or no compiler) keeps the reference backend's own decode
-    attention, which the other tests of it no longer reach on a CPU with the kernel."""
+@pytest.mark.parametrize("case", ["decode", "many_decodes", "mixed", "long_prefills"])
+def test_pure_jax_paged_attention_still_matches_dense_with_the_kernel_off(case, dtype, monkeypatch):
+    """JVLLM_CPU_DECODE_KERNEL=0 (or no compiler) keeps the reference backend's own attention
+    of one-query tiles, which the other tests of it no longer reach on a CPU with the kernel."""
     from test_attention_reference import _check_against_dense
 
     monkeypatch.setenv("JVLLM_CPU_DECODE_KERNEL", "0")

@@ -4,8 +4,10 @@
 // kv_lens[t] positions of its pages block_tables[seq[t], :]. Each KV head's row of keys is read
 // once for the G query heads that share it, and its scores, softmax and weighted values are
 // computed in float32 from the cache's float32 values or bfloat16 bits (uint16, as kv_quant.py
-// stores bfloat16 on CPU). Tiles are split among XLA's
-// intra-op threads. Rows of tokens that no tile reads are zero, as the pure-JAX path leaves them.
+// stores bfloat16 on CPU). The result is unnormalised, as the pure-JAX path's: each query's
+// max score, sum of exponentials and weighted values, so that a step with prefills can merge it
+// with attention to its own tokens; rows of tokens that no tile reads keep (-1e30, 0, 0).
+// Tiles are split among XLA's intra-op threads.
 
 #include <algorithm>
 #include <atomic>
@@ -36,17 +38,17 @@ struct Shapes {
   int64_t num_kv_heads, num_pages, block_size, head_dim, group, max_pages;
 };
 
-// Attention of one tile's G query heads of KV head `kv_head` -> out [G, H]. HD > 0 fixes the
+// Attention of one tile's G query heads of one KV head -> max [G], sum [G], values out [G, H]. HD > 0 fixes the
 // head size at compile time (the common 64 and 128), so the row loops vectorise fully.
 template <int HD, typename T>
 void attend_head(const float* __restrict q, const T* __restrict keys,
                  const T* __restrict values, const int32_t* __restrict pages, int64_t kv_len,
-                 const Shapes& s, float* __restrict out, std::vector<float>& scores) {
+                 const Shapes& s, float* __restrict max_out, float* __restrict sum_out,
+                 float* __restrict out, std::vector<float>& scores) {
   const int64_t G = s.group, B = s.block_size;
   const int64_t H = HD > 0 ? HD : s.head_dim;
-  scores.resize(static_cast<size_t>(G * kv_len + H + G));
+  scores.resize(static_cast<size_t>(G * kv_len + H));
   float* __restrict row = scores.data() + G * kv_len;  // one key or value row in float32
-  float* __restrict sums = row + H;                    // each query's softmax denominator
   for (int64_t pos = 0; pos < kv_len; ++pos) {
     const T* __restrict k = keys + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
     for (int64_t h = 0; h < H; ++h) row[h] = to_float(k[h]);
@@ -65,7 +67,8 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
       sg[pos] = std::exp(sg[pos] - m);
       sum += sg[pos];
     }
-    sums[g] = sum;
+    max_out[g] = m;
+    sum_out[g] = sum;
   }
   std::fill(out, out + G * H, 0.f);
   for (int64_t pos = 0; pos < kv_len; ++pos) {
@@ -77,33 +80,33 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
       for (int64_t h = 0; h < H; ++h) og[h] += p * row[h];
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / sums[g];
-    for (int64_t h = 0; h < H; ++h) out[g * H + h] *= inv;
-  }
 }
 
 template <typename T>
 void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_keys,
                   const T* layer_values, const int32_t* tables, const int32_t* token_idx,
-                  const int32_t* seq, const int32_t* kv_lens, const Shapes& s, float* out) {
+                  const int32_t* seq, const int32_t* kv_lens, const Shapes& s, float* max_out,
+                  float* sum_out, float* out) {
   const int64_t N = s.num_kv_heads * s.group, H = s.head_dim;
   const int64_t head_stride = s.num_pages * s.block_size * H;  // one KV head's pages
   std::vector<float> scores;
   for (int64_t t = first; t < last; ++t) {
     if (kv_lens[t] <= 0) continue;
     const int32_t* pages = tables + static_cast<int64_t>(seq[t]) * s.max_pages;
-    const int64_t row = static_cast<int64_t>(token_idx[t]) * N * H;
+    const int64_t row = static_cast<int64_t>(token_idx[t]) * N;
     for (int64_t kh = 0; kh < s.num_kv_heads; ++kh) {
-      const int64_t at = row + kh * s.group * H;
+      const int64_t n = row + kh * s.group, at = n * H;  // the head's first query, its values
       const T* keys = layer_keys + kh * head_stride;
       const T* values = layer_values + kh * head_stride;
       if (H == 64) {
-        attend_head<64>(q + at, keys, values, pages, kv_lens[t], s, out + at, scores);
+        attend_head<64>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
+                         sum_out + n, out + at, scores);
       } else if (H == 128) {
-        attend_head<128>(q + at, keys, values, pages, kv_lens[t], s, out + at, scores);
+        attend_head<128>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
+                         sum_out + n, out + at, scores);
       } else {
-        attend_head<0>(q + at, keys, values, pages, kv_lens[t], s, out + at, scores);
+        attend_head<0>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
+                         sum_out + n, out + at, scores);
       }
     }
   }
@@ -114,7 +117,8 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             ffi::Buffer<D> cache, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> token_idx,
                             ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> kv_lens,
-                            ffi::ResultBuffer<ffi::F32> out) {
+                            ffi::ResultBuffer<ffi::F32> max_out,
+                            ffi::ResultBuffer<ffi::F32> sum_out, ffi::ResultBuffer<ffi::F32> out) {
   using T = std::conditional_t<D == ffi::DataType::U16, uint16_t, float>;  // U16: bfloat16 bits
   auto q_dims = q.dimensions(), cache_dims = cache.dimensions();
   if (q_dims.size() != 3 || cache_dims.size() != 6 || block_tables.dimensions().size() != 2) {
@@ -131,7 +135,9 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const T* base = reinterpret_cast<const T*>(cache.typed_data());
   const T* keys = base + static_cast<int64_t>(layer.typed_data()[0]) * 2 * kv_stride;
   const T* values = keys + kv_stride;
-  float* o = out->typed_data();
+  float *m = max_out->typed_data(), *l = sum_out->typed_data(), *o = out->typed_data();
+  std::fill(m, m + max_out->element_count(), -1e30f);  // the pure-JAX path's MASKED
+  std::fill(l, l + sum_out->element_count(), 0.f);
   std::fill(o, o + out->element_count(), 0.f);
 
   // Parts of the tiles go to whoever asks next: the calling thread and the tasks it schedules.
@@ -145,7 +151,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto part = [&](int64_t i) {
     attend_tiles(num_tiles * i / num_parts, num_tiles * (i + 1) / num_parts, q.typed_data(),
                  keys, values, block_tables.typed_data(), token_idx.typed_data(),
-                 seq.typed_data(), kv_lens.typed_data(), s, o);
+                 seq.typed_data(), kv_lens.typed_data(), s, m, l, o);
   };
   auto progress = std::make_shared<Progress>();
   auto work = [progress, num_parts, &part] {
@@ -173,6 +179,8 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 DECODE_ATTENTION_HANDLER(DecodeAttentionBF16, ffi::DataType::U16)

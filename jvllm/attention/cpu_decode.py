@@ -46,15 +46,19 @@ def supports(cache: jax.Array) -> bool:
     )
 
 
-def decode_attention(
+def attend_pages(
     q: jax.Array, cache: jax.Array, layer: jax.Array, tables: jax.Array, tiles: Tiles
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One-query tiles of q f32[T, N, H] (pre-scaled) to the first kv_lens positions of their
-    sequence's pages in cache [L, 2, K, P, B, H] at `layer` -> normalised f32[T, N, H]; tokens
-    no tile reads are 0. Only where `supports(cache)`."""
+    sequence's pages in cache [L, 2, K, P, B, H] at `layer` -> unnormalised (max f32[T, N],
+    sum f32[T, N], weighted values f32[T, N, H]); tokens no tile reads get (-1e30, 0, 0).
+    Only where `supports(cache)`."""
     if not _register():
         raise RuntimeError("the CPU decode attention kernel could not be built (see the log)")
-    call = jax.ffi.ffi_call(_TARGETS[cache.dtype], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    rows = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
+    call = jax.ffi.ffi_call(
+        _TARGETS[cache.dtype], (rows, rows, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    )
     return call(
         q,
         cache,

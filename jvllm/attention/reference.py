@@ -321,11 +321,19 @@ def paged_attention(
         "first_visible": first_visible,
         "logit_softcap": logit_softcap,
     }
+    # The CPU kernel reads the one-query tiles: every tile of a decode step, and the decodes
+    # beside the prefills of a mixed one.
+    native = (
+        logit_softcap is None
+        and sliding_window is None
+        and not isinstance(kv_cache, QuantizedKVCache)
+        and cpu_decode.supports(kv_cache)
+    )
     if md.is_decode:
         (tiles,) = md.tiles
-        plain = logit_softcap is None and sliding_window is None
-        if plain and not isinstance(kv_cache, QuantizedKVCache) and cpu_decode.supports(kv_cache):
-            out = cpu_decode.decode_attention(q_scaled, kv_cache, layer, md.block_tables, tiles)
+        if native:
+            result = cpu_decode.attend_pages(q_scaled, kv_cache, layer, md.block_tables, tiles)
+            (out,) = _normalize(*result)
             return out.astype(q.dtype)
         init = (jnp.zeros(q.shape),)
         (out,) = _attend_pages(
@@ -348,16 +356,20 @@ def paged_attention(
     def from_pages():
         flat = no_pages()  # each query is in one group at most: fill in the groups in turn
         for tiles in md.tiles:
-            flat = _attend_pages(
-                q_scaled,
-                kv_cache,
-                layer,
-                tiles,
-                md.block_tables,
-                flat,
-                _MIXED_TILE_BLOCK,
-                **pages_options,
-            )
+            if native and tiles.token_idx.shape[1] == 1:
+                found = cpu_decode.attend_pages(q_scaled, kv_cache, layer, md.block_tables, tiles)
+                flat = _take_read_rows(found, flat)
+            else:
+                flat = _attend_pages(
+                    q_scaled,
+                    kv_cache,
+                    layer,
+                    tiles,
+                    md.block_tables,
+                    flat,
+                    _MIXED_TILE_BLOCK,
+                    **pages_options,
+                )
         return flat
 
     reads_pages = jnp.any(jnp.stack([jnp.any(tiles.kv_lens > 0) for tiles in md.tiles]))
@@ -367,6 +379,16 @@ def paged_attention(
     a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
     out = (acc1 * a1 + acc2 * a2) / (l1[..., None] * a1 + l2[..., None] * a2)
     return out.astype(q.dtype)
+
+
+def _take_read_rows(found: tuple[jax.Array, ...], flat: tuple[jax.Array, ...]):
+    """(max, sum [T, N], values [T, N, H]) of `found` for the queries it read (a positive sum),
+    of `flat` for the others."""
+    read = found[1] > 0  # [T, N]
+    return tuple(
+        jnp.where(read.reshape(read.shape + (1,) * (new.ndim - 2)), new, old)
+        for new, old in zip(found, flat, strict=True)
+    )
 
 
 def _window_scalar(sliding_window) -> jax.Array:
