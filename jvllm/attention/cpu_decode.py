@@ -1,13 +1,15 @@
-"""Decode attention on CPU as a native kernel (cpu_decode.cc) called through the XLA FFI.
+"""Attention of one-query tiles on CPU as a native kernel (cpu_decode.cc) through the XLA FFI.
 
 XLA:CPU runs the reference backend's decode attention as many small batched products, well
 below what reading the KV takes (a SmolLM2 batch-64 step: 66 of 111 ms; BENCHMARKS.md). The
 kernel reads each KV head's rows once for its query heads, in float32 from a bfloat16 or
-float32 cache, on XLA's intra-op threads.
+float32 cache, on XLA's intra-op threads, for decode steps and for the decodes of steps with
+prefills.
 
 It is built with the system C++ compiler on first use, into ~/.cache/jvllm/native (or
-$JVLLM_NATIVE_CACHE_DIR), keyed by the source and jax's version; a machine without a compiler,
-or JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the same attention.
+$JVLLM_NATIVE_CACHE_DIR), keyed by the source, the flags, jax's version and the CPU; a machine
+without a compiler, or JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the
+same attention.
 """
 
 import ctypes

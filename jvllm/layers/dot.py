@@ -10,8 +10,8 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     On CPU a single row of a 16-bit weight goes in as two equal rows and the second product is
     dropped: XLA:CPU runs a 1-row bfloat16 dot by converting the whole weight to float32 first,
     and sends two rows to its matmul library, which reads the weight once (SmolLM2 bfloat16
-    batch-1 decode: 23.5 -> 32.0 tok/s against a multiply + reduce; BENCHMARKS.md). A float32
-    weight's 1-row dot is the faster one (23.2 against 18.9 tok/s).
+    batch-1 decode: 23.5 -> 32.8 tok/s against a multiply + reduce; BENCHMARKS.md). A float32
+    weight's 1-row dot is the faster one (23.5 against 18.9 tok/s).
     """
     contract = (((1,), (1,)), ((), ()))
     rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [R, I]
