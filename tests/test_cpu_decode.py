@@ -113,6 +113,13 @@ def test_no_compiler_keeps_the_pure_jax_path_and_says_so(tmp_path, monkeypatch):
         assert not cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1), jnp.float32))
         assert any("install a C++ compiler" in r.getMessage() for r in records)
         assert list(tmp_path.iterdir()) == []  # nothing half-built is left behind
+        # A cache directory that cannot be made (a file is in the way) is no worse.
+        monkeypatch.delenv("CXX")
+        monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path / "file" / "native"))
+        (tmp_path / "file").write_text("")
+        cpu_decode._register.cache_clear()
+        assert not cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1), jnp.float32))
+        assert "writable directory" in records[-1].getMessage()
     finally:
         cpu_decode._register.cache_clear()
 

@@ -77,9 +77,18 @@ def _register() -> bool:
     library = _build()
     if library is None:
         return False
-    for name in _TARGETS.values():
-        capsule = jax.ffi.pycapsule(getattr(ctypes.cdll.LoadLibrary(str(library)), name))
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    try:
+        loaded = ctypes.cdll.LoadLibrary(str(library))
+        handlers = {name: getattr(loaded, name) for name in _TARGETS.values()}
+    except (OSError, AttributeError) as error:
+        logger.warning(
+            "CPU decode attention stays pure JAX: loading %s failed (%s); delete it to rebuild",
+            library,
+            error,
+        )
+        return False
+    for name, handler in handlers.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     return True
 
 
@@ -104,11 +113,12 @@ def _build() -> Path | None:
     library = Path(root) / f"cpu_decode-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if library.exists():
         return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
-        partial = Path(out.name)
-    objects = partial.with_suffix(".o")
+    partial = objects = None
     try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
+            partial = Path(out.name)
+        objects = partial.with_suffix(".o")
         # Compiled with -ffast-math but linked without it: linking it in would add a start-up
         # routine that turns on flush-to-zero for the thread that loads the library, changing
         # its float arithmetic (and with it constants that JAX folds into the traced steps).
@@ -117,17 +127,21 @@ def _build() -> Path | None:
         command = [compiler, "-shared", str(objects), "-o", str(partial)]
         subprocess.run(command, check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as error:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         detail = getattr(error, "stderr", None) or error
         logger.warning(
-            "CPU decode attention stays pure JAX: building its kernel with %s failed (%s); "
-            "install a C++ compiler (or set CXX) to get it",
+            "CPU decode attention stays pure JAX: building its kernel in %s with %s failed "
+            "(%s); install a C++ compiler (or set CXX), or point %s at a writable directory",
+            library.parent,
             compiler,
             str(detail).strip()[:500],
+            NATIVE_CACHE_DIR_ENV,
         )
         return None
     finally:
-        objects.unlink(missing_ok=True)
+        if objects is not None:
+            objects.unlink(missing_ok=True)
     partial.replace(library)  # atomic: a concurrent build sees a whole library or none
     logger.info("built the CPU decode attention kernel: %s", library)
     return library
