@@ -65,12 +65,17 @@ def test_kernel_matches_dense_attention_on_ragged_pages(
     )
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32) / 4
 
+    no_pages = (  # what the pure-JAX path starts from: (MASKED, 0, 0)
+        jnp.full(q.shape[:2], -1e30),
+        jnp.zeros(q.shape[:2]),
+        jnp.zeros(q.shape),
+    )
     found = jax.jit(cpu_decode.attend_pages)(
-        jnp.asarray(q), cache, jnp.int32(layer), jnp.asarray(tables), tiles
+        jnp.asarray(q), cache, jnp.int32(layer), jnp.asarray(tables), tiles, no_pages
     )
 
     m, l, acc = (np.asarray(x) for x in found)
-    # no tile reads token 0: the pure-JAX path's "no pages" (MASKED, 0, 0)
+    # no tile reads token 0: it keeps the "no pages" it came with
     np.testing.assert_array_equal(m[0], np.float32(-1e30))
     np.testing.assert_array_equal(l[0], 0)
     np.testing.assert_array_equal(acc[0], 0)

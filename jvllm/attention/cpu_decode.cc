@@ -4,9 +4,9 @@
 // kv_lens[t] positions of its pages block_tables[seq[t], :]. Each KV head's row of keys is read
 // once for the G query heads that share it, and its scores, softmax and weighted values are
 // computed in float32 from the cache's float32 values or bfloat16 bits (uint16, as kv_quant.py
-// stores bfloat16 on CPU). The result is unnormalised, as the pure-JAX path's: each query's
-// max score, sum of exponentials and weighted values, so that a step with prefills can merge it
-// with attention to its own tokens; rows of tokens that no tile reads keep (-1e30, 0, 0).
+// stores bfloat16 on CPU). Like the pure-JAX page walk it writes, over the rows of the tokens
+// the tiles read, each query's unnormalised result (max score, sum of exponentials, weighted
+// values) into arrays that come in and go out aliased; every other row keeps what it held.
 // Tiles are split among XLA's intra-op threads.
 
 #include <algorithm>
@@ -117,6 +117,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             ffi::Buffer<D> cache, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> token_idx,
                             ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> kv_lens,
+                            ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,  // aliased to the results
                             ffi::ResultBuffer<ffi::F32> max_out,
                             ffi::ResultBuffer<ffi::F32> sum_out, ffi::ResultBuffer<ffi::F32> out) {
   using T = std::conditional_t<D == ffi::DataType::U16, uint16_t, float>;  // U16: bfloat16 bits
@@ -136,9 +137,6 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const T* keys = base + static_cast<int64_t>(layer.typed_data()[0]) * 2 * kv_stride;
   const T* values = keys + kv_stride;
   float *m = max_out->typed_data(), *l = sum_out->typed_data(), *o = out->typed_data();
-  std::fill(m, m + max_out->element_count(), -1e30f);  // the pure-JAX path's MASKED
-  std::fill(l, l + sum_out->element_count(), 0.f);
-  std::fill(o, o + out->element_count(), 0.f);
 
   // Parts of the tiles go to whoever asks next: the calling thread and the tasks it schedules.
   // A task that starts after every part is taken touches only the shared counters.
@@ -179,6 +177,9 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
+                                    .Arg<ffi::AnyBuffer>()       \
+                                    .Arg<ffi::AnyBuffer>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>());

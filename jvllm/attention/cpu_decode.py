@@ -49,18 +49,21 @@ def supports(cache: jax.Array) -> bool:
 
 
 def attend_pages(
-    q: jax.Array, cache: jax.Array, layer: jax.Array, tables: jax.Array, tiles: Tiles
+    q: jax.Array,
+    cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    tiles: Tiles,
+    flat: tuple[jax.Array, jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One-query tiles of q f32[T, N, H] (pre-scaled) to the first kv_lens positions of their
-    sequence's pages in cache [L, 2, K, P, B, H] at `layer` -> unnormalised (max f32[T, N],
-    sum f32[T, N], weighted values f32[T, N, H]); tokens no tile reads get (-1e30, 0, 0).
-    Only where `supports(cache)`."""
+    sequence's pages in cache [L, 2, K, P, B, H] at `layer`: `flat`, the unnormalised (max
+    f32[T, N], sum f32[T, N], weighted values f32[T, N, H]), with the rows of the tokens the
+    tiles read written over, as reference.py's page walk does. Only where `supports(cache)`."""
     if not _register():
         raise RuntimeError("the CPU decode attention kernel could not be built (see the log)")
-    rows = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
-    call = jax.ffi.ffi_call(
-        _TARGETS[cache.dtype], (rows, rows, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    )
+    results = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in flat)
+    call = jax.ffi.ffi_call(_TARGETS[cache.dtype], results, input_output_aliases={7: 0, 8: 1, 9: 2})
     return call(
         q,
         cache,
@@ -69,6 +72,7 @@ def attend_pages(
         tiles.token_idx[:, 0],
         tiles.seq,
         tiles.kv_lens[:, 0],
+        *flat,
     )
 
 

@@ -329,11 +329,18 @@ def paged_attention(
         and not isinstance(kv_cache, QuantizedKVCache)
         and cpu_decode.supports(kv_cache)
     )
+
+    def no_pages():
+        shape = q.shape[:2]
+        return jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(q.shape)
+
     if md.is_decode:
         (tiles,) = md.tiles
         if native:
-            result = cpu_decode.attend_pages(q_scaled, kv_cache, layer, md.block_tables, tiles)
-            (out,) = _normalize(*result)
+            flat = cpu_decode.attend_pages(
+                q_scaled, kv_cache, layer, md.block_tables, tiles, no_pages()
+            )
+            (out,) = _normalize(*flat)
             return out.astype(q.dtype)
         init = (jnp.zeros(q.shape),)
         (out,) = _attend_pages(
@@ -349,16 +356,13 @@ def paged_attention(
         )
         return out.astype(q.dtype)
 
-    def no_pages():
-        shape = q.shape[:2]
-        return jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(q.shape)
-
     def from_pages():
         flat = no_pages()  # each query is in one group at most: fill in the groups in turn
         for tiles in md.tiles:
             if native and tiles.token_idx.shape[1] == 1:
-                found = cpu_decode.attend_pages(q_scaled, kv_cache, layer, md.block_tables, tiles)
-                flat = _take_read_rows(found, flat)
+                flat = cpu_decode.attend_pages(
+                    q_scaled, kv_cache, layer, md.block_tables, tiles, flat
+                )
             else:
                 flat = _attend_pages(
                     q_scaled,
@@ -379,16 +383,6 @@ def paged_attention(
     a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
     out = (acc1 * a1 + acc2 * a2) / (l1[..., None] * a1 + l2[..., None] * a2)
     return out.astype(q.dtype)
-
-
-def _take_read_rows(found: tuple[jax.Array, ...], flat: tuple[jax.Array, ...]):
-    """(max, sum [T, N], values [T, N, H]) of `found` for the queries it read (a positive sum),
-    of `flat` for the others."""
-    read = found[1] > 0  # [T, N]
-    return tuple(
-        jnp.where(read.reshape(read.shape + (1,) * (new.ndim - 2)), new, old)
-        for new, old in zip(found, flat, strict=True)
-    )
 
 
 def _window_scalar(sliding_window) -> jax.Array:
