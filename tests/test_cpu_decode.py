@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jvllm import native
 from jvllm.attention import cpu_decode
 from jvllm.attention.metadata import Tiles
 
@@ -112,7 +113,7 @@ def test_no_compiler_keeps_the_pure_jax_path_and_says_so(tmp_path, monkeypatch):
     records = []  # jvllm's loggers do not propagate to the root
     handler = logging.Handler()
     handler.emit = records.append
-    monkeypatch.setattr(cpu_decode.logger, "handlers", [handler])
+    monkeypatch.setattr(native.logger, "handlers", [handler])
     cpu_decode._register.cache_clear()
     try:
         assert not cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1), jnp.float32))

@@ -10,15 +10,13 @@
 // Tiles are split among XLA's intra-op threads.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -138,29 +136,14 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const T* values = keys + kv_stride;
   float *m = max_out->typed_data(), *l = sum_out->typed_data(), *o = out->typed_data();
 
-  // Parts of the tiles go to whoever asks next: the calling thread and the tasks it schedules.
-  // A task that starts after every part is taken touches only the shared counters.
-  struct Progress {
-    std::atomic<int64_t> next{0}, done{0};
-  };
   const int64_t num_tiles = static_cast<int64_t>(token_idx.element_count());
   const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t num_parts = std::max<int64_t>(1, std::min(4 * num_threads, num_tiles));
-  auto part = [&](int64_t i) {
+  jvllm::parallel_for(pool, num_parts, [&](int64_t i) {
     attend_tiles(num_tiles * i / num_parts, num_tiles * (i + 1) / num_parts, q.typed_data(),
                  keys, values, block_tables.typed_data(), token_idx.typed_data(),
                  seq.typed_data(), kv_lens.typed_data(), s, m, l, o);
-  };
-  auto progress = std::make_shared<Progress>();
-  auto work = [progress, num_parts, &part] {
-    for (int64_t i; (i = progress->next.fetch_add(1)) < num_parts;) {
-      part(i);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < std::min(num_threads, num_parts); ++i) pool.Schedule([work] { work(); });
-  work();
-  while (progress->done.load(std::memory_order_acquire) < num_parts) std::this_thread::yield();
+  });
   return ffi::Error::Success();
 }
 

@@ -6,31 +6,21 @@ kernel reads each KV head's rows once for its query heads, in float32 from a bfl
 float32 cache, on XLA's intra-op threads, for decode steps and for the decodes of steps with
 prefills.
 
-It is built with the system C++ compiler on first use, into ~/.cache/jvllm/native (or
-$JVLLM_NATIVE_CACHE_DIR), keyed by the source, the flags, jax's version and the CPU; a machine
-without a compiler, or JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the
-same attention.
+It is built on first use (jvllm/native.py); a machine without a compiler, or
+JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the same attention.
 """
 
-import ctypes
 import functools
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jvllm import native
 from jvllm.attention.metadata import Tiles
-from jvllm.logger import init_logger
-
-logger = init_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.cc")
-NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
 # The cache's storage dtype -> its kernel (kv_quant.py keeps bfloat16 as uint16 bits on CPU).
 _TARGETS = {
     jnp.dtype(jnp.uint16): "DecodeAttentionBF16",
@@ -78,74 +68,6 @@ def attend_pages(
 
 @functools.cache
 def _register() -> bool:
-    library = _build()
-    if library is None:
-        return False
-    try:
-        loaded = ctypes.cdll.LoadLibrary(str(library))
-        handlers = {name: getattr(loaded, name) for name in _TARGETS.values()}
-    except (OSError, AttributeError) as error:
-        logger.warning(
-            "CPU decode attention stays pure JAX: loading %s failed (%s); delete it to rebuild",
-            library,
-            error,
-        )
-        return False
-    for name, handler in handlers.items():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
-
-
-def _cpu() -> str:
-    """This machine's CPU model and instruction set, as far as the OS says."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-    return " ".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def _build() -> Path | None:
-    """The kernel's shared library, compiled once per source, flags, jax version and CPU; None
-    (logged) when it cannot be built."""
-    compiler = os.environ.get("CXX", "g++")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-w"]
-    flags += [f"-I{jax.ffi.include_dir()}"]
-    # -march=native builds for this CPU, so what the OS says of it is part of the key.
-    key = f"{compiler} {flags} -shared {jax.__version__} {_cpu()}".encode() + _SOURCE.read_bytes()
-    root = os.environ.get(NATIVE_CACHE_DIR_ENV) or Path.home() / ".cache" / "jvllm" / "native"
-    library = Path(root) / f"cpu_decode-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    partial = objects = None
-    try:
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
-            partial = Path(out.name)
-        objects = partial.with_suffix(".o")
-        # Compiled with -ffast-math but linked without it: linking it in would add a start-up
-        # routine that turns on flush-to-zero for the thread that loads the library, changing
-        # its float arithmetic (and with it constants that JAX folds into the traced steps).
-        command = [compiler, *flags, "-c", str(_SOURCE), "-o", str(objects)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        command = [compiler, "-shared", str(objects), "-o", str(partial)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as error:
-        if partial is not None:
-            partial.unlink(missing_ok=True)
-        detail = getattr(error, "stderr", None) or error
-        logger.warning(
-            "CPU decode attention stays pure JAX: building its kernel in %s with %s failed "
-            "(%s); install a C++ compiler (or set CXX), or point %s at a writable directory",
-            library.parent,
-            compiler,
-            str(detail).strip()[:500],
-            NATIVE_CACHE_DIR_ENV,
-        )
-        return None
-    finally:
-        if objects is not None:
-            objects.unlink(missing_ok=True)
-    partial.replace(library)  # atomic: a concurrent build sees a whole library or none
-    logger.info("built the CPU decode attention kernel: %s", library)
-    return library
+    return native.register_targets(
+        _SOURCE, tuple(_TARGETS.values()), "CPU decode attention", ["-ffast-math"]
+    )

@@ -1,0 +1,102 @@
+"""Native CPU kernels through the XLA FFI: built with the system C++ compiler on first use and
+registered as XLA:CPU custom-call targets.
+
+A kernel's source is compiled into ~/.cache/jvllm/native (or $JVLLM_NATIVE_CACHE_DIR), keyed
+by the source, the flags, jax's version and the CPU (it is built with -march=native). A machine
+without a compiler, a directory that cannot be written or a library that does not load gets
+one warning saying how to fix it, and the kernel's caller keeps its pure-JAX path.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from jvllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
+_HEADERS = (Path(__file__).with_name("parallel_for.h"),)  # what every kernel may include
+
+
+def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: list[str]) -> bool:
+    """Build `source` (once per key) and register its handler symbols `targets` for XLA:CPU;
+    False (logged, naming `what` the kernel does) where that cannot be done."""
+    library = _build(source, what, flags)
+    if library is None:
+        return False
+    try:
+        loaded = ctypes.cdll.LoadLibrary(str(library))
+        handlers = {name: getattr(loaded, name) for name in targets}
+    except (OSError, AttributeError) as error:
+        logger.warning(
+            "%s stays pure JAX: loading %s failed (%s); delete it to rebuild", what, library, error
+        )
+        return False
+    for name, handler in handlers.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    return True
+
+
+def _cpu() -> str:
+    """This machine's CPU model and instruction set, as far as the OS says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    return " ".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _build(source: Path, what: str, extra_flags: list[str]) -> Path | None:
+    """The shared library of `source`, compiled once per source, flags, jax version and CPU;
+    None (logged) when it cannot be built."""
+    compiler = os.environ.get("CXX", "g++")
+    flags = ["-O3", "-march=native", *extra_flags, "-fPIC", "-std=c++17", "-w"]
+    flags += [f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parent}"]
+    # -march=native builds for this CPU, so what the OS says of it is part of the key.
+    key = f"{compiler} {flags} -shared {jax.__version__} {_cpu()}".encode()
+    key += b"".join(path.read_bytes() for path in (source, *_HEADERS))
+    root = os.environ.get(NATIVE_CACHE_DIR_ENV) or Path.home() / ".cache" / "jvllm" / "native"
+    library = Path(root) / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    partial = objects = None
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as out:
+            partial = Path(out.name)
+        objects = partial.with_suffix(".o")
+        # Compiled and linked apart, and linked without the compile flags: linking with
+        # -ffast-math would add a start-up routine that turns on flush-to-zero for the thread
+        # that loads the library, changing its float arithmetic (and with it constants that
+        # JAX folds into the traced steps).
+        command = [compiler, *flags, "-c", str(source), "-o", str(objects)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        command = [compiler, "-shared", str(objects), "-o", str(partial)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as error:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+        detail = getattr(error, "stderr", None) or error
+        logger.warning(
+            "%s stays pure JAX: building its kernel in %s with %s failed (%s); install a C++ "
+            "compiler (or set CXX), or point %s at a writable directory",
+            what,
+            library.parent,
+            compiler,
+            str(detail).strip()[:500],
+            NATIVE_CACHE_DIR_ENV,
+        )
+        return None
+    finally:
+        if objects is not None:
+            objects.unlink(missing_ok=True)
+    partial.replace(library)  # atomic: a concurrent build sees a whole library or none
+    logger.info("built the native kernel for %s: %s", what, library)
+    return library
