@@ -31,6 +31,7 @@ import transformers
 from jvllm import LLM
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.models.model import compute_logits, forward
+from jvllm.quantization.gguf_blocks import BLOCK_FORMATS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -78,6 +79,19 @@ def streamed_completion(url: str, body: dict, num_events: int = 3):
             assert next(lines).startswith("data: ")
             next(lines)  # the blank line after each event
         yield
+
+
+def random_gguf_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
+    """Random encoded blocks [rows, nb] of a GGUF block format (jvllm.quantization.gguf_blocks),
+    its float16 scales finite."""
+    fmt = BLOCK_FORMATS[qtype]
+    rows, num_blocks = shape
+    raw = rng.integers(0, 256, (rows, num_blocks * fmt.fields.itemsize), dtype=np.uint8)
+    blocks = raw.view(fmt.fields)
+    for name in fmt.fields.names:
+        if fmt.fields[name].base == np.float16:
+            blocks[name] = rng.standard_normal(blocks[name].shape).astype(np.float16)
+    return blocks
 
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -5,7 +5,7 @@ path generates."""
 import jax
 import numpy as np
 import pytest
-from conftest import SMOLLM2_ENGINE_KWARGS
+from conftest import SMOLLM2_ENGINE_KWARGS, random_gguf_blocks
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
@@ -16,7 +16,7 @@ from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_file import read_gguf
 from jvllm.model_loader.loader import load_model
 from jvllm.quantization import GGUFWeight, is_quantized
-from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES, split_fields
+from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
 
 _PROMPTS = [
     "The capital of France is",
@@ -24,18 +24,6 @@ _PROMPTS = [
     "def fibonacci(n):",
     "List three primary colors:",
 ]
-
-
-def _random_blocks(qtype: Q, shape: tuple[int, int], rng) -> np.ndarray:
-    """Random encoded blocks [rows, nb] of `qtype`, its float16 scales finite."""
-    fmt = BLOCK_FORMATS[qtype]
-    rows, num_blocks = shape
-    raw = rng.integers(0, 256, (rows, num_blocks * fmt.fields.itemsize), dtype=np.uint8)
-    blocks = raw.view(fmt.fields)
-    for name in fmt.fields.names:
-        if fmt.fields[name].base == np.float16:
-            blocks[name] = rng.standard_normal(blocks[name].shape).astype(np.float16)
-    return blocks
 
 
 def _same_bits(a, b) -> bool:
@@ -46,7 +34,7 @@ def _same_bits(a, b) -> bool:
 @pytest.mark.parametrize("qtype", PACKED_QTYPES, ids=lambda q: q.name)
 def test_in_step_dequantization_equals_gguf_bit_for_bit(qtype):
     rng = np.random.default_rng(int(qtype))
-    blocks = _random_blocks(qtype, (6, 8), rng)  # [O, nb]
+    blocks = random_gguf_blocks(qtype, (6, 8), rng)  # [O, nb]
     fields = {k: jax.numpy.asarray(v) for k, v in split_fields(blocks, qtype).items()}
     weight = GGUFWeight(fields, int(qtype), "float32")
     got = jax.jit(lambda w: w.dequantize())(weight)

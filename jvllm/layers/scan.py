@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.quantization import is_quantized
 from jvllm.quantization.packed_weight import GGUFWeight
 
 
@@ -44,15 +43,8 @@ def scan_layers(
         # loop, each step (a SmolLM2 decode step 15x slower on CPU).
         weights, layer = jax.lax.optimization_barrier((state, layer))
         weights = jax.tree.map(
-            lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), weights
+            lambda w: _at_layer(w, layer), weights, is_leaf=lambda w: isinstance(w, GGUFWeight)
         )
-        if _is_one_cpu_row(carry) and _has_gguf_blocks(weights):
-            # One row on CPU: copy the slice as it is, so the dequantization stays fused into
-            # the multiply-reduce that reads it (GGUFWeight.dense); XLA:CPU would otherwise
-            # write the slice out converted to float32 in a slow fusion (bfloat16 weights read
-            # that way ran batch-1 decode at 3 against 36 tok/s). Float and int8/fp8 weights
-            # go to the matmul library, which reads a slice in place.
-            weights = jax.lax.optimization_barrier(weights)
         return body(nnx.merge(graphdef, weights), carry, layer, extra), None
 
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
@@ -60,10 +52,9 @@ def scan_layers(
     return carry
 
 
-def _is_one_cpu_row(carry: Any) -> bool:
-    x = jax.tree.leaves(carry)[0]  # the residual stream [T, D] leads the carry
-    return x.shape[0] == 1 and jax.default_backend() == "cpu"
-
-
-def _has_gguf_blocks(weights: nnx.State) -> bool:
-    return any(isinstance(w, GGUFWeight) for w in jax.tree.leaves(weights, is_leaf=is_quantized))
+def _at_layer(w: jax.Array | GGUFWeight, layer: jax.Array) -> jax.Array | GGUFWeight:
+    """Layer i32[] of a stacked weight: a GGUF weight keeps its stacked blocks and the index,
+    so that the CPU kernel reads the layer in place (GGUFWeight.at_layer)."""
+    if isinstance(w, GGUFWeight):
+        return w.at_layer(layer)
+    return jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)

@@ -1,0 +1,65 @@
+"""Rows times a packed GGUF weight on CPU as a native kernel (cpu_gguf.cc) through the XLA FFI.
+
+XLA:CPU's fused dequantize-multiply-reduce of a Q4_1 [3072, 576] weight took 0.75-1.0 ms where
+the same weight in bfloat16 took 0.33 ms (BENCHMARKS.md, "Quantized weights"): unpacking
+nibbles and broadcasting block scales in XLA's generated loops is compute-bound, and more rows
+dequantize the whole weight to float32 first. The kernel dequantizes each block once, exactly
+as gguf does, and multiplies it into up to 32 rows, reading a scanned layer's blocks where they
+lie (SmolLM2's Q4_1 at batch 1 on one core: 6.5 -> 46 tok/s; BENCHMARKS.md).
+
+It is built on first use (jvllm/native.py); a machine without a compiler, or
+JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes the same products.
+"""
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from gguf.constants import GGMLQuantizationType as Q
+
+from jvllm import native
+from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
+
+_SOURCE = Path(__file__).with_name("cpu_gguf.cc")
+MAX_ROWS = 32  # cpu_gguf.cc's kMaxRows: past it, dequantizing for XLA's matmul is faster
+_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def _target(qtype: int, dtype: str) -> str:
+    return f"GGUFDense{Q(qtype).name}{_DTYPES[dtype]}"
+
+
+def supports(num_rows: int, dtype: str) -> bool:
+    """Whether `num_rows` rows times a GGUF weight used in `dtype` can run the kernel here."""
+    return (
+        num_rows <= MAX_ROWS
+        and dtype in _DTYPES
+        and jax.default_backend() == "cpu"
+        and os.environ.get("JVLLM_CPU_GGUF_KERNEL", "1") != "0"
+        and _register()
+    )
+
+
+def dense(
+    x: jax.Array, fields: dict[str, jax.Array], layer: jax.Array, qtype: int, dtype: str
+) -> jax.Array:
+    """x f32[R, I] (values of the model dtype) @ W.T -> f32[R, O], W [O, I] at `layer` of
+    `fields` (each [L, O, nb, ...]). Only where
+    `supports(R, dtype)`."""
+    if not _register():
+        raise RuntimeError("the CPU GGUF kernel could not be built (see the log)")
+    # In the format's field order: a dict that went through jit comes back with sorted keys.
+    ordered = [fields[name] for name in BLOCK_FORMATS[Q(qtype)].fields.names]
+    result = jax.ShapeDtypeStruct((x.shape[0], ordered[0].shape[1]), jnp.float32)
+    call = jax.ffi.ffi_call(_target(qtype, dtype), result)
+    return call(x, jnp.asarray(layer, jnp.int32), *ordered)
+
+
+@functools.cache
+def _register() -> bool:
+    targets = tuple(_target(int(q), d) for q in PACKED_QTYPES for d in _DTYPES)
+    # No contraction of a product and a sum into one rounding: the dequantized values must be
+    # gguf's bit for bit.
+    return native.register_targets(_SOURCE, targets, "CPU GGUF matmul", ["-ffp-contract=off"])

@@ -1,0 +1,43 @@
+"""Native CPU kernels (jvllm/native.py) on a machine that cannot build them: each keeps its
+pure-JAX path and says how to fix it."""
+
+import logging
+
+import jax.numpy as jnp
+import pytest
+
+from jvllm import native
+from jvllm.attention import cpu_decode
+from jvllm.quantization import cpu_gguf
+
+_KERNELS = {
+    "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),
+    "GGUF matmul": (cpu_gguf, lambda: cpu_gguf.supports(1, "float32")),
+}
+
+
+@pytest.mark.parametrize("kernel", list(_KERNELS))
+def test_no_compiler_keeps_the_pure_jax_path_and_says_so(kernel, tmp_path, monkeypatch):
+    module, supported = _KERNELS[kernel]
+    monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    records = []  # jvllm's loggers do not propagate to the root
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(native.logger, "handlers", [handler])
+    module._register.cache_clear()
+    try:
+        assert not supported()
+        assert any(
+            kernel in r.getMessage() and "install a C++ compiler" in r.getMessage() for r in records
+        )
+        assert list(tmp_path.iterdir()) == []  # nothing half-built is left behind
+        # A cache directory that cannot be made (a file is in the way) is no worse.
+        monkeypatch.delenv("CXX")
+        monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path / "file" / "native"))
+        (tmp_path / "file").write_text("")
+        module._register.cache_clear()
+        assert not supported()
+        assert "writable directory" in records[-1].getMessage()
+    finally:
+        module._register.cache_clear()
