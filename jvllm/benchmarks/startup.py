@@ -41,10 +41,10 @@ import jax
 
 import jvllm
 from jvllm import LLM, SamplingParams
-from jvllm.attention.cpu_decode import NATIVE_CACHE_DIR_ENV
 from jvllm.benchmarks.serve import free_port
 from jvllm.model_loader.default_model import CACHE_DIR_ENV
 from jvllm.model_loader.loader import LOAD_FORMATS
+from jvllm.native import NATIVE_CACHE_DIR_ENV
 from jvllm.worker.compilation_cache import COMPILATION_CACHE_DIR_ENV
 
 PROMPT = "Hello, my name is"  # the README example's first prompt
