@@ -169,23 +169,22 @@ struct Q4_K {
   static void dequantize(const uint8_t* const* f, const float* halves, f32v* w) {
     const float d = halves[0], dmin = halves[1];
     const uint8_t *s = f[2], *qs = f[3];
-    for (int sub = 0; sub < 8; ++sub) {
-      // Eight 6-bit (scale, min) pairs: the first four in the low bits of bytes 0-7, the last
-      // four split over bytes 8-11 and the top bits of bytes 0-7.
-      int sc, mn;
-      if (sub < 4) {
-        sc = s[sub] & 0x3F;
-        mn = s[sub + 4] & 0x3F;
-      } else {
-        sc = (s[sub + 4] & 0x0F) | ((s[sub - 4] >> 2) & 0x30);
-        mn = (s[sub + 4] >> 4) | ((s[sub] >> 2) & 0x30);
-      }
-      const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
-      // 32 bytes per pair of sub-blocks: the low nibbles the first, the high the second.
-      const int shift = (sub % 2) * 4;
+    // Eight 6-bit (scale, min) pairs: the first four in the low bits of bytes 0-7, the last
+    // four split over bytes 8-11 and the top bits of bytes 0-7.
+    float scale[8], offset[8];
+    for (int j = 0; j < 4; ++j) {
+      scale[j] = d * static_cast<float>(s[j] & 0x3F);
+      offset[j] = dmin * static_cast<float>(s[j + 4] & 0x3F);
+      scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
+      offset[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+    }
+    // 32 bytes per pair of sub-blocks: the low nibbles the first, the high the second.
+    for (int pair = 0; pair < 4; ++pair) {
       for (int v = 0; v < 32 / N; ++v) {
-        const i32v q = widen(qs + (sub / 2) * 32 + N * v);
-        w[sub * (32 / N) + v] = scale * to_f32((q >> shift) & 15) - offset;
+        const i32v q = widen(qs + pair * 32 + N * v);
+        w[(2 * pair) * (32 / N) + v] = scale[2 * pair] * to_f32(q & 15) - offset[2 * pair];
+        w[(2 * pair + 1) * (32 / N) + v] =
+            scale[2 * pair + 1] * to_f32(q >> 4) - offset[2 * pair + 1];
       }
     }
   }
@@ -198,17 +197,18 @@ struct Q6_K {
     const uint8_t *ql = f[0], *qh = f[1];
     const int8_t* scales = reinterpret_cast<const int8_t*>(f[2]);
     const float d = half_at(f[3]);
+    float scale[16];  // one per 16 values
+    for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(scales[j]);
     // Two halves of 128 values; in each, rows k = 0..3 of 32: the low 4 bits from the low
     // (k < 2) or high nibbles of 32 bytes of ql, the high 2 bits from bits 2k of qh's 32.
     for (int half = 0; half < 2; ++half) {
-      for (int k = 0; k < 4; ++k) {
-        for (int v = 0; v < 32 / N; ++v) {
-          const i32v low = widen(ql + half * 64 + (k % 2) * 32 + N * v);
-          const i32v high = widen(qh + half * 32 + N * v);
-          const i32v q = ((low >> ((k / 2) * 4)) & 15) | (((high >> (2 * k)) & 3) << 4);
+      for (int v = 0; v < 32 / N; ++v) {
+        const i32v low[2] = {widen(ql + half * 64 + N * v), widen(ql + half * 64 + 32 + N * v)};
+        const i32v high = widen(qh + half * 32 + N * v);
+        for (int k = 0; k < 4; ++k) {
+          const i32v q = ((low[k % 2] >> ((k / 2) * 4)) & 15) | (((high >> (2 * k)) & 3) << 4);
           const int at = half * 128 + k * 32 + N * v;  // this vector's first value
-          const float scale = d * static_cast<float>(scales[at / 16]);  // one per 16 values
-          w[at / N] = scale * (to_f32(q) - 32.f);
+          w[at / N] = scale[at / 16] * (to_f32(q) - 32.f);
         }
       }
     }
