@@ -5,7 +5,8 @@ the same weight in bfloat16 took 0.33 ms (BENCHMARKS.md, "Quantized weights"): u
 nibbles and broadcasting block scales in XLA's generated loops is compute-bound, and more rows
 dequantize the whole weight to float32 first. The kernel dequantizes each block once, exactly
 as gguf does, and multiplies it into up to 32 rows, reading a scanned layer's blocks where they
-lie (SmolLM2's Q4_1 at batch 1 on one core: 6.5 -> 46 tok/s; BENCHMARKS.md).
+lie (SmolLM2's Q4_1 decoding one sequence on one core: 6.5 -> 56.6 tok/s, 1.14x llama.cpp's
+speed on the same file; BENCHMARKS.md).
 
 It is built on first use (jvllm/native.py); a machine without a compiler, or
 JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes the same products.
@@ -46,8 +47,7 @@ def dense(
     x: jax.Array, fields: dict[str, jax.Array], layer: jax.Array, qtype: int, dtype: str
 ) -> jax.Array:
     """x f32[R, I] (values of the model dtype) @ W.T -> f32[R, O], W [O, I] at `layer` of
-    `fields` (each [L, O, nb, ...]). Only where
-    `supports(R, dtype)`."""
+    `fields` (each [L, O, nb, ...]). Only where `supports(R, dtype)`."""
     if not _register():
         raise RuntimeError("the CPU GGUF kernel could not be built (see the log)")
     # In the format's field order: a dict that went through jit comes back with sorted keys.
