@@ -5,10 +5,10 @@
 // its order (compiled with -ffp-contract=off, so a product and a sum never fuse), which gives
 // the values gguf's dequantize gives bit for bit; in a bfloat16 model they are then rounded to
 // bfloat16 (to nearest even) as the model's float weight would be. The block is multiplied into
-// the R rows of x (already in the model dtype, as float32) and summed in float32. The fields of
-// the blocks come in as separate arrays [L, O, nb, ...] with a layer index, so that a layer of
-// the scan's stacked weights is read where it lies; output rows are split among XLA's intra-op
-// threads.
+// the R rows of x (already in the model dtype, as float32) and summed in float32, with fused
+// multiply-adds where the CPU has them. The fields of the blocks come in as separate arrays
+// [L, O, nb, ...] with a layer index, so that a layer of the scan's stacked weights is read
+// where it lies; output rows are split among XLA's intra-op threads.
 
 #include <algorithm>
 #include <cmath>
@@ -41,7 +41,7 @@ inline float bits_to_float(uint32_t bits) {
 inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
   return _cvtsh_ss(h);
-#endif
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
   if (exponent == 0x1F) return bits_to_float(sign | 0x7F800000 | (mantissa << 13));
@@ -50,6 +50,7 @@ inline float half_to_float(uint16_t h) {
     return sign ? -x : x;
   }
   return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+#endif
 }
 
 inline float half_at(const uint8_t* p) {
