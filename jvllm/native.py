@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -23,12 +24,16 @@ logger = init_logger(__name__)
 
 NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
 _HEADERS = (Path(__file__).with_name("parallel_for.h"),)  # what every kernel may include
+# One build at a time: the engine's background compile thread and the caller's may both reach a
+# kernel first, and the second then finds the library built.
+_BUILD_LOCK = threading.Lock()
 
 
 def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: list[str]) -> bool:
     """Build `source` (once per key) and register its handler symbols `targets` for XLA:CPU;
     False (logged, naming `what` the kernel does) where that cannot be done."""
-    library = _build(source, what, flags)
+    with _BUILD_LOCK:
+        library = _build(source, what, flags)
     if library is None:
         return False
     try:

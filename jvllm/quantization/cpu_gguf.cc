@@ -11,7 +11,6 @@
 // where it lies; output rows are split among XLA's intra-op threads.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -278,13 +277,16 @@ ffi::Error gguf_dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const uint8_t* data[F::kFields];
   int64_t field_bytes[F::kFields];  // one block's bytes of each field
   const int64_t num_blocks = O * (I / F::kBlock);
+  const int64_t at = layer.typed_data()[0];
   for (int i = 0; i < F::kFields; ++i) {
     auto field = fields.get<ffi::AnyBuffer>(i);
     if (field.has_error()) return field.error();
+    if (field->dimensions().size() == 0 || at < 0 || at >= field->dimensions()[0]) {
+      return ffi::Error::InvalidArgument("gguf_dense: fields [L, O, nb, ...], layer in [0, L)");
+    }
     const int64_t layer_bytes = static_cast<int64_t>(field->size_bytes()) / field->dimensions()[0];
     field_bytes[i] = layer_bytes / num_blocks;
-    data[i] = static_cast<const uint8_t*>(field->untyped_data()) +
-              static_cast<int64_t>(layer.typed_data()[0]) * layer_bytes;
+    data[i] = static_cast<const uint8_t*>(field->untyped_data()) + at * layer_bytes;
   }
   const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t num_parts = std::max<int64_t>(1, std::min(8 * num_threads, O / 16));
