@@ -8,6 +8,7 @@ one warning saying how to fix it, and the kernel's caller keeps its pure-JAX pat
 """
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -49,6 +50,12 @@ def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: l
     return True
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether the OS lists `flag` (e.g. "avx512_bf16") among this CPU's instruction sets."""
+    return flag in _cpu().split()
+
+
+@functools.cache
 def _cpu() -> str:
     """This machine's CPU model and instruction set, as far as the OS says."""
     try:

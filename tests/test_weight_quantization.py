@@ -54,7 +54,7 @@ def test_fp8_matmul_with_fp8_activations_stays_close_to_the_float_product():
     q = quantize_channels(jax.random.normal(key_w, (48, 256)), "fp8", "bfloat16")
     x = jax.random.normal(key_x, (3, 256))
     want = x @ (q.values.astype(jnp.float32) * q.scale[:, None]).T
-    got = jax.jit(fp8_matmul)(x, q)
+    got = jax.jit(fp8_matmul)(x, q.values, q.scale)
     # Rounding x to e4m3 (3 mantissa bits) costs a few percent of a 256-term sum's scale.
     assert float(jnp.abs(got - want).max()) < 0.1 * float(jnp.abs(want).max())
 

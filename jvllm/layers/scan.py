@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.quantization.packed_weight import GGUFWeight
+from jvllm.quantization import QuantizedWeight, is_quantized
 
 
 def stacked_layers(make_layer: Callable[[], nnx.Module], num_layers: int) -> nnx.Module:
@@ -42,9 +42,7 @@ def scan_layers(
         # work on them out of the loop: it converted every bfloat16 layer to float32 before the
         # loop, each step (a SmolLM2 decode step 15x slower on CPU).
         weights, layer = jax.lax.optimization_barrier((state, layer))
-        weights = jax.tree.map(
-            lambda w: _at_layer(w, layer), weights, is_leaf=lambda w: isinstance(w, GGUFWeight)
-        )
+        weights = jax.tree.map(lambda w: _at_layer(w, layer), weights, is_leaf=is_quantized)
         return body(nnx.merge(graphdef, weights), carry, layer, extra), None
 
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
@@ -52,9 +50,9 @@ def scan_layers(
     return carry
 
 
-def _at_layer(w: jax.Array | GGUFWeight, layer: jax.Array) -> jax.Array | GGUFWeight:
-    """Layer i32[] of a stacked weight: a GGUF weight keeps its stacked blocks and the index,
-    so that the CPU kernel reads the layer in place (GGUFWeight.at_layer)."""
-    if isinstance(w, GGUFWeight):
+def _at_layer(w: jax.Array | QuantizedWeight, layer: jax.Array) -> jax.Array | QuantizedWeight:
+    """Layer i32[] of a stacked weight: a quantized one keeps its stacked fields and the index,
+    so that a CPU kernel (quantization/cpu_gguf.py, cpu_int8.py) reads the layer in place."""
+    if is_quantized(w):
         return w.at_layer(layer)
     return jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)

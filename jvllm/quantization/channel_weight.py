@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.layers.dot import dot_rows
+from jvllm.quantization import cpu_int8
 from jvllm.quantization.rows import quantize_rows
 
 _FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
@@ -26,15 +27,21 @@ _FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values'
 @dataclasses.dataclass(frozen=True)
 class ChannelWeight:
     """values: [..., O, I] int8 or float8_e4m3fn; scale: f32[..., O]; dtype: the model dtype
-    the values are used in."""
+    the values are used in; layer: None, or i32[] when values and scale are stacked [L, ...]
+    and the weight is layer `layer` of them."""
 
     values: jax.Array
     scale: jax.Array
     dtype: str = dataclasses.field(metadata={"static": True})
+    layer: jax.Array | None = None
+
+    def at_layer(self, layer: jax.Array) -> ChannelWeight:
+        """Layer i32[] of a weight stacked [L, O, I], without slicing its values."""
+        return dataclasses.replace(self, layer=layer)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        return self.values.shape if self.layer is None else self.values.shape[1:]
 
     @property
     def nbytes(self) -> int:
@@ -48,20 +55,36 @@ class ChannelWeight:
 
     def dense(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ weight [O, I].T -> f32[..., O]: the values converted to the model dtype
-        (exact: 1-byte values fit every model dtype) meet x in layers/dot.py's matmul."""
-        if self.values.dtype == jnp.float8_e4m3fn and jax.default_backend() == "gpu":
-            return fp8_matmul(x, self)
-        return dot_rows(x, self.values.astype(self.dtype)) * self.scale
+        (exact: 1-byte values fit every model dtype) meet x in a matmul, and the result is
+        scaled. A decode step's rows of a bfloat16 model times int8 values on CPU run the
+        native kernel (cpu_int8.py), which reads a stacked layer's values in place; otherwise
+        layers/dot.py's matmul."""
+        scale = self._own(self.scale)  # [O]
+        rows = x.reshape(-1, x.shape[-1])  # [R, I]
+        if cpu_int8.supports(rows.shape[0], self.values, self.dtype):
+            stacked = self.layer is not None
+            values = self.values if stacked else self.values[None]  # [L, O, I]
+            y = cpu_int8.dense(rows.astype(jnp.bfloat16), values, self.layer if stacked else 0)
+            return y.reshape(*x.shape[:-1], -1) * scale
+        values = self._own(self.values)  # [O, I]
+        if values.dtype == jnp.float8_e4m3fn and jax.default_backend() == "gpu":
+            return fp8_matmul(x, values, scale)
+        return dot_rows(x, values.astype(self.dtype)) * scale
+
+    def _own(self, x: jax.Array) -> jax.Array:
+        """This weight's own slice of a field (values or scale): a stacked one's layer."""
+        return x if self.layer is None else jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
 
 
-def fp8_matmul(x: jax.Array, w: ChannelWeight) -> jax.Array:
-    """x [..., I] @ fp8 weight [O, I].T -> f32[..., O] in fp8: each row of x is scaled to
-    e4m3's range and rounded to it, the product accumulates in float32, and both scales are
-    applied to the result (dynamic per-token activation scales, as vLLM's fp8 linear)."""
+def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., I] @ fp8 values [O, I].T with scale f32[O] -> f32[..., O] in fp8: each row of x
+    is scaled to e4m3's range and rounded to it, the product accumulates in float32, and both
+    scales are applied to the result (dynamic per-token activation scales, as vLLM's fp8
+    linear)."""
     xq, x_scale = quantize_rows(x, jnp.float8_e4m3fn, jnp.float32)  # [..., I], [...]
     contract = (((x.ndim - 1,), (1,)), ((), ()))
-    y = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.float32)
-    return y * x_scale[..., None] * w.scale
+    y = jax.lax.dot_general(xq, values, contract, preferred_element_type=jnp.float32)
+    return y * x_scale[..., None] * scale
 
 
 def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
