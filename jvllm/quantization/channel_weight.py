@@ -56,17 +56,17 @@ class ChannelWeight:
     def dense(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ weight [O, I].T -> f32[..., O]: the values converted to the model dtype
         (exact: 1-byte values fit every model dtype) meet x in a matmul, and the result is
-        scaled. A decode step's rows of a bfloat16 model times int8 values on CPU run the
-        native kernel (cpu_int8.py), which reads a stacked layer's values in place; otherwise
-        layers/dot.py's matmul."""
-        scale = self._own(self.scale)  # [O]
-        rows = x.reshape(-1, x.shape[-1])  # [R, I]
-        if cpu_int8.supports(rows.shape[0], self.values, self.dtype):
+        scaled. In a bfloat16 model on CPU int8 values go through cpu_int8.py, whose kernel reads
+        a stacked layer in place and applies the scale itself; otherwise layers/dot.py's
+        matmul."""
+        if cpu_int8.supports(self.values, self.dtype):
             stacked = self.layer is not None
             values = self.values if stacked else self.values[None]  # [L, O, I]
-            y = cpu_int8.dense(rows.astype(jnp.bfloat16), values, self.layer if stacked else 0)
-            return y.reshape(*x.shape[:-1], -1) * scale
-        values = self._own(self.values)  # [O, I]
+            scale = self.scale if stacked else self.scale[None]  # [L, O]
+            rows = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)  # [R, I]
+            y = cpu_int8.dense(rows, values, scale, self.layer if stacked else 0)
+            return y.reshape(*x.shape[:-1], -1)
+        values, scale = self._own(self.values), self._own(self.scale)  # [O, I], [O]
         if values.dtype == jnp.float8_e4m3fn and jax.default_backend() == "gpu":
             return fp8_matmul(x, values, scale)
         return dot_rows(x, values.astype(self.dtype)) * scale

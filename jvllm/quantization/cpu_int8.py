@@ -4,8 +4,11 @@ through the XLA FFI, where the CPU has AVX-512 BF16.
 XLA:CPU converts an int8 weight to bfloat16 in a fusion of its own before its matmul: on
 SmolLM2's shapes at 64 rows that made int8 weights 1.1-2.5x slower than bfloat16 ones, and one
 row 2x slower (BENCHMARKS.md, "Quantized weights"). The kernel converts each panel of weight
-rows once, where the cache keeps it, and reads a scanned layer's values where they lie; up to
-128 rows (decode steps), past which XLA's matmul is the faster.
+rows once, where the cache keeps it, reads a scanned layer's values where they lie, and scales
+its sums; up to 128 rows (decode steps). Past that XLA's matmul is the faster, and the
+kernel's loop converts the layer's values times their scales to bfloat16 for it: scaling the
+matmul's float32 result took a pass of its own over it, which made int8 prefills 1.3x slower
+than bfloat16 ones.
 
 It is built on first use (jvllm/native.py); a CPU without AVX-512 BF16, a machine without a
 compiler, or JVLLM_CPU_INT8_KERNEL=0 keeps the pure-JAX path, which computes the same products.
@@ -19,20 +22,20 @@ import jax
 import jax.numpy as jnp
 
 from jvllm import native
+from jvllm.layers.dot import dot_rows
 
 _SOURCE = Path(__file__).with_name("cpu_int8.cc")
-_TARGET = "Int8DenseBF16"
+_TARGETS = ("Int8DenseBF16", "Int8ToBF16")
 # cpu_int8.cc's kMaxRows: past it (a prefill), XLA's matmul of the values converted once is the
 # faster (SmolLM2's [3072, 576] at 256 rows: 3.6 against 2.6 ms).
 MAX_ROWS = 128
 
 
-def supports(num_rows: int, values: jax.Array, dtype: str) -> bool:
-    """Whether `num_rows` rows of model dtype `dtype` times int8 `values` [..., O, I] can run
-    the kernel here."""
+def supports(values: jax.Array, dtype: str) -> bool:
+    """Whether rows of model dtype `dtype` times int8 `values` [..., O, I] can run the kernel
+    here."""
     return (
-        num_rows <= MAX_ROWS
-        and values.dtype == jnp.int8
+        values.dtype == jnp.int8
         and dtype == "bfloat16"
         and values.shape[-1] % 32 == 0
         and values.shape[-2] % 4 == 0
@@ -43,15 +46,22 @@ def supports(num_rows: int, values: jax.Array, dtype: str) -> bool:
     )
 
 
-def dense(x: jax.Array, values: jax.Array, layer: jax.Array) -> jax.Array:
-    """x bf16[R, I] @ values[layer].T -> f32[R, O], values s8[L, O, I]. Only where
-    `supports(R, values, "bfloat16")`."""
+def dense(x: jax.Array, values: jax.Array, scale: jax.Array, layer: jax.Array) -> jax.Array:
+    """x bf16[R, I] @ (values[layer] * scale[layer]).T -> f32[R, O], values s8[L, O, I], scale
+    f32[L, O]: up to MAX_ROWS rows in the kernel (float32 sums of the exact values, scaled),
+    more in XLA's matmul of values * scale converted to bfloat16 by the kernel's loop. Only where
+    `supports(values, "bfloat16")`."""
     if not _register():
         raise RuntimeError("the CPU int8 kernel could not be built (see the log)")
-    result = jax.ShapeDtypeStruct((x.shape[0], values.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, result)(x, jnp.asarray(layer, jnp.int32), values)
+    layer = jnp.asarray(layer, jnp.int32)
+    num_out, num_in = values.shape[1:]
+    if x.shape[0] <= MAX_ROWS:
+        result = jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.float32)
+        return jax.ffi.ffi_call(_TARGETS[0], result)(x, layer, values, scale)
+    result = jax.ShapeDtypeStruct((num_out, num_in), jnp.bfloat16)
+    return dot_rows(x, jax.ffi.ffi_call(_TARGETS[1], result)(layer, values, scale))
 
 
 @functools.cache
 def _register() -> bool:
-    return native.register_targets(_SOURCE, (_TARGET,), "CPU int8 matmul", [])
+    return native.register_targets(_SOURCE, _TARGETS, "CPU int8 matmul", [])
