@@ -12,7 +12,7 @@ from jvllm.quantization import cpu_gguf, cpu_int8
 
 _KERNELS = {
     "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),
-    "GGUF matmul": (cpu_gguf, lambda: cpu_gguf.supports(1, "float32")),
+    "GGUF matmul": (cpu_gguf, lambda: cpu_gguf.supports("float32")),
     "int8 matmul": (cpu_int8, lambda: cpu_int8._register()),  # supports() asks for AVX-512 BF16
 }
 

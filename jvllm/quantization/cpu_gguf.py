@@ -8,8 +8,10 @@ as gguf does, and multiplies it into up to 32 rows, reading a scanned layer's bl
 lie (SmolLM2's Q4_1 decoding one sequence on one core: 6.5 -> 56.6 tok/s, 1.14x llama.cpp's
 speed on the same file; BENCHMARKS.md).
 
-It is built on first use (jvllm/native.py); a machine without a compiler, or
-JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes the same products.
+More rows go to XLA's matmul of the layer dequantized by the kernel's loop, at memory speed
+(XLA's own dequantization of a Q4_1 [3072, 576] layer took 1.5 ms, 4.4 in bfloat16, against
+the 64-row matmul's 1.2). It is built on first use (jvllm/native.py); a machine without a
+compiler, or JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes the same products.
 """
 
 import functools
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from gguf.constants import GGMLQuantizationType as Q
 
 from jvllm import native
+from jvllm.layers.dot import dot_rows
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
 _SOURCE = Path(__file__).with_name("cpu_gguf.cc")
@@ -28,15 +31,14 @@ MAX_ROWS = 32  # cpu_gguf.cc's kMaxRows: past it, dequantizing for XLA's matmul 
 _DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 
-def _target(qtype: int, dtype: str) -> str:
-    return f"GGUFDense{Q(qtype).name}{_DTYPES[dtype]}"
+def _target(kind: str, qtype: int, dtype: str) -> str:
+    return f"GGUF{kind}{Q(qtype).name}{_DTYPES[dtype]}"
 
 
-def supports(num_rows: int, dtype: str) -> bool:
-    """Whether `num_rows` rows times a GGUF weight used in `dtype` can run the kernel here."""
+def supports(dtype: str) -> bool:
+    """Whether rows times a GGUF weight used in `dtype` can go through the kernel here."""
     return (
-        num_rows <= MAX_ROWS
-        and dtype in _DTYPES
+        dtype in _DTYPES
         and jax.default_backend() == "cpu"
         and os.environ.get("JVLLM_CPU_GGUF_KERNEL", "1") != "0"
         and _register()
@@ -47,19 +49,30 @@ def dense(
     x: jax.Array, fields: dict[str, jax.Array], layer: jax.Array, qtype: int, dtype: str
 ) -> jax.Array:
     """x f32[R, I] (values of the model dtype) @ W.T -> f32[R, O], W [O, I] at `layer` of
-    `fields` (each [L, O, nb, ...]). Only where `supports(R, dtype)`."""
+    `fields` (each [L, O, nb, ...]): up to MAX_ROWS rows in the kernel, more in XLA's matmul of
+    W dequantized by the kernel's loop (the same values). Only where `supports(dtype)`."""
     if not _register():
         raise RuntimeError("the CPU GGUF kernel could not be built (see the log)")
     # In the format's field order: a dict that went through jit comes back with sorted keys.
     ordered = [fields[name] for name in BLOCK_FORMATS[Q(qtype)].fields.names]
-    result = jax.ShapeDtypeStruct((x.shape[0], ordered[0].shape[1]), jnp.float32)
-    call = jax.ffi.ffi_call(_target(qtype, dtype), result)
-    return call(x, jnp.asarray(layer, jnp.int32), *ordered)
+    layer = jnp.asarray(layer, jnp.int32)
+    num_out, num_in = ordered[0].shape[1], x.shape[1]
+    if x.shape[0] <= MAX_ROWS:
+        result = jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.float32)
+        return jax.ffi.ffi_call(_target("Dense", qtype, dtype), result)(x, layer, *ordered)
+    result = jax.ShapeDtypeStruct((num_out, num_in), dtype)
+    w = jax.ffi.ffi_call(_target("Dequantize", qtype, dtype), result)(layer, *ordered)
+    return dot_rows(x, w)
 
 
 @functools.cache
 def _register() -> bool:
-    targets = tuple(_target(int(q), d) for q in PACKED_QTYPES for d in _DTYPES)
+    targets = tuple(
+        _target(kind, int(q), d)
+        for kind in ("Dense", "Dequantize")
+        for q in PACKED_QTYPES
+        for d in _DTYPES
+    )
     # No contraction of a product and a sum into one rounding: the dequantized values must be
     # gguf's bit for bit.
     return native.register_targets(_SOURCE, targets, "CPU GGUF matmul", ["-ffp-contract=off"])

@@ -83,13 +83,14 @@ class GGUFWeight:
         """x [..., I] @ weight [O, I].T -> f32[..., O], in the model dtype as layers/linear.py's
         dense for a float weight.
 
-        A few rows on CPU run the native kernel, which reads the packed bytes. Otherwise one
-        row (a batch-1 decode step) multiplies and reduces, so that XLA fuses the
-        dequantization into the product and reads only the packed bytes; more rows dequantize
-        the weight once and run one matmul."""
+        On CPU the native kernel (cpu_gguf.py) reads the packed bytes: it multiplies a few rows
+        itself, and dequantizes the layer for XLA's matmul of more. Without it one row (a
+        batch-1 decode step) multiplies and reduces, so that XLA fuses the dequantization into
+        the product and reads only the packed bytes; more rows dequantize the weight once and
+        run one matmul."""
         num_rows = math.prod(x.shape[:-1])
         xs = x.astype(self.dtype).astype(jnp.float32)
-        if cpu_gguf.supports(num_rows, self.dtype):
+        if cpu_gguf.supports(self.dtype):
             stacked = self.layer is not None
             fields = self.fields if stacked else {k: v[None] for k, v in self.fields.items()}
             layer = self.layer if stacked else 0
