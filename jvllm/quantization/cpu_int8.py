@@ -11,7 +11,8 @@ matmul's float32 result took a pass of its own over it, which made int8 prefills
 than bfloat16 ones.
 
 It is built on first use (jvllm/native.py); a CPU without AVX-512 BF16, a machine without a
-compiler, or JVLLM_CPU_INT8_KERNEL=0 keeps the pure-JAX path, which computes the same products.
+compiler, or JVLLM_CPU_INT8_KERNEL=0 keeps the pure-JAX path, which computes the same products
+(past 128 rows, but for the kernel's rounding of values times scales to bfloat16).
 """
 
 import functools
