@@ -34,4 +34,17 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t num_parts, const Part& par
   while (progress->done.load(std::memory_order_acquire) < num_parts) std::this_thread::yield();
 }
 
+// Runs range(first, last) over [0, count) cut into num_parts equal runs: parts_per_thread a
+// thread of the pool, at most max_parts, at least one.
+template <typename Range>
+void parallel_ranges(xla::ffi::ThreadPool& pool, int64_t count, int64_t parts_per_thread,
+                     int64_t max_parts, const Range& range) {
+  const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t num_parts =
+      std::max<int64_t>(1, std::min(parts_per_thread * num_threads, max_parts));
+  parallel_for(pool, num_parts, [&](int64_t i) {
+    range(count * i / num_parts, count * (i + 1) / num_parts);
+  });
+}
+
 }  // namespace jvllm

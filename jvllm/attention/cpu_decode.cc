@@ -137,12 +137,9 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   float *m = max_out->typed_data(), *l = sum_out->typed_data(), *o = out->typed_data();
 
   const int64_t num_tiles = static_cast<int64_t>(token_idx.element_count());
-  const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_parts = std::max<int64_t>(1, std::min(4 * num_threads, num_tiles));
-  jvllm::parallel_for(pool, num_parts, [&](int64_t i) {
-    attend_tiles(num_tiles * i / num_parts, num_tiles * (i + 1) / num_parts, q.typed_data(),
-                 keys, values, block_tables.typed_data(), token_idx.typed_data(),
-                 seq.typed_data(), kv_lens.typed_data(), s, m, l, o);
+  jvllm::parallel_ranges(pool, num_tiles, 4, num_tiles, [&](int64_t first, int64_t last) {
+    attend_tiles(first, last, q.typed_data(), keys, values, block_tables.typed_data(),
+                 token_idx.typed_data(), seq.typed_data(), kv_lens.typed_data(), s, m, l, o);
   });
   return ffi::Error::Success();
 }

@@ -352,11 +352,8 @@ ffi::Error gguf_dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   int64_t field_bytes[F::kFields];
   ffi::Error error = layer_fields<F>(fields, layer.typed_data()[0], O, I, data, field_bytes);
   if (error.failure()) return error;
-  const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_parts = std::max<int64_t>(1, std::min(8 * num_threads, O / 16));
   float* out = y->typed_data();
-  jvllm::parallel_for(pool, num_parts, [&](int64_t i) {
-    const int64_t first = O * i / num_parts, last = O * (i + 1) / num_parts;
+  jvllm::parallel_ranges(pool, O, 8, O / 16, [&](int64_t first, int64_t last) {
     if (R == 1) {
       dense_rows<F, kBF16, 1>(first, last, x.typed_data(), R, I, O, data, field_bytes, out);
     } else {
@@ -380,12 +377,9 @@ ffi::Error gguf_dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
   int64_t field_bytes[F::kFields];
   ffi::Error error = layer_fields<F>(fields, layer.typed_data()[0], O, I, data, field_bytes);
   if (error.failure()) return error;
-  const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_parts = std::max<int64_t>(1, std::min(8 * num_threads, O));
   void* out = w->untyped_data();
-  jvllm::parallel_for(pool, num_parts, [&](int64_t i) {
-    dequantize_rows<F, kBF16>(O * i / num_parts, O * (i + 1) / num_parts, I, data, field_bytes,
-                              out);
+  jvllm::parallel_ranges(pool, O, 8, O, [&](int64_t first, int64_t last) {
+    dequantize_rows<F, kBF16>(first, last, I, data, field_bytes, out);
   });
   return ffi::Error::Success();
 }

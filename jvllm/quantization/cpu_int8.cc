@@ -30,15 +30,27 @@ constexpr int kBlockRows = 6;  // rows of x that meet a panel at once
 constexpr int kStep = 32;      // values of a row one instruction takes
 constexpr int kMaxRows = 128;  // past it XLA's matmul of the converted values is faster
 
-// 32 int8 values times `scale` -> 32 bfloat16, rounded to nearest even (exact for scale 1:
-// |v| <= 128 has at most 8 significant bits).
-inline __m512bh int8_to_bfloat16(const int8_t* v, float scale) {
+// 32 int8 values as float32, in two vectors of 16.
+inline void int8_to_floats(const int8_t* v, __m512* a, __m512* b) {
   const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
   const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16));
-  const __m512 s = _mm512_set1_ps(scale);
-  const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)), s);
-  const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)), s);
+  *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low));
+  *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high));
+}
+
+// 32 int8 values -> 32 bfloat16 (exact: |v| <= 128 has at most 8 significant bits).
+inline __m512bh int8_to_bfloat16(const int8_t* v) {
+  __m512 a, b;
+  int8_to_floats(v, &a, &b);
   return _mm512_cvtne2ps_pbh(b, a);  // a's values first
+}
+
+// 32 int8 values times `scale` -> 32 bfloat16, rounded to nearest even.
+inline __m512bh scaled_to_bfloat16(const int8_t* v, float scale) {
+  __m512 a, b;
+  int8_to_floats(v, &a, &b);
+  const __m512 s = _mm512_set1_ps(scale);
+  return _mm512_cvtne2ps_pbh(_mm512_mul_ps(b, s), _mm512_mul_ps(a, s));
 }
 
 inline __m512bh load_bfloat16(const uint16_t* p) {
@@ -91,7 +103,7 @@ void dense_panels(int64_t p_first, int64_t p_last, const uint16_t* x, const int8
     const int64_t o = p * kPanel;
     for (int j = 0; j < kPanel; ++j) {
       for (int64_t k = 0; k < I; k += kStep) {
-        const __m512bh w = int8_to_bfloat16(values + (o + j) * I + k, 1.f);
+        const __m512bh w = int8_to_bfloat16(values + (o + j) * I + k);
         _mm512_storeu_si512(reinterpret_cast<void*>(panel.data() + j * I + k), (__m512i)w);
       }
     }
@@ -99,29 +111,39 @@ void dense_panels(int64_t p_first, int64_t p_last, const uint16_t* x, const int8
   }
 }
 
+// Layer `at` of values [L, O, I] and of scales [L, O]; an error where they do not fit together
+// or the kernel's shapes.
+ffi::Error layer_values(ffi::Buffer<ffi::S8>& values, ffi::Buffer<ffi::F32>& scales, int64_t at,
+                        const int8_t** v, const float** scale) {
+  auto dims = values.dimensions();
+  if (dims.size() != 3 || scales.element_count() != dims[0] * dims[1]) {
+    return ffi::Error::InvalidArgument("int8: values [L, O, I], scales [L, O]");
+  }
+  if (dims[2] % kStep != 0 || dims[1] % kPanel != 0 || at < 0 || at >= dims[0]) {
+    return ffi::Error::InvalidArgument("int8: I a multiple of 32, O of 4, layer in [0, L)");
+  }
+  *v = values.typed_data() + at * dims[1] * dims[2];
+  *scale = scales.typed_data() + at * dims[1];
+  return ffi::Error::Success();
+}
+
 ffi::Error int8_dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::S8> values, ffi::Buffer<ffi::F32> scales,
                       ffi::ResultBuffer<ffi::F32> y) {
-  auto x_dims = x.dimensions(), v_dims = values.dimensions();
-  if (x_dims.size() != 2 || v_dims.size() != 3 || x_dims[1] != v_dims[2] ||
-      scales.element_count() != v_dims[0] * v_dims[1]) {
-    return ffi::Error::InvalidArgument("int8_dense: x [R, I], values [L, O, I], scales [L, O]");
+  const int8_t* v;
+  const float* scale;
+  ffi::Error error = layer_values(values, scales, layer.typed_data()[0], &v, &scale);
+  if (error.failure()) return error;
+  auto x_dims = x.dimensions();
+  const int64_t O = values.dimensions()[1], I = values.dimensions()[2];
+  if (x_dims.size() != 2 || x_dims[0] > kMaxRows || x_dims[1] != I) {
+    return ffi::Error::InvalidArgument("int8_dense: x [R <= 128, I]");
   }
-  const int64_t R = x_dims[0], I = x_dims[1], O = v_dims[1];
-  const int64_t at = layer.typed_data()[0];
-  if (R > kMaxRows || I % kStep != 0 || O % kPanel != 0 || at < 0 || at >= v_dims[0]) {
-    return ffi::Error::InvalidArgument(
-        "int8_dense: at most 128 rows, I a multiple of 32, O of 4, layer in [0, L)");
-  }
+  const int64_t R = x_dims[0];
   const auto* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const int8_t* v = values.typed_data() + at * O * I;
-  const float* scale = scales.typed_data() + at * O;
   float* out = y->typed_data();
   const int64_t num_panels = O / kPanel;
-  const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_parts = std::max<int64_t>(1, std::min(8 * num_threads, num_panels));
-  jvllm::parallel_for(pool, num_parts, [&](int64_t i) {
-    const int64_t first = num_panels * i / num_parts, last = num_panels * (i + 1) / num_parts;
+  jvllm::parallel_ranges(pool, num_panels, 8, num_panels, [&](int64_t first, int64_t last) {
     dense_panels(first, last, xs, v, scale, R, I, O, out);
   });
   return ffi::Error::Success();
@@ -133,28 +155,17 @@ ffi::Error int8_dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
 ffi::Error convert_layer(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S8> values, ffi::Buffer<ffi::F32> scales,
                          ffi::ResultBuffer<ffi::BF16> out) {
-  auto v_dims = values.dimensions();
-  if (v_dims.size() != 3 || out->dimensions().size() != 2 ||
-      scales.element_count() != v_dims[0] * v_dims[1]) {
-    return ffi::Error::InvalidArgument(
-        "convert_layer: values [L, O, I], scales [L, O], out [O, I]");
-  }
-  const int64_t O = v_dims[1], I = v_dims[2];
-  const int64_t at = layer.typed_data()[0];
-  if (I % kStep != 0 || at < 0 || at >= v_dims[0]) {
-    return ffi::Error::InvalidArgument("convert_layer: I a multiple of 32, layer in [0, L)");
-  }
-  const int8_t* v = values.typed_data() + at * O * I;
-  const float* scale = scales.typed_data() + at * O;
+  const int8_t* v;
+  const float* scale;
+  ffi::Error error = layer_values(values, scales, layer.typed_data()[0], &v, &scale);
+  if (error.failure()) return error;
+  const int64_t O = values.dimensions()[1], I = values.dimensions()[2];
+  if (out->element_count() != O * I) return ffi::Error::InvalidArgument("int8: out [O, I]");
   auto* w = reinterpret_cast<uint16_t*>(out->typed_data());
-  const int64_t num_threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_parts = std::max<int64_t>(1, std::min(8 * num_threads, O));
-  jvllm::parallel_for(pool, num_parts, [&](int64_t i) {
-    for (int64_t o = O * i / num_parts; o < O * (i + 1) / num_parts; ++o) {
-      for (int64_t k = o * I; k < (o + 1) * I; k += kStep) {
-        const __m512bh row = int8_to_bfloat16(v + k, scale[o]);
-        _mm512_storeu_si512(reinterpret_cast<void*>(w + k), (__m512i)row);
-      }
+  jvllm::parallel_ranges(pool, O, 8, O, [&](int64_t first, int64_t last) {
+    for (int64_t k = first * I; k < last * I; k += kStep) {
+      const __m512bh row = scaled_to_bfloat16(v + k, scale[k / I]);
+      _mm512_storeu_si512(reinterpret_cast<void*>(w + k), (__m512i)row);
     }
   });
   return ffi::Error::Success();
