@@ -23,13 +23,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float to_float(float x) { return x; }
+// H cache values in float32: float32 ones where they lie, bfloat16 bits converted into row
+// (copying float32 ones there took a call to memmove a row).
+inline const float* as_floats(const float* src, int64_t, float*) { return src; }
 
-inline float to_float(uint16_t bf16_bits) {
-  uint32_t bits = static_cast<uint32_t>(bf16_bits) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
+inline const float* as_floats(const uint16_t* bf16_bits, int64_t H, float* __restrict row) {
+  for (int64_t h = 0; h < H; ++h) {
+    const uint32_t bits = static_cast<uint32_t>(bf16_bits[h]) << 16;
+    std::memcpy(row + h, &bits, sizeof(bits));
+  }
+  return row;
 }
 
 struct Shapes {
@@ -46,14 +49,14 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
   const int64_t G = s.group, B = s.block_size;
   const int64_t H = HD > 0 ? HD : s.head_dim;
   scores.resize(static_cast<size_t>(G * kv_len + H));
-  float* __restrict row = scores.data() + G * kv_len;  // one key or value row in float32
+  float* __restrict row = scores.data() + G * kv_len;  // one bfloat16 key or value row in float32
   for (int64_t pos = 0; pos < kv_len; ++pos) {
-    const T* __restrict k = keys + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
-    for (int64_t h = 0; h < H; ++h) row[h] = to_float(k[h]);
+    const T* k = keys + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
+    const float* __restrict key = as_floats(k, H, row);
     for (int64_t g = 0; g < G; ++g) {
       const float* __restrict qg = q + g * H;
       float dot = 0.f;
-      for (int64_t h = 0; h < H; ++h) dot += qg[h] * row[h];
+      for (int64_t h = 0; h < H; ++h) dot += qg[h] * key[h];
       scores[g * kv_len + pos] = dot;
     }
   }
@@ -70,12 +73,12 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
   }
   std::fill(out, out + G * H, 0.f);
   for (int64_t pos = 0; pos < kv_len; ++pos) {
-    const T* __restrict v = values + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
-    for (int64_t h = 0; h < H; ++h) row[h] = to_float(v[h]);
+    const T* v = values + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
+    const float* __restrict value = as_floats(v, H, row);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * kv_len + pos];
       float* __restrict og = out + g * H;
-      for (int64_t h = 0; h < H; ++h) og[h] += p * row[h];
+      for (int64_t h = 0; h < H; ++h) og[h] += p * value[h];
     }
   }
 }
