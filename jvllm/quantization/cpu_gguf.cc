@@ -331,7 +331,12 @@ std::vector<float> sub_block_sums(const float* x, int64_t R, int64_t I) {
   const int64_t num_subs = padded_subs<F>(I);
   std::vector<float> sums(R * num_subs, 0.f);
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < I; ++i) sums[r * num_subs + i / F::kSub] += x[r * I + i];
+    for (int64_t sub = 0; sub < I / F::kSub; ++sub) {
+      const float* xs = x + r * I + sub * F::kSub;
+      f32v sum = load<f32v>(xs);
+      for (int v = 1; v < F::kSub / N; ++v) sum += load<f32v>(xs + N * v);
+      sums[r * num_subs + sub] = sum_lanes(sum);
+    }
   }
   return sums;
 }
