@@ -1,25 +1,25 @@
 // x @ W.T for a weight W [O, I] kept as GGUF blocks, on XLA:CPU through the XLA FFI
 // (cpu_gguf.py builds it).
 //
-// Each block of a row of W is split once into its integers and its scales; its values are
-// made from them with gguf.quants' operations in its order (compiled with -ffp-contract=off, so
-// a product and a sum never fuse), which gives the values gguf's dequantize gives bit for bit,
-// and in a bfloat16 model rounded to bfloat16 (to nearest even) as the model's float weight
-// would be. Those values are multiplied into the R rows of x (already in the model dtype, as
-// float32) and summed in float32, with fused multiply-adds where the CPU has them (in a bfloat16
-// model, bfloat16 dot products where it has those); in a float32 model most formats instead
-// multiply a sub-block's scale into the sum of x times its integers (dense_rows says why, and
-// what it rounds). The fields of the blocks come in as separate
-// arrays [L, O, nb, ...] with a layer index, so that a layer of the scan's stacked weights is
-// read where it lies; output rows are split among XLA's intra-op threads. For more rows than
-// gguf_dense takes, gguf_dequantize writes the layer's values out for XLA's matmul.
+// Each block of a row of W is split into its integers and its scales (once for each group of up
+// to 8 rows of x); its values are made from them with gguf.quants' operations in its order
+// (compiled with -ffp-contract=off, so a product and a sum never fuse), which gives the values
+// gguf's dequantize gives bit for bit, and in a bfloat16 model rounded to bfloat16 (to nearest
+// even) as the model's float weight would be. Those values are multiplied into the R rows of x
+// (already in the model dtype, as float32) and summed in float32, with fused multiply-adds
+// where the CPU has them (in a bfloat16 model, bfloat16 dot products where it has those); in a
+// float32 model most formats instead multiply a sub-block's scale into the sum of x times its
+// integers (dense_rows says why, and what it rounds). The fields of the blocks come in as
+// separate arrays [L, O, nb, ...] with a layer index, so that a layer of the scan's stacked
+// weights is read where it lies; output rows are split among XLA's intra-op threads. For more
+// rows than gguf_dense takes, gguf_dequantize writes the layer's values out for XLA's matmul.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -95,7 +95,7 @@ inline V load(const void* p) {
 }
 
 // a * b + c, rounded once where the CPU has FMA: the sums of products, whose order is the
-// kernel's own (the values' dequantization, by contrast, never fuses; see the top).
+// kernel's own (Block::values, by contrast, never fuses; see the top).
 inline f32v multiply_add(f32v a, f32v b, f32v c) {
 #if defined(__AVX512F__)
   return (f32v)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -293,10 +293,11 @@ class BlockReader {
     }
   }
 
-  // Block b, the one after the last read (b = 0 first).
-  __attribute__((always_inline)) void read(int64_t b, Block<F>& block) {
+  // The next block (the first at first).
+  __attribute__((always_inline)) void read(Block<F>& block) {
     float s[F::kHalves + 1];
-    for (int i = 0; i < F::kHalves; ++i) s[i] = halves_[i * nb_ + b];
+    for (int i = 0; i < F::kHalves; ++i) s[i] = halves_[i * nb_ + next_];
+    ++next_;
     F::split(at_, s, block.q, block.scale, block.offset);
     for (int i = 0; i < F::kFields; ++i) {
       __builtin_prefetch(at_[i] + kPrefetchBlocks * bytes_[i]);
@@ -305,7 +306,7 @@ class BlockReader {
   }
 
  private:
-  int64_t nb_;
+  int64_t nb_, next_ = 0;
   const float* halves_;
   const uint8_t* at_[F::kFields];
   int64_t bytes_[F::kFields];
@@ -368,14 +369,18 @@ constexpr bool bf16_dots() {
 inline __m512bh bf16_pairs(f32v lo, f32v hi) { return _mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo); }
 #endif
 
-// x [R, I] (bfloat16 values as float32) as bfloat16 bits, exactly, where bf16_dots<kBF16>().
+// x [R, I] as bfloat16 bits (to nearest even: exact for the bfloat16 values the model passes),
+// where bf16_dots<kBF16>().
 template <bool kBF16>
 std::vector<uint16_t> bf16_bits(const float* x, int64_t R, int64_t I) {
   std::vector<uint16_t> bits(bf16_dots<kBF16>() ? R * I : 0);
-  for (size_t i = 0; i < bits.size(); ++i) {
-    uint32_t word;
-    std::memcpy(&word, x + i, sizeof(word));
-    bits[i] = static_cast<uint16_t>(word >> 16);
+  for (size_t i = 0; i < bits.size(); i += N) {  // R * I: whole vectors of blocks
+    const f32v rounded = round_to_bfloat16(load<f32v>(x + i));
+    for (int l = 0; l < N; ++l) {
+      uint32_t word;
+      std::memcpy(&word, &rounded[l], sizeof(word));
+      bits[i + l] = static_cast<uint16_t>(word >> 16);
+    }
   }
   return bits;
 }
@@ -407,7 +412,7 @@ void group_products(const Rows& rows, int64_t first, int64_t o) {
   BlockReader<F> reader(o, rows.nb, rows.fields, rows.field_bytes, rows.halves);
   Block<F> block;
   for (int64_t b = 0; b < rows.nb; ++b) {
-    reader.read(b, block);
+    reader.read(block);
 #if defined(__AVX512BF16__)
     if (bf16_dots<kBF16>()) {
       f32v w[V];
@@ -448,8 +453,8 @@ void group_products(const Rows& rows, int64_t first, int64_t o) {
   for (int r = 0; r < G; ++r) {
     // The offsets times the sums, added to the lanes: a row of the identity puts a value's
     // scaled integer and its offset in one lane or in two, so either sum rounds once.
-    const float* sums = rows.x_sums + (first + r) * rows.num_subs;
     for (int64_t i = 0; kOffsets && i < rows.num_subs; i += N) {
+      const float* sums = rows.x_sums + (first + r) * rows.num_subs;
       acc[r] = multiply_add(load<f32v>(offsets + i), load<f32v>(sums + i), acc[r]);
     }
     rows.y[(first + r) * rows.O + o] = sum_lanes(acc[r]);
@@ -461,11 +466,16 @@ void group_products(const Rows& rows, int64_t first, int64_t o) {
 //
 // Where factored<F, kBF16>(), a sub-block's scale multiplies the sum of x times its integers,
 // and its offset x_sums' sum of x over it, rather than each value: fewer operations a vector
-// and a chain of sums half as long (a Q4_1 row on one EPYC core 1.2x faster). That rounds the
-// products as another order of sums would; rows of the identity still give gguf's values bit
-// for bit (the scale times one integer, then the offset added). In a bfloat16 model each value
+// and a chain of sums half as long (a Q4_1 row on one EPYC core 1.2x faster). A row of the
+// identity still gives gguf's values bit for bit (the scale times one integer, rounded, then
+// the offset added, rounded). Other rows' sums differ from the made values' by more than an
+// order of sums would: the scaled sums and the offsets' grow apart and cancel at the end, so
+// the error is bounded by |scale| sum |x q| + |offset| |sum x| rather than sum |x w| (13x the
+// worst error where x's mean is far from 0, about 3e-7 of sum |x w|; adding the offsets block
+// by block in the lanes kept it small but cost all the speed). In a bfloat16 model each value
 // is rounded to bfloat16 first, so the values are made and multiplied into the rows, pairs at a
-// time where bf16_dots<kBF16>() (one Q4_1 row 1.8x faster, eight rows 1.15x slower).
+// time where bf16_dots<kBF16>() (one Q4_1 row 1.8x faster, eight rows 1.15x slower; every
+// group takes the same path, or a row's products would depend on the batch).
 template <typename F, bool kBF16>
 void dense_rows(int64_t o_first, int64_t o_last, const float* x, const float* x_sums,
                 const uint16_t* x_bf16, int64_t R, int64_t I, int64_t O,
@@ -473,7 +483,7 @@ void dense_rows(int64_t o_first, int64_t o_last, const float* x, const float* x_
   const int64_t nb = I / F::kBlock, num_subs = padded_subs<F>(I);
   std::vector<float> halves(F::kHalves * nb + 1);  // [kHalves, nb]
   std::vector<float> offsets(num_subs, 0.f);
-  const Rows rows{x,           x_sums, x_bf16, I, O, nb, num_subs, fields, field_bytes,
+  const Rows rows{x,    x_sums,      x_bf16, I, O, nb, num_subs, fields, field_bytes,
                   halves.data(), offsets.data(), y};
   for (int64_t o = o_first; o < o_last; ++o) {
     row_scales<F>(o, nb, fields, field_bytes, halves.data());
@@ -498,7 +508,7 @@ void dequantize_rows(int64_t o_first, int64_t o_last, int64_t I, const uint8_t* 
     BlockReader<F> reader(o, nb, fields, field_bytes, halves.data());
     Block<F> block;
     for (int64_t b = 0; b < nb; ++b) {
-      reader.read(b, block);
+      reader.read(block);
       f32v w[V];
       model_values<F, kBF16>(block, w);
       const int64_t first = o * I + b * F::kBlock;

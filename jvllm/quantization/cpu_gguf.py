@@ -3,8 +3,8 @@
 XLA:CPU's fused dequantize-multiply-reduce of a Q4_1 [3072, 576] weight took 0.75-1.0 ms where
 the same weight in bfloat16 took 0.33 ms (BENCHMARKS.md, "Quantized weights"): unpacking
 nibbles and broadcasting block scales in XLA's generated loops is compute-bound, and more rows
-dequantize the whole weight to float32 first. The kernel splits each block once into integers
-and scales and multiplies it into up to 32 rows (in a float32 model scaling each sub-block's
+dequantize the whole weight to float32 first. The kernel splits each block into integers and
+scales and multiplies it into up to 32 rows (in a float32 model scaling each sub-block's
 sum, in a bfloat16 one making gguf's values, rounded), reading a scanned layer's blocks where
 they lie (SmolLM2's Q4_1 decoding one sequence on one core: 6.5 -> 56.6 tok/s, 1.14x
 llama.cpp's speed on the same file on the Xeon, about 1.0x on the EPYC; BENCHMARKS.md).
