@@ -269,6 +269,17 @@ inline f32v round_to_bfloat16(f32v w) {
   return (f32v)((bits & 0x7FFFFFFF) > 0x7F800000 ? bits : rounded);  // NaN stays
 }
 
+// The N bfloat16 values in `rounded` (each already rounded to bfloat16) as their 16 bits at dst.
+inline void store_bfloat16(f32v rounded, uint16_t* dst) {
+  typedef uint32_t u32v __attribute__((vector_size(4 * N)));
+  const u32v bits = (u32v)rounded >> 16;  // exact
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16((__m512i)bits));
+#else
+  for (int l = 0; l < N; ++l) dst[l] = static_cast<uint16_t>(bits[l]);
+#endif
+}
+
 // Row o of W's kHalves scales, as float32 halves [kHalves, nb].
 template <typename F>
 void row_scales(int64_t o, int64_t nb, const uint8_t* const* fields, const int64_t* field_bytes,
@@ -375,12 +386,7 @@ template <bool kBF16>
 std::vector<uint16_t> bf16_bits(const float* x, int64_t R, int64_t I) {
   std::vector<uint16_t> bits(bf16_dots<kBF16>() ? R * I : 0);
   for (size_t i = 0; i < bits.size(); i += N) {  // R * I: whole vectors of blocks
-    const f32v rounded = round_to_bfloat16(load<f32v>(x + i));
-    for (int l = 0; l < N; ++l) {
-      uint32_t word;
-      std::memcpy(&word, &rounded[l], sizeof(word));
-      bits[i + l] = static_cast<uint16_t>(word >> 16);
-    }
+    store_bfloat16(round_to_bfloat16(load<f32v>(x + i)), &bits[i]);
   }
   return bits;
 }
@@ -517,16 +523,7 @@ void dequantize_rows(int64_t o_first, int64_t o_last, int64_t I, const uint8_t* 
         continue;
       }
       uint16_t* dst = static_cast<uint16_t*>(out) + first;
-      for (int v = 0; v < V; ++v) {
-        typedef uint32_t u32v __attribute__((vector_size(4 * N)));
-        const u32v bits = (u32v)w[v] >> 16;  // exact: already rounded
-#if defined(__AVX512F__)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + N * v),
-                            _mm512_cvtepi32_epi16((__m512i)bits));
-#else
-        for (int l = 0; l < N; ++l) dst[N * v + l] = static_cast<uint16_t>(bits[l]);
-#endif
-      }
+      for (int v = 0; v < V; ++v) store_bfloat16(w[v], dst + N * v);
     }
   }
 }
