@@ -32,8 +32,14 @@ def _dense(q, k, v):
     ("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size"),
     [
         (jnp.bfloat16, 9, 3, 64, 16),  # SmolLM2's shapes
+        (jnp.float32, 9, 3, 64, 16),
         (jnp.float32, 8, 2, 128, 16),  # Llama-3's head size
-        (jnp.float32, 6, 6, 40, 4),  # no grouping, a head size the kernel does not special-case
+        (jnp.bfloat16, 8, 2, 128, 8),  # runs of 16 rows over two pages
+        (jnp.bfloat16, 14, 2, 64, 32),  # 7 query heads a KV head: in groups of 4 and 3
+        (jnp.bfloat16, 8, 1, 128, 16),  # 8 query heads of size 128: values in groups of 2
+        (jnp.float32, 4, 4, 64, 16),  # no grouping
+        (jnp.float32, 6, 6, 40, 4),  # a head size the kernel does not special-case
+        (jnp.bfloat16, 6, 3, 96, 16),
     ],
 )
 def test_kernel_matches_dense_attention_on_ragged_pages(

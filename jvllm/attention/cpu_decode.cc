@@ -16,6 +16,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,12 +39,30 @@ inline const float* as_floats(const uint16_t* bf16_bits, int64_t H, float* __res
   return row;
 }
 
+// The G rows scores[g * stride + pos], pos < kv_len, exponentiated less their max -> the max
+// [G] and the sum [G] of each.
+inline void softmax(float* scores, int64_t G, int64_t stride, int64_t kv_len, float* max_out,
+                    float* sum_out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* __restrict sg = scores + g * stride;
+    const float m = *std::max_element(sg, sg + kv_len);
+    float sum = 0.f;
+    for (int64_t pos = 0; pos < kv_len; ++pos) {
+      sg[pos] = std::exp(sg[pos] - m);
+      sum += sg[pos];
+    }
+    max_out[g] = m;
+    sum_out[g] = sum;
+  }
+}
+
 struct Shapes {
   int64_t num_kv_heads, num_pages, block_size, head_dim, group, max_pages;
 };
 
-// Attention of one tile's G query heads of one KV head -> max [G], sum [G], values out [G, H]. HD > 0 fixes the
-// head size at compile time (the common 64 and 128), so the row loops vectorise fully.
+// Attention of one tile's G query heads of one KV head -> max [G], sum [G], values out [G, H].
+// HD > 0 fixes the head size at compile time (the common 64 and 128), so the row loops
+// vectorise fully.
 template <int HD, typename T>
 void attend_head(const float* __restrict q, const T* __restrict keys,
                  const T* __restrict values, const int32_t* __restrict pages, int64_t kv_len,
@@ -60,17 +82,7 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
       scores[g * kv_len + pos] = dot;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* __restrict sg = scores.data() + g * kv_len;
-    float m = *std::max_element(sg, sg + kv_len);
-    float sum = 0.f;
-    for (int64_t pos = 0; pos < kv_len; ++pos) {
-      sg[pos] = std::exp(sg[pos] - m);
-      sum += sg[pos];
-    }
-    max_out[g] = m;
-    sum_out[g] = sum;
-  }
+  softmax(scores.data(), G, kv_len, kv_len, max_out, sum_out);
   std::fill(out, out + G * H, 0.f);
   for (int64_t pos = 0; pos < kv_len; ++pos) {
     const T* v = values + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
@@ -82,6 +94,197 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
     }
   }
 }
+
+#if defined(__AVX512F__)
+// With AVX-512 and a head size of 64 or 128 (32 W), the same attention in far fewer
+// instructions: each run of 32 values of a row loads as two float32 vectors, 16 lanes each
+// (bfloat16: the 32-bit words shifted left 16 bits are the even values, the words with their
+// low 16 bits cleared the odd ones, so a row converts in two instructions), the query heads'
+// values are put in the same lanes once, and the weighted values go back in order at the end. A
+// key row's products stay in 16 lanes until 16 positions are done, and one transposing sum makes
+// their 16 scores; the sums of up to 4 query heads stay in registers. Each row read asks for the
+// same row of the sequence's next page, which shuffled pages are slow to reach.
+
+// Lane i: first + step * i.
+inline __m512i from(int first, int step) {
+  const __m512i i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_mullo_epi32(_mm512_set1_epi32(step), i));
+}
+
+// Which of a run's 32 values the two vectors' lanes hold (as indices into 32 for
+// _mm512_permutex2var_ps), and the indices that put them back in order.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  static void load(const float* p, __m512& a, __m512& b) {
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  }
+  static __m512i a_values() { return from(0, 1); }
+  static __m512i b_values() { return from(16, 1); }
+  static __m512i first_16() { return a_values(); }
+  static __m512i last_16() { return b_values(); }
+};
+
+template <>
+struct Lanes<uint16_t> {  // bfloat16 bits
+  static void load(const uint16_t* p, __m512& a, __m512& b) {
+    const __m512i words = _mm512_loadu_si512(p);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF0000)));
+  }
+  static __m512i a_values() { return from(0, 2); }
+  static __m512i b_values() { return from(1, 2); }
+  static __m512i first_16() {
+    return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  }
+  static __m512i last_16() {
+    return _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  }
+};
+
+// A sequence's rows of one KV head, one after another along its pages.
+template <typename T>
+struct RowWalk {
+  const T* head;  // the KV head's page 0
+  const int32_t* pages;
+  int64_t block_size, row_size, num_pages, page = 0, offset = 0;
+
+  const T* next() {
+    const T* row = head + (static_cast<int64_t>(pages[page]) * block_size + offset) * row_size;
+    if (page + 1 < num_pages) {
+      const char* ahead = reinterpret_cast<const char*>(
+          head + (static_cast<int64_t>(pages[page + 1]) * block_size + offset) * row_size);
+      for (int64_t byte = 0; byte < row_size * static_cast<int64_t>(sizeof(T)); byte += 64)
+        _mm_prefetch(ahead + byte, _MM_HINT_T0);
+    }
+    if (++offset == block_size) offset = 0, ++page;
+    return row;
+  }
+};
+
+// r[16] -> lane i the sum of r[i]'s lanes.
+inline __m512 transpose_sum(const __m512* r) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: lanes 0, 2 sum r[2i]'s, lanes 1, 3 r[2i + 1]'s
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
+                         _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128 bits: lane j sums r[4i + j]'s
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // 128-bit lane k of the result: b[k]'s four 128-bit lanes summed
+  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0x88),
+                       _mm512_shuffle_f32x4(b01, b23, 0xDD));
+}
+
+// Scores of NG query heads q [NG, 32 W] against the sequence's first kv_len keys ->
+// scores[g * stride + pos], written in runs of 16 (stride a multiple of 16).
+template <typename T, int W, int NG>
+void scores_avx512(const float* q, RowWalk<T> keys, int64_t kv_len, float* scores,
+                   int64_t stride) {
+  __m512 qa[NG][W], qb[NG][W];
+  for (int g = 0; g < NG; ++g) {
+    for (int w = 0; w < W; ++w) {
+      const float* run = q + (g * W + w) * 32;
+      const __m512 lo = _mm512_loadu_ps(run), hi = _mm512_loadu_ps(run + 16);
+      qa[g][w] = _mm512_permutex2var_ps(lo, Lanes<T>::a_values(), hi);
+      qb[g][w] = _mm512_permutex2var_ps(lo, Lanes<T>::b_values(), hi);
+    }
+  }
+  __m512 products[NG][16];
+  for (int64_t start = 0; start < kv_len; start += 16) {
+    const int64_t n = std::min<int64_t>(16, kv_len - start);
+    for (int64_t j = 0; j < 16; ++j) {
+      __m512 sum[NG];
+      for (int g = 0; g < NG; ++g) sum[g] = _mm512_setzero_ps();
+      if (j < n) {
+        const T* key = keys.next();
+        for (int w = 0; w < W; ++w) {
+          __m512 a, b;
+          Lanes<T>::load(key + 32 * w, a, b);
+          for (int g = 0; g < NG; ++g) {
+            sum[g] = _mm512_fmadd_ps(qa[g][w], a, sum[g]);
+            sum[g] = _mm512_fmadd_ps(qb[g][w], b, sum[g]);
+          }
+        }
+      }
+      for (int g = 0; g < NG; ++g) products[g][j] = sum[g];
+    }
+    for (int g = 0; g < NG; ++g)
+      _mm512_storeu_ps(scores + g * stride + start, transpose_sum(products[g]));
+  }
+}
+
+// out [NG, 32 W] = the sum over pos < kv_len of p[g * stride + pos] times value row pos.
+template <typename T, int W, int NG>
+void values_avx512(const float* p, int64_t stride, RowWalk<T> values, int64_t kv_len,
+                   float* out) {
+  __m512 sa[NG][W], sb[NG][W];
+  for (int g = 0; g < NG; ++g)
+    for (int w = 0; w < W; ++w) sa[g][w] = sb[g][w] = _mm512_setzero_ps();
+  for (int64_t pos = 0; pos < kv_len; ++pos) {
+    const T* value = values.next();
+    for (int w = 0; w < W; ++w) {
+      __m512 a, b;
+      Lanes<T>::load(value + 32 * w, a, b);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 weight = _mm512_set1_ps(p[g * stride + pos]);
+        sa[g][w] = _mm512_fmadd_ps(weight, a, sa[g][w]);
+        sb[g][w] = _mm512_fmadd_ps(weight, b, sb[g][w]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int w = 0; w < W; ++w) {
+      float* run = out + (g * W + w) * 32;
+      _mm512_storeu_ps(run, _mm512_permutex2var_ps(sa[g][w], Lanes<T>::first_16(), sb[g][w]));
+      _mm512_storeu_ps(run + 16,
+                       _mm512_permutex2var_ps(sa[g][w], Lanes<T>::last_16(), sb[g][w]));
+    }
+  }
+}
+
+// pass(n, g) for the query heads [g, g + n) of G, in groups of n <= most <= 4, n a compile-time
+// constant (std::integral_constant), so that a group's vectors stay in registers.
+template <typename Pass>
+void in_groups(int64_t G, int most, const Pass& pass) {
+  for (int64_t g = 0; g < G; g += most) {
+    switch (std::min<int64_t>(most, G - g)) {
+      case 1: pass(std::integral_constant<int, 1>(), g); break;
+      case 2: pass(std::integral_constant<int, 2>(), g); break;
+      case 3: pass(std::integral_constant<int, 3>(), g); break;
+      default: pass(std::integral_constant<int, 4>(), g); break;
+    }
+  }
+}
+
+// attend_head's results, head size 32 W.
+template <typename T, int W>
+void attend_head_avx512(const float* q, const T* keys, const T* values, const int32_t* pages,
+                        int64_t kv_len, const Shapes& s, float* max_out, float* sum_out,
+                        float* out, std::vector<float>& scores) {
+  const int64_t stride = (kv_len + 15) / 16 * 16, H = 32 * W;
+  scores.resize(static_cast<size_t>(s.group * stride));
+  const int64_t num_pages = (kv_len + s.block_size - 1) / s.block_size;
+  const RowWalk<T> key_rows{keys, pages, s.block_size, H, num_pages};
+  const RowWalk<T> value_rows{values, pages, s.block_size, H, num_pages};
+  in_groups(s.group, 4, [&](auto n, int64_t g) {
+    scores_avx512<T, W, n>(q + g * H, key_rows, kv_len, scores.data() + g * stride, stride);
+  });
+  softmax(scores.data(), s.group, stride, kv_len, max_out, sum_out);
+  in_groups(s.group, 8 / W, [&](auto n, int64_t g) {  // 16 vectors of sums
+    values_avx512<T, W, n>(scores.data() + g * stride, stride, value_rows, kv_len, out + g * H);
+  });
+}
+#endif
 
 template <typename T>
 void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_keys,
@@ -99,6 +302,14 @@ void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_ke
       const int64_t n = row + kh * s.group, at = n * H;  // the head's first query, its values
       const T* keys = layer_keys + kh * head_stride;
       const T* values = layer_values + kh * head_stride;
+#if defined(__AVX512F__)
+      if (H == 64 || H == 128) {
+        (H == 64 ? attend_head_avx512<T, 2> : attend_head_avx512<T, 4>)(
+            q + at, keys, values, pages, kv_lens[t], s, max_out + n, sum_out + n, out + at,
+            scores);
+        continue;
+      }
+#endif
       if (H == 64) {
         attend_head<64>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
                          sum_out + n, out + at, scores);
