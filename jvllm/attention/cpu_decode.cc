@@ -252,17 +252,21 @@ void values_avx512(const float* p, int64_t stride, RowWalk<T> values, int64_t kv
   }
 }
 
-// pass(n, g) for the query heads [g, g + n) of G, in groups of n <= most <= 4, n a compile-time
-// constant (std::integral_constant), so that a group's vectors stay in registers.
-template <typename Pass>
-void in_groups(int64_t G, int most, const Pass& pass) {
-  for (int64_t g = 0; g < G; g += most) {
-    switch (std::min<int64_t>(most, G - g)) {
-      case 1: pass(std::integral_constant<int, 1>(), g); break;
-      case 2: pass(std::integral_constant<int, 2>(), g); break;
-      case 3: pass(std::integral_constant<int, 3>(), g); break;
-      default: pass(std::integral_constant<int, 4>(), g); break;
-    }
+// pass(n, g) with n the compile-time constant (std::integral_constant) equal to count <= kMost.
+template <int kMost, typename Pass>
+void with_count(int64_t count, int64_t g, const Pass& pass) {
+  if constexpr (kMost > 1) {
+    if (count < kMost) return with_count<kMost - 1>(count, g, pass);
+  }
+  pass(std::integral_constant<int, kMost>(), g);
+}
+
+// pass(n, g) for the query heads [g, g + n) of G in groups of n <= kMost, so that a group's
+// vectors stay in registers.
+template <int kMost, typename Pass>
+void in_groups(int64_t G, const Pass& pass) {
+  for (int64_t g = 0; g < G; g += kMost) {
+    with_count<kMost>(std::min<int64_t>(kMost, G - g), g, pass);
   }
 }
 
@@ -276,11 +280,11 @@ void attend_head_avx512(const float* q, const T* keys, const T* values, const in
   const int64_t num_pages = (kv_len + s.block_size - 1) / s.block_size;
   const RowWalk<T> key_rows{keys, pages, s.block_size, H, num_pages};
   const RowWalk<T> value_rows{values, pages, s.block_size, H, num_pages};
-  in_groups(s.group, 4, [&](auto n, int64_t g) {
+  in_groups<4>(s.group, [&](auto n, int64_t g) {
     scores_avx512<T, W, n>(q + g * H, key_rows, kv_len, scores.data() + g * stride, stride);
   });
   softmax(scores.data(), s.group, stride, kv_len, max_out, sum_out);
-  in_groups(s.group, 8 / W, [&](auto n, int64_t g) {  // 16 vectors of sums
+  in_groups<8 / W>(s.group, [&](auto n, int64_t g) {  // 16 vectors of sums
     values_avx512<T, W, n>(scores.data() + g * stride, stride, value_rows, kv_len, out + g * H);
   });
 }
