@@ -37,7 +37,8 @@ def _dense(q, k, v):
         (jnp.bfloat16, 8, 2, 128, 8),  # runs of 16 rows over two pages
         (jnp.bfloat16, 14, 2, 64, 32),  # 7 query heads a KV head: in groups of 4 and 3
         (jnp.bfloat16, 8, 1, 128, 16),  # 8 query heads of size 128: values in groups of 2
-        (jnp.float32, 4, 4, 64, 16),  # no grouping
+        (jnp.bfloat16, 4, 4, 64, 3),  # no grouping; pages of 3 rows
+        (jnp.float32, 10, 2, 64, 16),  # 5 query heads a KV head: groups of 4 and 1
         (jnp.float32, 6, 6, 40, 4),  # a head size the kernel does not special-case
         (jnp.bfloat16, 6, 3, 96, 16),
     ],
@@ -47,7 +48,8 @@ def test_kernel_matches_dense_attention_on_ragged_pages(
 ):
     rng = np.random.default_rng(head_dim)
     lens = [1, 2, block_size, block_size + 1, 77, 300, 513, 5]
-    num_layers, layer, max_pages = 3, 2, 160
+    num_layers, layer = 3, 2
+    max_pages = max(-(-n // block_size) for n in lens) + 3
     num_pages = 1 + sum(-(-n // block_size) for n in lens) + 7
     tables = np.zeros((len(lens), max_pages), np.int32)
     free = rng.permutation(np.arange(1, num_pages))  # shuffled pages, the null page unused

@@ -99,10 +99,10 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
 // With AVX-512 and a head size of 64 or 128 (32 W), the same attention in far fewer
 // instructions: each run of 32 values of a row loads as two float32 vectors, 16 lanes each
 // (bfloat16: the 32-bit words shifted left 16 bits are the even values, the words with their
-// low 16 bits cleared the odd ones, so a row converts in two instructions), the query heads'
-// values are put in the same lanes once, and the weighted values go back in order at the end. A
-// key row's products stay in 16 lanes until 16 positions are done, and one transposing sum makes
-// their 16 scores; the sums of up to 4 query heads stay in registers. Each row read asks for the
+// low 16 bits cleared the odd ones: two instructions a run), the query heads' values are put
+// in the same lanes once, and the weighted values go back in order at the end. A key row's
+// products stay in 16 lanes until 16 positions are done, and one transposing sum makes their
+// 16 scores; the sums of up to 4 query heads stay in registers. Each row read asks for the
 // same row of the sequence's next page, which shuffled pages are slow to reach.
 
 // Lane i: first + step * i.
