@@ -50,6 +50,18 @@ def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: l
     return True
 
 
+def build_in_background(source: Path, what: str, flags: list[str]) -> None:
+    """Start building `source` in a thread (the compiler runs as a process of its own), so that
+    the first register_targets finds it built: the engine overlaps it with loading the model. A
+    build that fails here says nothing; register_targets tries again and says why."""
+
+    def build():
+        with _BUILD_LOCK:
+            _build(source, what, flags, warn=False)
+
+    threading.Thread(target=build, name="jvllm-native-build", daemon=True).start()
+
+
 def cpu_has(flag: str) -> bool:
     """Whether the OS lists `flag` (e.g. "avx512_bf16") among this CPU's instruction sets."""
     return flag in _cpu().split()
@@ -65,9 +77,9 @@ def _cpu() -> str:
     return " ".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-def _build(source: Path, what: str, extra_flags: list[str]) -> Path | None:
+def _build(source: Path, what: str, extra_flags: list[str], warn: bool = True) -> Path | None:
     """The shared library of `source`, compiled once per source, flags, jax version and CPU;
-    None (logged) when it cannot be built."""
+    None (logged where `warn`) when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
     flags = ["-O3", "-march=native", *extra_flags, "-fPIC", "-std=c++17", "-w"]
     flags += [f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parent}"]
@@ -96,7 +108,7 @@ def _build(source: Path, what: str, extra_flags: list[str]) -> Path | None:
         if partial is not None:
             partial.unlink(missing_ok=True)
         detail = getattr(error, "stderr", None) or error
-        logger.warning(
+        (logger.warning if warn else logger.debug)(
             "%s stays pure JAX: building its kernel in %s with %s failed (%s); install a C++ "
             "compiler (or set CXX), or point %s at a writable directory",
             what,

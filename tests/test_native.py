@@ -2,6 +2,8 @@
 pure-JAX path and says how to fix it."""
 
 import logging
+import shutil
+import threading
 
 import jax.numpy as jnp
 import pytest
@@ -42,3 +44,41 @@ def test_no_compiler_keeps_the_pure_jax_path_and_says_so(kernel, tmp_path, monke
         assert "writable directory" in records[-1].getMessage()
     finally:
         module._register.cache_clear()
+
+
+def _join_background_builds():
+    for thread in threading.enumerate():
+        if thread.name == "jvllm-native-build":
+            thread.join()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="builds with the system C++ compiler")
+def test_the_engine_starts_building_the_decode_kernel_before_its_first_use(tmp_path, monkeypatch):
+    from jvllm.attention.backends import prepare_backend
+
+    monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
+    prepare_backend("reference", "fp8")  # a quantized cache: the kernel does not read it
+    prepare_backend("pallas", "auto")
+    _join_background_builds()
+    assert list(tmp_path.iterdir()) == []
+    prepare_backend("reference", "auto")
+    _join_background_builds()
+    assert [p.name.startswith("cpu_decode-") for p in tmp_path.glob("*.so")] == [True]
+
+
+def test_a_background_build_that_fails_leaves_the_warning_to_the_first_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    monkeypatch.setattr(native.logger, "handlers", [handler])
+    cpu_decode.build_early()
+    _join_background_builds()
+    assert records == []
+    cpu_decode._register.cache_clear()
+    try:
+        assert not cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))
+        assert len(records) == 1 and "install a C++ compiler" in records[0].getMessage()
+    finally:
+        cpu_decode._register.cache_clear()

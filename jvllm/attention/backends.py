@@ -2,6 +2,7 @@
 
 import jax
 
+from jvllm.attention import cpu_decode
 from jvllm.attention.reference import reference_attention
 
 ATTENTION_BACKENDS = ("reference", "pallas")
@@ -9,6 +10,13 @@ ATTENTION_BACKENDS = ("reference", "pallas")
 
 def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def prepare_backend(name: str, kv_cache_dtype: str) -> None:
+    """Start what backend `name` builds on its first use, so that it overlaps with loading the
+    model: the reference backend's CPU decode kernel, which reads float32 and bfloat16 caches."""
+    if name == "reference" and kv_cache_dtype == "auto":
+        cpu_decode.build_early()
 
 
 def get_attention(name: str, sm_scale: float, logit_softcap: float | None = None):

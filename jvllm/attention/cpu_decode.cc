@@ -311,9 +311,11 @@ void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_ke
         (H == 64 ? attend_head_avx512<T, 2> : attend_head_avx512<T, 4>)(
             q + at, keys, values, pages, kv_lens[t], s, max_out + n, sum_out + n, out + at,
             scores);
-        continue;
+      } else {
+        attend_head<0>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
+                         sum_out + n, out + at, scores);
       }
-#endif
+#else
       if (H == 64) {
         attend_head<64>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
                          sum_out + n, out + at, scores);
@@ -324,6 +326,7 @@ void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_ke
         attend_head<0>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
                          sum_out + n, out + at, scores);
       }
+#endif
     }
   }
 }

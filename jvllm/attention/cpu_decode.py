@@ -21,6 +21,7 @@ from jvllm import native
 from jvllm.attention.metadata import Tiles
 
 _SOURCE = Path(__file__).with_name("cpu_decode.cc")
+_WHAT, _FLAGS = "CPU decode attention", ["-ffast-math"]
 # The cache's storage dtype -> its kernel (kv_quant.py keeps bfloat16 as uint16 bits on CPU).
 _TARGETS = {
     jnp.dtype(jnp.uint16): "DecodeAttentionBF16",
@@ -66,8 +67,13 @@ def attend_pages(
     )
 
 
+def build_early() -> None:
+    """Start building the kernel where it will be used (see supports), so that tracing the
+    first step finds it built rather than waiting seconds for the compiler."""
+    if jax.default_backend() == "cpu" and os.environ.get("JVLLM_CPU_DECODE_KERNEL", "1") != "0":
+        native.build_in_background(_SOURCE, _WHAT, _FLAGS)
+
+
 @functools.cache
 def _register() -> bool:
-    return native.register_targets(
-        _SOURCE, tuple(_TARGETS.values()), "CPU decode attention", ["-ffast-math"]
-    )
+    return native.register_targets(_SOURCE, tuple(_TARGETS.values()), _WHAT, _FLAGS)

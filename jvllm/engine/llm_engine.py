@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from jvllm.attention.backends import default_backend
+from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -43,6 +43,7 @@ class LLMEngine:
         self.generation_config = load_generation_config(args.generation_config, args.model)
         enable_compilation_cache()  # before loading: its small jits are cached too
         start = time.perf_counter()
+        prepare_backend(args.attention_backend or default_backend(), args.kv_cache_dtype)
         self.mesh = engine_mesh(
             args.tensor_parallel_size, args.data_parallel_size, args.data_parallel_rank
         )
