@@ -13,6 +13,7 @@ from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.loader import load_model
 from jvllm.quantization import ChannelWeight, is_quantized
 from jvllm.quantization.channel_weight import fp8_matmul, quantize_channels
+from jvllm.quantization.rows import quantize_rows
 from tests.conftest import SMOLLM2_ENGINE_KWARGS
 
 # The shared test settings, with room for the 572-token perplexity text.
@@ -47,6 +48,16 @@ def test_quantized_dense_equals_the_float_product_of_its_values(method, num_rows
     x = jax.random.normal(key_x, (num_rows, 64))
     want = x @ (q.values.astype(jnp.float32) * q.scale[:, None]).T
     np.testing.assert_allclose(jax.jit(lambda q, x: q.dense(x))(q, x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantizing_at_load_rounds_as_the_row_quantization(method):
+    # quantize_channels runs jitted (its float32 intermediates fused away): the same values.
+    w = jax.random.normal(jax.random.key(4), (2, 40, 72)).astype(jnp.bfloat16)
+    q = quantize_channels(w, method, "bfloat16")
+    values, scale = quantize_rows(w, q.values.dtype, jnp.float32)
+    np.testing.assert_array_equal(q.values.astype(jnp.float32), values.astype(jnp.float32))
+    np.testing.assert_array_equal(q.scale, scale)
 
 
 def test_fp8_matmul_with_fp8_activations_stays_close_to_the_float_product():

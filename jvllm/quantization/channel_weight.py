@@ -12,6 +12,7 @@ activations quantized to fp8 per row in an fp8 matmul.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,21 @@ def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
-    """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8")."""
-    values, scale = quantize_rows(w, _FORMATS[method], jnp.float32)  # [..., O, I], [..., O]
+    """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8"). A stacked weight
+    [L, O, I] is quantized a layer at a time: its float32 intermediates then take twice one
+    layer's bytes, where over the whole stack they took several times the stack's (30 GB for an
+    8B model's gate_up in bfloat16; BENCHMARKS.md, "Quantizing at load")."""
+    values_dtype = _FORMATS[method]
+    if w.ndim < 3:
+        return ChannelWeight(*_quantize_weight(w, values_dtype), dtype)
+    layers = [quantize_channels(layer, method, dtype) for layer in w]
+    values = jnp.stack([layer.values for layer in layers])  # [L, O, I]
+    scale = jnp.stack([layer.scale for layer in layers])  # [L, O]
     return ChannelWeight(values, scale, dtype)
+
+
+# A load-time function, not a step's; jitted, so that its float32 intermediates fuse (op by op
+# each was a copy of the layer).
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_weight(w: jax.Array, values_dtype) -> tuple[jax.Array, jax.Array]:
+    return quantize_rows(w, values_dtype, jnp.float32)  # [O, I], [O]
