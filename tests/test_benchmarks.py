@@ -1,12 +1,22 @@
 """Every benchmark's `main` on a tiny workload, so that none breaks unnoticed. HF's side runs too:
 on a 2-layer model of width 64 it costs a second."""
 
+import dataclasses
 import os
 import re
 
 import pytest
 
-from jvllm.benchmarks import dense_bound, prefix_hash, serve, startup, throughput, workload
+from jvllm.benchmarks import (
+    dense_bound,
+    prefix_hash,
+    serve,
+    startup,
+    throughput,
+    weight_read,
+    workload,
+)
+from jvllm.model_loader.hf import read_hf_config
 
 _TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
 # Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
@@ -35,6 +45,20 @@ def test_throughput_benchmark_compares_a_scheduling_setting_with_k1(capsys):
     assert "jvllm [k=2, async] / jvllm [k=1]: throughput" in out
 
 
+def test_throughput_benchmark_compares_quantized_weights_with_the_models_own(capsys):
+    throughput.main([*_TINY_WORKLOAD, "--skip-hf", "--compare-quantization", "int8"])
+    out = capsys.readouterr().out
+    assert "jvllm [k=1, float32 weights]:" in out and "jvllm [k=1, int8 weights]:" in out
+    assert "jvllm [k=1, int8 weights] / jvllm [k=1, float32 weights]: throughput" in out
+
+
+def test_throughput_benchmark_refuses_to_compare_a_quantization_with_itself():
+    with pytest.raises(SystemExit):
+        throughput.main(
+            [*_TINY_WORKLOAD, "--skip-hf", "--quantization", "fp8", "--compare-quantization", "fp8"]
+        )
+
+
 def test_throughput_benchmark_compares_a_json_schema_with_none(tiny_llama_dir, capsys):
     # The grammar needs the tokenizer; random weights rarely close the JSON in 4 tokens.
     throughput.main([*_TINY_WORKLOAD, "--model", tiny_llama_dir, "--structured", "json"])
@@ -51,6 +75,25 @@ def test_dense_bound_benchmark_runs_against_hf(capsys):
     out = capsys.readouterr().out
     assert "dense floor:" in out
     assert "most jvllm / HF could reach here:" in out
+
+
+def test_weight_read_benchmark_puts_the_weights_over_the_read_bandwidth(capsys):
+    weight_read.main(["--model", _TINY_2L, "--read-mib", "8", "--num-iters", "3"])
+    out = capsys.readouterr().out
+    found = re.search(r"reads: ([\d.]+) MB .* read bandwidth ([\d.]+) GB/s", out)
+    mb, bandwidth = map(float, found.groups())
+    floor_ms = float(re.search(r"floor: ([\d.]+) ms a step", out).group(1))
+    assert floor_ms == pytest.approx(mb / bandwidth, rel=0.05)  # the printed roundings
+
+
+def test_a_decode_step_reads_one_vocabulary_matrix_tied_or_not():
+    # Untied, the LM head is read whole and the embedding table one row a token (not counted);
+    # tied, the table is the head: the same bytes either way.
+    untied = read_hf_config(_TINY_2L, "bfloat16")
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+    assert weight_read.decode_weight_bytes(untied) == weight_read.decode_weight_bytes(tied)
+    table_bytes = untied.vocab_size * untied.hidden_size * 2
+    assert weight_read.decode_weight_bytes(untied) > table_bytes
 
 
 def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):

@@ -9,11 +9,14 @@ output-len tokens per prompt. With --random-range-ratio R (vLLM's name) prompt l
 uniformly from [input-len * (1 - R), input-len * (1 + R)]; HF then gets them left-padded.
 Figures are medians over --num-iters. With --num-scheduler-steps K > 1 or --async-scheduling,
 jvllm runs twice, as it is (one scheduler step a model step) and then as set, and both are
-printed with their ratio. With --structured json, jvllm runs the prompts with and without a JSON
-schema instead, with EOS honoured (see jvllm/benchmarks/structured.py), and HF is not run.
+printed with their ratio; --compare-quantization METHOD does the same for weights quantized
+with METHOD against the model's own (or --quantization's), as two engines in one run. With
+--structured json, jvllm runs the prompts with and without a JSON schema instead, with EOS
+honoured (see jvllm/benchmarks/structured.py), and HF is not run.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -35,6 +38,7 @@ from jvllm.distributed.mesh import ensure_cpu_devices
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import replicas
 from jvllm.model_loader.default_model import default_model_dir
+from jvllm.model_loader.loader import resolve_quantization
 from jvllm.quantization import QUANTIZATION_METHODS
 
 
@@ -56,20 +60,19 @@ def _timed_generate(llm: LLM, prompts, params, num_iters: int) -> tuple[float, f
 
 def _make_llm(args, **settings) -> LLM:
     """The benchmark's engine for the workload's options, with `settings` on top."""
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        max_num_seqs=max(args.num_prompts, 8),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        compile_all_buckets=True,  # no compile inside the timed runs
-        **settings,
-    )
+    options = {
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "max_num_seqs": max(args.num_prompts, 8),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "attention_backend": args.attention_backend,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "compile_all_buckets": True,  # no compile inside the timed runs
+    }
+    return LLM(args.model, **(options | settings))
 
 
 def _sampling_params(args, ignore_eos: bool = True) -> SamplingParams:
@@ -88,22 +91,10 @@ def _sampling_params(args, ignore_eos: bool = True) -> SamplingParams:
     )
 
 
-def bench_jvllm(
-    args,
-    prompt_sets,
-    num_scheduler_steps: int = 1,
-    async_scheduling: bool = False,
-    tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-) -> dict:
+def bench_jvllm(args, prompt_sets, setting: dict) -> dict:
+    """One engine of the workload with `setting` (EngineArgs fields) on top, timed."""
     start = time.perf_counter()
-    llm = _make_llm(
-        args,
-        num_scheduler_steps=num_scheduler_steps,
-        async_scheduling=async_scheduling,
-        tensor_parallel_size=tensor_parallel_size,
-        data_parallel_size=data_parallel_size,
-    )
+    llm = _make_llm(args, **setting)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     runners = [replica.model_runner for replica in replicas(engine)]
@@ -144,9 +135,24 @@ def bench_jvllm(
     }
 
 
-def _setting_name(num_scheduler_steps: int, async_scheduling: bool, tp: int, dp: int) -> str:
-    mesh = (f", T={tp}" if tp > 1 else "") + (f", D={dp}" if dp > 1 else "")
-    return f"[k={num_scheduler_steps}{', async' if async_scheduling else ''}{mesh}]"
+# The engine as the workload sets it: what a compared setting is measured against.
+_BASELINE = {
+    "num_scheduler_steps": 1,
+    "async_scheduling": False,
+    "tensor_parallel_size": 1,
+    "data_parallel_size": 1,
+}
+
+
+def _setting_name(setting: dict, args) -> str:
+    """e.g. "[k=16, async, T=2]"; the weights too when a run compares quantizations."""
+    tp, dp = setting["tensor_parallel_size"], setting["data_parallel_size"]
+    parts = [f"k={setting['num_scheduler_steps']}"]
+    parts += ["async"] if setting["async_scheduling"] else []
+    parts += ([f"T={tp}"] if tp > 1 else []) + ([f"D={dp}"] if dp > 1 else [])
+    if args.compare_quantization:
+        parts.append(f"{setting.get('quantization', args.quantization) or args.dtype} weights")
+    return f"[{', '.join(parts)}]"
 
 
 def _print_jvllm(label: str, ours: dict) -> None:
@@ -209,6 +215,13 @@ def main(argv=None) -> None:
         help="jvllm's weights kept quantized (HF runs the --dtype weights)",
     )
     parser.add_argument(
+        "--compare-quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="also run jvllm with its weights quantized this way, against --quantization's "
+        "(default: the --dtype weights)",
+    )
+    parser.add_argument(
         "--num-scheduler-steps",
         type=int,
         default=1,
@@ -250,25 +263,21 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
-    chosen = (
-        args.num_scheduler_steps,
-        args.async_scheduling,
-        args.tensor_parallel_size,
-        args.data_parallel_size,
-    )
+    chosen = {name: getattr(args, name) for name in _BASELINE}
+    if args.compare_quantization:
+        if args.compare_quantization == args.quantization:
+            parser.error(f"--compare-quantization {args.quantization} is --quantization's too")
+        chosen["quantization"] = args.compare_quantization
     try:  # the engine's own checks of the setting, before the minutes of the baseline's run
-        EngineArgs(
-            num_scheduler_steps=chosen[0],
-            async_scheduling=chosen[1],
-            tensor_parallel_size=chosen[2],
-            data_parallel_size=chosen[3],
-        )
+        EngineArgs(**chosen)
+        resolve_quantization(args.model, args.dtype, chosen.get("quantization"))
     except ValueError as e:
         parser.error(str(e))
-    if args.structured and chosen != (1, False, 1, 1):
+    if args.structured and chosen != _BASELINE:
         parser.error(
             "--structured compares one engine with and without a schema; run it without "
-            "--num-scheduler-steps, --async-scheduling and the parallel sizes"
+            "--num-scheduler-steps, --async-scheduling, --compare-quantization and the "
+            "parallel sizes"
         )
     if args.disable_any_whitespace and not args.structured:
         parser.error("--disable-any-whitespace applies to --structured alone")
@@ -299,9 +308,14 @@ def main(argv=None) -> None:
         print(f"constraint: {'compact ' if compact else ''}JSON of {json.dumps(schema)}")
         structured.print_structured(results)
         return
-    # The engine as it is, then (when set) with the scheduling options, each on its own engine.
-    settings = [(1, False, 1, 1)] + ([chosen] if chosen != (1, False, 1, 1) else [])
-    runs = [(_setting_name(*s), bench_jvllm(args, prompt_sets, *s)) for s in settings]
+    # The engine as it is, then (when set) with the chosen setting, each on its own engine.
+    settings = [_BASELINE] + ([chosen] if chosen != _BASELINE else [])
+    runs = []
+    for setting in settings:
+        runs.append((_setting_name(setting, args), bench_jvllm(args, prompt_sets, setting)))
+        # The engine's reference cycles would keep its weights and KV cache on the device while
+        # the next setting's engine loads (an 8B model's twice over on a GPU).
+        gc.collect()
     _print_workload(args, ignore_eos=True)
     is_comparison = len(runs) > 1
     for name, ours in runs:
