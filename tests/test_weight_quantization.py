@@ -9,6 +9,7 @@ import pytest
 
 from jvllm import LLM
 from jvllm.benchmarks import quality
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.loader import load_model
 from jvllm.quantization import ChannelWeight, is_quantized
@@ -58,6 +59,18 @@ def test_quantizing_at_load_rounds_as_the_row_quantization(method):
     values, scale = quantize_rows(w, q.values.dtype, jnp.float32)
     np.testing.assert_array_equal(q.values.astype(jnp.float32), values.astype(jnp.float32))
     np.testing.assert_array_equal(q.scale, scale)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"quantization": "gguf", "load_format": "dummy"}, "use one or the other"),
+        ({"quantization": "fp8", "tensor_parallel_size": 2}, "tensor_parallel_size=2 is not"),
+    ],
+)
+def test_engine_args_refuse_a_quantization_before_anything_loads(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
 
 
 def test_fp8_matmul_with_fp8_activations_stays_close_to_the_float_product():

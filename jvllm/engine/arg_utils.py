@@ -87,6 +87,16 @@ class EngineArgs:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization == "gguf" and self.load_format == "dummy":
+            raise ValueError(
+                "quantization='gguf' keeps a GGUF file's blocks packed; load_format='dummy' "
+                "draws float weights of the model's shapes: use one or the other"
+            )
+        if self.quantization in ("int8", "fp8") and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on one device; tensor_parallel_size="
+                f"{self.tensor_parallel_size} is not supported with it yet"
+            )
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -89,10 +89,9 @@ def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
-    """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8"). A stacked weight
-    [L, O, I] is quantized a layer at a time: its float32 intermediates then take twice one
-    layer's bytes, where over the whole stack they took several times the stack's (30 GB for an
-    8B model's gate_up in bfloat16; BENCHMARKS.md, "Quantizing at load")."""
+    """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8"), one [O, I] matrix at
+    a time: the float32 intermediates then take twice one matrix's bytes, where over a whole
+    stacked weight they took several times the stack's (BENCHMARKS.md, "Quantizing at load")."""
     values_dtype = _FORMATS[method]
     if w.ndim < 3:
         return ChannelWeight(*_quantize_weight(w, values_dtype), dtype)
@@ -102,8 +101,8 @@ def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
     return ChannelWeight(values, scale, dtype)
 
 
-# A load-time function, not a step's; jitted, so that its float32 intermediates fuse (op by op
-# each was a copy of the layer).
+# A load-time function, not a step's; jitted, so that one float32 copy of the matrix is left of
+# its intermediates (op by op, three were alive at once).
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize_weight(w: jax.Array, values_dtype) -> tuple[jax.Array, jax.Array]:
     return quantize_rows(w, values_dtype, jnp.float32)  # [O, I], [O]
