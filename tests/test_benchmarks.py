@@ -17,8 +17,10 @@ from jvllm.benchmarks import (
     workload,
 )
 from jvllm.model_loader.hf import read_hf_config
+from jvllm.models.model import param_shapes
 
-_TINY_2L = os.path.join(os.path.dirname(throughput.__file__), "model_configs", "tiny-2l")
+_CONFIGS = os.path.join(os.path.dirname(throughput.__file__), "model_configs")
+_TINY_2L = os.path.join(_CONFIGS, "tiny-2l")
 # Random weights of tiny-2l's shapes, in both engines; a 16-token step budget keeps the
 # engine's buckets to three.
 _TINY_WORKLOAD = [
@@ -52,11 +54,18 @@ def test_throughput_benchmark_compares_quantized_weights_with_the_models_own(cap
     assert "jvllm [k=1, int8 weights] / jvllm [k=1, float32 weights]: throughput" in out
 
 
-def test_throughput_benchmark_refuses_to_compare_a_quantization_with_itself():
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--quantization", "fp8", "--compare-quantization", "fp8"],  # itself
+        ["--compare-quantization", "int8", "--num-scheduler-steps", "2"],  # two changes at once
+        ["--compare-quantization", "gguf"],  # random weights have no GGUF blocks
+    ],
+)
+def test_throughput_benchmark_refuses_a_comparison_before_running_anything(flags, monkeypatch):
+    monkeypatch.setattr(throughput, "bench_jvllm", _must_not_run)
     with pytest.raises(SystemExit):
-        throughput.main(
-            [*_TINY_WORKLOAD, "--skip-hf", "--quantization", "fp8", "--compare-quantization", "fp8"]
-        )
+        throughput.main([*_TINY_WORKLOAD, "--skip-hf", *flags])
 
 
 def test_throughput_benchmark_compares_a_json_schema_with_none(tiny_llama_dir, capsys):
@@ -87,13 +96,24 @@ def test_weight_read_benchmark_puts_the_weights_over_the_read_bandwidth(capsys):
 
 
 def test_a_decode_step_reads_one_vocabulary_matrix_tied_or_not():
-    # Untied, the LM head is read whole and the embedding table one row a token (not counted);
-    # tied, the table is the head: the same bytes either way.
+    # Untied, the LM head is read whole and the embedding table one row a token; tied, the
+    # table is the head.
     untied = read_hf_config(_TINY_2L, "bfloat16")
     tied = dataclasses.replace(untied, tie_word_embeddings=True)
-    assert weight_read.decode_weight_bytes(untied) == weight_read.decode_weight_bytes(tied)
-    table_bytes = untied.vocab_size * untied.hidden_size * 2
-    assert weight_read.decode_weight_bytes(untied) > table_bytes
+    row_bytes = untied.hidden_size * 2
+    assert (
+        weight_read.decode_weight_bytes(untied) == weight_read.decode_weight_bytes(tied) + row_bytes
+    )
+
+
+def test_a_decode_step_reads_the_experts_a_token_is_routed_to():
+    config = read_hf_config(os.path.join(_CONFIGS, "qwen3-30b-a3b"), "bfloat16")
+    mlp = param_shapes(config)["layers"]["mlp"]
+    expert_bytes = (mlp["gate_up"].size + mlp["down"].size) * 2  # every expert's, bfloat16
+    more = dataclasses.replace(config, num_experts_per_tok=2 * config.num_experts_per_tok)
+    added = weight_read.decode_weight_bytes(more) - weight_read.decode_weight_bytes(config)
+    share = config.num_experts_per_tok / config.num_experts
+    assert added == pytest.approx(share * expert_bytes, abs=1)
 
 
 def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):

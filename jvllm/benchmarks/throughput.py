@@ -171,6 +171,7 @@ def _print_jvllm(label: str, ours: dict) -> None:
 
 
 def _print_workload(args, ignore_eos: bool) -> None:
+    compared = args.compare_quantization is not None  # then each engine's label names its weights
     extras = [
         f"{name}={getattr(args, name)}"
         for name, off in (
@@ -191,7 +192,7 @@ def _print_workload(args, ignore_eos: bool) -> None:
         f"{'sampled' if args.temperature > 0 else 'greedy'}, "
         + ("ignore_eos, " if ignore_eos else "EOS honoured, ")
         + f"{args.dtype}, "
-        + (f"{args.quantization} weights, " if args.quantization else "")
+        + (f"{args.quantization} weights, " if args.quantization and not compared else "")
         + (f"KV cache {args.kv_cache_dtype}, " if args.kv_cache_dtype != "auto" else "")
         + ("random weights (load_format dummy), " if args.load_format == "dummy" else "")
         + f"median of {args.num_iters}"
@@ -265,11 +266,17 @@ def main(argv=None) -> None:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     chosen = {name: getattr(args, name) for name in _BASELINE}
     if args.compare_quantization:
+        if chosen != _BASELINE:  # one change at a time, or the ratio mixes two
+            parser.error(
+                "--compare-quantization compares weights alone; run it without "
+                "--num-scheduler-steps, --async-scheduling and the parallel sizes"
+            )
         if args.compare_quantization == args.quantization:
             parser.error(f"--compare-quantization {args.quantization} is --quantization's too")
         chosen["quantization"] = args.compare_quantization
     try:  # the engine's own checks of the setting, before the minutes of the baseline's run
-        EngineArgs(**chosen)
+        workload = {"quantization": args.quantization, "load_format": args.load_format}
+        EngineArgs(**(workload | chosen))
         resolve_quantization(args.model, args.dtype, chosen.get("quantization"))
     except ValueError as e:
         parser.error(str(e))

@@ -1,17 +1,18 @@
-"""The batch-1 decode floor on this device: a decode step reads every weight once, so it takes
-at least the weights' bytes over the device's memory bandwidth.
+"""The batch-1 decode floor on this device: a decode step reads its weights once, so it takes at
+least their bytes over the device's memory bandwidth.
 
     python -m jvllm.benchmarks.weight_read --model jvllm/benchmarks/model_configs/llama-3-8b \
         --dtype bfloat16
 
-The bytes come from the model's config.json alone (nothing is loaded): every param, less the
-embedding table when the LM head is a matrix of its own (a step reads one row of the table per
-token). The bandwidth is the device's read rate: a jitted sum over a buffer of --read-mib MiB,
-median of --num-iters. A read, not a copy, since a step reads its weights and writes next to
-nothing; and on a CPU XLA's copies run at a fraction of it (on the AMD EPYC, 6.4 GB/s read and
-written, where its sums read 31 GB/s: each call's fresh output pages are faulted in). Put the
-throughput benchmark's batch-1 step beside the floor printed here: their ratio is what host
-work, attention and the kernels' own inefficiency cost a token.
+The bytes come from the model's config.json alone (nothing is loaded), in the model dtype
+(quantized weights are not counted): every param, less the embedding table when the LM head is
+a matrix of its own (a step reads one row of the table per token), and of a mixture of experts'
+expert weights the num_experts_per_tok experts a token is routed to. The bandwidth is the
+device's read rate: a jitted sum over a buffer of --read-mib MiB, median of --num-iters. A read,
+not a copy, since a step reads its weights and writes next to nothing (and XLA:CPU's copies run
+far below the read rate: BENCHMARKS.md, "Current figures"). Put the throughput benchmark's
+batch-1 step beside the floor printed here: their ratio is what host work, attention and the
+kernels' own inefficiency cost a token.
 """
 
 import argparse
@@ -23,17 +24,24 @@ import jax.numpy as jnp
 
 from jvllm.model_loader.default_model import default_model_dir
 from jvllm.model_loader.hf import read_hf_config
-from jvllm.models.model import param_shapes
+from jvllm.models.model import param_axes, param_shapes
 
 
 def decode_weight_bytes(config) -> int:
     """Bytes of weights one batch-1 decode step reads."""
-    shapes = param_shapes(config)
-    total = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(shapes))
-    if config.tie_word_embeddings:  # the table is the LM head, read whole
-        return total
-    table = shapes["embed"]["embedding"]
-    return total - table.size * jnp.dtype(table.dtype).itemsize
+    shapes, axes = param_shapes(config), param_axes(config)
+    if not config.tie_word_embeddings:  # the LM head is read; of the table, one row
+        table = shapes["embed"]["embedding"]  # [V, D]
+        shapes["embed"]["embedding"] = jax.ShapeDtypeStruct(table.shape[1:], table.dtype)
+
+    def read_bytes(leaf, names) -> float:
+        share = 1.0
+        if "experts" in names and "mlp" in names:  # an expert weight; the router is read whole
+            share = config.num_experts_per_tok / config.num_experts
+        return share * leaf.size * jnp.dtype(leaf.dtype).itemsize
+
+    # axes holds a tuple of names where shapes holds a leaf: each pair meets in read_bytes.
+    return round(sum(jax.tree.leaves(jax.tree.map(read_bytes, shapes, axes))))
 
 
 # The benchmark's own jit, not one of the engine's entry points (those are in the model runner).
