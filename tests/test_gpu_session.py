@@ -37,6 +37,10 @@ def _recorded_commands(tmp_path, steps: list[str]) -> list[list[str]]:
     stand_in.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record))
     env["OUT"] = str(tmp_path / "out")
+    tokenizer = tmp_path / "tokenizer"  # what issue-18 needs carried, here a stand-in
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    env["GPU_SESSION_TOKENIZER"] = str(tokenizer)
     subprocess.run(["bash", _SCRIPT, *steps], env=env, check=True, capture_output=True)
     return [json.loads(line) for line in record.read_text().splitlines()]
 

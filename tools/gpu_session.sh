@@ -8,8 +8,8 @@
 #     echo /.whl/ >> .git/info/exclude; echo /.tokenizer/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --implementation cp --platform manylinux_2_17_x86_64 -d .whl gguf
-#     mkdir -p .tokenizer && cp "$(python3 -c 'from jvllm.model_loader.default_model import \
-#         default_model_dir; print(default_model_dir())')"/{tokenizer,tokenizer_config}.json .tokenizer/
+#     mkdir -p .tokenizer && cp "$(python3 -c 'from jvllm.model_loader.default_model \
+#         import default_model_dir; print(default_model_dir())')"/tokenizer*.json .tokenizer/
 # Then a `device` run with carry [".whl", ".tokenizer"] and the command
 #     bash tools/gpu_session.sh STEP [STEP...]
 # Several steps share one call: each runs under `timeout` with what is left of BUDGET_S seconds
@@ -49,7 +49,8 @@
 # Put every figure with its command and device in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash tools/gpu_session.sh STEP [STEP...] (issue-22 issue-17 issue-18 check bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe engine-steps)"
+usage="usage: bash tools/gpu_session.sh STEP [STEP...] (issue-22 issue-17 issue-18 check"
+usage+=" bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
@@ -93,13 +94,16 @@ throughput() {  # model directory (config.json only), then extra flags
 }
 
 # 64 x 512 -> 128 on random weights of a model_configs shape, bfloat16, jvllm alone: the
-# shape's name, then the flags of the comparison to run.
+# shape's name, then the flags of the comparison to run. The 8B shapes get an 8 GiB KV cache
+# (the default would take what two engines in one process cannot both have).
 shape_throughput() {
     local shape=$1
     shift
+    local kv=()
+    [ "$shape" = llama-3-8b ] && kv=(--kv-cache-memory-bytes $((8 << 30)))
     python3 -m jvllm.benchmarks.throughput --model "jvllm/benchmarks/model_configs/$shape" \
         --load-format dummy --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
-        --max-model-len 2048 --kv-cache-memory-bytes $((8 << 30)) --skip-hf "$@"
+        --max-model-len 2048 "${kv[@]}" --skip-hf "$@"
 }
 
 case $step in
@@ -112,8 +116,8 @@ issue-22)
 issue-17)
     {
         for shape in llama-3-8b smollm2-135m; do
-            python3 -m jvllm.benchmarks.weight_read --model "jvllm/benchmarks/model_configs/$shape" \
-                --dtype bfloat16 --read-mib 4096
+            python3 -m jvllm.benchmarks.weight_read --dtype bfloat16 --read-mib 4096 \
+                --model "jvllm/benchmarks/model_configs/$shape"
         done
         for shape in llama-3-8b smollm2-135m; do
             shape_throughput "$shape" --num-scheduler-steps 16
@@ -125,9 +129,11 @@ issue-18)
         # The 8B shapes have no tokenizer of their own, and the startup benchmark's prompts are
         # text: SmolLM2's (carried, see the top) encodes them; ids past its vocabulary decode
         # to nothing.
+        tokenizer=${GPU_SESSION_TOKENIZER:-.tokenizer}
+        [ -f "$tokenizer/tokenizer.json" ] || { echo "carry $tokenizer (see the top)" >&2; exit 2; }
         model=/tmp/llama-3-8b-with-tokenizer
         mkdir -p "$model"
-        cp jvllm/benchmarks/model_configs/llama-3-8b/config.json .tokenizer/* "$model"/
+        cp jvllm/benchmarks/model_configs/llama-3-8b/config.json "$tokenizer"/* "$model"/
         python3 -m jvllm.benchmarks.startup --model "$model" --load-format dummy \
             --dtype bfloat16 --skip-serve
     } 2>&1 | tee "$out/$step.log"
