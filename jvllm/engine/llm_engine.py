@@ -9,6 +9,7 @@ from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import (
@@ -40,6 +41,7 @@ logger = init_logger(__name__)
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.args = args = EngineArgs(model=model, **kwargs)
+        keep_freed_memory()  # before anything starts JAX's threads
         self.generation_config = load_generation_config(args.generation_config, args.model)
         enable_compilation_cache()  # before loading: its small jits are cached too
         start = time.perf_counter()
