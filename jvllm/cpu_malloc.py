@@ -2,9 +2,9 @@
 
 XLA:CPU allocates an executable's temporaries on each call. glibc serves an allocation over 32
 MiB, and a thread's whole arena (XLA's worker threads have their own, of at most 64 MiB), with
-fresh pages from mmap and returns them on free, so every call faults its temporaries in again: a
-batch-64 decode step of the default model took 12,400 page faults a step, 10-20% of it
-(BENCHMARKS.md, "Page faults on every step"). One arena, no mmap and no trimming make freed
+fresh pages from mmap and returns them on free, so every call faulted its temporaries in again,
+a tenth of a batch-64 decode step of the default model (BENCHMARKS.md, "Page faults on every
+step"). One arena, no mmap and no trimming make freed
 temporaries come back with their pages. It takes effect only before XLA's threads exist (an
 arena is chosen at a thread's first allocation), so the engine applies it before it first
 touches JAX; freed memory then stays with the process for its next step.
