@@ -69,14 +69,13 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
     quantization = resolve_quantization(model, dtype, quantization)
-    is_quantized_at_load = quantization in ("int8", "fp8")
-    if is_quantized_at_load and mesh is not None and mesh.size > 1:  # before any slow work
-        raise ValueError(
-            f"quantization={quantization!r} runs on one device; tensor parallelism over "
-            f"{mesh.size} devices is not supported with it yet"
-        )
     config, params, tokenizer = _load(model, dtype, load_format, mesh, quantization)
-    if is_quantized_at_load:
+    if quantization in ("int8", "fp8"):
+        if mesh is not None and mesh.size > 1:
+            raise ValueError(
+                f"quantization={quantization!r} runs on one device; tensor parallelism over "
+                f"{mesh.size} devices is not supported with it yet"
+            )
         params = quantize_layer_weights(params, quantization, config.dtype)
     return config, params, tokenizer
 
