@@ -79,31 +79,35 @@ if [ -z "${GPU_SESSION_ONE:-}" ]; then  # the parent: install once, then one chi
 fi
 step=$1
 
-throughput() {  # model directory (config.json only), then extra flags
+# 64 x 512 -> 128 on random weights, bfloat16: the model directory (config.json only), then
+# the benchmark's other flags.
+workload() {
+    local model=$1
+    shift
+    python3 -m jvllm.benchmarks.throughput --model "$model" --load-format dummy \
+        --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 "$@"
+}
+
+throughput() {  # each backend alone, then the default one against HF; model directory, flags
     local model=$1
     shift
     # JAX takes 75% of the GPU by default; leave half to torch for HF's run.
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
     for backend in pallas reference; do
-        python3 -m jvllm.benchmarks.throughput --model "$model" --load-format dummy \
-            --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
-            --attention-backend "$backend" --skip-hf "$@"
+        workload "$model" --attention-backend "$backend" --skip-hf "$@"
     done
-    python3 -m jvllm.benchmarks.throughput --model "$model" --load-format dummy \
-        --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 "$@"
+    workload "$model" "$@"
 }
 
-# 64 x 512 -> 128 on random weights of a model_configs shape, bfloat16, jvllm alone: the
-# shape's name, then the flags of the comparison to run. The 8B shapes get an 8 GiB KV cache
-# (the default would take what two engines in one process cannot both have).
+# jvllm alone on a model_configs shape: the shape's name, then the flags of the comparison to
+# run. The 8B shapes get an 8 GiB KV cache (the default would take what two engines in one
+# process cannot both have).
 shape_throughput() {
     local shape=$1
     shift
     local kv=()
     [ "$shape" = llama-3-8b ] && kv=(--kv-cache-memory-bytes $((8 << 30)))
-    python3 -m jvllm.benchmarks.throughput --model "jvllm/benchmarks/model_configs/$shape" \
-        --load-format dummy --dtype bfloat16 --num-prompts 64 --input-len 512 --output-len 128 \
-        --max-model-len 2048 "${kv[@]}" --skip-hf "$@"
+    workload "jvllm/benchmarks/model_configs/$shape" --max-model-len 2048 "${kv[@]}" --skip-hf "$@"
 }
 
 case $step in
