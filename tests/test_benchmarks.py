@@ -9,6 +9,7 @@ import pytest
 
 from jvllm.benchmarks import (
     dense_bound,
+    layer_stack,
     prefix_hash,
     serve,
     startup,
@@ -93,6 +94,29 @@ def test_weight_read_benchmark_puts_the_weights_over_the_read_bandwidth(capsys):
     mb, bandwidth = map(float, found.groups())
     floor_ms = float(re.search(r"floor: ([\d.]+) ms a step", out).group(1))
     assert floor_ms == pytest.approx(mb / bandwidth, rel=0.05)  # the printed roundings
+
+
+def test_layer_stack_benchmark_times_every_layout_against_the_scan(capsys):
+    layer_stack.main(
+        [
+            "--model",
+            _TINY_2L,
+            "--tokens",
+            "1",
+            "3",
+            "--repeats",
+            "2",
+            "--layouts",
+            *layer_stack.LAYOUTS,
+        ]
+    )
+    out = capsys.readouterr().out
+    for layout in layer_stack.LAYOUTS:
+        assert (
+            len(re.findall(rf"^{layout} +T=[13] .* floor, [\d.]+x scan\)", out, re.MULTILINE)) == 2
+        )
+    difference = float(re.search(r"scan vs list: relative difference (\S+)", out).group(1))
+    assert difference < 1e-2  # the same products, in bfloat16
 
 
 def test_a_decode_step_reads_one_vocabulary_matrix_tied_or_not():
