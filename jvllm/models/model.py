@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.scan import is_unstacked
 from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.registry import model_class
 from jvllm.quantization import is_quantized
@@ -57,8 +58,9 @@ def _module(params: dict, config: ModelConfig) -> nnx.Module:
     """The model's module holding `params` (arrays or tracers)."""
     graphdef, state = _abstract(config)
     treedef = jax.tree.structure(state)
-    # A quantized weight is one param, however many arrays it holds.
-    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    # A quantized weight is one param, however many arrays it holds; so are a param's layers
+    # split by layers/scan.py's unstack_layers.
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: is_quantized(x) or is_unstacked(x))
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 

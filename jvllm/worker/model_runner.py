@@ -16,7 +16,9 @@ from jvllm.config import ModelConfig
 from jvllm.core.scheduler import SchedulerOutput
 from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
+from jvllm.layers.scan import unstack_layers, use_unstacked_layers
 from jvllm.logger import init_logger
+from jvllm.models.model import param_axes
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
@@ -63,6 +65,11 @@ class ModelRunner:
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
         device. Every array the runner makes lies on the same devices."""
         self.config = config
+        # On a GPU the layers' weights as one array per layer (layers/scan.py): the caller's
+        # stacked arrays are deleted as they are split.
+        self.layers_unstacked = use_unstacked_layers()
+        if self.layers_unstacked:
+            params = unstack_layers(params, param_axes(config))
         self.params = params
         self.mesh = mesh = mesh or make_mesh()
         num_shards = mesh.shape[TP_AXIS]
@@ -93,7 +100,9 @@ class ModelRunner:
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
         self.step = step = functools.partial(
-            model_step, model=sharded_model(config, mesh, attn), max_logprobs=max_logprobs
+            model_step,
+            model=sharded_model(config, mesh, attn, self.layers_unstacked),
+            max_logprobs=max_logprobs,
         )
         self._step_fn = jax.jit(functools.partial(single_step, step=step), donate_argnums=(1, 2))
         # Decode windows: one more executable per decode bucket, for up to k steps a call.

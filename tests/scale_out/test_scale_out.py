@@ -19,6 +19,7 @@ from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.tensor_parallel import shard_layout
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
+from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
 from jvllm.step_loop import StepLoop
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -126,6 +127,17 @@ def test_each_device_holds_its_slice(kv2_dir):
     num_blocks = runner.kv_cache.shape[3]
     assert _local_shapes(runner.kv_cache) == {(2, 2, 1, num_blocks, 16, 16)}
     assert len(runner.kv_cache.addressable_shards) == 4
+
+
+def test_unstacked_layers_match_one_device(kv2_dir, one_device, monkeypatch):
+    """The GPU's per-layer weights (layers/scan.py) on a mesh: each layer's slice on its
+    device, shard_map's specs split the same way."""
+    expected = _summary(one_device(kv2_dir), GREEDY, PROMPTS)
+    monkeypatch.setenv(UNSTACKED_LAYERS_ENV, "1")
+    sharded = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS)
+    qkv = sharded.llm_engine.model_runner.params["layers"]["attn"]["qkv"]["weight"]
+    assert [_local_shapes(w) for w in qkv.layers] == [{((2 + 2) * 16, 64)}] * 2
+    assert _summary(sharded, GREEDY, PROMPTS) == expected
 
 
 def test_step_has_the_layouts_collectives(kv2_dir):

@@ -1,0 +1,115 @@
+"""The layers' weights as one array per layer (layers/scan.py's unstack_layers: the layout the
+engine uses on a GPU, forced here on CPU) decode like HF transformers, as the stacked scan does;
+the split frees the stacked arrays and the setting is checked."""
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+
+from jvllm import LLM, SamplingParams
+from jvllm.layers.scan import (
+    UNSTACKED_LAYERS_ENV,
+    is_unstacked,
+    unstack_layers,
+    use_unstacked_layers,
+)
+from jvllm.model_loader.hf import load_hf_dir
+from jvllm.models.model import param_axes
+from jvllm.quantization import is_quantized
+
+TINY = {
+    "num_hidden_layers": 3,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+PROMPTS = ragged_prompts(TINY["vocab_size"])
+
+
+def _paths(tree) -> dict:
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_quantized(x) or is_unstacked(x)
+    )
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def test_unstack_layers_splits_each_layers_param_and_frees_the_stack(tmp_path):
+    save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
+    config, params = load_hf_dir(str(tmp_path), "float32")
+    before = _paths(params)
+    copies = {path: np.asarray(leaf) for path, leaf in before.items()}
+    after = _paths(unstack_layers(params, param_axes(config)))
+    assert set(after) == set(before)
+    for path, leaf in after.items():
+        if path.startswith("['layers']"):
+            assert is_unstacked(leaf) and len(leaf.layers) == TINY["num_hidden_layers"]
+            for i, layer in enumerate(leaf.layers):
+                np.testing.assert_array_equal(np.asarray(layer), copies[path][i])
+            assert before[path].is_deleted()
+        else:
+            assert leaf is before[path]
+
+
+@pytest.mark.parametrize(
+    "hf_config",
+    [
+        transformers.MistralConfig(**TINY, sliding_window=8),
+        transformers.Gemma2Config(
+            **{**TINY, "num_hidden_layers": 4},
+            sliding_window=8,
+            query_pre_attn_scalar=64,
+            attn_logit_softcapping=3.0,
+            attn_implementation="eager",
+        ),
+    ],
+    ids=["mistral_window", "gemma2_alternate_windows"],
+)
+def test_unstacked_layers_decode_like_hf(tmp_path, monkeypatch, hf_config):
+    """Per-layer windows (every layer's, alternate layers') are sliced with the weights."""
+    monkeypatch.setenv(UNSTACKED_LAYERS_ENV, "1")
+    hf_model = save_random_model(tmp_path, hf_config)
+    assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=4)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{}, {"quantization": "int8"}, {"num_scheduler_steps": 4}],
+    ids=["bfloat16", "int8", "decode_windows"],
+)
+def test_unstacked_engine_matches_the_stacked_scan(tmp_path, monkeypatch, setting):
+    """Same tokens and logprobs; int8 weights are split field by field (values and scales), and
+    decode windows carry the split params through their loop."""
+    save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    kwargs = {"dtype": "bfloat16", "max_num_seqs": 8, **setting}
+    results = {}
+    for split in ("0", "1"):
+        monkeypatch.setenv(UNSTACKED_LAYERS_ENV, split)
+        llm = LLM(str(tmp_path), **kwargs)
+        runner = llm.llm_engine.model_runner
+        assert runner.layers_unstacked == (split == "1")
+        leaves = jax.tree.leaves(runner.params["layers"], is_leaf=is_unstacked)
+        assert all(is_unstacked(leaf) for leaf in leaves) == (split == "1")
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        results[split] = [
+            (c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for o in outputs
+            for c in o.outputs
+        ]
+    for (ids0, lps0), (ids1, lps1) in zip(results["0"], results["1"], strict=True):
+        assert ids0 == ids1
+        np.testing.assert_allclose(lps0, lps1, atol=1e-5)
+
+
+def test_the_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(UNSTACKED_LAYERS_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{UNSTACKED_LAYERS_ENV}='yes'; allowed"):
+        use_unstacked_layers()
+    monkeypatch.delenv(UNSTACKED_LAYERS_ENV)
+    assert use_unstacked_layers() == (jax.default_backend() == "gpu")
