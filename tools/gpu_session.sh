@@ -33,6 +33,11 @@
 #                   shapes (goals: 8B batch-1 within 1.15x of its floor, SmolLM2 batch-1 at least
 #                   632 tok/s, 8B 64 x 512 -> 128 at least 4297 tok/s)
 #     issue-18      cold and warm start-up of the 8B shapes (random weights, SmolLM2's tokenizer)
+#     cond-sync     async scheduling against k = 1 on the 8B shapes, with XLA's defaults and with
+#                   conditionals and loops recorded in CUDA graphs: XLA:GPU's conditional thunk
+#                   waits on the host for the stream to drain before it picks a branch, so the
+#                   sampler's lax.conds hold the host until the forward is done ("calling the
+#                   model 15.5 ms, waiting for the device 1.0" at 8B batch 1 on the H200)
 # On the H200 of 2026-11-26, with the layer scan: issue-22 203 s, issue-17 100 s, issue-18 65 s.
 # The rest, run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s,
 # bench-mixed 118 s, engine-8b 327 s, engine-small 290 s:
@@ -57,7 +62,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 check"
-usage+=" bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe engine-steps)"
+usage+=" cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
+usage+=" engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
@@ -123,6 +129,13 @@ layers)
         python3 -m jvllm.benchmarks.layer_stack --model jvllm/benchmarks/model_configs/llama-3-8b
         JVLLM_UNSTACKED_LAYERS=0 shape_throughput llama-3-8b
         shape_throughput llama-3-8b
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+cond-sync)
+    {
+        shape_throughput llama-3-8b --async-scheduling
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" \
+            shape_throughput llama-3-8b --async-scheduling
     } 2>&1 | tee "$out/$step.log"
     ;;
 issue-22)
