@@ -58,19 +58,20 @@ def use_unstacked_layers() -> bool:
 
 def unstack_layers(params: dict, axes: dict) -> dict:
     """Each param whose first axis is "layers" (in `axes`, models/model.py's param_axes) as an
-    `Unstacked` of its L layers. Consumes `params`: each stacked array is deleted once split,
-    so that no more than one param lies on the device twice."""
-
-    def split(param, names):
-        if names[:1] != ("layers",):
-            return param
-        leaves, treedef = jax.tree.flatten(param)
-        per_leaf = [_split_array(leaf) for leaf in leaves]  # [leaf][layer]
-        for leaf in leaves:
-            leaf.delete()
-        return Unstacked(tuple(treedef.unflatten(list(layer)) for layer in zip(*per_leaf)))
-
-    return jax.tree.map(split, params, axes, is_leaf=is_quantized)
+    `Unstacked` of its L layers. Consumes `params`: each stacked array is deleted once split, so
+    the device holds one param twice at most. Largest first, so that each param's layers can
+    take the space the one before it freed: what stays free between the layers is about the
+    largest param's size, not the sum of them all."""
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_quantized)
+    names = treedef.flatten_up_to(axes)
+    stacked = [i for i, n in enumerate(names) if n[:1] == ("layers",)]
+    for i in sorted(stacked, key=lambda i: -leaves[i].nbytes):
+        arrays, param_def = jax.tree.flatten(leaves[i])
+        per_array = [_split_array(a) for a in arrays]  # [array][layer]
+        for a in arrays:
+            a.delete()
+        leaves[i] = Unstacked(tuple(param_def.unflatten(list(layer)) for layer in zip(*per_array)))
+    return treedef.unflatten(leaves)
 
 
 def unstack_specs(specs: dict, axes: dict, num_layers: int) -> dict:
