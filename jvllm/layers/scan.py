@@ -1,10 +1,10 @@
 """The layer scan: decoder layers built stacked on a leading "layers" axis and run as one
 `lax.scan`, so a compiled step holds one layer, not L of them (docs/design.md "Layer scan").
 
-On a GPU the stacked weights are split into one array per layer once, at load
+On a GPU the stacked weights are split into one array per layer once, at start-up
 (`unstack_layers`), and the layers run unrolled over them: inside a scan XLA:GPU copies each
-layer's slice out of the stack before its matmuls, which made the Llama-3-8B shapes' matmuls
-2.1x slower than per-layer arrays on an H200 (BENCHMARKS.md, "The layer scan on a GPU")."""
+layer's slice out of the stack before its matmuls, so a decode step moves its weights three
+times (docs/design.md "Layer scan"; BENCHMARKS.md, "The layer scan on a GPU")."""
 
 from __future__ import annotations
 
