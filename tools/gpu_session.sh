@@ -21,10 +21,11 @@
 # measured, in the order to run them (one call: `layers issue-22 issue-17`; issue-18 and the
 # rest after it in a second call, while the machine and its XLA cache are warm):
 #     layers        the 8B shapes' layer matmuls, stacked in a scan against one array per layer
-#                   (jvllm.benchmarks.layer_stack), then the engine on the 8B shapes with its
-#                   layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the GPU default): on an
-#                   H200 on 2026-11-26 the scan's matmuls took 2.1x the per-layer arrays' time,
-#                   and the engine's batch-1 decode was 60 tok/s against a floor of 254
+#                   in bfloat16 and in fp8 (jvllm.benchmarks.layer_stack), then the engine on the
+#                   8B shapes with its layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the
+#                   GPU default): on an H200 on 2026-11-26 the scan's matmuls took 2.1x the
+#                   per-layer arrays' time, and the engine's batch-1 decode was 60 tok/s against
+#                   a floor of 254
 #     issue-22      fp8 weights on the GPU: the fp8 matmul compiled against its float product,
 #                   then the 8B shapes' throughput and batch-1 decode, fp8 against bfloat16
 #                   weights in one run (goal 1.3x both; 1.13x / 1.09x with the scan, H200)
@@ -126,7 +127,8 @@ shape_throughput() {
 case $step in
 layers)
     {
-        python3 -m jvllm.benchmarks.layer_stack --model jvllm/benchmarks/model_configs/llama-3-8b
+        python3 -m jvllm.benchmarks.layer_stack --model jvllm/benchmarks/model_configs/llama-3-8b \
+            --layouts scan list list-fp8
         JVLLM_UNSTACKED_LAYERS=0 shape_throughput llama-3-8b
         shape_throughput llama-3-8b
     } 2>&1 | tee "$out/$step.log"

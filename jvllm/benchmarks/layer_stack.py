@@ -7,8 +7,10 @@ the weights laid out five ways, to see what each costs on a device:
     scan-unroll  "scan" with lax.scan's unroll=True, the barrier kept
     unrolled     the same [L, ...] arrays, layers unrolled with static indices
     list         one array per layer, unrolled (layers/scan.py's unstack_layers, on a GPU)
+    list-fp8     "list" with fp8 weights and per-channel scales (quantization="fp8"; on a GPU
+                 an fp8 matmul of per-token fp8 activations)
 
-Prints each layout's median time against the floor (weight bytes over the read bandwidth of
+Prints each layout's median time against its floor (its weight bytes over the read bandwidth of
 weight_read's jitted sum) and against "scan", how long the call takes to return, and its
 compile time.
 
@@ -25,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.benchmarks.weight_read import read_bandwidth
+from jvllm.quantization.channel_weight import ChannelWeight, quantize_channels
 
-LAYOUTS = ("scan", "scan-nb", "scan-unroll", "unrolled", "list")
+LAYOUTS = ("scan", "scan-nb", "scan-unroll", "unrolled", "list", "list-fp8")
 
 
 def layer_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -47,15 +50,20 @@ def layer_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
 
 
-def _layer(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+def _mm(x: jax.Array, w: jax.Array | ChannelWeight) -> jax.Array:
+    """x [T, in] @ a weight [in, out], or a quantized one (values [out, in]) -> [T, out]."""
+    return w.dense(x).astype(x.dtype) if isinstance(w, ChannelWeight) else x @ w
+
+
+def _layer(x: jax.Array, w: dict) -> jax.Array:
     """x [T, D] through one layer's matmuls; k and v feed a sum so that none is dead code."""
     h = (
-        x @ w["q"]
-        + jnp.sum(x @ w["k"], axis=-1, keepdims=True)
-        + jnp.sum(x @ w["v"], axis=-1, keepdims=True)
+        _mm(x, w["q"])
+        + jnp.sum(_mm(x, w["k"]), axis=-1, keepdims=True)
+        + jnp.sum(_mm(x, w["v"]), axis=-1, keepdims=True)
     )
-    x = x + (h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6)) @ w["o"]
-    x = x + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
+    x = x + _mm(h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6), w["o"])
+    x = x + _mm(jax.nn.silu(_mm(x, w["g"])) * _mm(x, w["u"]), w["d"])
     return x * jax.lax.rsqrt(
         jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6
     ).astype(x.dtype)
@@ -63,7 +71,7 @@ def _layer(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
 
 def stack(layout: str, x: jax.Array, weights) -> jax.Array:
     """x [T, D] through every layer; weights: {name: [L, in, out]}, or a list of per-layer dicts."""
-    if layout == "list":
+    if layout.startswith("list"):
         for w in weights:
             x = _layer(x, w)
         return x
@@ -80,6 +88,15 @@ def stack(layout: str, x: jax.Array, weights) -> jax.Array:
 
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     return jax.lax.scan(step, x, layer_ids, unroll=layout == "scan-unroll")[0]
+
+
+def _weights(layout: str, stacked: dict, per_layer: list[dict]):
+    """The weights as `layout` takes them."""
+    if layout == "list-fp8":  # ChannelWeight's values are [out, in]
+        return [
+            {k: quantize_channels(v.T, "fp8", "bfloat16") for k, v in w.items()} for w in per_layer
+        ]
+    return per_layer if layout == "list" else stacked
 
 
 def _time(fn, x, weights, repeats: int) -> tuple[float, float]:
@@ -113,15 +130,16 @@ def main(argv=None) -> None:
         stacked[name] = w.astype(jnp.bfloat16)
     nbytes = sum(v.nbytes for v in stacked.values())
     bandwidth = read_bandwidth(min(4 << 30, nbytes), 20)
-    floor = nbytes / bandwidth
     print(
         f"device: {jax.devices()[0].device_kind}; {num_layers} layers, {nbytes / 1e9:.2f} GB "
-        f"of bfloat16 weights; read bandwidth {bandwidth / 1e9:.1f} GB/s: floor {floor * 1e3:.3f} ms"
+        f"of bfloat16 weights; read bandwidth {bandwidth / 1e9:.1f} GB/s: floor "
+        f"{nbytes / bandwidth * 1e3:.3f} ms"
     )
     per_layer = [{k: v[i] + 0 for k, v in stacked.items()} for i in range(num_layers)]
     scan_seconds = {}
     for layout in args.layouts:
-        weights = per_layer if layout == "list" else stacked
+        weights = _weights(layout, stacked, per_layer)
+        floor = sum(w.nbytes for w in jax.tree.leaves(weights)) / bandwidth
         # The benchmark's own jits, not the engine's entry points (the model runner's).
         fn = jax.jit(lambda x, w, layout=layout: stack(layout, x, w))
         for tokens in args.tokens:
@@ -141,6 +159,7 @@ def main(argv=None) -> None:
                 f"{vs_scan}), call returns in {dispatch * 1e3:.3f} ms, compile {compile_s:.1f} s",
                 flush=True,
             )
+        del weights
     x = jax.random.normal(jax.random.key(7), (4, config["hidden_size"])).astype(jnp.bfloat16)
     a = jax.jit(lambda x, w: stack("scan", x, w))(x, stacked).astype(jnp.float32)
     b = jax.jit(lambda x, w: stack("list", x, w))(x, per_layer).astype(jnp.float32)
