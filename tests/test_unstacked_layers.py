@@ -3,6 +3,7 @@ engine uses on a GPU, forced here on CPU) decode like HF transformers, as the st
 the split frees the stacked arrays and the setting is checked."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
@@ -11,6 +12,7 @@ from family_parity import assert_matches_hf, ragged_prompts, save_random_model
 from jvllm import LLM, SamplingParams
 from jvllm.layers.scan import (
     UNSTACKED_LAYERS_ENV,
+    _split_array,
     is_unstacked,
     unstack_layers,
     use_unstacked_layers,
@@ -54,6 +56,18 @@ def test_unstack_layers_splits_each_layers_param_and_frees_the_stack(tmp_path):
             assert before[path].is_deleted()
         else:
             assert leaf is before[path]
+
+
+@pytest.mark.parametrize("through_host", [False, True], ids=["on_the_device", "through_host"])
+def test_split_array_gives_each_layer_and_deletes_the_stack(through_host):
+    """Both ways of splitting (a GPU's goes through host memory) give the same layers."""
+    x = jnp.arange(3 * 4 * 5, dtype=jnp.bfloat16).reshape(3, 4, 5)
+    expected, sharding = np.asarray(x), x.sharding
+    layers = _split_array(x, through_host)
+    assert x.is_deleted()
+    assert [layer.sharding for layer in layers] == [sharding] * 3
+    for layer, want in zip(layers, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(layer), want)
 
 
 @pytest.mark.parametrize(

@@ -9,16 +9,22 @@ times (docs/design.md "Layer scan"; BENCHMARKS.md, "The layer scan on a GPU").""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jvllm.logger import init_logger
 from jvllm.quantization import QuantizedWeight, is_quantized
+
+logger = init_logger(__name__)
 
 # "1": per-layer arrays on every backend, "0": the stacked scan on every backend; unset: on a GPU.
 UNSTACKED_LAYERS_ENV = "JVLLM_UNSTACKED_LAYERS"
@@ -58,19 +64,19 @@ def use_unstacked_layers() -> bool:
 
 def unstack_layers(params: dict, axes: dict) -> dict:
     """Each param whose first axis is "layers" (in `axes`, models/model.py's param_axes) as an
-    `Unstacked` of its L layers. Consumes `params`: each stacked array is deleted once split, so
-    the device holds one param twice at most. Largest first, so that each param's layers can
-    take the space the one before it freed: what stays free between the layers is about the
-    largest param's size, not the sum of them all."""
+    `Unstacked` of its L layers. Consumes `params`: each stacked array is deleted as it is
+    split (see _split_array for how a GPU's memory is kept whole)."""
+    start = time.perf_counter()
     leaves, treedef = jax.tree.flatten(params, is_leaf=is_quantized)
     names = treedef.flatten_up_to(axes)
-    stacked = [i for i, n in enumerate(names) if n[:1] == ("layers",)]
-    for i in sorted(stacked, key=lambda i: -leaves[i].nbytes):
-        arrays, param_def = jax.tree.flatten(leaves[i])
-        per_array = [_split_array(a) for a in arrays]  # [array][layer]
-        for a in arrays:
-            a.delete()
-        leaves[i] = Unstacked(tuple(param_def.unflatten(list(layer)) for layer in zip(*per_array)))
+    for i, n in enumerate(names):
+        if n[:1] == ("layers",):
+            arrays, param_def = jax.tree.flatten(leaves[i])
+            per_array = [_split_array(a) for a in arrays]  # [array][layer]
+            leaves[i] = Unstacked(tuple(param_def.unflatten(list(a)) for a in zip(*per_array)))
+    logger.info(
+        "split the layers' weights into one array per layer in %.1fs", time.perf_counter() - start
+    )
     return treedef.unflatten(leaves)
 
 
@@ -87,13 +93,35 @@ def unstack_specs(specs: dict, axes: dict, num_layers: int) -> dict:
     return jax.tree.map(split, axes, specs, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _split_array(x: jax.Array) -> list[jax.Array]:
-    """x [L, ...] -> L arrays [...], on x's devices and sharded as x's trailing axes."""
+def _split_array(x: jax.Array, through_host: bool | None = None) -> list[jax.Array]:
+    """x [L, ...] -> L arrays [...] on x's devices, sharded as x's trailing axes; x is deleted.
+
+    On an accelerator (through_host None: any non-CPU array whose shards this process holds) x
+    goes through host memory: copied out, deleted, then its layers put back one by one, so that
+    they fill the space x left. Split on the device, x and its layers would lie there together
+    (an MoE's expert stack is most of its weights), and the space x left, once freed, would be
+    a hole the KV cache, one array allocated after, could not use."""
     sharding = x.sharding
     if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
-    split = jax.jit(lambda x: [x[i] for i in range(x.shape[0])], out_shardings=sharding)
-    return split(x)
+        assert sharding.spec[:1] in ((), (None,)), f"the layers axis is sharded: {sharding.spec}"
+        spec = PartitionSpec(*sharding.spec[1:])
+        sharding = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+    if through_host is None:
+        on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
+        through_host = x.is_fully_addressable and not on_cpu
+    if through_host:
+        host = np.asarray(x)  # [L, ...], waits for the copy
+        x.delete()
+        return [jax.device_put(layer, sharding) for layer in host]
+    layers = _split_on_device(x.shape[0], sharding)(x)
+    jax.block_until_ready(layers)
+    x.delete()
+    return layers
+
+
+@functools.cache
+def _split_on_device(num_layers: int, sharding) -> Callable:
+    return jax.jit(lambda x: [x[i] for i in range(num_layers)], out_shardings=sharding)
 
 
 def scan_layers(

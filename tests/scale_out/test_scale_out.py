@@ -14,12 +14,14 @@ import pytest
 import transformers
 from family_parity import TP_VOCAB as VOCAB
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model, save_tp_llama
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jvllm import LLM, LLMEngine, SamplingParams
+from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import shard_layout
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
-from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
+from jvllm.layers.scan import UNSTACKED_LAYERS_ENV, _split_array
 from jvllm.step_loop import StepLoop
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -140,16 +142,34 @@ def test_unstacked_layers_match_one_device(kv2_dir, one_device, monkeypatch):
     assert _summary(sharded, GREEDY, PROMPTS) == expected
 
 
-def test_step_has_the_layouts_collectives(kv2_dir):
+@pytest.mark.parametrize("split", ["0", "1"], ids=["layer_scan", "unstacked_layers"])
+def test_step_has_the_layouts_collectives(kv2_dir, monkeypatch, split):
     """Per layer, one all-reduce after o and one after down (the layer scan's body holds them
-    once), one for the embedding lookup; one all-gather of the logits, and one more in the
-    prompt-logprobs branch; nothing else."""
+    once, the 2 unstacked layers each), one for the embedding lookup; one all-gather of the
+    logits, and one more in the prompt-logprobs branch; nothing else (a param whose spec did not
+    match its layout would be resharded by more)."""
+    monkeypatch.setenv(UNSTACKED_LAYERS_ENV, split)
     runner = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS).llm_engine.model_runner
+    layer_bodies = 2 if split == "1" else 1
     for shape in runner.all_shapes()[:2]:
         text = runner._compiled.wait(shape).as_text()
         ops = re.findall(r"= \S+ ([a-z-]+?)(?:-start)?\(", text)
         collectives = sorted(op for op in ops if op.startswith(("all-", "collective", "reduce-s")))
-        assert collectives == ["all-gather"] * 2 + ["all-reduce"] * 3
+        assert collectives == ["all-gather"] * 2 + ["all-reduce"] * (2 * layer_bodies + 1)
+
+
+def test_a_split_through_host_keeps_each_devices_slice():
+    """How a GPU splits a stacked param (layers/scan.py), on 4 devices: each layer's slice
+    lies where the stack's did."""
+    mesh = Mesh(np.array(jax.devices()[:4]), (TP_AXIS,))
+    host = np.arange(2 * 8 * 6, dtype=np.float32).reshape(2, 8, 6)
+    x = jax.device_put(host, NamedSharding(mesh, PartitionSpec(None, TP_AXIS)))
+    layers = _split_array(x, through_host=True)
+    assert x.is_deleted()
+    for layer, want in zip(layers, host, strict=True):
+        assert layer.sharding == NamedSharding(mesh, PartitionSpec(TP_AXIS))
+        assert _local_shapes(layer) == {(2, 6)}
+        np.testing.assert_array_equal(np.asarray(layer), want)
 
 
 def test_shard_layout_puts_each_devices_heads_together():
