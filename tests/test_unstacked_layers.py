@@ -81,11 +81,16 @@ def test_split_array_gives_each_layer_and_deletes_the_stack(through_host):
             attn_logit_softcapping=3.0,
             attn_implementation="eager",
         ),
+        transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+        transformers.GPT2Config(
+            n_layer=3, n_embd=64, n_head=4, vocab_size=TINY["vocab_size"], n_positions=512
+        ),
     ],
-    ids=["mistral_window", "gemma2_alternate_windows"],
+    ids=["mistral_window", "gemma2_alternate_windows", "mixtral_experts", "gpt2"],
 )
 def test_unstacked_layers_decode_like_hf(tmp_path, monkeypatch, hf_config):
-    """Per-layer windows (every layer's, alternate layers') are sliced with the weights."""
+    """Per-layer windows (every layer's, alternate layers') are sliced with the weights; an
+    MoE's experts ([L, E, ...]) split by layer alone; GPT-2's layers have biases and norms."""
     monkeypatch.setenv(UNSTACKED_LAYERS_ENV, "1")
     hf_model = save_random_model(tmp_path, hf_config)
     assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=4)
@@ -93,12 +98,12 @@ def test_unstacked_layers_decode_like_hf(tmp_path, monkeypatch, hf_config):
 
 @pytest.mark.parametrize(
     "setting",
-    [{}, {"quantization": "int8"}, {"num_scheduler_steps": 4}],
-    ids=["bfloat16", "int8", "decode_windows"],
+    [{}, {"quantization": "int8"}, {"num_scheduler_steps": 4}, {"async_scheduling": True}],
+    ids=["bfloat16", "int8", "decode_windows", "async_scheduling"],
 )
 def test_unstacked_engine_matches_the_stacked_scan(tmp_path, monkeypatch, setting):
     """Same tokens and logprobs; int8 weights are split field by field (values and scales), and
-    decode windows carry the split params through their loop."""
+    decode windows and steps run ahead carry the split params too."""
     save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     kwargs = {"dtype": "bfloat16", "max_num_seqs": 8, **setting}
