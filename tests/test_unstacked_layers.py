@@ -98,12 +98,19 @@ def test_unstacked_layers_decode_like_hf(tmp_path, monkeypatch, hf_config):
 
 @pytest.mark.parametrize(
     "setting",
-    [{}, {"quantization": "int8"}, {"num_scheduler_steps": 4}, {"async_scheduling": True}],
-    ids=["bfloat16", "int8", "decode_windows", "async_scheduling"],
+    [
+        {},
+        {"quantization": "int8"},
+        {"num_scheduler_steps": 4},
+        {"async_scheduling": True},
+        {"attention_backend": "pallas", "block_size": 8},
+    ],
+    ids=["bfloat16", "int8", "decode_windows", "async_scheduling", "pallas"],
 )
 def test_unstacked_engine_matches_the_stacked_scan(tmp_path, monkeypatch, setting):
-    """Same tokens and logprobs; int8 weights are split field by field (values and scales), and
-    decode windows and steps run ahead carry the split params too."""
+    """Same tokens and logprobs; int8 weights are split field by field (values and scales),
+    decode windows and steps run ahead carry the split params too, and the Pallas kernels (a
+    GPU's backend, in interpret mode here) take each layer's index as a constant."""
     save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     kwargs = {"dtype": "bfloat16", "max_num_seqs": 8, **setting}
