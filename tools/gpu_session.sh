@@ -128,7 +128,7 @@ case $step in
 layers)
     {
         python3 -m jvllm.benchmarks.layer_stack --model jvllm/benchmarks/model_configs/llama-3-8b \
-            --layouts scan list list-fp8
+            --layouts scan list list-barrier list-fp8
         JVLLM_UNSTACKED_LAYERS=0 shape_throughput llama-3-8b
         shape_throughput llama-3-8b
     } 2>&1 | tee "$out/$step.log"

@@ -7,6 +7,8 @@ the weights laid out five ways, to see what each costs on a device:
     scan-unroll  "scan" with lax.scan's unroll=True, the barrier kept
     unrolled     the same [L, ...] arrays, layers unrolled with static indices
     list         one array per layer, unrolled (layers/scan.py's unstack_layers, on a GPU)
+    list-barrier "list" with each layer's weights tied to its input by an optimization
+                 barrier (what would keep XLA from working on a layer's weights early)
     list-fp8     "list" with fp8 weights and per-channel scales (quantization="fp8"; on a GPU
                  an fp8 matmul of per-token fp8 activations)
 
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jvllm.benchmarks.weight_read import read_bandwidth
 from jvllm.quantization.channel_weight import ChannelWeight, quantize_channels
 
-LAYOUTS = ("scan", "scan-nb", "scan-unroll", "unrolled", "list", "list-fp8")
+LAYOUTS = ("scan", "scan-nb", "scan-unroll", "unrolled", "list", "list-barrier", "list-fp8")
 
 
 def layer_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -73,6 +75,8 @@ def stack(layout: str, x: jax.Array, weights) -> jax.Array:
     """x [T, D] through every layer; weights: {name: [L, in, out]}, or a list of per-layer dicts."""
     if layout.startswith("list"):
         for w in weights:
+            if layout == "list-barrier":
+                w, x = jax.lax.optimization_barrier((w, x))
             x = _layer(x, w)
         return x
     num_layers = next(iter(weights.values())).shape[0]
@@ -96,7 +100,7 @@ def _weights(layout: str, stacked: dict, per_layer: list[dict]):
         return [
             {k: quantize_channels(v.T, "fp8", "bfloat16") for k, v in w.items()} for w in per_layer
         ]
-    return per_layer if layout == "list" else stacked
+    return per_layer if layout.startswith("list") else stacked
 
 
 def _time(fn, x, weights, repeats: int) -> tuple[float, float]:
@@ -155,7 +159,7 @@ def main(argv=None) -> None:
                 f", {scan_seconds[tokens] / total:.2f}x scan" if tokens in scan_seconds else ""
             )
             print(
-                f"{layout:11s} T={tokens:<4d} {total * 1e3:8.3f} ms ({total / floor:.2f}x floor"
+                f"{layout:12s} T={tokens:<4d} {total * 1e3:8.3f} ms ({total / floor:.2f}x floor"
                 f"{vs_scan}), call returns in {dispatch * 1e3:.3f} ms, compile {compile_s:.1f} s",
                 flush=True,
             )
