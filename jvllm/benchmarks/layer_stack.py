@@ -20,27 +20,24 @@ compile time.
 """
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jvllm.benchmarks.weight_read import read_bandwidth
+from jvllm.config import ModelConfig
+from jvllm.model_loader.hf import read_hf_config
 from jvllm.quantization.channel_weight import ChannelWeight, quantize_channels
 
 LAYOUTS = ("scan", "scan-nb", "scan-unroll", "unrolled", "list", "list-barrier", "list-fp8")
 
 
-def layer_shapes(config: dict) -> dict[str, tuple[int, int]]:
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """[in, out] of each matmul of one Llama-style decoder layer."""
-    d, f = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or d // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    q = heads * head_dim
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {
         "q": (d, q),
         "k": (d, kv),
@@ -126,8 +123,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
 
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    num_layers = args.num_layers or config["num_hidden_layers"]
+    config = read_hf_config(args.model)
+    num_layers = args.num_layers or config.num_layers
     stacked = {}  # name -> bfloat16[L, in, out]
     for n, (name, (i, o)) in enumerate(layer_shapes(config).items()):
         w = jax.random.normal(jax.random.key(n), (num_layers, i, o), jnp.float32) * i**-0.5
@@ -147,7 +144,7 @@ def main(argv=None) -> None:
         # The benchmark's own jits, not the engine's entry points (the model runner's).
         fn = jax.jit(lambda x, w, layout=layout: stack(layout, x, w))
         for tokens in args.tokens:
-            x = jax.random.normal(jax.random.key(-tokens), (tokens, config["hidden_size"]))
+            x = jax.random.normal(jax.random.key(-tokens), (tokens, config.hidden_size))
             x = x.astype(jnp.bfloat16)
             start = time.perf_counter()
             fn.lower(x, weights).compile()
@@ -164,7 +161,7 @@ def main(argv=None) -> None:
                 flush=True,
             )
         del weights
-    x = jax.random.normal(jax.random.key(7), (4, config["hidden_size"])).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(7), (4, config.hidden_size)).astype(jnp.bfloat16)
     a = jax.jit(lambda x, w: stack("scan", x, w))(x, stacked).astype(jnp.float32)
     b = jax.jit(lambda x, w: stack("list", x, w))(x, per_layer).astype(jnp.float32)
     print(
