@@ -86,9 +86,7 @@ def unstack_specs(specs: dict, axes: dict, num_layers: int) -> dict:
     axis, once per layer."""
 
     def split(names: tuple, spec: PartitionSpec):
-        if names[:1] != ("layers",):
-            return spec
-        return Unstacked((PartitionSpec(*spec[1:]),) * num_layers)
+        return spec if names[:1] != ("layers",) else Unstacked((_layer_spec(spec),) * num_layers)
 
     return jax.tree.map(split, axes, specs, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -103,8 +101,7 @@ def _split_array(x: jax.Array, through_host: bool | None = None) -> list[jax.Arr
     a hole the KV cache, one array allocated after, could not use."""
     sharding = x.sharding
     if isinstance(sharding, NamedSharding):
-        assert sharding.spec[:1] in ((), (None,)), f"the layers axis is sharded: {sharding.spec}"
-        spec = PartitionSpec(*sharding.spec[1:])
+        spec = _layer_spec(sharding.spec)
         sharding = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
     if through_host is None:
         on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
@@ -117,6 +114,12 @@ def _split_array(x: jax.Array, through_host: bool | None = None) -> list[jax.Arr
     jax.block_until_ready(layers)
     x.delete()
     return layers
+
+
+def _layer_spec(spec: PartitionSpec) -> PartitionSpec:
+    """A stacked param's spec without its layers axis, which no mesh axis cuts."""
+    assert spec[:1] in ((), (None,)), f"the layers axis is sharded: {spec}"
+    return PartitionSpec(*spec[1:])
 
 
 @functools.cache
