@@ -7,7 +7,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import shutil
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -68,19 +67,14 @@ def test_gguf_logits_match_hf_and_predict_paris(gguf_model, hf_smollm2, hf_token
 
 
 def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_model, monkeypatch):
-    start = time.perf_counter()
     config, _, tokenizer = load_model(None)
-    first_s = time.perf_counter() - start
     assert len(list((cache_dir / DEFAULT_MODEL).iterdir())) == 1
 
     def fail_convert(*args):
         raise AssertionError("the cached conversion should have been reused")
 
     monkeypatch.setattr(default_model, "_convert", fail_convert)
-    start = time.perf_counter()
     cached_config, cached_params, cached_tokenizer = load_model(DEFAULT_MODEL)
-    cached_s = time.perf_counter() - start
-    assert cached_s < first_s
     assert cached_config == config
     assert cached_tokenizer(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
     assert (cached_tokenizer.eos_token, cached_tokenizer.eos_token_id) == ("<|im_end|>", 2)
