@@ -15,6 +15,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections import defaultdict
 from pathlib import Path
 
 import jax
@@ -25,15 +26,17 @@ logger = init_logger(__name__)
 
 NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
 _HEADERS = (Path(__file__).with_name("parallel_for.h"),)  # what every kernel may include
-# One build at a time: the engine's background compile thread and the caller's may both reach a
-# kernel first, and the second then finds the library built.
-_BUILD_LOCK = threading.Lock()
+# One build of a source at a time: the engine's background build and the thread tracing a step
+# may both reach a kernel first, and the second then finds the library built. Different
+# kernels build side by side (each a compiler process of its own).
+_BUILD_LOCKS: dict[Path, threading.Lock] = defaultdict(threading.Lock)
+_LOCKS_LOCK = threading.Lock()
 
 
 def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: list[str]) -> bool:
     """Build `source` (once per key) and register its handler symbols `targets` for XLA:CPU;
     False (logged, naming `what` the kernel does) where that cannot be done."""
-    with _BUILD_LOCK:
+    with _build_lock(source):
         library = _build(source, what, flags)
     if library is None:
         return False
@@ -56,10 +59,15 @@ def build_in_background(source: Path, what: str, flags: list[str]) -> None:
     build that fails here says nothing; register_targets tries again and says why."""
 
     def build():
-        with _BUILD_LOCK:
+        with _build_lock(source):
             _build(source, what, flags, warn=False)
 
     threading.Thread(target=build, name="jvllm-native-build", daemon=True).start()
+
+
+def _build_lock(source: Path) -> threading.Lock:
+    with _LOCKS_LOCK:
+        return _BUILD_LOCKS[source]
 
 
 def cpu_has(flag: str) -> bool:

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from jvllm.attention.backends import default_backend, prepare_backend
+from jvllm.attention.backends import default_backend
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -21,7 +21,7 @@ from jvllm.engine.input_processor import (
 from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
-from jvllm.engine.start_up import compile_up_front
+from jvllm.engine.start_up import build_kernels_early, compile_up_front
 from jvllm.logger import init_logger
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
@@ -45,7 +45,7 @@ class LLMEngine:
         self.generation_config = load_generation_config(args.generation_config, args.model)
         enable_compilation_cache()  # before loading: its small jits are cached too
         start = time.perf_counter()
-        prepare_backend(args.attention_backend or default_backend(), args.kv_cache_dtype)
+        build_kernels_early(args)
         self.mesh = engine_mesh(
             args.tensor_parallel_size, args.data_parallel_size, args.data_parallel_rank
         )

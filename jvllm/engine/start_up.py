@@ -1,12 +1,24 @@
-"""Compiling every bucket at start-up (EngineArgs.compile_all_buckets), up front or in the
-background, and saying so in the log."""
+"""Start-up: the native CPU kernels the engine will run, built while the model loads, and
+compiling every bucket (EngineArgs.compile_all_buckets), up front or in the background, saying
+so in the log."""
 
 import time
 
+from jvllm.attention.backends import default_backend, prepare_backend
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.layers import cpu_bf16
 from jvllm.logger import init_logger
+from jvllm.model_loader.loader import expected_dtype
 from jvllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
+
+
+def build_kernels_early(args: EngineArgs) -> None:
+    """Start building, in the background, the native kernels that the attention backend and the
+    model dtype will use, so that tracing the first step finds them built."""
+    prepare_backend(args.attention_backend or default_backend(), args.kv_cache_dtype)
+    cpu_bf16.build_early(expected_dtype(args.model, args.dtype))
 
 
 def compile_up_front(

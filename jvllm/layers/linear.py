@@ -7,12 +7,13 @@ from flax import nnx
 from jvllm.layers.dot import dot_rows
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import Segments, param
+from jvllm.layers.scan import LayerWeight
 from jvllm.quantization import QuantizedWeight, is_quantized
 
 
-def dense(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array | LayerWeight | QuantizedWeight) -> jax.Array:
     """x [..., I] @ w [O, I].T -> float32 [..., O]; a quantized w dequantizes in the step
-    (jvllm/quantization/).
+    (jvllm/quantization/), a scanned layer's is read where it lies (layers/scan.py).
 
     Weights keep the torch layout [out, in]: contracting the minor axis of both operands ran
     the SmolLM2 bfloat16 decode step 7% faster on this CPU than an [in, out] copy (bench in
@@ -20,7 +21,7 @@ def dense(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     float32: bfloat16 x bfloat16 -> float32 runs about 4x faster than float32, while asking XLA
     for a bfloat16 *result* is about 5x slower, so the output is always float32.
     """
-    if is_quantized(w):
+    if is_quantized(w) or isinstance(w, LayerWeight):
         return w.dense(x)
     return dot_rows(x, w)
 
@@ -49,5 +50,5 @@ class Linear(nnx.Module):
         self.num_shards = num_shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = sum_over_shards(dense(x, self.weight[...]), self.num_shards)
+        y = sum_over_shards(dense(x, self.weight.get_value()), self.num_shards)
         return y if self.bias is None else y + self.bias[...]

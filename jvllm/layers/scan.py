@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jvllm.layers.dot import dot_layer
 from jvllm.logger import init_logger
 from jvllm.quantization import QuantizedWeight, is_quantized
 
@@ -52,6 +53,31 @@ class Unstacked:
 
 def is_unstacked(x) -> bool:
     return isinstance(x, Unstacked)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """Layer `layer` (i32[]) of a stacked weight `stack` [L, ...], not sliced yet: what a
+    scanned layer's module holds in place of each float param. Read whole (`param[...]`) it is
+    sliced, which inside the scan XLA:CPU does by copying the layer out; a dense layer's matmul
+    (`dense`) hands the stack and the index to the CPU kernel instead (layers/dot.py)."""
+
+    stack: jax.Array
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise TypeError("a layer's weight is read whole (weight[...]) or through dense()")
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False)
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """x [..., I] @ the layer [O, I].T -> f32[..., O]."""
+        return dot_layer(x, self.stack, self.layer)
 
 
 def use_unstacked_layers() -> bool:
@@ -162,9 +188,10 @@ def scan_layers(
     return carry
 
 
-def _at_layer(w: jax.Array | QuantizedWeight, layer: jax.Array) -> jax.Array | QuantizedWeight:
-    """Layer i32[] of a stacked weight: a quantized one keeps its stacked fields and the index,
-    so that a CPU kernel (quantization/cpu_gguf.py, cpu_int8.py) reads the layer in place."""
+def _at_layer(w: jax.Array | QuantizedWeight, layer: jax.Array) -> LayerWeight | QuantizedWeight:
+    """Layer i32[] of a stacked weight, not sliced: a quantized one keeps its stacked fields and
+    the index, a float one becomes a LayerWeight, so that a CPU kernel (quantization/cpu_gguf.py,
+    cpu_int8.py, layers/cpu_bf16.py) reads the layer in place."""
     if is_quantized(w):
         return w.at_layer(layer)
-    return jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    return LayerWeight(w, layer)

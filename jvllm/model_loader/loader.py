@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from typing import Any
 
 from jax.sharding import Mesh
@@ -78,6 +80,20 @@ def load_model(
             )
         params = quantize_layer_weights(params, quantization, config.dtype)
     return config, params, tokenizer
+
+
+def expected_dtype(model: str | None, dtype: str) -> str:
+    """The model dtype load_model will give `model` for `dtype`, from its config.json alone (so
+    that the engine can prepare what that dtype runs on while the weights load): a GGUF, the
+    default model included, loads in float32 unless told otherwise."""
+    is_hf_dir = isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))
+    if dtype != "auto" or not is_hf_dir:
+        return "float32" if dtype == "auto" else dtype
+    with open(os.path.join(model, "config.json")) as f:
+        hf_config = json.load(f)
+    with warnings.catch_warnings():  # load_model warns of a float16 checkpoint itself
+        warnings.simplefilter("ignore")
+        return resolve_dtype(dtype, hf_config)
 
 
 def resolve_quantization(model: str | None, dtype: str, quantization: str | None) -> str | None:
