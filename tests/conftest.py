@@ -18,6 +18,7 @@ import contextlib
 import functools
 import gc
 import shutil
+import threading
 import time
 
 import httpx
@@ -53,6 +54,13 @@ def wait_idle(async_llm, timeout: float = 10.0) -> None:
     while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not async_llm.engine.has_unfinished_requests()
+
+
+def join_native_builds() -> None:
+    """Wait for the native kernels' background builds (jvllm/native.py) to end."""
+    for thread in threading.enumerate():
+        if thread.name == "jvllm-native-build":
+            thread.join()
 
 
 def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:

@@ -3,20 +3,23 @@ its products are float32 sums of the exact products, taken from the layer asked 
 the same for a row whatever shares its batch; dot_rows / dot_layer give XLA's products without
 it; and a bfloat16 model's scan reads its layers' weights in place through it."""
 
+import json
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from conftest import dense_forward_logits
+from conftest import dense_forward_logits, join_native_builds
 from family_parity import save_random_model
 
 from jvllm import native
 from jvllm.layers import cpu_bf16
 from jvllm.layers.dot import dot_layer, dot_rows
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.loader import expected_dtype
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or not native.cpu_has("avx512_bf16"),
@@ -123,3 +126,31 @@ def test_a_bfloat16_models_scan_reads_its_layers_in_place_as_accurately_as_xla(
     monkeypatch.setenv(_KERNEL_ENV, "0")
     _, _, off = logits("bfloat16")
     assert np.abs(on - exact).max() <= 1.5 * np.abs(off - exact).max()
+
+
+@pytest.mark.parametrize(
+    "checkpoint_dtype, dtype, expected",
+    [
+        ("bfloat16", "auto", "bfloat16"),
+        ("float16", "auto", "float32"),  # as load_model runs a float16 checkpoint
+        ("float32", "bfloat16", "bfloat16"),
+    ],
+)
+def test_the_engine_knows_a_models_dtype_before_loading_it(
+    tmp_path, checkpoint_dtype, dtype, expected
+):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": checkpoint_dtype}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # load_model warns of a float16 checkpoint, not this
+        assert expected_dtype(str(tmp_path), dtype) == expected
+    assert expected_dtype(None, dtype) == ("float32" if dtype == "auto" else dtype)  # a GGUF
+
+
+def test_the_kernel_is_built_early_only_for_a_bfloat16_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
+    cpu_bf16.build_early("float32")
+    join_native_builds()
+    assert list(tmp_path.iterdir()) == []
+    cpu_bf16.build_early("bfloat16")
+    join_native_builds()
+    assert [p.name.startswith("cpu_bf16-") for p in tmp_path.glob("*.so")] == [True]

@@ -3,19 +3,21 @@ pure-JAX path and says how to fix it."""
 
 import logging
 import shutil
-import threading
 
 import jax.numpy as jnp
 import pytest
+from conftest import join_native_builds
 
 from jvllm import native
 from jvllm.attention import cpu_decode
+from jvllm.layers import cpu_bf16
 from jvllm.quantization import cpu_gguf, cpu_int8
 
 _KERNELS = {
     "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),
     "GGUF matmul": (cpu_gguf, lambda: cpu_gguf.supports("float32")),
     "int8 matmul": (cpu_int8, lambda: cpu_int8._register()),  # supports() asks for AVX-512 BF16
+    "bfloat16 matmul": (cpu_bf16, lambda: cpu_bf16._register()),  # the same
 }
 
 
@@ -46,12 +48,6 @@ def test_no_compiler_keeps_the_pure_jax_path_and_says_so(kernel, tmp_path, monke
         module._register.cache_clear()
 
 
-def _join_background_builds():
-    for thread in threading.enumerate():
-        if thread.name == "jvllm-native-build":
-            thread.join()
-
-
 @pytest.mark.skipif(shutil.which("g++") is None, reason="builds with the system C++ compiler")
 def test_the_engine_starts_building_the_decode_kernel_before_its_first_use(tmp_path, monkeypatch):
     from jvllm.attention.backends import prepare_backend
@@ -59,10 +55,10 @@ def test_the_engine_starts_building_the_decode_kernel_before_its_first_use(tmp_p
     monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
     prepare_backend("reference", "fp8")  # a quantized cache: the kernel does not read it
     prepare_backend("pallas", "auto")
-    _join_background_builds()
+    join_native_builds()
     assert list(tmp_path.iterdir()) == []
     prepare_backend("reference", "auto")
-    _join_background_builds()
+    join_native_builds()
     assert [p.name.startswith("cpu_decode-") for p in tmp_path.glob("*.so")] == [True]
 
 
@@ -74,7 +70,7 @@ def test_a_background_build_that_fails_leaves_the_warning_to_the_first_use(tmp_p
     handler.emit = records.append
     monkeypatch.setattr(native.logger, "handlers", [handler])
     cpu_decode.build_early()
-    _join_background_builds()
+    join_native_builds()
     assert records == []
     cpu_decode._register.cache_clear()
     try:
