@@ -61,7 +61,7 @@ def is_unstacked(x) -> bool:
 class LayerWeight:
     """Layer `layer` (i32[]) of a stacked weight `stack` [L, O, I], not sliced yet: what a
     scanned layer's module holds in place of a bfloat16 param where the CPU kernel runs. Read
-    whole (`param[...]`: a norm's or a bias's) it is sliced, which inside the scan XLA:CPU does
+    whole (`param[...]`, e.g. an MoE router's) it is sliced, which inside the scan XLA:CPU does
     by copying the layer out; a dense layer's matmul (`dense`) hands the stack and the index to
     the kernel instead (layers/dot.py)."""
 
