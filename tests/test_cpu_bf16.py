@@ -11,9 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
 from conftest import dense_forward_logits, join_native_builds
-from family_parity import save_random_model
 
 from jvllm import native
 from jvllm.layers import cpu_bf16
@@ -93,26 +91,17 @@ def test_dot_rows_and_dot_layer_give_xlas_products_with_the_kernel_off(num_rows,
 
 
 def test_a_bfloat16_models_scan_reads_its_layers_in_place_as_accurately_as_xla(
-    tmp_path, monkeypatch
+    tiny_llama_weights_dir, monkeypatch
 ):
     """A decode-sized forward (6 tokens) of a random Llama: every layer's matmuls go through the
     kernel with the stacked weights and no layer's weights are copied out of their stack; its
-    logits are as close to the float32 model's as XLA's path without the kernel."""
-    hf_config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=320,  # no layer shares the LM head's shape (it goes in as [1, V, D])
-        max_position_embeddings=64,
-    )
-    save_random_model(tmp_path, hf_config)
+    logits are as close to the float32 model's as XLA's path without the kernel. (No layer
+    shares the LM head's shape, which goes in as [1, V, D].)"""
     token_ids = jnp.asarray([3, 17, 99, 4, 310, 7], jnp.int32)
     positions = jnp.arange(token_ids.size, dtype=jnp.int32)
 
     def logits(dtype: str):
-        config, params = load_hf_dir(str(tmp_path), dtype)
+        config, params = load_hf_dir(tiny_llama_weights_dir, dtype)
         run = jax.jit(lambda p, t, s: dense_forward_logits(p, t, s, config=config))
         return run, params, np.asarray(run(params, token_ids, positions))
 

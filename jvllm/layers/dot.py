@@ -19,7 +19,7 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [R, I]
     num_rows, num_in = rows.shape
     if cpu_bf16.supports(w.dtype, num_in, num_rows):
-        return cpu_bf16.dense(rows, w[None], 0).reshape(*x.shape[:-1], -1)
+        return dot_layer(x, w[None], 0)
     contract = (((1,), (1,)), ((), ()))
     one_row = num_rows == 1 and w.dtype.itemsize == 2 and jax.default_backend() == "cpu"
     if one_row:
@@ -28,7 +28,7 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     return y[:1].reshape(*x.shape[:-1], -1) if one_row else y.reshape(*x.shape[:-1], -1)
 
 
-def dot_layer(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
+def dot_layer(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x [..., I] @ stack[layer].T -> float32 [..., O] for a weight stacked [L, O, I] and a
     layer i32[]: the CPU kernel reads the layer where it lies (inside the layer scan XLA:CPU
     would copy it out first); elsewhere the layer is sliced for dot_rows."""

@@ -68,10 +68,6 @@ class LayerWeight:
     stack: jax.Array
     layer: jax.Array
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
     def __getitem__(self, key):
         if key is not Ellipsis:
             raise TypeError("a layer's weight is read whole (weight[...]) or through dense()")

@@ -42,12 +42,17 @@ def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
 
 def read_hf_config(path: str, dtype: str = "auto") -> ModelConfig:
     """The ModelConfig of `path/config.json`."""
+    hf_config = read_config_json(path)
+    return ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    """`path/config.json` as it is written."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path} is not an HF model directory: it has no config.json")
     with open(config_path) as f:
-        hf_config = json.load(f)
-    return ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+        return json.load(f)
 
 
 def load_hf_dir(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig, dict]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -18,7 +17,7 @@ from jvllm.model_loader.default_model import (
 from jvllm.model_loader.dummy import dummy_params
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
-from jvllm.model_loader.hf import load_hf_dir, read_hf_config, resolve_dtype
+from jvllm.model_loader.hf import load_hf_dir, read_config_json, read_hf_config, resolve_dtype
 from jvllm.quantization import QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
 
@@ -89,11 +88,9 @@ def expected_dtype(model: str | None, dtype: str) -> str:
     is_hf_dir = isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))
     if dtype != "auto" or not is_hf_dir:
         return "float32" if dtype == "auto" else dtype
-    with open(os.path.join(model, "config.json")) as f:
-        hf_config = json.load(f)
     with warnings.catch_warnings():  # load_model warns of a float16 checkpoint itself
         warnings.simplefilter("ignore")
-        return resolve_dtype(dtype, hf_config)
+        return resolve_dtype(dtype, read_config_json(model))
 
 
 def resolve_quantization(model: str | None, dtype: str, quantization: str | None) -> str | None:
