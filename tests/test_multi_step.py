@@ -12,6 +12,12 @@ from conftest import RAGGED_PROMPTS as PROMPTS
 from jvllm import LLM, LLMEngine, SamplingParams
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 8}
+# Seeded samples compare across executables compiled apart, whose float32 logits can differ in
+# the last bits. The random tiny model's distribution is near uniform over 49152 tokens, so
+# the inverse-CDF sampler's u lands within such a difference of a token boundary often enough
+# to flip a sample now and then (once in a full run, 23088 against 23086). A top-k keeps the
+# seeded keys under test while leaving few boundaries to land near.
+SEEDED_TOP_K = 40
 
 
 @pytest.fixture
@@ -102,6 +108,7 @@ def test_stops_inside_a_window_match_single_steps(engines):
         SamplingParams(temperature=0.0, max_tokens=13, min_tokens=9, stop_token_ids=stop_ids),
         SamplingParams(
             temperature=1.0,
+            top_k=SEEDED_TOP_K,
             seed=11,
             max_tokens=22,
             presence_penalty=0.8,
@@ -152,7 +159,9 @@ def test_eos_inside_a_window_matches_single_steps(engines, eos_model_dir):
 
 
 def test_parallel_samples_and_prefix_hits_match_single_steps(engines):
-    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=15, ignore_eos=True)
+    params = SamplingParams(
+        n=3, temperature=1.0, top_k=SEEDED_TOP_K, seed=5, max_tokens=15, ignore_eos=True
+    )
     shared = [(i * 31) % 30000 + 500 for i in range(40)]
     prompts = [shared + [11, 12], shared + [13, 14, 15]]
     expected = _generate(engines(1), params, prompts)
