@@ -10,14 +10,14 @@ from conftest import join_native_builds
 
 from jvllm import native
 from jvllm.attention import cpu_decode
-from jvllm.layers import cpu_bf16
+from jvllm.layers import cpu_dense
 from jvllm.quantization import cpu_gguf, cpu_int8
 
 _KERNELS = {
     "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),
     "GGUF matmul": (cpu_gguf, lambda: cpu_gguf.supports("float32")),
     "int8 matmul": (cpu_int8, lambda: cpu_int8._register()),  # supports() asks for AVX-512 BF16
-    "bfloat16 matmul": (cpu_bf16, lambda: cpu_bf16._register()),  # the same
+    "dense matmul": (cpu_dense, lambda: cpu_dense._register()),  # supports() asks for AVX-512
 }
 
 

@@ -6,7 +6,7 @@ import time
 
 from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.layers import cpu_bf16
+from jvllm.layers import cpu_dense
 from jvllm.logger import init_logger
 from jvllm.model_loader.loader import expected_dtype
 from jvllm.worker.model_runner import ModelRunner
@@ -18,7 +18,7 @@ def build_kernels_early(args: EngineArgs) -> None:
     """Start building, in the background, the native kernels that the attention backend and the
     model dtype will use, so that tracing the first step finds them built."""
     prepare_backend(args.attention_backend or default_backend(), args.kv_cache_dtype)
-    cpu_bf16.build_early(expected_dtype(args.model, args.dtype))
+    cpu_dense.build_early(expected_dtype(args.model, args.dtype))
 
 
 def compile_up_front(

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jvllm.layers import cpu_bf16
+from jvllm.layers import cpu_dense
 from jvllm.layers.dot import dot_layer
 from jvllm.logger import init_logger
 from jvllm.quantization import QuantizedWeight, is_quantized
@@ -60,7 +60,7 @@ def is_unstacked(x) -> bool:
 @dataclasses.dataclass(frozen=True)
 class LayerWeight:
     """Layer `layer` (i32[]) of a stacked weight `stack` [L, O, I], not sliced yet: what a
-    scanned layer's module holds in place of a bfloat16 param where the CPU kernel runs. Read
+    scanned layer's module holds in place of a float param where the CPU kernel runs. Read
     whole (`param[...]`, e.g. an MoE router's) it is sliced, which inside the scan XLA:CPU does
     by copying the layer out; a dense layer's matmul (`dense`) hands the stack and the index to
     the kernel instead (layers/dot.py)."""
@@ -190,11 +190,11 @@ def _at_layer(
     w: jax.Array | QuantizedWeight, layer: jax.Array
 ) -> jax.Array | LayerWeight | QuantizedWeight:
     """Layer i32[] of a stacked weight: a quantized one keeps its stacked fields and the index,
-    and so does a float one the CPU bfloat16 kernel can read (as a LayerWeight), so that a CPU
-    kernel (quantization/cpu_gguf.py, cpu_int8.py, layers/cpu_bf16.py) reads the layer in place;
+    and so does a float one the CPU dense kernel can read (as a LayerWeight), so that a CPU
+    kernel (quantization/cpu_gguf.py, cpu_int8.py, layers/cpu_dense.py) reads the layer in place;
     any other is sliced."""
     if is_quantized(w):
         return w.at_layer(layer)
-    if w.ndim == 3 and cpu_bf16.supports(w.dtype, w.shape[-1], 1):
+    if w.ndim == 3 and cpu_dense.supports(w.dtype, w.shape[-1], 1):
         return LayerWeight(w, layer)
     return jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)

@@ -1,0 +1,84 @@
+"""A few rows times a bfloat16 or float32 weight on CPU as a native kernel (cpu_dense.cc)
+through the XLA FFI, where the CPU has AVX-512 (and AVX-512 BF16 for bfloat16): decode steps of
+up to MAX_ROWS sequences.
+
+XLA:CPU's matmul of a row or two reads a weight well below the bandwidth a sum over it reaches,
+and inside the layer scan XLA first copies each layer's weights out of the stack: SmolLM2's
+batch-1 decode moved its weights three times, slowly. The kernel reads a layer where it lies
+and streams the weight in order (BENCHMARKS.md, "The CPU bfloat16 kernel" and "... in float32
+too"); past MAX_ROWS rows XLA's matmul is the faster.
+
+It is built on first use (jvllm/native.py); a CPU without AVX-512 (BF16 for bfloat16), a
+machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (layers/dot.py).
+"""
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jvllm import native
+
+_SOURCE = Path(__file__).with_name("cpu_dense.cc")
+_WHAT = "CPU dense matmul"
+# A weight dtype -> (its kernel, the CPU flag it needs, the multiple of 32-bit lanes of I).
+_KERNELS = {
+    jnp.dtype(jnp.bfloat16): ("BF16DenseStacked", "avx512_bf16", 32),
+    jnp.dtype(jnp.float32): ("F32DenseStacked", "avx512f", 16),
+}
+MAX_ROWS = 8  # cpu_dense.cc's kMaxRows
+
+
+def supports(dtype, num_in: int, num_rows: int) -> bool:
+    """Whether `num_rows` rows times a weight of `dtype` with `num_in` inputs can run the kernel
+    here."""
+    kernel = _KERNELS.get(jnp.dtype(dtype))
+    return (
+        kernel is not None
+        and num_in % kernel[2] == 0
+        and num_rows <= MAX_ROWS
+        and jnp.dtype(dtype) in _runnable()
+        and _register()
+    )
+
+
+def dense(x: jax.Array, weights: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x [R, I] @ weights[layer].T -> f32[R, O], weights [L, O, I] of x's dtype (bfloat16 or
+    float32), 1 <= R <= MAX_ROWS; only where `supports`."""
+    if not _register():
+        raise RuntimeError("the CPU dense kernel could not be built (see the log)")
+    result = jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.float32)
+    target = _KERNELS[weights.dtype][0]
+    return jax.ffi.ffi_call(target, result)(x, jnp.asarray(layer, jnp.int32), weights)
+
+
+def build_early(dtype: str) -> None:
+    """Start building the kernel for a model of `dtype` that will use it, so that tracing the
+    first step finds it built rather than waiting seconds for the compiler."""
+    if jnp.dtype(dtype) in _runnable():
+        native.build_in_background(_SOURCE, _WHAT, _flags())
+
+
+def _runnable() -> tuple[jnp.dtype, ...]:
+    """The weight dtypes whose kernel this CPU can run, unless it is switched off."""
+    if jax.default_backend() != "cpu" or os.environ.get("JVLLM_CPU_DENSE_KERNEL", "1") == "0":
+        return ()
+    return tuple(dtype for dtype, (_, flag, _) in _KERNELS.items() if native.cpu_has(flag))
+
+
+def _flags() -> list[str]:
+    """Without AVX-512 BF16 the source leaves the bfloat16 kernel out."""
+    return [] if native.cpu_has("avx512_bf16") else ["-DJVLLM_NO_BF16"]
+
+
+@functools.cache
+def _register() -> bool:
+    """Build and register the kernels (callers check `_runnable` first: without AVX-512 the
+    source does not compile)."""
+    has_bf16 = native.cpu_has("avx512_bf16")
+    targets = tuple(
+        target for target, flag, _ in _KERNELS.values() if has_bf16 or flag != "avx512_bf16"
+    )
+    return native.register_targets(_SOURCE, targets, _WHAT, _flags())
