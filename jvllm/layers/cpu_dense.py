@@ -5,8 +5,8 @@ up to MAX_ROWS sequences.
 XLA:CPU's matmul of a row or two reads a weight well below the bandwidth a sum over it reaches,
 and inside the layer scan XLA first copies each layer's weights out of the stack: SmolLM2's
 batch-1 decode moved its weights three times, slowly. The kernel reads a layer where it lies
-and streams the weight in order (BENCHMARKS.md, "The CPU bfloat16 kernel" and "... in float32
-too"); past MAX_ROWS rows XLA's matmul is the faster.
+and streams the weight in order (BENCHMARKS.md, "The CPU bfloat16 kernel" and "The CPU dense
+kernel in float32"); past MAX_ROWS rows XLA's matmul is the faster.
 
 It is built on first use (jvllm/native.py); a CPU without AVX-512 (BF16 for bfloat16), a
 machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (layers/dot.py).
