@@ -33,7 +33,8 @@ from jvllm.worker.bias_rows import bad_words_token_ids
 from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.kv_layout import kv_cache_spec
-from jvllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from jvllm.worker.model_runner import ModelRunner
+from jvllm.worker.runner_output import ModelRunnerOutput
 
 logger = init_logger(__name__)
 

@@ -1,6 +1,5 @@
 """The model runner: owns the parameters, the paged KV array and every `jax.jit` entry point."""
 
-import dataclasses
 import functools
 import math
 import time
@@ -25,23 +24,11 @@ from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.decode_loop import prepare_window_inputs, run_window
 from jvllm.worker.executables import Executables
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
-
-
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    """One step's results on the host, rows in scheduled-request order; the logprob fields are
-    None when no request of the step asked for them.
-
-    A decode window returns each request's samples as a list (up to its window limit) and its
-    logprob arrays with a leading step axis [k, num_reqs, ...]."""
-
-    sampled_token_ids: np.ndarray | list[list[int]]  # i32[num_reqs], or a list per request
-    logprobs: tuple[np.ndarray, ...] | None = None  # top ids, top logprobs, sampled lp, rank
-    prompt_logprobs: tuple[np.ndarray, ...] | None = None  # the same per scheduled token [T]
 
 
 class ModelRunner:
@@ -131,7 +118,7 @@ class ModelRunner:
         self.warmup_seconds = 0.0
         # Where execute_model's time goes: calling the executable until it returns (argument
         # handling and host-to-device copies; on CPU the computation too, which XLA:CPU runs
-        # inline for small steps), then waiting for the sampled tokens (on a GPU, the device time
+        # inline for small steps), then waiting for the results (on a GPU, the device time
         # that the host's work did not hide).
         self.dispatch_seconds = 0.0
         self.device_wait_seconds = 0.0
@@ -333,32 +320,10 @@ class ModelRunner:
         ):
             self._run_ahead(scheduler_output, block_ids, rows, bucket, any_logprobs, out, inputs)
         dispatched = time.perf_counter()
-        if is_window:
-            token_ids = np.asarray(out.token_ids)[:, :num_reqs]  # [k, R]
-            num_sampled = np.asarray(out.num_sampled)[:num_reqs].tolist()
-            sampled = [token_ids[:n, i].tolist() for i, n in enumerate(num_sampled)]
-        else:
-            sampled = np.asarray(out.sampled_token_ids)[rows]
+        any_prompt_logprobs = not used_ahead and bool(inputs.sampling.any_prompt_logprobs)
+        result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
-        result = ModelRunnerOutput(sampled)
-        if any_logprobs:
-            fields = (
-                out.topk_token_ids,
-                out.topk_logprobs,
-                out.sampled_logprobs,
-                out.sampled_ranks,
-            )
-            at = (slice(None), slice(num_reqs)) if is_window else rows
-            result.logprobs = tuple(np.asarray(f)[at] for f in fields)
-        if not is_window and not used_ahead and inputs.sampling.any_prompt_logprobs:
-            fields = (
-                out.prompt_topk_token_ids,
-                out.prompt_topk_logprobs,
-                out.prompt_target_logprobs,
-                out.prompt_target_ranks,
-            )
-            result.prompt_logprobs = tuple(np.asarray(f) for f in fields)
         return result
 
     def _run_ahead(
