@@ -303,7 +303,16 @@ class LLMEngine:
                 scheduler_output, runner_output.prompt_logprobs
             )
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
-        self._record_logprobs(scheduler_output, runner_output, sampling, num_outputs)
+        now = time.time()
+        for request in sampling:  # the metrics of every request that got tokens
+            if request.status != RequestStatus.FINISHED_ABORTED:
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                request.metrics.last_token_time = now
+        if runner_output.logprobs is not None:
+            self.output_processor.add_step_logprobs(
+                scheduler_output, runner_output.logprobs, sampling, num_outputs
+            )
         return sampled, finished
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
@@ -329,34 +338,6 @@ class LLMEngine:
                 outputs.append(output)
             del self._requests[request.request_id]
         return outputs
-
-    def _record_logprobs(
-        self,
-        scheduler_output: SchedulerOutput,
-        runner_output: ModelRunnerOutput,
-        sampling: list[Request],
-        num_outputs: dict[str, int],
-    ) -> None:
-        """Metrics of every request that got tokens, and logprobs of those that asked.
-
-        `num_outputs` is each request's output count before the update: the tokens after it
-        are new (a decode window's logprob arrays have a step axis in front)."""
-        now = time.time()
-        rows = {r.request_id: i for i, r in enumerate(scheduler_output.scheduled_requests)}
-        for request in sampling:
-            if request.status == RequestStatus.FINISHED_ABORTED:
-                continue
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            if runner_output.logprobs is not None:
-                self.output_processor.add_step_logprobs(
-                    request,
-                    num_outputs[request.request_id],
-                    runner_output.logprobs,
-                    rows[request.request_id],
-                    is_window=scheduler_output.num_steps > 1,
-                )
 
     def _process_outputs(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int], finished: list[Request]

@@ -92,17 +92,31 @@ class OutputProcessor:
         state.cumulative_logprob += float(token_logprob)
 
     def add_step_logprobs(
-        self, request: Request, first: int, logprobs: tuple, row: int, is_window: bool
+        self,
+        scheduler_output: SchedulerOutput,
+        logprobs: tuple,
+        sampling: list[Request],
+        num_outputs: dict[str, int],
     ) -> None:
-        """Record the logprobs of the request's output tokens from index `first` on: one step's
-        (top ids, top logprobs, sampled logprobs, ranks) at `row`, with a leading step axis
-        for a decode window."""
-        if request.sampling_params.logprobs is None:
-            return
+        """Record one step's logprobs (top ids, top logprobs, sampled logprobs, ranks; rows: the
+        step's scheduled requests, with a leading step axis for a decode window) for the
+        requests in `sampling` that asked for them and were not aborted: their output tokens
+        from `num_outputs`, each one's output count before the update, on."""
+        rows = {r.request_id: i for i, r in enumerate(scheduler_output.scheduled_requests)}
+        is_window = scheduler_output.num_steps > 1
         top_ids, top_lps, token_lps, ranks = logprobs
-        for j, token_id in enumerate(request.output_token_ids[first:]):
-            at = (j, row) if is_window else (row,)
-            self.add_logprobs(request, token_id, top_ids[at], top_lps[at], token_lps[at], ranks[at])
+        for request in sampling:
+            if (
+                request.sampling_params.logprobs is None
+                or request.status == RequestStatus.FINISHED_ABORTED
+            ):
+                continue
+            row, first = rows[request.request_id], num_outputs[request.request_id]
+            for j, token_id in enumerate(request.output_token_ids[first:]):
+                at = (j, row) if is_window else (row,)
+                self.add_logprobs(
+                    request, token_id, top_ids[at], top_lps[at], token_lps[at], ranks[at]
+                )
 
     def add_step_prompt_logprobs(
         self, scheduler_output: SchedulerOutput, prompt_logprobs: tuple
