@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jvllm.attention.kv_pages import write_kv
 from jvllm.attention.kv_quant import (
     QuantizedKVCache,
     bits_dtype,
@@ -15,7 +16,7 @@ from jvllm.attention.kv_quant import (
     to_storage,
 )
 from jvllm.attention.metadata import AttentionMetadata, build_tiles, paged_kv_lens
-from jvllm.attention.reference import paged_attention, write_kv
+from jvllm.attention.reference import paged_attention
 from jvllm.worker.buckets import Bucket
 
 

@@ -2,9 +2,9 @@
 
 import jax
 
+from jvllm.attention.kv_pages import write_kv
 from jvllm.attention.kv_quant import KVCache, QuantizedKVCache, from_storage
 from jvllm.attention.metadata import AttentionMetadata
-from jvllm.attention.reference import write_kv
 from kernels_pallas import paged_decode_attention, ragged_paged_attention
 
 

@@ -7,21 +7,12 @@ as far as the longest context. In steps with prefills the step's recent tokens a
 directly from k, v (window.py), which XLA:CPU runs as dense matmuls: page gathers are what cost.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from jvllm.attention import cpu_decode
-from jvllm.attention.kv_quant import (
-    KVCache,
-    QuantizedKVCache,
-    from_storage,
-    kv_values,
-    quantize,
-    stored_dtype,
-    to_storage,
-)
+from jvllm.attention.kv_pages import gather_pages, write_kv
+from jvllm.attention.kv_quant import KVCache, QuantizedKVCache, kv_values
 from jvllm.attention.matmul import batched_matmul
 from jvllm.attention.metadata import AttentionMetadata, Tiles
 from jvllm.attention.window import MASKED, attend_window, soft_cap, token_seq_and_position
@@ -43,59 +34,6 @@ def pages_per_chunk(block_size: int, tile_q: int = 1) -> int:
     """Pages gathered per loop iteration for tiles of `tile_q` queries."""
     positions = _DECODE_CHUNK_POSITIONS if tile_q == 1 else _CHUNK_POSITIONS
     return max(1, positions // block_size)
-
-
-def _page_rows(cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array) -> jax.Array:
-    """Row ids [*pages.shape, K] of `pages` (K or V by `kv`) in the [L*2*K*P, B*...] view of a
-    cache [L, 2, K, P, B, ...] (the values [..., H], or a quantized cache's scales).
-
-    Taking whole rows of that view moves a contiguous page per head: several times faster on
-    CPU than advanced indexing of the 6-D array.
-    """
-    _, _, num_kv_heads, num_pages = cache.shape[:4]
-    heads = jnp.arange(num_kv_heads)
-    return ((layer * 2 + kv) * num_kv_heads + heads) * num_pages + pages[..., None]
-
-
-def _scatter(
-    cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array, offsets: jax.Array, new
-) -> jax.Array:
-    """cache [L, 2, K, P, B, ...] with K (kv=0) or V (kv=1) of `layer` at the slots of pages,
-    offsets i32[T] set to new [T, K, ...]."""
-    block_size = cache.shape[4]
-    rows = _page_rows(cache, layer, kv, pages) * block_size + offsets[:, None]  # [T, K]
-    flat = cache.reshape(-1, *cache.shape[5:])  # [L*2*K*P*B, ...]
-    return flat.at[rows].set(to_storage(new, cache.dtype)).reshape(cache.shape)
-
-
-def write_kv(
-    kv_cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> KVCache:
-    """Scatter this step's k, v [T, K, H] into kv_cache[L, 2, K, P, B, H] at their slots; a
-    quantized cache takes them at one byte a value with a scale per (token, KV head)."""
-    block_size = kv_values(kv_cache).shape[4]
-    pages, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
-    for kv, new in ((0, k), (1, v)):
-        if isinstance(kv_cache, QuantizedKVCache):
-            values, scales = quantize(new, stored_dtype(kv_cache.values.dtype))  # [T, K, H], [T, K]
-            kv_cache = QuantizedKVCache(
-                _scatter(kv_cache.values, layer, kv, pages, offsets, values),
-                _scatter(kv_cache.scales, layer, kv, pages, offsets, scales),
-            )
-        else:
-            kv_cache = _scatter(kv_cache, layer, kv, pages, offsets, new)
-    return kv_cache
-
-
-def _gather_pages(cache: jax.Array, layer: jax.Array, kv: int, pages: jax.Array, dtype):
-    """K (kv=0) or V (kv=1) of `pages` i32[NT, C] at `layer` of a cache [L, 2, K, P, B, ...]
-    -> dtype[NT, K, C*B, ...]."""
-    num_kv_heads, block_size = cache.shape[2], cache.shape[4]
-    num_tiles, chunk = pages.shape
-    flat = cache.reshape(-1, math.prod(cache.shape[4:]))  # [L*2*K*P, B*...]
-    rows = _page_rows(cache, layer, kv, pages).transpose(0, 2, 1)  # [NT, K, C]
-    out = from_storage(jnp.take(flat, rows, axis=0), dtype)  # [NT, K, C, B*...]
-    return out.reshape(num_tiles, num_kv_heads, chunk * block_size, *cache.shape[5:])
 
 
 def _attend_tiles(
@@ -128,12 +66,12 @@ def _attend_tiles(
     num_steps, chunk_at = _page_walk(tables, kv_lens, kv_from, chunk, block_size)
 
     def scales(kv: int, pages: jax.Array) -> jax.Array:  # [TB, K, 1, 1, C*B]
-        return _gather_pages(kv_cache.scales, layer, kv, pages, jnp.float32)[:, :, None, None]
+        return gather_pages(kv_cache.scales, layer, kv, pages, jnp.float32)[:, :, None, None]
 
     def body(j, carry):
         m, l, acc = carry  # [TB, K, G, Q], [TB, K, G, Q], [TB, K, G, Q, H]
         pages, kv_pos = chunk_at(j)  # [TB, C], [TB or 1, 1, C*B]
-        k = _gather_pages(values, layer, 0, pages, dtype)  # [TB, K, C*B, H]
+        k = gather_pages(values, layer, 0, pages, dtype)  # [TB, K, C*B, H]
         s = _tile_scores(qt, k)  # [TB, K, G, Q, C*B]
         if is_quantized:
             s = s * scales(0, pages)
@@ -147,7 +85,7 @@ def _attend_tiles(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        v = _gather_pages(values, layer, 1, pages, dtype)  # [TB, K, C*B, H]
+        v = gather_pages(values, layer, 1, pages, dtype)  # [TB, K, C*B, H]
         pv = p * scales(1, pages) if is_quantized else p
         acc = acc * correction[..., None] + _tile_values(pv.astype(dtype), v)
         return m_new, l, acc
