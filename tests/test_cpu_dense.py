@@ -1,7 +1,7 @@
-"""The native CPU kernel for a few rows times a bfloat16 or float32 weight (layers/cpu_dense.cc):
-its products are float32 sums, taken from the layer asked for of a stack, the same for a row
-whatever shares its batch; dot_rows / dot_layer give XLA's products without it; and a model's
-scan reads its layers' weights in place through it."""
+"""The native CPU kernel for rows times a bfloat16 or float32 weight (layers/cpu_dense.cc): its
+products are float32 sums, taken from the layer asked for of a stack, the same for a row whatever
+shares its batch (streamed up to STREAM_ROWS rows, in tiles past it); dot_rows / dot_layer give
+XLA's products without it; and a model's scan reads its layers' weights in place through it."""
 
 import json
 import shutil
@@ -46,18 +46,23 @@ def _rows(num_rows: int, num_in: int, dtype: str, seed: int = 1) -> jax.Array:
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
-def test_identity_rows_give_the_weights_of_the_layer_asked_for(dtype):
-    w = _stack(12, 64, dtype)
-    eye = jnp.eye(cpu_dense.MAX_ROWS, 64, dtype=dtype)  # rows e_0 .. e_7
-    assert cpu_dense.supports(w.dtype, 64, cpu_dense.MAX_ROWS)
+@pytest.mark.parametrize("num_rows", [cpu_dense.STREAM_ROWS, 13])  # streamed; tiles and a rest
+def test_identity_rows_give_the_weights_of_the_layer_asked_for(dtype, num_rows):
+    w = _stack(14, 64, dtype)
+    eye = jnp.eye(num_rows, 64, dtype=dtype)  # rows e_0 .. e_{R-1}
+    assert cpu_dense.supports(w.dtype, 64, num_rows, in_place=True)
     for layer in range(_NUM_LAYERS):
-        got = np.asarray(_kernel(eye, w, jnp.int32(layer)))  # [8, O]
-        assert np.array_equal(got.T, np.asarray(w[layer, :, : cpu_dense.MAX_ROWS], np.float32))
+        got = np.asarray(_kernel(eye, w, jnp.int32(layer)))  # [R, O]
+        assert np.array_equal(got.T, np.asarray(w[layer, :, :num_rows], np.float32))
+
+
+# Streamed (1 to 8), then tiles of 2 rows x 4 outputs with a row and outputs left over.
+_NUM_ROWS = [*range(1, cpu_dense.STREAM_ROWS + 1), 9, 16, 37, cpu_dense.MAX_ROWS]
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
-@pytest.mark.parametrize("num_rows", range(1, cpu_dense.MAX_ROWS + 1))
-@pytest.mark.parametrize("shape", [(12, 96), (40, 256)])  # I past and at a multiple of 64
+@pytest.mark.parametrize("num_rows", _NUM_ROWS)
+@pytest.mark.parametrize("shape", [(13, 96), (40, 256)])  # I past and at a multiple of 64
 def test_products_are_float32_sums_and_a_rows_do_not_depend_on_its_batch(dtype, num_rows, shape):
     w, x = _stack(*shape, dtype), _rows(num_rows, shape[1], dtype)
     w64, x64 = np.asarray(w[1], np.float64), np.asarray(x, np.float64)
@@ -66,15 +71,18 @@ def test_products_are_float32_sums_and_a_rows_do_not_depend_on_its_batch(dtype, 
     # (float32's fused multiply-add), is off by at most about I float32 roundings.
     bound = shape[1] * 2.0**-24 * (np.abs(x64) @ np.abs(w64).T)
     assert np.all(np.abs(got - x64 @ w64.T) <= bound)
-    for r in range(num_rows):
+    # Each row alone (streamed) and the last three together (a tile and a row left over).
+    for r in sorted({0, num_rows // 2, num_rows - 1}):
         alone = np.asarray(_kernel(x[r : r + 1], w, jnp.int32(1)))
         assert np.array_equal(alone[0], got[r])
+    tail = np.asarray(_kernel(x[-3:], w, jnp.int32(1)))
+    assert np.array_equal(tail, got[-3:])
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
 @pytest.mark.parametrize(
     "num_rows, layer, match",
-    [(2, _NUM_LAYERS, "layer in"), (cpu_dense.MAX_ROWS + 1, 0, "R <= 8")],
+    [(2, _NUM_LAYERS, "layer in"), (cpu_dense.MAX_ROWS + 1, 0, "R <= 64")],
     ids=["layer_out_of_range", "too_many_rows"],
 )
 def test_a_call_outside_the_kernels_shapes_is_an_error_not_a_bad_read(
@@ -87,7 +95,7 @@ def test_a_call_outside_the_kernels_shapes_is_an_error_not_a_bad_read(
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
-@pytest.mark.parametrize("num_rows", [1, 3, cpu_dense.MAX_ROWS, cpu_dense.MAX_ROWS + 1])
+@pytest.mark.parametrize("num_rows", [1, 3, cpu_dense.STREAM_ROWS + 1, cpu_dense.MAX_ROWS + 1])
 def test_dot_rows_and_dot_layer_give_xlas_products_with_the_kernel_off(
     dtype, num_rows, monkeypatch
 ):
@@ -105,15 +113,15 @@ def test_dot_rows_and_dot_layer_give_xlas_products_with_the_kernel_off(
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("num_tokens", [6, 40])  # streamed, tiles
 def test_a_models_scan_reads_its_layers_in_place_as_accurately_as_xla(
-    dtype, tiny_llama_weights_dir, monkeypatch
+    dtype, num_tokens, tiny_llama_weights_dir, monkeypatch
 ):
-    """A decode-sized forward (6 tokens) of a random Llama: every layer's matmuls go through the
-    kernel with the stacked weights and no layer's weights are copied out of their stack; its
-    logits are as close to the float32 model's as XLA's path without the kernel (in float32,
-    as close as two orders of float32 sums). (No layer shares the LM head's shape, which goes
-    in as [1, V, D].)"""
-    token_ids = jnp.asarray([3, 17, 99, 4, 310, 7], jnp.int32)
+    """A decode-sized forward of a random Llama: every layer's matmuls go through the kernel
+    with the stacked weights and no layer's weights are copied out of their stack; its logits
+    are as close to the float32 model's as XLA's path without the kernel (in float32, as close
+    as two orders of float32 sums). (No layer shares the LM head's shape.)"""
+    token_ids = jnp.asarray(np.random.default_rng(0).integers(3, 400, num_tokens), jnp.int32)
     positions = jnp.arange(token_ids.size, dtype=jnp.int32)
 
     def logits(dtype: str):

@@ -1,12 +1,15 @@
-"""A few rows times a bfloat16 or float32 weight on CPU as a native kernel (cpu_dense.cc)
-through the XLA FFI, where the CPU has AVX-512 (and AVX-512 BF16 for bfloat16): decode steps of
-up to MAX_ROWS sequences.
+"""Rows times a bfloat16 or float32 weight on CPU as a native kernel (cpu_dense.cc) through the
+XLA FFI, where the CPU has AVX-512 (and AVX-512 BF16 for bfloat16): the layers' matmuls of decode
+steps.
 
 XLA:CPU's matmul of a row or two reads a weight well below the bandwidth a sum over it reaches,
 and inside the layer scan XLA first copies each layer's weights out of the stack: SmolLM2's
-batch-1 decode moved its weights three times, slowly. The kernel reads a layer where it lies
-and streams the weight in order (BENCHMARKS.md, "The CPU bfloat16 kernel" and "The CPU dense
-kernel in float32"); past MAX_ROWS rows XLA's matmul is the faster.
+batch-1 decode moved its weights three times, slowly. The kernel reads a layer where it lies:
+up to STREAM_ROWS rows it streams the weight in order (BENCHMARKS.md, "The CPU bfloat16
+kernel" and "The CPU dense kernel in float32"), past it it multiplies tiles of the weight with
+the rows, which beats XLA's copy and matmul up to MAX_ROWS rows ("The CPU dense kernel past 8
+rows"). A weight of its own (the LM head) goes to the kernel only up to STREAM_ROWS rows:
+with nothing to copy, XLA's matmul of more rows is the faster.
 
 It is built on first use (jvllm/native.py); a CPU without AVX-512 (BF16 for bfloat16), a
 machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (layers/dot.py).
@@ -23,22 +26,23 @@ from jvllm import native
 
 _SOURCE = Path(__file__).with_name("cpu_dense.cc")
 _WHAT = "CPU dense matmul"
+STREAM_ROWS = 8  # cpu_dense.cc's kStreamRows
+MAX_ROWS = 64  # cpu_dense.cc's kMaxRows: past it XLA's copy and matmul were as fast on the EPYC
 # A weight dtype -> (its kernel, the CPU flag it needs, the multiple of 32-bit lanes of I).
 _KERNELS = {
     jnp.dtype(jnp.bfloat16): ("BF16DenseStacked", "avx512_bf16", 32),
     jnp.dtype(jnp.float32): ("F32DenseStacked", "avx512f", 16),
 }
-MAX_ROWS = 8  # cpu_dense.cc's kMaxRows
 
 
-def supports(dtype, num_in: int, num_rows: int) -> bool:
-    """Whether `num_rows` rows times a weight of `dtype` with `num_in` inputs can run the kernel
-    here."""
+def supports(dtype, num_in: int, num_rows: int, in_place: bool = False) -> bool:
+    """Whether `num_rows` rows times a weight of `dtype` with `num_in` inputs run the kernel here;
+    `in_place`: the weight is a layer of a stack, which XLA's matmul would copy out first."""
     kernel = _KERNELS.get(jnp.dtype(dtype))
     return (
         kernel is not None
         and num_in % kernel[2] == 0
-        and num_rows <= MAX_ROWS
+        and num_rows <= (MAX_ROWS if in_place else STREAM_ROWS)
         and jnp.dtype(dtype) in _runnable()
         and _register()
     )
@@ -46,7 +50,8 @@ def supports(dtype, num_in: int, num_rows: int) -> bool:
 
 def dense(x: jax.Array, weights: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x [R, I] @ weights[layer].T -> f32[R, O], weights [L, O, I] of x's dtype (bfloat16 or
-    float32), 1 <= R <= MAX_ROWS; only where `supports`."""
+    float32), 1 <= R <= MAX_ROWS; only where `supports`. A row's products are the same in any
+    batch."""
     if not _register():
         raise RuntimeError("the CPU dense kernel could not be built (see the log)")
     result = jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.float32)
