@@ -6,7 +6,7 @@ XLA:CPU's matmul of a row or two reads a weight well below the bandwidth a sum o
 and inside the layer scan XLA first copies each layer's weights out of the stack: SmolLM2's
 batch-1 decode moved its weights three times, slowly. The kernel reads a layer where it lies:
 up to STREAM_ROWS rows it streams the weight in order (BENCHMARKS.md, "The CPU bfloat16
-kernel" and "The CPU dense kernel in float32"), past it it multiplies tiles of the weight with
+kernel" and "The CPU dense kernel in float32"); past it, it multiplies tiles of the weight with
 the rows, which beats XLA's copy and matmul up to MAX_ROWS rows ("The CPU dense kernel past 8
 rows"). A weight of its own (the LM head) goes to the kernel only up to STREAM_ROWS rows:
 with nothing to copy, XLA's matmul of more rows is the faster.
