@@ -11,10 +11,11 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
 
     On CPU a few rows (up to cpu_dense.STREAM_ROWS) of a bfloat16 or float32 weight go through
     the native kernel (cpu_dense.py). Without it, a single row of a 16-bit weight goes in as two
-    equal rows and the second product is dropped: XLA:CPU runs a 1-row bfloat16 dot by converting the whole
-    weight to float32 first, and sends two rows to its matmul library, which reads the weight
-    once (SmolLM2 bfloat16 batch-1 decode: 23.5 -> 32.8 tok/s against a multiply + reduce;
-    BENCHMARKS.md). A float32 weight's 1-row dot is the faster one (23.5 against 18.9 tok/s).
+    equal rows and the second product is dropped: XLA:CPU runs a 1-row bfloat16 dot by
+    converting the whole weight to float32 first, and sends two rows to its matmul library,
+    which reads the weight once (SmolLM2 bfloat16 batch-1 decode: 23.5 -> 32.8 tok/s against a
+    multiply + reduce; BENCHMARKS.md). A float32 weight's 1-row dot is the faster one (23.5
+    against 18.9 tok/s).
     """
     rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [R, I]
     num_rows, num_in = rows.shape
