@@ -320,7 +320,10 @@ class ModelRunner:
         ):
             self._run_ahead(scheduler_output, block_ids, rows, bucket, any_logprobs, out, inputs)
         dispatched = time.perf_counter()
-        any_prompt_logprobs = not used_ahead and bool(inputs.sampling.any_prompt_logprobs)
+        # A window and a step run ahead decode only: no prompt positions to score.
+        any_prompt_logprobs = not (is_window or used_ahead) and bool(
+            inputs.sampling.any_prompt_logprobs
+        )
         result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched

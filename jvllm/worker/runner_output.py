@@ -23,7 +23,8 @@ def fetch_output(
     out, rows: list[int], is_window: bool, any_logprobs: bool, any_prompt_logprobs: bool
 ) -> ModelRunnerOutput:
     """Wait for a step's `out` (a SamplerOutput, or a window's outputs) and take the scheduled
-    requests' rows: `rows[i]` holds request i (a padded batch's other rows are dropped)."""
+    requests' rows: `rows[i]` holds request i (a padded batch's other rows are dropped).
+    `any_prompt_logprobs` only for a single step that computed them."""
     num_reqs = len(rows)
     if is_window:
         token_ids = np.asarray(out.token_ids)[:, :num_reqs]  # [k, R]
@@ -36,7 +37,7 @@ def fetch_output(
         fields = (out.topk_token_ids, out.topk_logprobs, out.sampled_logprobs, out.sampled_ranks)
         at = (slice(None), slice(num_reqs)) if is_window else rows
         result.logprobs = tuple(np.asarray(f)[at] for f in fields)
-    if not is_window and any_prompt_logprobs:
+    if any_prompt_logprobs:
         fields = (
             out.prompt_topk_token_ids,
             out.prompt_topk_logprobs,
