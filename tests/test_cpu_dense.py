@@ -71,12 +71,13 @@ def test_products_are_float32_sums_and_a_rows_do_not_depend_on_its_batch(dtype, 
     # (float32's fused multiply-add), is off by at most about I float32 roundings.
     bound = shape[1] * 2.0**-24 * (np.abs(x64) @ np.abs(w64).T)
     assert np.all(np.abs(got - x64 @ w64.T) <= bound)
-    # Each row alone (streamed) and the last three together (a tile and a row left over).
+    # A few rows alone, and the last three together: streamed calls of 1 and 3 rows.
     for r in sorted({0, num_rows // 2, num_rows - 1}):
         alone = np.asarray(_kernel(x[r : r + 1], w, jnp.int32(1)))
         assert np.array_equal(alone[0], got[r])
-    tail = np.asarray(_kernel(x[-3:], w, jnp.int32(1)))
-    assert np.array_equal(tail, got[-3:])
+    if num_rows > 3:  # else the same call as `got`
+        tail = np.asarray(_kernel(x[-3:], w, jnp.int32(1)))
+        assert np.array_equal(tail, got[-3:])
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
