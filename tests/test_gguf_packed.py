@@ -100,7 +100,7 @@ def test_unsupported_quantization_is_a_clear_error(kwargs, message):
 
 
 def test_a_block_format_not_kept_packed_is_a_clear_error(tmp_path):
-    path = str(tmp_path / "q5k.gguf")
+    path = str(tmp_path / "q3k.gguf")
     writer = GGUFWriter(path, arch="llama")
     for key, value in {
         "block_count": 1,
@@ -111,12 +111,12 @@ def test_a_block_format_not_kept_packed_is_a_clear_error(tmp_path):
     }.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_uint32("llama.vocab_size", 8)
-    q5_k = np.zeros((256, 176), np.uint8)  # one 176-byte Q5_K block per row of 256 values
-    writer.add_tensor("blk.0.attn_q.weight", q5_k, raw_dtype=Q.Q5_K)
+    q3_k = np.zeros((256, 110), np.uint8)  # one 110-byte Q3_K block per row of 256 values
+    writer.add_tensor("blk.0.attn_q.weight", q3_k, raw_dtype=Q.Q3_K)
     writer.add_tensor("token_embd.weight", np.zeros((8, 256), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' is Q5_K.*supported: \['Q8_0'"):
+    with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' is Q3_K.*supported: \['Q8_0'"):
         load_model(path)

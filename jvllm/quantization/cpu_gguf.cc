@@ -181,28 +181,87 @@ struct Q4_1 {
   }
 };
 
+// The fifth bits of Q5_0 and Q5_1, bit j of the u32 at qh for value j: the N values from
+// `first`, each at bit 4.
+inline i32v fifth_bits(const uint8_t* qh, int first) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  i32v shifts;
+  for (int l = 0; l < N; ++l) shifts[l] = first + l;
+  return ((static_cast<int32_t>(bits) + i32v{}) >> shifts & 1) << 4;
+}
+
+struct Q5_0 {
+  static constexpr int kFields = 3, kHalves = 1, kBlock = 32, kSub = 32;
+  static constexpr bool kOffset = false;
+  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
+    scale[0] = s[0];
+    for (int v = 0; v < 16 / N; ++v) {
+      const i32v b = widen(f[2] + N * v);  // byte j: the low 4 bits of values j and j + 16
+      q[v] = to_f32(((b & 15) | fifth_bits(f[1], N * v)) - 16);
+      q[16 / N + v] = to_f32(((b >> 4) | fifth_bits(f[1], 16 + N * v)) - 16);
+    }
+  }
+};
+
+struct Q5_1 {
+  static constexpr int kFields = 4, kHalves = 2, kBlock = 32, kSub = 32;
+  static constexpr bool kOffset = true;
+  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale,
+                    float* offset) {
+    scale[0] = s[0];
+    offset[0] = s[1];
+    for (int v = 0; v < 16 / N; ++v) {
+      const i32v b = widen(f[3] + N * v);
+      q[v] = to_f32((b & 15) | fifth_bits(f[2], N * v));
+      q[16 / N + v] = to_f32((b >> 4) | fifth_bits(f[2], 16 + N * v));
+    }
+  }
+};
+
+// Q4_K's and Q5_K's eight (scale, min) pairs of 6 bits, from 12 bytes s, times d and dmin: the
+// first four in the low bits of bytes 0-7, the last four split over bytes 8-11 and the top bits
+// of bytes 0-7. gguf subtracts dmin * min; adding its negation rounds the same.
+inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float* offset) {
+  for (int j = 0; j < 4; ++j) {
+    scale[j] = d * static_cast<float>(s[j] & 0x3F);
+    offset[j] = -(dmin * static_cast<float>(s[j + 4] & 0x3F));
+    scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
+    offset[j + 4] = -(dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30)));
+  }
+}
+
 struct Q4_K {
   static constexpr int kFields = 4, kHalves = 2, kBlock = 256, kSub = 32;
   static constexpr bool kOffset = true;
   static void split(const uint8_t* const* f, const float* halves, f32v* q, float* scale,
                     float* offset) {
-    const float d = halves[0], dmin = halves[1];
-    const uint8_t *s = f[2], *qs = f[3];
-    // Eight 6-bit (scale, min) pairs: the first four in the low bits of bytes 0-7, the last
-    // four split over bytes 8-11 and the top bits of bytes 0-7. gguf subtracts dmin * min;
-    // adding its negation rounds the same.
-    for (int j = 0; j < 4; ++j) {
-      scale[j] = d * static_cast<float>(s[j] & 0x3F);
-      offset[j] = -(dmin * static_cast<float>(s[j + 4] & 0x3F));
-      scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
-      offset[j + 4] = -(dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30)));
-    }
+    k_scales(f[2], halves[0], halves[1], scale, offset);
     // 32 bytes per pair of sub-blocks: the low nibbles the first, the high the second.
+    const uint8_t* qs = f[3];
     for (int pair = 0; pair < 4; ++pair) {
       for (int v = 0; v < 32 / N; ++v) {
         const i32v b = widen(qs + pair * 32 + N * v);
         q[(2 * pair) * (32 / N) + v] = to_f32(b & 15);
         q[(2 * pair + 1) * (32 / N) + v] = to_f32(b >> 4);
+      }
+    }
+  }
+};
+
+struct Q5_K {
+  static constexpr int kFields = 5, kHalves = 2, kBlock = 256, kSub = 32;
+  static constexpr bool kOffset = true;
+  static void split(const uint8_t* const* f, const float* halves, f32v* q, float* scale,
+                    float* offset) {
+    k_scales(f[2], halves[0], halves[1], scale, offset);
+    // The low 4 bits as Q4_K's; sub-block i's fifth bit is bit i of each of qh's 32 bytes.
+    const uint8_t *qh = f[3], *qs = f[4];
+    for (int pair = 0; pair < 4; ++pair) {
+      for (int v = 0; v < 32 / N; ++v) {
+        const i32v b = widen(qs + pair * 32 + N * v), h = widen(qh + N * v);
+        q[(2 * pair) * (32 / N) + v] = to_f32((b & 15) | ((h >> (2 * pair) & 1) << 4));
+        q[(2 * pair + 1) * (32 / N) + v] = to_f32((b >> 4) | ((h >> (2 * pair + 1) & 1) << 4));
       }
     }
   }
@@ -619,7 +678,13 @@ GGUF_HANDLERS(Q4_0F32, Q4_0, false, F32)
 GGUF_HANDLERS(Q4_0BF16, Q4_0, true, BF16)
 GGUF_HANDLERS(Q4_1F32, Q4_1, false, F32)
 GGUF_HANDLERS(Q4_1BF16, Q4_1, true, BF16)
+GGUF_HANDLERS(Q5_0F32, Q5_0, false, F32)
+GGUF_HANDLERS(Q5_0BF16, Q5_0, true, BF16)
+GGUF_HANDLERS(Q5_1F32, Q5_1, false, F32)
+GGUF_HANDLERS(Q5_1BF16, Q5_1, true, BF16)
 GGUF_HANDLERS(Q4_KF32, Q4_K, false, F32)
 GGUF_HANDLERS(Q4_KBF16, Q4_K, true, BF16)
+GGUF_HANDLERS(Q5_KF32, Q5_K, false, F32)
+GGUF_HANDLERS(Q5_KBF16, Q5_K, true, BF16)
 GGUF_HANDLERS(Q6_KF32, Q6_K, false, F32)
 GGUF_HANDLERS(Q6_KBF16, Q6_K, true, BF16)

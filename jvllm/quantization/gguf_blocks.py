@@ -56,6 +56,22 @@ def _dequantize_q4_1(f: Fields) -> jax.Array:
     return _f32(f["d"])[..., None] * _f32(q) + _f32(f["m"])[..., None]
 
 
+def _fifth_bits(qh: jax.Array) -> jax.Array:
+    """u8[..., 4] (a little-endian u32) -> u8[..., 32]: bit j of it at j, shifted to bit 4."""
+    bits = qh[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)  # [..., 4, 8]: byte j // 8
+    return ((bits & 1) << 4).reshape(*qh.shape[:-1], 32)
+
+
+def _dequantize_q5_0(f: Fields) -> jax.Array:
+    q = _nibbles(f["qs"]) | _fifth_bits(f["qh"])  # byte j: values j and j + 16
+    return _f32(f["d"])[..., None] * _f32(q.astype(jnp.int8) - 16)
+
+
+def _dequantize_q5_1(f: Fields) -> jax.Array:
+    q = _nibbles(f["qs"]) | _fifth_bits(f["qh"])
+    return _f32(f["d"])[..., None] * _f32(q) + _f32(f["m"])[..., None]
+
+
 def _q4_k_scales(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     """u8[..., 12] -> (scale, min) u8[..., 8] each: eight 6-bit pairs, the first four in the
     low bits of bytes 0-7, the last four split over bytes 8-11 and the top bits of 0-7."""
@@ -75,6 +91,18 @@ def _dequantize_q4_k(f: Fields) -> jax.Array:
     return (d * _f32(q) - dm).reshape(*lead, 256)
 
 
+def _dequantize_q5_k(f: Fields) -> jax.Array:
+    lead = f["qs"].shape[:-1]
+    sc, mn = _q4_k_scales(f["scales"])
+    d = (_f32(f["d"])[..., None] * _f32(sc))[..., None]  # [..., 8, 1]
+    dm = (_f32(f["dmin"])[..., None] * _f32(mn))[..., None]
+    # The low 4 bits as Q4_K's; sub-block i's fifth bit is bit i of each of qh's 32 bytes.
+    low = _nibbles(f["qs"].reshape(*lead, 4, 32)).reshape(*lead, 8, 32)
+    high = f["qh"][..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]  # [..., 8, 32]
+    q = low | ((high & 1) << 4)
+    return (d * _f32(q) - dm).reshape(*lead, 256)
+
+
 def _dequantize_q6_k(f: Fields) -> jax.Array:
     lead = f["ql"].shape[:-1]
     ql = _nibbles(f["ql"].reshape(*lead, 2, 64)).reshape(*lead, 8, 32)  # the low 4 bits
@@ -91,10 +119,31 @@ BLOCK_FORMATS: dict[Q, BlockFormat] = {
     Q.Q4_1: BlockFormat(
         32, np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]), _dequantize_q4_1
     ),
+    Q.Q5_0: BlockFormat(
+        32, np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))]), _dequantize_q5_0
+    ),
+    Q.Q5_1: BlockFormat(
+        32,
+        np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))]),
+        _dequantize_q5_1,
+    ),
     Q.Q4_K: BlockFormat(
         256,
         np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))]),
         _dequantize_q4_k,
+    ),
+    Q.Q5_K: BlockFormat(
+        256,
+        np.dtype(
+            [
+                ("d", "<f2"),
+                ("dmin", "<f2"),
+                ("scales", "u1", (12,)),
+                ("qh", "u1", (32,)),
+                ("qs", "u1", (128,)),
+            ]
+        ),
+        _dequantize_q5_k,
     ),
     Q.Q6_K: BlockFormat(
         256,
