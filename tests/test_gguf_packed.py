@@ -6,16 +6,17 @@ import jax
 import numpy as np
 import pytest
 from conftest import SMOLLM2_ENGINE_KWARGS, random_gguf_blocks
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from jvllm import LLM, SamplingParams
 from jvllm.model_loader.default_model import resolve_default_model
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_file import read_gguf
 from jvllm.model_loader.loader import load_model
-from jvllm.quantization import GGUFWeight, is_quantized
+from jvllm.quantization import GGUFWeight, MixedGGUFWeight, is_quantized
 from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
 
 _PROMPTS = [
@@ -120,3 +121,122 @@ def test_a_block_format_not_kept_packed_is_a_clear_error(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' is Q3_K.*supported: \['Q8_0'"):
         load_model(path)
+
+
+def _rewrite_gguf(src: str, dst: str, retype) -> None:
+    """Copy the GGUF file `src` to `dst`, each tensor that `retype(name)` gives a format for
+    requantized to it from its values (gguf's own quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            item_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=item_type)
+    for tensor in reader.tensors:
+        qtype, data = Q(tensor.tensor_type), np.asarray(tensor.data)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, values]
+        new = retype(tensor.name)
+        if new is not None and new != qtype:
+            data, qtype = gguf_quantize(gguf_dequantize(data, qtype).reshape(shape), new), new
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(tensor.name, data.reshape(shape))
+        else:  # the rows' bytes
+            writer.add_tensor(
+                tensor.name, data.view(np.uint8).reshape(shape[0], -1), raw_dtype=qtype
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> str:
+    """The default model with formats mixed as llama.cpp's Q4_K_M mixes them: attn_v differs
+    from q and k in most layers (Q8_0, Q5_1 or the file's Q4_1 in turn) and ffn_down is Q5_0 in
+    every fourth layer."""
+
+    def retype(name: str):
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        if name.endswith("attn_v.weight"):
+            return (Q.Q8_0, Q.Q5_1, None)[layer % 3]
+        if name.endswith("ffn_down.weight") and layer % 4 == 0:
+            return Q.Q5_0
+        return None
+
+    path = str(tmp_path_factory.mktemp("mixed") / "mixed.gguf")
+    _rewrite_gguf(resolve_default_model(), path, retype)
+    return path
+
+
+def test_formats_mixed_between_layers_and_pieces_stay_packed_and_equal_the_float_path(
+    mixed_gguf,
+):
+    _, packed = load_gguf(mixed_gguf, keep_packed=True)
+    _, floats = load_gguf(mixed_gguf)
+    attn, mlp = packed["layers"]["attn"], packed["layers"]["mlp"]
+    qkv, down = attn["qkv"]["weight"], mlp["down"]["weight"]
+    assert isinstance(qkv, MixedGGUFWeight) and isinstance(down, MixedGGUFWeight)
+    assert [len(groups) for groups in qkv.pieces] == [1, 3]  # q|k one format, v three
+    assert [len(groups) for groups in down.pieces] == [2]
+    assert qkv.shape == floats["layers"]["attn"]["qkv"]["weight"].shape
+    for weight, want in (
+        (qkv, floats["layers"]["attn"]["qkv"]["weight"]),
+        (down, floats["layers"]["mlp"]["down"]["weight"]),
+    ):
+        assert _same_bits(jax.jit(lambda w: w.dequantize())(weight), want)
+    file_bytes = sum(t.data.nbytes for t in read_gguf(mixed_gguf).tensors.values())
+    resident = sum(x.nbytes for x in jax.tree.leaves(packed))
+    assert resident <= 1.2 * file_bytes, (resident, file_bytes)
+
+
+def test_greedy_outputs_from_a_mixed_gguf_equal_its_float32_path(mixed_gguf):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    kwargs = {"max_model_len": 512, "max_num_seqs": 4}
+    packed = LLM(mixed_gguf, **kwargs)
+    got = [o.outputs[0].token_ids for o in packed.generate(_PROMPTS, params, use_tqdm=False)]
+    del packed
+    floats = LLM(mixed_gguf, dtype="float32", **kwargs)
+    want = [o.outputs[0].token_ids for o in floats.generate(_PROMPTS, params, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_a_mixed_weights_products_at_each_layer_are_its_formats(kernel, monkeypatch):
+    """A random weight of 4 layers whose first piece is Q4_K in every layer and whose second
+    is Q6_K or Q5_K by layer: its products inside a layer scan, and those of each layer's own
+    weight (the layers split on a GPU), equal the dequantized layers', kernel on and off."""
+    monkeypatch.setenv("JVLLM_CPU_GGUF_KERNEL", kernel)
+    rng = np.random.default_rng(0)
+
+    layers_of = (((0, 1, 2, 3),), ((0, 2, 3), (1,)))  # [piece][format]
+    formats = ((Q.Q4_K,), (Q.Q6_K, Q.Q5_K))
+    rows, num_blocks = (8, 5), 2
+    values = np.zeros((4, sum(rows), 512))  # [L, O, I], as gguf dequantizes each layer
+    pieces = []
+    for p, (groups, qtypes) in enumerate(zip(layers_of, formats)):
+        weights = []
+        for layers, qtype in zip(groups, qtypes):
+            blocks = random_gguf_blocks(qtype, (len(layers) * rows[p], num_blocks), rng)
+            for i, layer in enumerate(layers):
+                raw = blocks[i * rows[p] : (i + 1) * rows[p]].view(np.uint8)
+                values[layer, sum(rows[:p]) : sum(rows[: p + 1])] = gguf_dequantize(raw, qtype)
+            fields = split_fields(blocks.reshape(len(layers), rows[p], num_blocks), qtype)
+            fields = {k: jax.numpy.asarray(v) for k, v in fields.items()}
+            weights.append(GGUFWeight(fields, int(qtype), "float32"))
+        pieces.append(tuple(weights))
+    weight = MixedGGUFWeight(tuple(pieces), layers_of)
+    assert weight.shape == (4, 13, 512)
+    assert _same_bits(jax.jit(lambda w: w.dequantize())(weight), values)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    want = np.einsum("ri,loi->lro", x, values)
+    bound = 1e-5 * np.einsum("ri,loi->lro", np.abs(x), np.abs(values))  # float32 sums' error
+
+    def scan(w, x):
+        layers = jax.numpy.arange(4)
+        return jax.lax.scan(lambda _, layer: (None, w.at_layer(layer).dense(x)), None, layers)[1]
+
+    assert np.all(np.abs(jax.jit(scan)(weight, x) - want) <= bound)
+    for layer, own in enumerate(weight.layer_weights()):
+        got = jax.jit(lambda w: w.dense(x))(own)
+        assert np.all(np.abs(got - want[layer]) <= bound[layer])

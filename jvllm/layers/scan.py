@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jvllm.layers import cpu_dense
 from jvllm.layers.dot import dot_layer
 from jvllm.logger import init_logger
-from jvllm.quantization import QuantizedWeight, is_quantized
+from jvllm.quantization import MixedGGUFWeight, QuantizedWeight, is_quantized
 
 logger = init_logger(__name__)
 
@@ -94,7 +94,9 @@ def unstack_layers(params: dict, axes: dict) -> dict:
     leaves, treedef = jax.tree.flatten(params, is_leaf=is_quantized)
     names = treedef.flatten_up_to(axes)
     for i, n in enumerate(names):
-        if n[:1] == ("layers",):
+        if n[:1] == ("layers",) and isinstance(leaves[i], MixedGGUFWeight):
+            leaves[i] = Unstacked(tuple(leaves[i].layer_weights()))  # slices of its formats
+        elif n[:1] == ("layers",):
             arrays, param_def = jax.tree.flatten(leaves[i])
             per_array = [_split_array(a) for a in arrays]  # [array][layer]
             leaves[i] = Unstacked(tuple(param_def.unflatten(list(a)) for a in zip(*per_array)))

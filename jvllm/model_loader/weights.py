@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
+from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
 _XLA_CPU_ALIGNMENT = 64  # what a host buffer needs for XLA:CPU to use it in place
@@ -40,8 +41,9 @@ class CheckpointWeights:
     tensor parallelism each device gets only its slice (distributed/tensor_parallel.py).
 
     With `keep_packed`, `get` gives lazy GGUF tensors (model_loader/gguf.py's HFTensor); a param
-    whose tensors all share one block format that stays packed (quantization/gguf_blocks.py)
-    becomes a GGUFWeight of their blocks, any other is read as floats.
+    whose tensors are all of block formats that stay packed (quantization/gguf_blocks.py)
+    becomes a GGUFWeight of their blocks (a MixedGGUFWeight where their formats differ), any
+    other is read as floats.
     """
 
     def __init__(
@@ -137,12 +139,13 @@ class CheckpointWeights:
 
     def _set_packed(self, path, spec, layer_names, transform, stack: bool) -> bool:
         """Set the param at `path` as a GGUFWeight of the tensors `layer_names` ([L][pieces],
-        one row of pieces when not `stack`) if they can stay packed; whether it did."""
+        one row of pieces when not `stack`) if they can stay packed, a MixedGGUFWeight where
+        their formats differ; whether it did."""
         if self._get_lazy is None or transform is not None:
             return False
         sources = [[self._get_lazy(n) for n in names] for names in layer_names]
         qtypes = {s.qtype for names in sources for s in names}
-        if len(qtypes) != 1 or (qtype := qtypes.pop()) not in PACKED_QTYPES:
+        if not qtypes <= set(PACKED_QTYPES):
             return False
         shapes = [[s.shape for s in names] for names in sources]
         rows = [sum(shape[0] for shape in layer) for layer in shapes]
@@ -152,11 +155,46 @@ class CheckpointWeights:
             for r, layer in zip(rows, shapes)
         ):
             return False  # _mismatch's message comes from the float path
+        if len(qtypes) > 1:  # only a stacked param has pieces or layers to differ
+            self._set(path, self._mixed(path, sources, str(spec.dtype)))
+            return True
         blocks = np.stack([np.concatenate([s.blocks() for s in names]) for names in sources])
-        fields = split_fields(blocks if stack else blocks[0], qtype)  # [(L,) O, nb, ...] each
-        placed = {k: self._place(path, aligned_copy(v)) for k, v in fields.items()}
-        self._set(path, GGUFWeight(placed, int(qtype), str(spec.dtype)))
+        blocks = blocks if stack else blocks[0]
+        self._set(path, self._packed(path, blocks, qtypes.pop(), str(spec.dtype)))
         return True
+
+    def _packed(self, path: str, blocks: np.ndarray, qtype, dtype: str) -> GGUFWeight:
+        """blocks [(L,) O, nb] of `qtype` (a structured array) as a GGUFWeight on the param's
+        device."""
+        fields = split_fields(blocks, qtype)  # [(L,) O, nb, ...] each
+        placed = {k: self._place(path, aligned_copy(v)) for k, v in fields.items()}
+        return GGUFWeight(placed, int(qtype), dtype)
+
+    def _mixed(self, path: str, sources: list[list], dtype: str) -> MixedGGUFWeight:
+        """sources [L][pieces] of several formats: neighbouring pieces whose layers agree on
+        their formats form one piece, and each piece one stacked GGUFWeight per format."""
+        formats = [tuple(layer[p].qtype for layer in sources) for p in range(len(sources[0]))]
+        runs = [[0]]
+        for p in range(1, len(formats)):
+            if formats[p] == formats[runs[-1][0]]:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        pieces, members = [], []
+        for run in runs:
+            layer_formats = formats[run[0]]
+            groups = [
+                tuple(i for i, q in enumerate(layer_formats) if q == qtype)
+                for qtype in dict.fromkeys(layer_formats)  # in order of first use
+            ]
+            weights = []
+            for layers in groups:
+                blocks = [np.concatenate([sources[i][p].blocks() for p in run]) for i in layers]
+                qtype = layer_formats[layers[0]]
+                weights.append(self._packed(path, np.stack(blocks), qtype, dtype))
+            pieces.append(tuple(weights))
+            members.append(tuple(groups))
+        return MixedGGUFWeight(tuple(pieces), tuple(members))
 
     def params(self) -> dict:
         """The filled params dict; every declared param must have been given."""

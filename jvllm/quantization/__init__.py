@@ -6,16 +6,17 @@ import jax
 from gguf.constants import GGMLQuantizationType as Q
 
 from jvllm.quantization.channel_weight import ChannelWeight
+from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
 # vLLM's `quantization=` names that jvllm accepts.
 QUANTIZATION_METHODS = ("gguf", "int8", "fp8")
-QuantizedWeight = GGUFWeight | ChannelWeight
+QuantizedWeight = GGUFWeight | MixedGGUFWeight | ChannelWeight
 
 
 def is_quantized(x) -> bool:
     """Whether a params leaf is a quantized weight (one param, however many arrays)."""
-    return isinstance(x, GGUFWeight | ChannelWeight)
+    return isinstance(x, QuantizedWeight)
 
 
 def describe_weights(params, dtype: str) -> str:
@@ -23,7 +24,9 @@ def describe_weights(params, dtype: str) -> str:
     weights resident, e.g. "float32; GGUF Q4_1+Q8_0 packed; 92.1 MiB of weights"."""
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
     num_bytes = sum(x.nbytes for x in leaves)
-    gguf = sorted({Q(x.qtype).name for x in leaves if isinstance(x, GGUFWeight)})
+    qtypes = {x.qtype for x in leaves if isinstance(x, GGUFWeight)}
+    qtypes = qtypes.union(*(x.qtypes for x in leaves if isinstance(x, MixedGGUFWeight)))
+    gguf = sorted(Q(q).name for q in qtypes)
     channel = sorted({x.values.dtype.name for x in leaves if isinstance(x, ChannelWeight)})
     formats = []
     if gguf:
