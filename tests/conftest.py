@@ -28,6 +28,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from jvllm import LLM
 from jvllm.model_loader.default_model import default_model_dir
@@ -100,6 +104,36 @@ def random_gguf_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
         if fmt.fields[name].base == np.float16:
             blocks[name] = rng.standard_normal(blocks[name].shape).astype(np.float16)
     return blocks
+
+
+def rewrite_gguf(src: str, dst: str, retype=lambda name: None, extra_tensors=None) -> None:
+    """Copy the GGUF file `src` to `dst`, each tensor that `retype(name)` gives a format for
+    requantized to it from its values (gguf's own quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), and
+    `extra_tensors` ({name: float32 array}) added."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            item_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=item_type)
+    for tensor in reader.tensors:
+        qtype, data = Q(tensor.tensor_type), np.asarray(tensor.data)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, values]
+        new = retype(tensor.name)
+        if new is not None and new != qtype:
+            data, qtype = gguf_quantize(gguf_dequantize(data, qtype).reshape(shape), new), new
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(tensor.name, data.reshape(shape))
+        else:  # the rows' bytes
+            writer.add_tensor(
+                tensor.name, data.view(np.uint8).reshape(shape[0], -1), raw_dtype=qtype
+            )
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:

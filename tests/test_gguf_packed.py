@@ -5,11 +5,10 @@ path generates."""
 import jax
 import numpy as np
 import pytest
-from conftest import SMOLLM2_ENGINE_KWARGS, random_gguf_blocks
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from conftest import SMOLLM2_ENGINE_KWARGS, random_gguf_blocks, rewrite_gguf
+from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
-from gguf.quants import quantize as gguf_quantize
 
 from jvllm import LLM, SamplingParams
 from jvllm.model_loader.default_model import resolve_default_model
@@ -123,33 +122,6 @@ def test_a_block_format_not_kept_packed_is_a_clear_error(tmp_path):
         load_model(path)
 
 
-def _rewrite_gguf(src: str, dst: str, retype) -> None:
-    """Copy the GGUF file `src` to `dst`, each tensor that `retype(name)` gives a format for
-    requantized to it from its values (gguf's own quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)."""
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            item_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=item_type)
-    for tensor in reader.tensors:
-        qtype, data = Q(tensor.tensor_type), np.asarray(tensor.data)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, values]
-        new = retype(tensor.name)
-        if new is not None and new != qtype:
-            data, qtype = gguf_quantize(gguf_dequantize(data, qtype).reshape(shape), new), new
-        if qtype in (Q.F32, Q.F16):
-            writer.add_tensor(tensor.name, data.reshape(shape))
-        else:  # the rows' bytes
-            writer.add_tensor(
-                tensor.name, data.view(np.uint8).reshape(shape[0], -1), raw_dtype=qtype
-            )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory) -> str:
     """The default model with formats mixed as llama.cpp's Q4_K_M mixes them: attn_v differs
@@ -165,7 +137,7 @@ def mixed_gguf(tmp_path_factory) -> str:
         return None
 
     path = str(tmp_path_factory.mktemp("mixed") / "mixed.gguf")
-    _rewrite_gguf(resolve_default_model(), path, retype)
+    rewrite_gguf(resolve_default_model(), path, retype)
     return path
 
 

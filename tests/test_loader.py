@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import dense_logits
+from conftest import dense_logits, rewrite_gguf
 from safetensors import safe_open
 
 from jvllm.model_loader import DEFAULT_MODEL, default_model, load_gguf, load_model
@@ -64,6 +64,55 @@ def test_gguf_logits_match_hf_and_predict_paris(gguf_model, hf_smollm2, hf_token
         reference = model(torch.tensor([token_ids])).logits[0].numpy()
     np.testing.assert_allclose(ours, reference, rtol=1e-3, atol=1e-3)
     assert tokenizer.decode([int(ours[-1].argmax())]) == " Paris"
+
+
+def test_llama3_rope_factors_in_a_gguf_match_hfs_llama3_scaling(
+    tmp_path, gguf_path, gguf_model, hf_tokenizer, smollm2_dir
+):
+    """llama.cpp writes Llama 3.1's rope scaling as rope_freqs.weight, one divisor a frequency;
+    the default model's GGUF with them added gives the logits HF gives its checkpoint with that
+    rope_scaling in config.json. A short original context makes the scaling move them here."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    config, _ = gguf_model
+    # The divisors as llama.cpp's converter computes them from the scaling.
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, config.head_dim, 2) / config.head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old_len = scaling["original_max_position_embeddings"]
+    smooth = (old_len / wavelen - 1.0) / (4.0 - 1.0)
+    divisors = np.where(
+        wavelen < old_len / 4.0,
+        1.0,
+        np.where(wavelen > old_len / 1.0, 8.0, 1 / ((1 - smooth) / 8.0 + smooth)),
+    )
+    path = str(tmp_path / "rope-factors.gguf")
+    rewrite_gguf(gguf_path, path, extra_tensors={"rope_freqs.weight": divisors.astype(np.float32)})
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    for name in os.listdir(smollm2_dir):
+        if name != "config.json":
+            os.symlink(os.path.join(smollm2_dir, name), hf_dir / name)
+    hf_config = transformers.AutoConfig.from_pretrained(smollm2_dir)
+    hf_config.rope_parameters = {**scaling, "rope_theta": config.rope_theta}
+    hf_config.save_pretrained(hf_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+    token_ids = hf_tokenizer("One, two, three, four, five, six, seven, eight, nine, ten")[
+        "input_ids"
+    ]
+    scaled_config, params = load_gguf(path, "float32")
+    assert scaled_config.rope_scaling is not None
+    ours = dense_logits(scaled_config, params, token_ids)
+    with torch.no_grad():
+        reference = hf(torch.tensor([token_ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours, reference, rtol=1e-3, atol=1e-3)
+    unscaled = dense_logits(config, params, token_ids)
+    assert np.abs(unscaled - reference).max() > 0.1  # the scaling moved them
 
 
 def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_model, monkeypatch):

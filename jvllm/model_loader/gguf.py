@@ -89,8 +89,6 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
     arch = meta("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: 'llama'")
-    if "rope_freqs.weight" in gguf.tensors:
-        raise ValueError(f"{path}: GGUF rope frequency factors (Llama 3.1 scaling) not supported")
 
     num_heads = meta("llama.attention.head_count")
     num_kv_heads = meta("llama.attention.head_count_kv", num_heads)
@@ -115,6 +113,8 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
         "hidden_act": "silu",
         "dtype": "float32",
     }
+    if "rope_freqs.weight" in gguf.tensors:
+        hf_config["rope_scaling"] = _rope_factors(gguf.tensors["rope_freqs.weight"], hf_config)
 
     tensors: dict[str, HFTensor] = {}
     for name, t in gguf.tensors.items():
@@ -126,9 +126,30 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
             tensors[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = HFTensor(t, rope_heads)
         elif name in _GLOBAL_NAMES:
             tensors[_GLOBAL_NAMES[name]] = HFTensor(t)
-        else:
+        elif name != "rope_freqs.weight":  # in the config
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
     return hf_config, tensors
+
+
+def _rope_factors(tensor: GGUFTensor, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """HF's rope_scaling for llama.cpp's rope_freqs f32[H/2]: one divisor of each rotation
+    frequency, as its converter writes Llama 3.1's scaling (Llama 3.1-3.3 files). Those are
+    longrope's divisors with a single set and no cos/sin scale."""
+    factors = dequantize(tensor.data, tensor.qtype, tensor.shape).reshape(-1)
+    if factors.shape[0] != hf_config["head_dim"] // 2 or not np.all(factors > 0):
+        raise ValueError(
+            f"rope_freqs.weight must hold head_dim / 2 = {hf_config['head_dim'] // 2} positive "
+            f"divisors, got {factors.shape[0]} values (min {factors.min()})"
+        )
+    divisors = [float(f) for f in factors]
+    return {
+        "rope_type": "longrope",
+        "short_factor": divisors,
+        "long_factor": divisors,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": hf_config["max_position_embeddings"],
+    }
 
 
 # What quantization="gguf" loads: block formats kept packed, and float tensors (norms).
