@@ -106,16 +106,24 @@ def random_gguf_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
     return blocks
 
 
-def rewrite_gguf(src: str, dst: str, retype=lambda name: None, extra_tensors=None) -> None:
+def rewrite_gguf(
+    src: str, dst: str, retype=lambda name: None, extra_tensors=None, metadata=None
+) -> None:
     """Copy the GGUF file `src` to `dst`, each tensor that `retype(name)` gives a format for
     requantized to it from its values (gguf's own quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), and
-    `extra_tensors` ({name: float32 array}) added."""
+    `extra_tensors` ({name: float32 array}) added and `metadata` ({key: str, bool or int})
+    set."""
+    metadata = dict(metadata or {})
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if not name.startswith("GGUF.") and name != "general.architecture":
             item_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=item_type)
+            value = metadata.pop(name, field.contents())
+            writer.add_key_value(name, value, field.types[0], sub_type=item_type)
+    value_types = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, str: GGUFValueType.STRING}
+    for name, value in metadata.items():
+        writer.add_key_value(name, value, value_types[type(value)])
     for tensor in reader.tensors:
         qtype, data = Q(tensor.tensor_type), np.asarray(tensor.data)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # [rows, values]
