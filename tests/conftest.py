@@ -111,7 +111,7 @@ def rewrite_gguf(
 ) -> None:
     """Copy the GGUF file `src` to `dst`, each tensor that `retype(name)` gives a format for
     requantized to it from its values (gguf's own quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), and
-    `extra_tensors` ({name: float32 array}) added and `metadata` ({key: str, bool or int})
+    `extra_tensors` ({name: float32 array}) added and `metadata` ({key: str, bool, int or float})
     set."""
     metadata = dict(metadata or {})
     reader = GGUFReader(src)
@@ -121,7 +121,12 @@ def rewrite_gguf(
             item_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
             value = metadata.pop(name, field.contents())
             writer.add_key_value(name, value, field.types[0], sub_type=item_type)
-    value_types = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, str: GGUFValueType.STRING}
+    value_types = {
+        bool: GGUFValueType.BOOL,
+        int: GGUFValueType.UINT32,
+        float: GGUFValueType.FLOAT32,
+        str: GGUFValueType.STRING,
+    }
     for name, value in metadata.items():
         writer.add_key_value(name, value, value_types[type(value)])
     for tensor in reader.tensors:

@@ -115,6 +115,25 @@ def test_llama3_rope_factors_in_a_gguf_match_hfs_llama3_scaling(
     assert np.abs(unscaled - reference).max() > 0.1  # the scaling moved them
 
 
+@pytest.mark.parametrize(
+    ("metadata", "want"),
+    [
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 4.0),
+        ({"llama.rope.scaling.type": "yarn"}, "rope scaling 'yarn' is not supported"),
+        ({"llama.rope.dimension_count": 32}, "rope over 32 of each head's 64 dims"),
+    ],
+)
+def test_a_gguf_rope_scaling_is_read_or_a_clear_error(tmp_path, gguf_path, metadata, want):
+    path = str(tmp_path / "rope.gguf")
+    rewrite_gguf(gguf_path, path, metadata=metadata)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            load_gguf(path)
+        return
+    config, _ = load_gguf(path)
+    assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("linear", want)
+
+
 def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_model, monkeypatch):
     config, _, tokenizer = load_model(None)
     assert len(list((cache_dir / DEFAULT_MODEL).iterdir())) == 1

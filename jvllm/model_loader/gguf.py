@@ -113,6 +113,20 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
         "hidden_act": "silu",
         "dtype": "float32",
     }
+    if meta("llama.rope.dimension_count", hf_config["head_dim"]) != hf_config["head_dim"]:
+        raise ValueError(
+            f"{path}: GGUF rope over {meta('llama.rope.dimension_count')} of each head's "
+            f"{hf_config['head_dim']} dims is not supported; supported: rope over the whole head"
+        )
+    scaling = meta("llama.rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = float(meta("llama.rope.scaling.factor", 1.0))
+        hf_config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif scaling != "none":
+        raise ValueError(
+            f"{path}: GGUF rope scaling {scaling!r} is not supported; supported: 'none', "
+            "'linear', and Llama 3.1's frequency factors (rope_freqs.weight)"
+        )
     if "rope_freqs.weight" in gguf.tensors:
         hf_config["rope_scaling"] = _rope_factors(gguf.tensors["rope_freqs.weight"], hf_config)
 
