@@ -1,6 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) through the engine against HF transformers."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) through the engine against HF transformers; a
+Qwen2 model from its GGUF too."""
 
 import pytest
+import torch
 import transformers
 from family_parity import (
     assert_hf_window_cuts,
@@ -8,6 +10,10 @@ from family_parity import (
     ragged_prompts,
     save_random_model,
 )
+from gguf import GGUFWriter
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 TINY = {
     "num_hidden_layers": 2,
@@ -39,3 +45,75 @@ def test_mistral_sliding_window_decodes_like_hf(tmp_path):
     prompts = ragged_prompts(TINY["vocab_size"])
     assert_hf_window_cuts(hf_model, max(prompts, key=len))
     assert_matches_hf(tmp_path, hf_model, prompts, block_size=4)
+
+
+# HF's names of a Qwen2 layer's tensors -> llama.cpp's (after "model.layers.{i}." / "blk.{i}.").
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _save_qwen2_gguf(hf_model, path: str) -> None:
+    """hf_model as llama.cpp writes a Qwen2 GGUF (q and k rows in HF's order), its matmul
+    weights in Q8_0 and loaded back into hf_model as their dequantized values, so that both
+    compute with the same weights; the tokenizer a byte-level vocabulary of placeholders."""
+    config = hf_model.config
+    writer = GGUFWriter(path, arch="qwen2")
+    for key, value in {
+        "block_count": config.num_hidden_layers,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "context_length": config.max_position_embeddings,
+    }.items():
+        writer.add_uint32(f"qwen2.{key}", value)
+    writer.add_float32("qwen2.rope.freq_base", config.rope_parameters["rope_theta"])
+    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_merges([])
+    state = hf_model.state_dict()
+    for name, tensor in state.items():
+        values = tensor.numpy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
+        if values.ndim == 2 and gguf_name.startswith("blk."):
+            blocks = gguf_quantize(values, Q.Q8_0)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=Q.Q8_0)
+            dequantized = gguf_dequantize(blocks, Q.Q8_0).reshape(values.shape)
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(dequantized))
+        else:
+            writer.add_tensor(gguf_name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen2_gguf_decodes_like_hf(tmp_path):
+    """A Qwen2 GGUF (biased q/k/v, q and k not reordered), its Q8_0 weights kept packed."""
+    hf_model = save_random_model(tmp_path / "hf", CONFIGS["qwen2"]())
+    path = str(tmp_path / "qwen2.gguf")
+    _save_qwen2_gguf(hf_model, path)
+    assert_matches_hf(path, hf_model, ragged_prompts(TINY["vocab_size"]), quantization="gguf")

@@ -1,5 +1,5 @@
 """Our torch-free GGUF tokenizers (model_loader/gguf_tokenizer.py) against transformers' reading
-of the same files: Llama 3's byte-level BPE (its own split, BOS added) and a SentencePiece
+of the same files: Llama 3's and Qwen2's byte-level BPE (their own splits) and a SentencePiece
 vocabulary as Llama 2 and Mistral files hold it. The default model's is in test_smollm2.py."""
 
 import os
@@ -38,10 +38,12 @@ def _same_as_transformers(path: str, texts=_TEXTS) -> None:
         ), text
 
 
-def test_a_llama3_pre_tokenizer_splits_as_llama3_and_adds_bos(tmp_path):
-    """The default model's vocabulary under Llama 3's split, BOS added as its files ask."""
-    path = str(tmp_path / "llama3-split.gguf")
-    metadata = {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": True}
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_a_llama3_or_qwen2_pre_tokenizer_splits_as_theirs_and_adds_bos(tmp_path, pre):
+    """The default model's vocabulary under Llama 3's (or Qwen2's) split, BOS added as Llama
+    3's files ask."""
+    path = str(tmp_path / f"{pre}-split.gguf")
+    metadata = {"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": True}
     rewrite_gguf(resolve_default_model(), path, metadata=metadata)
     _same_as_transformers(path)
     ours = tokenizer_from_gguf(path)

@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF file (Llama architecture): packed, or dequantized to float32.
+"""Load a llama.cpp GGUF file (Llama or Qwen2 architecture): packed, or dequantized to float32.
 
 The GGUF is first turned into what an HF checkpoint would hold (a config dict and HF-named
 torch-layout tensors, each dequantized when read), so the fusion into our layout is shared with
@@ -33,7 +33,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2's
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
 }
+# GGUF architecture -> HF's architecture and model_type (the GGUF's keys are prefixed with it).
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -85,27 +90,31 @@ class HFTensor:
 
 def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFTensor]]:
     """-> (HF config.json dict, {HF tensor name: its GGUF tensor, to read as float32})."""
-    meta = gguf.metadata.get
-    arch = meta("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: 'llama'")
+    arch = gguf.metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{list(_ARCHITECTURES)}"
+        )
 
-    num_heads = meta("llama.attention.head_count")
-    num_kv_heads = meta("llama.attention.head_count_kv", num_heads)
-    hidden_size = meta("llama.embedding_length")
+    meta = gguf.metadata.get
+    num_heads = meta(f"{arch}.attention.head_count")
+    num_kv_heads = meta(f"{arch}.attention.head_count_kv", num_heads)
+    hidden_size = meta(f"{arch}.embedding_length")
+    hf_architecture, model_type = _ARCHITECTURES[arch]
     hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": meta("llama.vocab_size") or len(meta("tokenizer.ggml.tokens")),
+        "architectures": [hf_architecture],
+        "model_type": model_type,
+        "vocab_size": meta(f"{arch}.vocab_size") or len(meta("tokenizer.ggml.tokens")),
         "hidden_size": hidden_size,
-        "intermediate_size": meta("llama.feed_forward_length"),
-        "num_hidden_layers": meta("llama.block_count"),
+        "intermediate_size": meta(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta(f"{arch}.block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "head_dim": meta("llama.attention.key_length", hidden_size // num_heads),
-        "rms_norm_eps": meta("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta("llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": meta("llama.context_length", 2048),
+        "head_dim": meta(f"{arch}.attention.key_length", hidden_size // num_heads),
+        "rms_norm_eps": meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta(f"{arch}.context_length", 2048),
         # llama.cpp drops output.weight when the head is tied to the embedding.
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
@@ -113,14 +122,14 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
         "hidden_act": "silu",
         "dtype": "float32",
     }
-    if meta("llama.rope.dimension_count", hf_config["head_dim"]) != hf_config["head_dim"]:
+    if meta(f"{arch}.rope.dimension_count", hf_config["head_dim"]) != hf_config["head_dim"]:
         raise ValueError(
-            f"{path}: GGUF rope over {meta('llama.rope.dimension_count')} of each head's "
+            f"{path}: GGUF rope over {meta(f'{arch}.rope.dimension_count')} of each head's "
             f"{hf_config['head_dim']} dims is not supported; supported: rope over the whole head"
         )
-    scaling = meta("llama.rope.scaling.type", "none")
+    scaling = meta(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
-        factor = float(meta("llama.rope.scaling.factor", 1.0))
+        factor = float(meta(f"{arch}.rope.scaling.factor", 1.0))
         hf_config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     elif scaling != "none":
         raise ValueError(
@@ -136,7 +145,9 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
             _, layer, rest = name.split(".", 2)
             if rest not in _LAYER_NAMES:
                 raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
-            rope_heads = {"attn_q.weight": num_heads, "attn_k.weight": num_kv_heads}.get(rest)
+            # llama.cpp's converter reorders q and k for its Llama rope, not for Qwen2's.
+            permuted = {"attn_q.weight": num_heads, "attn_k.weight": num_kv_heads}
+            rope_heads = permuted.get(rest) if arch == "llama" else None
             tensors[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = HFTensor(t, rope_heads)
         elif name in _GLOBAL_NAMES:
             tensors[_GLOBAL_NAMES[name]] = HFTensor(t)

@@ -5,7 +5,7 @@ does not otherwise need. This builds the same fast tokenizer (checked against tr
 the tests) from the file's `tokenizer.*` metadata, for llama.cpp's two tokenizer models of Llama
 files:
 - "gpt2": byte-level BPE with the file's merges, its text split as `tokenizer.ggml.pre` says
-  (Llama 3's pattern, else GPT-2's);
+  (Llama 3's or Qwen2's pattern, else GPT-2's);
 - "llama": SentencePiece BPE (Llama 2, Mistral, TinyLlama), whose merges the file does not
   list: they follow from the vocabulary and each token's score.
 """
@@ -20,6 +20,7 @@ from tokenizers import (
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
 )
@@ -36,7 +37,14 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+# Qwen2's is the same but for digits, one at a time; its own tokenizer also composes Unicode
+# (NFC) first.
+_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
+}
 _SPIECE_SPACE = "\u2581"
 
 
@@ -46,7 +54,7 @@ def tokenizer_from_gguf(path: str, gguf: GGUFFile | None = None) -> PreTrainedTo
     kind = meta("tokenizer.ggml.model")
     tokens: list[str] = meta("tokenizer.ggml.tokens")
     if kind == "gpt2":
-        tokenizer = _byte_level_bpe(tokens, meta("tokenizer.ggml.merges"), meta)
+        tokenizer = _byte_level_bpe(tokens, meta("tokenizer.ggml.merges", []), meta)
         add_bos = meta("tokenizer.ggml.add_bos_token", False)
     elif kind == "llama":
         tokenizer = _sentencepiece_bpe(tokens, meta("tokenizer.ggml.scores"), meta)
@@ -80,15 +88,18 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], meta) -> Tokenizer:
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False)
     tokenizer = Tokenizer(bpe)
-    if meta("tokenizer.ggml.pre") in _LLAMA3_PRE:
+    pre = meta("tokenizer.ggml.pre")
+    if pre in _SPLITS:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
     else:  # GPT-2's own split
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
