@@ -170,3 +170,27 @@ def test_buckets_compile_on_first_use_by_default_and_up_front_for_a_server(
         assert server_runner.num_compilations == len(server_runner.buckets.all_buckets())
     finally:
         engine.shutdown()
+
+
+def test_a_tokenizer_from_elsewhere_or_none(tiny_llama_weights_dir, tiny_llama_dir):
+    """vLLM's tokenizer= and skip_tokenizer_init=: a model without a tokenizer takes a
+    directory's or a GGUF's (the default model's; the same vocabulary), or runs on token ids."""
+    from jvllm.model_loader.default_model import resolve_default_model
+
+    kwargs = {"max_model_len": 128, "max_num_seqs": 2, "max_num_batched_tokens": 64}
+    params = SamplingParams(temperature=0, max_tokens=4)
+    want = LLM(tiny_llama_dir, **kwargs).generate(["Hello there"], params, use_tqdm=False)[0]
+    for tokenizer in (tiny_llama_dir, resolve_default_model()):
+        llm = LLM(tiny_llama_weights_dir, tokenizer=tokenizer, **kwargs)
+        got = llm.generate(["Hello there"], params, use_tqdm=False)[0]
+        assert (got.prompt_token_ids, got.outputs[0].text) == (
+            want.prompt_token_ids,
+            want.outputs[0].text,
+        )
+    bare = LLM(tiny_llama_dir, skip_tokenizer_init=True, **kwargs)
+    assert bare.get_tokenizer() is None
+    ids = {"prompt_token_ids": want.prompt_token_ids}
+    out = bare.generate([ids], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want.outputs[0].token_ids and out.text == ""
+    with pytest.raises(ValueError, match="tokenizer='/no/such/dir' is neither a local directory"):
+        LLM(tiny_llama_weights_dir, tokenizer="/no/such/dir")

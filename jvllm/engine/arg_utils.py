@@ -5,7 +5,7 @@ import dataclasses
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
-from jvllm.model_loader.loader import LOAD_FORMATS
+from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -14,6 +14,11 @@ _DTYPES = ("auto", "float32", "bfloat16")
 @dataclasses.dataclass
 class EngineArgs:
     model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
+    # The tokenizer from elsewhere than the model: a local directory with tokenizer files, or a
+    # .gguf file; None: the model's own. skip_tokenizer_init: none at all (prompts as token ids,
+    # outputs without text).
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     # Weights kept quantized (jvllm/quantization/): "gguf" (a GGUF's blocks stay packed; the
     # default for a .gguf file with dtype "auto"), "int8" or "fp8" (per-channel scales, made at
@@ -113,7 +118,14 @@ class EngineArgs:
                 f"data_parallel_rank must be an int in [0, data_parallel_size={self.data_parallel_size}), "
                 f"got {rank!r}"
             )
-        for name in ("async_scheduling", "compile_all_buckets", "compile_in_background"):
+        if self.tokenizer is not None:
+            check_tokenizer_path(self.tokenizer)
+        for name in (
+            "async_scheduling",
+            "compile_all_buckets",
+            "compile_in_background",
+            "skip_tokenizer_init",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError (vLLM)
                     f"{name} must be a bool, got {getattr(self, name)!r}"

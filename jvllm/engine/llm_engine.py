@@ -51,7 +51,13 @@ class LLMEngine:
             args.tensor_parallel_size, args.data_parallel_size, args.data_parallel_rank
         )
         self.model_config, params, self.tokenizer = load_model(
-            args.model, args.dtype, args.load_format, self.mesh, args.quantization
+            args.model,
+            args.dtype,
+            args.load_format,
+            self.mesh,
+            args.quantization,
+            args.tokenizer,
+            args.skip_tokenizer_init,
         )
         self.load_seconds = time.perf_counter() - start
         config = self.model_config

@@ -21,6 +21,11 @@ _ENGINE_FLAGS = {
         "help": "weights' and activations' dtype",
     },
     "load_format": {"choices": list(LOAD_FORMATS), "help": "dummy: random weights (benchmarks)"},
+    "tokenizer": {"help": "a directory with tokenizer files or a .gguf file (None: the model's)"},
+    "skip_tokenizer_init": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "no tokenizer: prompts as token ids, outputs without text",
+    },
     "quantization": {
         "choices": list(QUANTIZATION_METHODS),
         "help": "weights kept quantized (None: gguf for a .gguf file, else the model dtype)",

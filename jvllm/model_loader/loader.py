@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh
@@ -43,12 +45,37 @@ def _load_dir_tokenizer(path: str, is_default_model: bool = False) -> Any | None
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def check_tokenizer_path(path) -> None:
+    """An error unless `path` is a local directory with tokenizer files or a .gguf file (what
+    `tokenizer=` takes)."""
+    is_dir = isinstance(path, str) and os.path.isdir(path)
+    if is_dir and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return
+    if isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path):
+        return
+    raise ValueError(
+        f"tokenizer={path!r} is neither a local directory with tokenizer files "
+        f"({', '.join(_TOKENIZER_FILES)}) nor an existing .gguf file; tokenizers are never "
+        "downloaded from the Hugging Face hub"
+    )
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer at `path`: a directory's (AutoTokenizer) or a GGUF file's."""
+    check_tokenizer_path(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return tokenizer_from_gguf(path)
+    return _load_dir_tokenizer(path)
+
+
 def load_model(
     model: str | None,
     dtype: str = "auto",
     load_format: str = "auto",
     mesh: Mesh | None = None,
     quantization: str | None = None,
+    tokenizer: str | None = None,
+    skip_tokenizer_init: bool = False,
 ) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
@@ -65,12 +92,19 @@ def load_model(
 
     quantization (vLLM's names, see `resolve_quantization`): "gguf" keeps a GGUF's blocks
     packed; "int8" / "fp8" quantize the layers' matmul weights at load.
+
+    tokenizer: another one than the model's (`load_tokenizer`); skip_tokenizer_init: none (the
+    model's is then not even read).
     """
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
     quantization = resolve_quantization(model, dtype, quantization)
-    config, params, tokenizer = _load(model, dtype, load_format, mesh, quantization)
+    config, params, own_tokenizer = _load(model, dtype, load_format, mesh, quantization)
+    if skip_tokenizer_init:
+        tokenizer = None
+    else:
+        tokenizer = own_tokenizer() if tokenizer is None else load_tokenizer(tokenizer)
     if quantization in ("int8", "fp8"):
         if mesh is not None and mesh.size > 1:
             raise ValueError(
@@ -115,22 +149,20 @@ def resolve_quantization(model: str | None, dtype: str, quantization: str | None
 
 def _load(
     model: str | None, dtype: str, load_format: str, mesh: Mesh | None, quantization: str | None
-) -> tuple[ModelConfig, dict, Any | None]:
+) -> tuple[ModelConfig, dict, Callable[[], Any | None]]:
+    """(config, params, what loads the model's own tokenizer)."""
     is_default_model = model is None or model == DEFAULT_MODEL
     if is_default_model and quantization == "gguf":
         model = resolve_default_model()
     elif is_default_model:
         model = default_model_dir()
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        own_tokenizer = functools.partial(_load_dir_tokenizer, model, is_default_model)
         if load_format == "dummy":
             config = read_hf_config(model, dtype)
-            return (
-                config,
-                dummy_params(config, mesh=mesh),
-                _load_dir_tokenizer(model, is_default_model),
-            )
+            return config, dummy_params(config, mesh=mesh), own_tokenizer
         config, params = load_hf_dir(model, dtype, mesh)
-        return config, params, _load_dir_tokenizer(model, is_default_model)
+        return config, params, own_tokenizer
     if model.endswith(".gguf") and os.path.isfile(model):
         if load_format == "dummy":
             raise ValueError(
@@ -138,7 +170,7 @@ def _load(
                 f"not a .gguf file: {model}"
             )
         config, params = load_gguf(model, dtype, mesh, keep_packed=quantization == "gguf")
-        return config, params, tokenizer_from_gguf(model)
+        return config, params, functools.partial(tokenizer_from_gguf, model)
     raise ValueError(
         f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "
         "(the default model), a local directory with an HF config.json and *.safetensors, or a "
