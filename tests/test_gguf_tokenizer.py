@@ -2,6 +2,7 @@
 of the same files: Llama 3's and Qwen2's byte-level BPE (their own splits) and a SentencePiece
 vocabulary as Llama 2 and Mistral files hold it. The default model's is in test_smollm2.py."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from gguf import GGUFWriter
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
+from jvllm.model_loader import gguf_tokenizer
 from jvllm.model_loader.default_model import resolve_default_model
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
 
@@ -100,3 +102,18 @@ def test_an_unknown_tokenizer_model_is_a_clear_error(tmp_path):
     rewrite_gguf(resolve_default_model(), path, metadata={"tokenizer.ggml.model": "t5"})
     with pytest.raises(ValueError, match=r"tokenizer 't5' is not supported; supported: \('gpt2'"):
         tokenizer_from_gguf(path)
+
+
+def test_a_pre_tokenizer_without_a_split_here_says_so(tmp_path, monkeypatch):
+    records = []  # jvllm's loggers do not propagate to the root
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(logging.getLogger(gguf_tokenizer.__name__), "handlers", [handler])
+    path = str(tmp_path / "tekken.gguf")
+    rewrite_gguf(resolve_default_model(), path, metadata={"tokenizer.ggml.pre": "tekken"})
+    tokenizer_from_gguf(path)
+    assert [
+        "pre-tokenizer 'tekken' has no split of its own here" in r.getMessage() for r in records
+    ] == [True]
+    tokenizer_from_gguf(resolve_default_model())  # "smollm": GPT-2's split, as it should be
+    assert len(records) == 1

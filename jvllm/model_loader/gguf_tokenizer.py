@@ -26,7 +26,10 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
+from jvllm.logger import init_logger
 from jvllm.model_loader.gguf_file import GGUFFile, read_gguf
+
+logger = init_logger(__name__)
 
 _CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, ...)
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")
@@ -45,6 +48,8 @@ _SPLITS = {
     "llama-v3": _LLAMA3_SPLIT,
     "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
 }
+# Pre-tokenizer names whose split is GPT-2's own (SmolLM2's is "smollm").
+_GPT2_PRES = (None, "default", "gpt-2", "gpt2", "smollm")
 _SPIECE_SPACE = "\u2581"
 
 
@@ -97,6 +102,14 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], meta) -> Tokenizer:
             ]
         )
     else:  # GPT-2's own split
+        if pre not in _GPT2_PRES:
+            logger.warning(
+                "GGUF tokenizer pre-tokenizer %r has no split of its own here; GPT-2's is used, "
+                "so some texts may tokenize unlike the model's own tokenizer (known: %s). "
+                "Pass tokenizer= a directory with the model's tokenizer files to be exact",
+                pre,
+                ", ".join(sorted(_SPLITS)),
+            )
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if pre == "qwen2":
         tokenizer.normalizer = normalizers.NFC()
