@@ -153,34 +153,6 @@ struct Q8_0 {
   }
 };
 
-struct Q4_0 {
-  static constexpr int kFields = 2, kHalves = 1, kBlock = 32, kSub = 32;
-  static constexpr bool kOffset = false;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
-    scale[0] = s[0];
-    for (int v = 0; v < 16 / N; ++v) {
-      const i32v b = widen(f[1] + N * v);  // byte j holds values j (low nibble) and j + 16
-      q[v] = to_f32((b & 15) - 8);
-      q[16 / N + v] = to_f32((b >> 4) - 8);
-    }
-  }
-};
-
-struct Q4_1 {
-  static constexpr int kFields = 3, kHalves = 2, kBlock = 32, kSub = 32;
-  static constexpr bool kOffset = true;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale,
-                    float* offset) {
-    scale[0] = s[0];
-    offset[0] = s[1];
-    for (int v = 0; v < 16 / N; ++v) {
-      const i32v b = widen(f[2] + N * v);
-      q[v] = to_f32(b & 15);
-      q[16 / N + v] = to_f32(b >> 4);
-    }
-  }
-};
-
 // The fifth bits of Q5_0 and Q5_1, bit j of the u32 at qh for value j: the N values from
 // `first`, each at bit 4.
 inline i32v fifth_bits(const uint8_t* qh, int first) {
@@ -191,16 +163,48 @@ inline i32v fifth_bits(const uint8_t* qh, int first) {
   return ((static_cast<int32_t>(bits) + i32v{}) >> shifts & 1) << 4;
 }
 
+// The 32 integers of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block, less `bias`: byte j of qs holds the low
+// 4 bits of values j (low nibble) and j + 16 (high), and qh, where the format has it (Q5_*),
+// their fifth bits.
+inline void nibble_block(const uint8_t* qs, const uint8_t* qh, int bias, f32v* q) {
+  for (int v = 0; v < 16 / N; ++v) {
+    const i32v b = widen(qs + N * v);
+    i32v low = b & 15, high = b >> 4;
+    if (qh != nullptr) {
+      low |= fifth_bits(qh, N * v);
+      high |= fifth_bits(qh, 16 + N * v);
+    }
+    q[v] = to_f32(low - bias);
+    q[16 / N + v] = to_f32(high - bias);
+  }
+}
+
+struct Q4_0 {
+  static constexpr int kFields = 2, kHalves = 1, kBlock = 32, kSub = 32;
+  static constexpr bool kOffset = false;
+  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
+    scale[0] = s[0];
+    nibble_block(f[1], nullptr, 8, q);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kFields = 3, kHalves = 2, kBlock = 32, kSub = 32;
+  static constexpr bool kOffset = true;
+  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale,
+                    float* offset) {
+    scale[0] = s[0];
+    offset[0] = s[1];
+    nibble_block(f[2], nullptr, 0, q);
+  }
+};
+
 struct Q5_0 {
   static constexpr int kFields = 3, kHalves = 1, kBlock = 32, kSub = 32;
   static constexpr bool kOffset = false;
   static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
     scale[0] = s[0];
-    for (int v = 0; v < 16 / N; ++v) {
-      const i32v b = widen(f[2] + N * v);  // byte j: the low 4 bits of values j and j + 16
-      q[v] = to_f32(((b & 15) | fifth_bits(f[1], N * v)) - 16);
-      q[16 / N + v] = to_f32(((b >> 4) | fifth_bits(f[1], 16 + N * v)) - 16);
-    }
+    nibble_block(f[2], f[1], 16, q);
   }
 };
 
@@ -211,11 +215,7 @@ struct Q5_1 {
                     float* offset) {
     scale[0] = s[0];
     offset[0] = s[1];
-    for (int v = 0; v < 16 / N; ++v) {
-      const i32v b = widen(f[3] + N * v);
-      q[v] = to_f32((b & 15) | fifth_bits(f[2], N * v));
-      q[16 / N + v] = to_f32((b >> 4) | fifth_bits(f[2], 16 + N * v));
-    }
+    nibble_block(f[3], f[2], 0, q);
   }
 };
 
@@ -231,21 +231,32 @@ inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float*
   }
 }
 
+// The 256 integers of a Q4_K / Q5_K block: 32 bytes of qs per pair of sub-blocks, the low
+// nibbles the first, the high the second; and qh, where the format has it (Q5_K), sub-block
+// i's fifth bits as bit i of each of its 32 bytes.
+inline void k_block(const uint8_t* qs, const uint8_t* qh, f32v* q) {
+  for (int pair = 0; pair < 4; ++pair) {
+    for (int v = 0; v < 32 / N; ++v) {
+      const i32v b = widen(qs + pair * 32 + N * v);
+      i32v low = b & 15, high = b >> 4;
+      if (qh != nullptr) {
+        const i32v h = widen(qh + N * v);
+        low |= (h >> (2 * pair) & 1) << 4;
+        high |= (h >> (2 * pair + 1) & 1) << 4;
+      }
+      q[(2 * pair) * (32 / N) + v] = to_f32(low);
+      q[(2 * pair + 1) * (32 / N) + v] = to_f32(high);
+    }
+  }
+}
+
 struct Q4_K {
   static constexpr int kFields = 4, kHalves = 2, kBlock = 256, kSub = 32;
   static constexpr bool kOffset = true;
   static void split(const uint8_t* const* f, const float* halves, f32v* q, float* scale,
                     float* offset) {
     k_scales(f[2], halves[0], halves[1], scale, offset);
-    // 32 bytes per pair of sub-blocks: the low nibbles the first, the high the second.
-    const uint8_t* qs = f[3];
-    for (int pair = 0; pair < 4; ++pair) {
-      for (int v = 0; v < 32 / N; ++v) {
-        const i32v b = widen(qs + pair * 32 + N * v);
-        q[(2 * pair) * (32 / N) + v] = to_f32(b & 15);
-        q[(2 * pair + 1) * (32 / N) + v] = to_f32(b >> 4);
-      }
-    }
+    k_block(f[3], nullptr, q);
   }
 };
 
@@ -255,15 +266,7 @@ struct Q5_K {
   static void split(const uint8_t* const* f, const float* halves, f32v* q, float* scale,
                     float* offset) {
     k_scales(f[2], halves[0], halves[1], scale, offset);
-    // The low 4 bits as Q4_K's; sub-block i's fifth bit is bit i of each of qh's 32 bytes.
-    const uint8_t *qh = f[3], *qs = f[4];
-    for (int pair = 0; pair < 4; ++pair) {
-      for (int v = 0; v < 32 / N; ++v) {
-        const i32v b = widen(qs + pair * 32 + N * v), h = widen(qh + N * v);
-        q[(2 * pair) * (32 / N) + v] = to_f32((b & 15) | ((h >> (2 * pair) & 1) << 4));
-        q[(2 * pair + 1) * (32 / N) + v] = to_f32((b >> 4) | ((h >> (2 * pair + 1) & 1) << 4));
-      }
-    }
+    k_block(f[4], f[3], q);
   }
 };
 
