@@ -38,7 +38,11 @@
 #                   conditionals and loops recorded in CUDA graphs: XLA:GPU's conditional thunk
 #                   waits on the host for the stream to drain before it picks a branch, so the
 #                   sampler's lax.conds hold the host until the forward is done ("calling the
-#                   model 15.5 ms, waiting for the device 1.0" at 8B batch 1 on the H200)
+#                   model 15.5 ms, waiting for the device 1.0" at 8B batch 1 on the H200);
+#                   decode windows (k = 16) with them too (the window is a while loop). On the
+#                   H200 at ea8951d the flags changed nothing (BENCHMARKS.md, "Layers split on
+#                   a GPU"), and the step took over 500 s: the split layers compile for a minute
+#                   an engine
 # On the H200 of 2026-11-26, with the layer scan: issue-22 203 s, issue-17 100 s, issue-18 65 s.
 # The rest, run on an H100 on 2026-11-23 (BENCHMARKS.md): check 154 s, bench-decode 177 s,
 # bench-mixed 118 s, engine-8b 327 s, engine-small 290 s:
@@ -136,8 +140,9 @@ layers)
 cond-sync)
     {
         shape_throughput llama-3-8b --async-scheduling
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" \
-            shape_throughput llama-3-8b --async-scheduling
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
+        shape_throughput llama-3-8b --async-scheduling
+        shape_throughput llama-3-8b --num-scheduler-steps 16
     } 2>&1 | tee "$out/$step.log"
     ;;
 issue-22)
