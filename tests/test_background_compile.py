@@ -6,6 +6,7 @@ import pytest
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.buckets import Bucket
 
 _KWARGS = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
@@ -30,7 +31,7 @@ def _engine_holding_back(model_dir, held: Bucket):
     compile_fn = runner._compiled._compile_fn
 
     def held_back(shape):
-        if shape == (held, "step"):
+        if shape == (held, "step", SamplerPlan.DYNAMIC):
             assert release.wait(120)
         return compile_fn(shape)
 
@@ -46,7 +47,7 @@ def test_a_request_is_answered_while_a_bucket_it_does_not_need_compiles(
     llm, runner, release = _engine_holding_back(tiny_llama_weights_dir, held)
     try:
         short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
-        assert runner._compiled.get((held, "step")) is None  # still compiling
+        assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is None  # still compiling
         assert short == expected[0]
         # A prompt that only the held bucket holds waits for that compile alone.
         threading.Timer(0.5, release.set).start()
@@ -66,12 +67,12 @@ def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
     try:
         # Every decode step of the lone sequence runs in a larger bucket meanwhile.
         short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
-        assert runner._compiled.get((held, "step")) is None
+        assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is None
         assert short == expected[0]
     finally:
         release.set()
     runner.wait_for_compiles()
-    assert runner._compiled.get((held, "step")) is not None
+    assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is not None
 
 
 @pytest.mark.parametrize("name", ["compile_all_buckets", "compile_in_background"])

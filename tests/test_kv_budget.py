@@ -21,6 +21,7 @@ from jvllm.engine.kv_budget import (
 from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import load_model
+from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
@@ -263,7 +264,9 @@ def test_activation_reserve_bounds_the_compiled_steps_temporaries(
     largest_decode = max(b for b in buckets if b.is_decode)
     reserve = activation_reserve_bytes(config, num_tokens, num_seqs)
     for bucket in (largest_decode, buckets[-1]):
-        analysis = runner._compile((bucket, "step"), runner._abstract_state()).memory_analysis()
+        analysis = runner._compile(
+            (bucket, "step", SamplerPlan.DYNAMIC), runner._abstract_state()
+        ).memory_analysis()
         if analysis is None:
             pytest.skip(f"XLA gives no memory analysis on {jax.default_backend()}")
         assert analysis.temp_size_in_bytes <= reserve, bucket

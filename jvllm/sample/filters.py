@@ -95,13 +95,20 @@ def _from_bisection(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return _min_p_threshold(threshold, logits.max(-1, keepdims=True), md)
 
 
-def apply_top_k_top_p_min_p(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Mask f32[S, V] logits (already temperature-scaled) to each row's allowed set with -inf."""
+def apply_top_k_top_p_min_p(
+    logits: jax.Array, md: SamplingMetadata, branch_free: bool = False
+) -> jax.Array:
+    """Mask f32[S, V] logits (already temperature-scaled) to each row's allowed set with -inf.
+    The bisection runs only when some row needs it (a `lax.cond`), or, `branch_free`, always
+    (sample/plan.py: no conditional in a planned step)."""
     num_cand = min(_NUM_CANDIDATES, logits.shape[-1])
     threshold, exact = _from_candidates(jax.lax.top_k(logits, num_cand)[0], logits, md)
-    threshold = jax.lax.cond(
-        jnp.all(exact),
-        lambda: threshold,
-        lambda: jnp.where(exact[:, None], threshold, _from_bisection(logits, md)),
-    )
+
+    def with_bisection():
+        return jnp.where(exact[:, None], threshold, _from_bisection(logits, md))
+
+    if branch_free:
+        threshold = with_bisection()
+    else:
+        threshold = jax.lax.cond(jnp.all(exact), lambda: threshold, with_bisection)
     return jnp.where(logits >= threshold, logits, -jnp.inf)

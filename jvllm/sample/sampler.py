@@ -1,6 +1,7 @@
 """On-device sampling: logit processors, penalties, greedy / temperature / top-k / top-p / min-p
 with per-request seeds, and logprobs. Each optional stage sits behind a batch-level `lax.cond`,
-so a step whose requests ask for none of it pays only for the switch."""
+so a step whose requests ask for none of it pays only for the switch; or a sampler plan fixes
+the stages when the step compiles (sample/plan.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from jvllm.sample.filters import apply_top_k_top_p_min_p
 from jvllm.sample.logprobs import prompt_logprobs, topk_and_target
 from jvllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jvllm.sample.penalties import apply_penalties, token_counts
+from jvllm.sample.plan import SamplerPlan
 from jvllm.sampling_params import GREEDY_TEMPERATURE
 
 
@@ -56,26 +58,33 @@ def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     return block * _CDF_BLOCK + jnp.minimum(offset, last_positive)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+def sample(
+    logits: jax.Array, md: SamplingMetadata, plan: SamplerPlan = SamplerPlan.DYNAMIC
+) -> jax.Array:
     """Sample i32[S] token ids from f32[S, V] (processed) logits."""
     greedy = _argmax(logits)
+    if plan is SamplerPlan.GREEDY:
+        return greedy
 
     def random_sample() -> jax.Array:
         is_greedy = md.temperature < GREEDY_TEMPERATURE
         temperature = jnp.where(is_greedy, 1.0, md.temperature)
-        scaled = jax.lax.cond(
-            md.any_filter,
-            lambda x: apply_top_k_top_p_min_p(x, md),
-            lambda x: x,
-            logits / temperature[:, None],
-        )
+        scaled = logits / temperature[:, None]
+        if plan is SamplerPlan.DYNAMIC:
+            scaled = jax.lax.cond(
+                md.any_filter, lambda x: apply_top_k_top_p_min_p(x, md), lambda x: x, scaled
+            )
+        elif plan is SamplerPlan.FILTERED:
+            scaled = apply_top_k_top_p_min_p(scaled, md, branch_free=True)
         # One uniform per row and an inverse-CDF search: Gumbel noise for every vocabulary
         # entry cost 31 ms for 64 x 49152 logits, this 1.6 ms.
         u = jax.vmap(lambda key: jax.random.uniform(key))(_request_keys(md.seeds, md.output_index))
         weights = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True))  # [S, V]
         return jnp.where(is_greedy, greedy, _inverse_cdf(weights, u))
 
-    return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
+    if plan is SamplerPlan.DYNAMIC:
+        return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
+    return random_sample()
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -136,12 +145,12 @@ def sample_step(
     seq_lens: jax.Array,
     logits_fn,
     max_logprobs: int,
+    plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ) -> SamplerOutput:
     """Everything after the forward: f32[S, V] last-position logits and f32[T, D] hidden states
-    (for prompt logprobs, through `logits_fn`) -> `SamplerOutput`."""
+    (for prompt logprobs, through `logits_fn`) -> `SamplerOutput`. A plan other than DYNAMIC
+    is only for steps that `choose_plan` gives it: no processors, penalties or logprobs."""
     num_seqs, num_tokens, k = logits.shape[0], hidden.shape[0], max(max_logprobs, 1)
-    processed = process_logits(logits, md, bias_rows, token_cache, block_tables, seq_lens)
-    sampled = sample(processed, md)
 
     def no_logprobs(n):
         return (
@@ -151,6 +160,11 @@ def sample_step(
             jnp.zeros(n, jnp.int32),
         )
 
+    if plan is not SamplerPlan.DYNAMIC:
+        sampled = sample(logits, md, plan)
+        return SamplerOutput(sampled, *no_logprobs(num_seqs), *no_logprobs(num_tokens))
+    processed = process_logits(logits, md, bias_rows, token_cache, block_tables, seq_lens)
+    sampled = sample(processed, md)
     top = jax.lax.cond(
         md.any_logprobs,
         lambda: topk_and_target(logits, sampled, k),

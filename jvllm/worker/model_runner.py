@@ -18,6 +18,7 @@ from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers
 from jvllm.logger import init_logger
 from jvllm.models.model import param_axes
+from jvllm.sample.plan import SamplerPlan, choose_plan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
@@ -29,6 +30,8 @@ from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
+
+Shape = tuple[Bucket, str, SamplerPlan]  # (bucket, kind of executable, sampler plan)
 
 
 class ModelRunner:
@@ -86,25 +89,18 @@ class ModelRunner:
         )
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
-        self.step = step = functools.partial(
+        self.step = functools.partial(
             model_step,
             model=sharded_model(config, mesh, attn, self.layers_unstacked),
             max_logprobs=max_logprobs,
         )
-        self._step_fn = jax.jit(functools.partial(single_step, step=step), donate_argnums=(1, 2))
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps
-        self._window_fn = jax.jit(
-            functools.partial(
-                run_window, step=step, num_steps=num_scheduler_steps, max_logprobs=max_logprobs
-            ),
-            donate_argnums=(1, 2),
-        )
         # Async scheduling: one more executable per decode bucket, the step after a step.
         self.async_scheduling = async_scheduling
-        self._ahead_fn = jax.jit(
-            functools.partial(next_decode_step, step=step), donate_argnums=(1, 2)
-        )
+        # On a GPU, a step runs the executable of its sampler plan once that is compiled (in
+        # the background, on the plan's first step) and the DYNAMIC one until then.
+        self.sampler_plans = use_sampler_plans()
         self._ahead: StepAhead | None = None
         self.num_steps_ahead_used = 0
         self.num_steps_ahead_dropped = 0
@@ -150,9 +146,10 @@ class ModelRunner:
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows),
         )
 
-    def all_shapes(self) -> list[tuple[Bucket, str]]:
-        """Every (bucket, kind) this runner can run: "step", "window" (a decode window) or
-        "ahead" (the decode step after a step, for async scheduling)."""
+    def all_shapes(self) -> list[Shape]:
+        """Every (bucket, kind, DYNAMIC) this runner can run: kind "step", "window" (a decode
+        window) or "ahead" (the decode step after a step, for async scheduling). The other
+        plans' executables compile when a step first asks for them."""
         buckets = self.buckets.all_buckets()
         decode = [b for b in buckets if b.is_decode]
         shapes = [(b, "step") for b in buckets]
@@ -160,24 +157,50 @@ class ModelRunner:
             shapes += [(b, "window") for b in decode]
         if self.async_scheduling:
             shapes += [(b, "ahead") for b in decode]
-        return shapes
+        return [(b, kind, SamplerPlan.DYNAMIC) for b, kind in shapes]
 
-    def _compile(self, shape: tuple[Bucket, str], state) -> jax.stages.Compiled:
-        bucket, kind = shape
+    def _jitted(self, kind: str, plan: SamplerPlan):
+        """The jitted entry point of a kind of executable, its sampler plan bound."""
+        step = functools.partial(self.step, plan=plan)
+        if kind == "window":
+            fn = functools.partial(
+                run_window,
+                step=step,
+                num_steps=self.num_scheduler_steps,
+                max_logprobs=self.max_logprobs,
+            )
+        elif kind == "ahead":
+            fn = functools.partial(next_decode_step, step=step)
+        else:
+            fn = functools.partial(single_step, step=step)
+        return jax.jit(fn, donate_argnums=(1, 2))
+
+    def _compile(self, shape: Shape, state) -> jax.stages.Compiled:
+        bucket, kind, plan = shape
         dummy = prepare_step_inputs(
             [], [], [], bucket, self.block_size, self.max_pages, self.config.vocab_size
         )
+        args = [*state, dummy]
         if kind == "window":
-            window = prepare_window_inputs([], [], bucket.num_seqs)
-            return self._window_fn.lower(*state, dummy, window).compile()
-        if kind == "ahead":
-            sampled = np.zeros(bucket.num_seqs, np.int32)
-            active = np.zeros(bucket.num_seqs, bool)
-            return self._ahead_fn.lower(*state, dummy, sampled, active).compile()
-        return self._step_fn.lower(*state, dummy).compile()
+            args.append(prepare_window_inputs([], [], bucket.num_seqs))
+        elif kind == "ahead":
+            args += [np.zeros(bucket.num_seqs, np.int32), np.zeros(bucket.num_seqs, bool)]
+        return self._jitted(kind, plan).lower(*args).compile()
 
-    def _executable(self, bucket: Bucket, kind: str = "step") -> jax.stages.Compiled:
-        return self._compiled.wait((bucket, kind))
+    def _executable(
+        self, bucket: Bucket, kind: str = "step", plan: SamplerPlan = SamplerPlan.DYNAMIC
+    ) -> jax.stages.Compiled:
+        """The executable of a step in `bucket`: its plan's once that is compiled (queued now
+        otherwise), meanwhile the DYNAMIC one."""
+        if plan is not SamplerPlan.DYNAMIC:
+            exe = self._compiled.get((bucket, kind, plan))
+            if exe is not None:
+                return exe
+            self._compiled.compile_in_background([(bucket, kind, plan)])
+        return self._compiled.wait((bucket, kind, SamplerPlan.DYNAMIC))
+
+    def _plan(self, inputs: StepInputs) -> SamplerPlan:
+        return choose_plan(inputs.sampling) if self.sampler_plans else SamplerPlan.DYNAMIC
 
     def compile_all(self, progress: bool = True) -> float:
         """Compile every shape up front so that nothing compiles while serving, two at a time;
@@ -218,8 +241,8 @@ class ModelRunner:
         rows = self.bias_rows.rows
         self._set_bias_row.lower(rows, np.int32(0), np.zeros(rows.shape[1], np.float32)).compile()
 
-    def _warm_up_when_compiled(self, shape: tuple[Bucket, str]) -> None:
-        bucket, kind = shape
+    def _warm_up_when_compiled(self, shape: Shape) -> None:
+        bucket, kind, _ = shape
         if kind == "step":
             self._warm_up(bucket)
 
@@ -227,16 +250,17 @@ class ModelRunner:
         """The smallest bucket for the step; while its executable is not compiled, the
         smallest compiled one that holds the step (the exact one then compiles in the
         background); when none does, the exact one, whose compile the step waits for."""
+        dynamic = SamplerPlan.DYNAMIC
         exact = self.buckets.select(num_tokens, num_seqs)
-        if self._compiled.get((exact, kind)) is not None:
+        if self._compiled.get((exact, kind, dynamic)) is not None:
             return exact
         for bucket in self.buckets.fitting(num_tokens, num_seqs, decode_only=kind != "step"):
-            if self._compiled.get((bucket, kind)) is not None:
-                self._compiled.compile_in_background([(exact, kind)])
+            if self._compiled.get((bucket, kind, dynamic)) is not None:
+                self._compiled.compile_in_background([(exact, kind, dynamic)])
                 return bucket
         return exact
 
-    def _decode_shapes(self, num_seqs: int) -> list[tuple[Bucket, str]]:
+    def _decode_shapes(self, num_seqs: int) -> list[Shape]:
         """The shapes that decode steps of `num_seqs` sequences will run in."""
         bucket = self.buckets.select(num_seqs, num_seqs)
         kinds = ["step"]
@@ -244,7 +268,7 @@ class ModelRunner:
             kinds.append("window")
         if self.async_scheduling:
             kinds.append("ahead")
-        return [(bucket, kind) for kind in kinds]
+        return [(bucket, kind, SamplerPlan.DYNAMIC) for kind in kinds]
 
     def _warm_up(self, bucket: Bucket) -> None:
         """Run `bucket` once on an all-padding step, which writes only the null page.
@@ -312,11 +336,12 @@ class ModelRunner:
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
-            out, self.kv_cache, self.token_cache = self._executable(bucket, kind)(*args)
+            exe = self._executable(bucket, kind, self._plan(inputs))
+            out, self.kv_cache, self.token_cache = exe(*args)
         if (
             self.async_scheduling
             and can_run_ahead(scheduler_output, block_ids, self.block_size)
-            and self._compiled.get((bucket, "ahead")) is not None
+            and self._compiled.get((bucket, "ahead", SamplerPlan.DYNAMIC)) is not None
         ):
             self._run_ahead(scheduler_output, block_ids, rows, bucket, any_logprobs, out, inputs)
         dispatched = time.perf_counter()
@@ -343,7 +368,9 @@ class ModelRunner:
         step's tokens on the device; every other row stays inactive."""
         active = np.zeros(bucket.num_seqs, bool)
         active[rows] = True
-        out, next_inputs, self.kv_cache, self.token_cache = self._executable(bucket, "ahead")(
+        # The step's sampling metadata but for its output index: this step's plan.
+        exe = self._executable(bucket, "ahead", self._plan(inputs))
+        out, next_inputs, self.kv_cache, self.token_cache = exe(
             self.params,
             self.kv_cache,
             self.token_cache,
@@ -367,11 +394,12 @@ class ModelRunner:
         )
 
 
-def _describe(bucket: Bucket, kind: str, num_steps: int) -> str:
+def _describe(bucket: Bucket, kind: str, plan: SamplerPlan, num_steps: int) -> str:
     """A shape's name in log lines; every executable gets its own."""
+    plan_name = "" if plan is SamplerPlan.DYNAMIC else f", {plan.value} sampling"
     if not bucket.is_decode:
-        return f"mixed bucket (tokens={bucket.num_tokens}, seqs={bucket.num_seqs})"
+        return f"mixed bucket (tokens={bucket.num_tokens}, seqs={bucket.num_seqs}){plan_name}"
     what = f"decode bucket (seqs={bucket.num_seqs})"
     if kind == "window":
-        return f"{what}, {num_steps}-step window"
-    return f"{what}, run ahead" if kind == "ahead" else what
+        return f"{what}, {num_steps}-step window{plan_name}"
+    return f"{what}{', run ahead' if kind == 'ahead' else ''}{plan_name}"

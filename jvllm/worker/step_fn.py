@@ -5,6 +5,7 @@ jvllm.step_loop chain it.
 """
 
 from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step
 from jvllm.worker.step_inputs import StepInputs
 
@@ -18,12 +19,13 @@ def model_step(
     *,
     model: ShardedModel,
     max_logprobs: int,
+    plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ):
     """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
 
     `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it); `logits:
     f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
-    engine's executables drop them)."""
+    engine's executables drop them); `plan`: the sampler's stages (sample/plan.py)."""
     md = inputs.attn
     hidden, kv_cache = model.forward(params, kv_cache, inputs.token_ids, inputs.positions, md)
     num_pages, block_size = token_cache.shape
@@ -44,6 +46,7 @@ def model_step(
         seq_lens=md.seq_lens,
         logits_fn=lambda h: model.logits(params, h),
         max_logprobs=max_logprobs,
+        plan=plan,
     )
     return out, logits, kv_cache, token_cache
 
