@@ -18,8 +18,9 @@
 # (default 560, inside the 10-minute limit of a call), so a slow step cannot cost the call's output.
 # A task is lent 15 minutes of device time, starts included: one full call and one short one.
 # Steps (logs land in $OUT/STEP.log; the reply shows the tail). What the open issues still need
-# measured, in the order to run them (one call: `layers issue-22 issue-17`; issue-18 and the
-# rest after it in a second call, while the machine and its XLA cache are warm):
+# measured, in the order to run them: `plans` alone in a first call (an 8B engine with its layers
+# split compiles for about a minute, so a comparison of two takes about 150 s), `issue-22` in a
+# second one while the machine and its XLA cache are warm; then `issue-17 issue-18`:
 #     layers        the 8B shapes' layer matmuls, stacked in a scan against one array per layer
 #                   in bfloat16 and in fp8 (jvllm.benchmarks.layer_stack), then the engine on the
 #                   8B shapes with its layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the
@@ -34,6 +35,12 @@
 #                   shapes (goals: 8B batch-1 within 1.15x of its floor, SmolLM2 batch-1 at least
 #                   632 tok/s, 8B 64 x 512 -> 128 at least 4297 tok/s)
 #     issue-18      cold and warm start-up of the 8B shapes (random weights, SmolLM2's tokenizer)
+#     plans         sampler plans (sample/plan.py, the GPU default since d06ae85: steps without
+#                   the sampler's conditionals), 8B shapes: async scheduling and decode windows
+#                   against k = 1, then async against k = 1 with JVLLM_SAMPLER_PLANS=0 (the
+#                   conditionals, as measured at ea8951d: k = 1 batch-1 7.8 ms a step, async
+#                   0.92x, windows 5.42 ms); what to run first in the next session's first call,
+#                   `plans issue-22`
 #     cond-sync     async scheduling against k = 1 on the 8B shapes, with XLA's defaults and with
 #                   conditionals and loops recorded in CUDA graphs: XLA:GPU's conditional thunk
 #                   waits on the host for the stream to drain before it picks a branch, so the
@@ -67,7 +74,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 check"
-usage+=" cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
+usage+=" plans cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
 usage+=" engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
@@ -135,6 +142,13 @@ layers)
             --layouts scan list list-barrier list-fp8
         JVLLM_UNSTACKED_LAYERS=0 shape_throughput llama-3-8b
         shape_throughput llama-3-8b
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+plans)
+    {
+        shape_throughput llama-3-8b --async-scheduling
+        shape_throughput llama-3-8b --num-scheduler-steps 16
+        JVLLM_SAMPLER_PLANS=0 shape_throughput llama-3-8b --async-scheduling
     } 2>&1 | tee "$out/$step.log"
     ;;
 cond-sync)
