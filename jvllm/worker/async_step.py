@@ -19,6 +19,7 @@ import dataclasses
 from jvllm.core.decode_window import has_token_dependent_bans
 from jvllm.core.scheduler import SchedulerOutput
 from jvllm.sample.metadata import SamplerOutput
+from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.step_inputs import StepInputs
@@ -44,6 +45,7 @@ class StepAhead:
     num_bias_sends: int  # BiasRows.num_sends when it was dispatched
     bucket: Bucket
     any_logprobs: bool
+    plan: SamplerPlan  # its sampler plan, the step's before it (host-side: its inputs are not)
     out: SamplerOutput
     inputs: StepInputs
 

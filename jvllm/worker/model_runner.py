@@ -314,7 +314,7 @@ class ModelRunner:
         if used_ahead:  # the step is already on the device
             self.num_steps_ahead_used += 1
             bucket, out, inputs = ahead.bucket, ahead.out, ahead.inputs
-            any_logprobs = ahead.any_logprobs
+            any_logprobs, plan = ahead.any_logprobs, ahead.plan
         else:
             self.num_steps_ahead_dropped += ahead is not None
             rows = list(range(num_reqs))
@@ -331,19 +331,21 @@ class ModelRunner:
                 bias_slots,
                 token_bitmask,
             )
-            any_logprobs = bool(inputs.sampling.any_logprobs)
+            any_logprobs, plan = bool(inputs.sampling.any_logprobs), self._plan(inputs)
             args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
-            exe = self._executable(bucket, kind, self._plan(inputs))
+            exe = self._executable(bucket, kind, plan)
             out, self.kv_cache, self.token_cache = exe(*args)
         if (
             self.async_scheduling
             and can_run_ahead(scheduler_output, block_ids, self.block_size)
             and self._compiled.get((bucket, "ahead", SamplerPlan.DYNAMIC)) is not None
         ):
-            self._run_ahead(scheduler_output, block_ids, rows, bucket, any_logprobs, out, inputs)
+            self._run_ahead(
+                scheduler_output, block_ids, rows, bucket, any_logprobs, plan, out, inputs
+            )
         dispatched = time.perf_counter()
         # A window and a step run ahead decode only: no prompt positions to score.
         any_prompt_logprobs = not (is_window or used_ahead) and bool(
@@ -361,6 +363,7 @@ class ModelRunner:
         rows: list[int],
         bucket: Bucket,
         any_logprobs: bool,
+        plan: SamplerPlan,
         out,
         inputs: StepInputs,
     ) -> None:
@@ -369,7 +372,7 @@ class ModelRunner:
         active = np.zeros(bucket.num_seqs, bool)
         active[rows] = True
         # The step's sampling metadata but for its output index: this step's plan.
-        exe = self._executable(bucket, "ahead", self._plan(inputs))
+        exe = self._executable(bucket, "ahead", plan)
         out, next_inputs, self.kv_cache, self.token_cache = exe(
             self.params,
             self.kv_cache,
@@ -389,6 +392,7 @@ class ModelRunner:
             num_bias_sends=self.bias_rows.num_sends,
             bucket=bucket,
             any_logprobs=any_logprobs,
+            plan=plan,
             out=out,
             inputs=next_inputs,
         )
