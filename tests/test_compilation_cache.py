@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from jax._src.lru_cache import LRUCache
 
 from jvllm.worker.compilation_cache import date_undated_entries
@@ -47,6 +48,7 @@ print(json.dumps({**counts, "tokens": out[0].outputs[0].token_ids}))
 """
 
 
+@pytest.mark.slow  # two processes, the first compiling every bucket: 30 s on 2 cores
 def test_a_second_process_compiles_nothing(tmp_path, tiny_llama_weights_dir):
     env = {**os.environ, "JVLLM_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

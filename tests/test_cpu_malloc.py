@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from jvllm.cpu_malloc import MALLOC_TUNING_ENV, keep_freed_memory
 
@@ -36,6 +37,7 @@ def _run(tuning: str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
+@pytest.mark.slow  # two processes timing large temporaries: 20 s on 2 cores
 def test_tuned_malloc_reuses_the_pages_of_large_temporaries():
     applied, faults = _run("1")
     untuned_applied, untuned_faults = _run("0")

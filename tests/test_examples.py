@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,6 +31,7 @@ def test_offline_inference_example_prints_the_four_prompts():
     assert all("Generated: ''" not in line for line in lines)
 
 
+@pytest.mark.slow  # the example loads the default model in a process of its own: 15 s
 def test_trace_request_example_prints_the_lifecycle():
     out = _run("trace_request.py", "hello")
     assert out.count("FINISHED_LENGTH") == 2

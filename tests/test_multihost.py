@@ -14,6 +14,9 @@ from family_parity import TP_VOCAB, ragged_prompts, save_tp_llama
 
 from jvllm import LLM, SamplingParams
 
+# Two jax.distributed processes a test, each compiling: 10-20 s each on 2 cores.
+pytestmark = pytest.mark.slow
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "multihost_script.py")
 TIMEOUT_S = 15  # JVLLM_DISTRIBUTED_TIMEOUT: joining, and a silent process counted dead
 PROMPTS = ragged_prompts(TP_VOCAB, lengths=(3, 17, 40))

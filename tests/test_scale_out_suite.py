@@ -4,11 +4,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import SCALE_OUT_ENV
 
 TESTS = os.path.dirname(__file__)
 
 
+@pytest.mark.slow  # a subprocess runs the scale-out suite on 8 fake devices: a minute on 2 cores
 def test_scale_out_suite_passes_on_eight_cpu_devices():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "scale_out"],
