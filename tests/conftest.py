@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+# Sampler plans add executables where some tests count them; test_sampler_plans.py turns them
+# on (on a GPU they are the default).
+os.environ.setdefault("JVLLM_SAMPLER_PLANS", "0")
 # tests/scale_out/ (tensor and data parallelism) runs in a process of its own, on 8 fake CPU
 # devices set before JAX starts (test_scale_out_suite.py starts it): in this process the flag
 # would slow every other test by a third, XLA:CPU sharing the cores among the devices.

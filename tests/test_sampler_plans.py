@@ -147,3 +147,20 @@ def test_the_engine_runs_each_plans_executable_once_compiled(tiny_llama_dir, mon
         for outputs in (first, again):
             tokens = [o.outputs[0].token_ids for o in outputs]
             assert tokens == [o.outputs[0].token_ids for o in expected[plan]], plan
+
+
+def test_a_step_compiles_its_plans_executable_itself_in_lockstep(tiny_llama_dir, monkeypatch):
+    """With several processes nothing compiles in the background (each process must run the
+    same executables); a step of a plan then compiles the plan's own, and where no DYNAMIC
+    one is compiled either, only the plan's."""
+    monkeypatch.setenv(SAMPLER_PLANS_ENV, "1")
+    llm = LLM(tiny_llama_dir, **_ENGINE_KWARGS)
+    runner = llm.llm_engine.model_runner
+    runner._compiled.lockstep = True  # what jax.process_count() > 1 sets
+    params = _PARAMS[SamplerPlan.GREEDY]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    plans = {plan for _, _, plan in runner._compiled._ready}
+    assert plans == {SamplerPlan.GREEDY}
+    monkeypatch.setenv(SAMPLER_PLANS_ENV, "0")
+    switched = LLM(tiny_llama_dir, **_ENGINE_KWARGS).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in switched]

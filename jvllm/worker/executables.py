@@ -26,7 +26,7 @@ logger = init_logger(__name__)
 # persistent cache: 24 s one at a time, 16 s two at a time).
 _COMPILE_THREADS = 2
 
-Shape = Any  # (Bucket, kind)
+Shape = Any  # model_runner.Shape: (Bucket, kind, sampler plan)
 
 
 class Executables:

@@ -190,20 +190,29 @@ class ModelRunner:
     def _executable(
         self, bucket: Bucket, kind: str = "step", plan: SamplerPlan = SamplerPlan.DYNAMIC
     ) -> jax.stages.Compiled:
-        """The executable of a step in `bucket`: its plan's once that is compiled (queued now
-        otherwise), meanwhile the DYNAMIC one."""
-        if plan is not SamplerPlan.DYNAMIC:
-            exe = self._compiled.get((bucket, kind, plan))
-            if exe is not None:
-                return exe
-            self._compiled.compile_in_background([(bucket, kind, plan)])
-        return self._compiled.wait((bucket, kind, SamplerPlan.DYNAMIC))
+        """The executable of a step in `bucket`: its plan's once that is compiled; until then
+        the DYNAMIC one, the plan's compiling in the background. A step compiles the plan's
+        itself where it would compile the DYNAMIC one, and in lockstep (every process runs the
+        same executables, so none can wait on a thread)."""
+        dynamic = (bucket, kind, SamplerPlan.DYNAMIC)
+        if plan is SamplerPlan.DYNAMIC:
+            return self._compiled.wait(dynamic)
+        planned = (bucket, kind, plan)
+        exe = self._compiled.get(planned)
+        if exe is not None:
+            return exe
+        exe = self._compiled.get(dynamic)
+        if exe is None or self._compiled.lockstep:
+            return self._compiled.wait(planned)
+        self._compiled.compile_in_background([planned])
+        return exe
 
     def _plan(self, inputs: StepInputs) -> SamplerPlan:
         return choose_plan(inputs.sampling) if self.sampler_plans else SamplerPlan.DYNAMIC
 
     def compile_all(self, progress: bool = True) -> float:
-        """Compile every shape up front so that nothing compiles while serving, two at a time;
+        """Compile every shape up front so that nothing compiles while serving but sampler
+        plans' executables (sample/plan.py), two at a time;
         -> the seconds spent compiling. Each bucket's warm-up run is dispatched as soon as it
         is ready and executes alongside the compiles (`warmup_seconds` counts the dispatches
         and the wait for the last runs)."""
