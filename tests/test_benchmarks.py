@@ -182,7 +182,6 @@ def _startup_rows(out: str) -> dict[str, list[str]]:
     return {row[0]: row[2:] for row in rows}
 
 
-@pytest.mark.slow  # cold and warm processes, each compiling: about a minute on 2 cores
 def test_startup_benchmark_times_cold_and_warm_processes(tiny_llama_dir, capsys):
     # Four processes (first token and the README example, cold and warm), each importing jax
     # and compiling; one token keeps the README example to one bucket.
