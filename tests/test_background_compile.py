@@ -75,6 +75,24 @@ def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
     assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is not None
 
 
+def test_a_bucket_lent_to_a_step_gets_no_sampler_plan(
+    tiny_llama_weights_dir, expected, monkeypatch
+):
+    """A plan's executables are for the step's own bucket: a larger one that runs the step
+    while its own compiles runs the switches, and no plan compiles for it."""
+    monkeypatch.setenv("JVLLM_SAMPLER_PLANS", "1")
+    held = Bucket(1, 1, 1)
+    llm, runner, release = _engine_holding_back(tiny_llama_weights_dir, held)
+    try:
+        short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        assert short == expected[0]
+    finally:
+        release.set()
+    runner.wait_for_compiles()
+    planned = [s for s in runner._compiled._ready if s[2] is not SamplerPlan.DYNAMIC]
+    assert planned and all(not b.is_decode for b, _, _ in planned)
+
+
 @pytest.mark.parametrize("name", ["compile_all_buckets", "compile_in_background"])
 def test_compile_options_take_bools_only(name):
     with pytest.raises(ValueError, match=f"{name} must be a bool, got 'yes'"):

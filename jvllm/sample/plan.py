@@ -8,8 +8,8 @@ prepare the next step meanwhile, and async scheduling overlaps nothing (BENCHMAR
 split on a GPU": an 8B batch-1 step returned from its dispatch 0.5 ms before its results).
 
 A plan names the stages a step runs instead, as a static argument: an executable compiled for
-GREEDY, RANDOM or FILTERED has no conditional. DYNAMIC keeps the switches, and is what every
-step of a step with penalties, logit processors, grammar masks or logprobs runs.
+GREEDY, RANDOM or FILTERED has no conditional. DYNAMIC keeps the switches: what a step with
+penalties, logit processors, grammar masks or logprobs runs.
 """
 
 import enum

@@ -1,10 +1,11 @@
 """The runner's compiled executables: compiled on first use, up front, or in background threads.
 
-A shape is a (Bucket, kind, sampler plan) triple (see model_runner.Shape). `get` returns a shape's executable if
-it is ready; `wait` returns it, compiling it in the caller unless a compile of it is already
-running, which it then waits for (a queued one is taken out of the queue and compiled at once:
-a step waits for its own shape, never for the shapes queued before it). XLA releases the GIL
-while it compiles, so the engine keeps stepping while the threads work.
+A shape is a (Bucket, kind, sampler plan) triple (see model_runner.Shape). `get` returns a
+shape's executable if it is ready; `wait` returns it, compiling it in the caller unless a
+compile of it is already running, which it then waits for (a queued one is taken out of the
+queue and compiled at once: a step waits for its own shape, never for the shapes queued before
+it). XLA releases the GIL while it compiles, so the engine keeps stepping while the threads
+work.
 """
 
 from __future__ import annotations

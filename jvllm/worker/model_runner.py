@@ -341,6 +341,8 @@ class ModelRunner:
                 token_bitmask,
             )
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self._plan(inputs)
+            if bucket != self.buckets.select(sum(counts), num_reqs):
+                plan = SamplerPlan.DYNAMIC  # a bucket lent while the step's own compiles
             args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
