@@ -39,8 +39,7 @@
 #                   the sampler's conditionals), 8B shapes: async scheduling and decode windows
 #                   against k = 1, then async against k = 1 with JVLLM_SAMPLER_PLANS=0 (the
 #                   conditionals, as measured at ea8951d: k = 1 batch-1 7.8 ms a step, async
-#                   0.92x, windows 5.42 ms); what to run first in the next session's first call,
-#                   `plans issue-22`
+#                   0.92x, windows 5.42 ms); the next session's first call
 #     cond-sync     async scheduling against k = 1 on the 8B shapes, with XLA's defaults and with
 #                   conditionals and loops recorded in CUDA graphs: XLA:GPU's conditional thunk
 #                   waits on the host for the stream to drain before it picks a branch, so the
