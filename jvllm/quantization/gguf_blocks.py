@@ -81,26 +81,30 @@ def _q4_k_scales(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     return sc, mn
 
 
-def _dequantize_q4_k(f: Fields) -> jax.Array:
+def _k_low_bits(f: Fields) -> jax.Array:
+    """Q4_K's and Q5_K's low 4 bits -> u8[..., 8, 32]: 32 bytes per pair of sub-blocks, low
+    nibbles the first, high nibbles the second."""
     lead = f["qs"].shape[:-1]
+    return _nibbles(f["qs"].reshape(*lead, 4, 32)).reshape(*lead, 8, 32)
+
+
+def _k_scaled(f: Fields, q: jax.Array) -> jax.Array:
+    """A K-quant super-block's values u8[..., 8, 32] times their sub-block's scale, less its
+    min -> f32[..., 256]."""
     sc, mn = _q4_k_scales(f["scales"])
     d = (_f32(f["d"])[..., None] * _f32(sc))[..., None]  # [..., 8, 1]
     dm = (_f32(f["dmin"])[..., None] * _f32(mn))[..., None]
-    # 32 bytes per pair of sub-blocks: low nibbles the first, high nibbles the second.
-    q = _nibbles(f["qs"].reshape(*lead, 4, 32)).reshape(*lead, 8, 32)
-    return (d * _f32(q) - dm).reshape(*lead, 256)
+    return (d * _f32(q) - dm).reshape(*q.shape[:-2], 256)
+
+
+def _dequantize_q4_k(f: Fields) -> jax.Array:
+    return _k_scaled(f, _k_low_bits(f))
 
 
 def _dequantize_q5_k(f: Fields) -> jax.Array:
-    lead = f["qs"].shape[:-1]
-    sc, mn = _q4_k_scales(f["scales"])
-    d = (_f32(f["d"])[..., None] * _f32(sc))[..., None]  # [..., 8, 1]
-    dm = (_f32(f["dmin"])[..., None] * _f32(mn))[..., None]
-    # The low 4 bits as Q4_K's; sub-block i's fifth bit is bit i of each of qh's 32 bytes.
-    low = _nibbles(f["qs"].reshape(*lead, 4, 32)).reshape(*lead, 8, 32)
+    # Sub-block i's fifth bit is bit i of each of qh's 32 bytes.
     high = f["qh"][..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]  # [..., 8, 32]
-    q = low | ((high & 1) << 4)
-    return (d * _f32(q) - dm).reshape(*lead, 256)
+    return _k_scaled(f, _k_low_bits(f) | ((high & 1) << 4))
 
 
 def _dequantize_q6_k(f: Fields) -> jax.Array:
