@@ -255,19 +255,20 @@ class ModelRunner:
         if kind == "step":
             self._warm_up(bucket)
 
-    def _select_bucket(self, num_tokens: int, num_seqs: int, kind: str) -> Bucket:
+    def _select_bucket(self, num_tokens: int, num_seqs: int, kind: str) -> tuple[Bucket, bool]:
         """The smallest bucket for the step; while its executable is not compiled, the
         smallest compiled one that holds the step (the exact one then compiles in the
-        background); when none does, the exact one, whose compile the step waits for."""
+        background); when none does, the exact one, whose compile the step waits for.
+        -> (bucket, whether it is only lent to the step)."""
         dynamic = SamplerPlan.DYNAMIC
         exact = self.buckets.select(num_tokens, num_seqs)
         if self._compiled.get((exact, kind, dynamic)) is not None:
-            return exact
+            return exact, False
         for bucket in self.buckets.fitting(num_tokens, num_seqs, decode_only=kind != "step"):
             if self._compiled.get((bucket, kind, dynamic)) is not None:
                 self._compiled.compile_in_background([(exact, kind, dynamic)])
-                return bucket
-        return exact
+                return bucket, True
+        return exact, False
 
     def _decode_shapes(self, num_seqs: int) -> list[Shape]:
         """The shapes that decode steps of `num_seqs` sequences will run in."""
@@ -328,7 +329,7 @@ class ModelRunner:
             self.num_steps_ahead_dropped += ahead is not None
             rows = list(range(num_reqs))
             kind = "window" if is_window else "step"
-            bucket = self._select_bucket(sum(counts), num_reqs, kind)
+            bucket, lent = self._select_bucket(sum(counts), num_reqs, kind)
             inputs = prepare_step_inputs(
                 requests,
                 counts,
@@ -341,8 +342,8 @@ class ModelRunner:
                 token_bitmask,
             )
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self._plan(inputs)
-            if bucket != self.buckets.select(sum(counts), num_reqs):
-                plan = SamplerPlan.DYNAMIC  # a bucket lent while the step's own compiles
+            if lent:
+                plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent
             args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
