@@ -14,8 +14,17 @@ import pytest
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "tools", "gpu_session.sh")
 _STEPS = [
-    *("layers", "issue-22", "issue-17", "issue-18", "plans", "cond-sync", "check", "bench-decode"),
-    "bench-mixed",
+    *(
+        "layers",
+        "issue-22",
+        "issue-17",
+        "issue-18",
+        "plans",
+        "window-checks",
+        "check",
+        "bench-decode",
+    ),
+    *("cond-sync", "bench-mixed"),
     *("engine-small", "engine-8b", "engine-gemma", "engine-moe", "engine-steps"),
 ]
 

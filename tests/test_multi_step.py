@@ -10,6 +10,7 @@ import pytest
 from conftest import RAGGED_PROMPTS as PROMPTS
 
 from jvllm import LLM, LLMEngine, SamplingParams
+from jvllm.worker.decode_loop import WINDOW_STEPS_PER_CHECK_ENV
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 8}
 # Seeded samples compare across executables compiled apart, whose float32 logits can differ in
@@ -133,6 +134,38 @@ def test_stops_inside_a_window_match_single_steps(engines):
     by_id, by_text = _generate(engines(4), cases[0]), _generate(engines(4), cases[1])
     assert any(c[3] == "stop" and len(c[1]) <= 7 for c in by_id)
     assert any(c[4] == stop_text for c in by_text)
+
+
+def test_stops_checked_every_few_steps_match_single_steps(engines, tiny_llama_dir, monkeypatch):
+    """A window that checks for stopped rows after every 3 steps (so a run of steps passes
+    the window's end when 3 does not divide k, and steps run after every row has stopped)
+    samples, stops and frees as single steps do."""
+    monkeypatch.setenv(WINDOW_STEPS_PER_CHECK_ENV, "3")
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    free = engines(1).generate(PROMPTS, greedy, use_tqdm=False)
+    stop_ids = [o.outputs[0].token_ids[4] for o in free[:3]]
+    staggered = [
+        SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, stop_token_ids=stop_ids)
+        for n in (3, 30, 9, 14, 21)
+    ]
+    seeded = SamplingParams(
+        temperature=1.0,
+        top_k=SEEDED_TOP_K,
+        seed=3,
+        max_tokens=17,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+    )
+    for k in (4, 16):
+        checked = LLM(tiny_llama_dir, num_scheduler_steps=k, **ENGINE_KWARGS)
+        for params in (staggered, seeded):
+            assert _generate(checked, params) == _generate(engines(1), params)
+    # The runs of 3 steps are loops XLA knows the trip count of, which read no predicate.
+    runner = checked.llm_engine.model_runner
+    used = [s for s in runner._compiled._ready if s[1] == "window"]
+    assert used and all(
+        '"known_trip_count":{"n":"3"}' in runner._compiled.get(s).as_text() for s in used
+    )
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ only the null page (slot 0) and its samples are ignored.
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,20 @@ from jvllm.core.decode_window import MAX_WINDOW_STOP_IDS, window_stop_token_ids
 from jvllm.core.request import Request
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.worker.step_inputs import StepInputs
+
+# Decode steps a window runs between its checks that some row still decodes (run_window);
+# unset: 1, a check after every step.
+WINDOW_STEPS_PER_CHECK_ENV = "JVLLM_WINDOW_STEPS_PER_CHECK"
+
+
+def window_steps_per_check() -> int:
+    """The setting of WINDOW_STEPS_PER_CHECK_ENV, an int >= 1."""
+    setting = os.environ.get(WINDOW_STEPS_PER_CHECK_ENV, "1")
+    if not setting.isdigit() or int(setting) < 1:
+        raise ValueError(
+            f"{WINDOW_STEPS_PER_CHECK_ENV}={setting!r}; allowed: an integer >= 1 (or unset: 1)"
+        )
+    return int(setting)
 
 
 @jax.tree_util.register_dataclass
@@ -130,28 +145,35 @@ def run_window(
     *,
     step,
     num_steps: int,
+    steps_per_check: int,
     max_logprobs: int,
 ) -> tuple[WindowOutput, jax.Array, jax.Array]:
     """Up to `num_steps` decode steps in one call, until every row has stopped
-    -> (WindowOutput, kv_cache, token_cache)."""
+    -> (WindowOutput, kv_cache, token_cache).
+
+    Whether every row has stopped is checked after each `steps_per_check` steps (a loop of
+    that fixed trip count inside the window's while loop): on a GPU, XLA reads a while loop's
+    predicate on the host, which waits for the stream to drain, and a fixed trip count needs
+    no predicate. A row that stops inside such a run of steps writes nothing more; the steps
+    left after every row stopped are spent."""
     num_seqs, k = window.limits.shape[0], max(max_logprobs, 1)
+    steps_per_check = min(steps_per_check, num_steps)
+    # Room for the last run of steps, which may pass num_steps: every row has stopped there
+    # (limits <= num_steps), and those rows are cut off below.
+    num_rows = -(-num_steps // steps_per_check) * steps_per_check
     active = window.limits > 0
     carry = DecodeCarry(kv_cache, token_cache, inputs, jnp.zeros(num_seqs, jnp.int32), active)
     out = WindowOutput(
-        token_ids=jnp.zeros((num_steps, num_seqs), jnp.int32),
+        token_ids=jnp.zeros((num_rows, num_seqs), jnp.int32),
         num_sampled=carry.num_sampled,
-        topk_token_ids=jnp.zeros((num_steps, num_seqs, k), jnp.int32),
-        topk_logprobs=jnp.zeros((num_steps, num_seqs, k), jnp.float32),
-        sampled_logprobs=jnp.zeros((num_steps, num_seqs), jnp.float32),
-        sampled_ranks=jnp.zeros((num_steps, num_seqs), jnp.int32),
+        topk_token_ids=jnp.zeros((num_rows, num_seqs, k), jnp.int32),
+        topk_logprobs=jnp.zeros((num_rows, num_seqs, k), jnp.float32),
+        sampled_logprobs=jnp.zeros((num_rows, num_seqs), jnp.float32),
+        sampled_ranks=jnp.zeros((num_rows, num_seqs), jnp.int32),
     )
 
-    def keep_going(state):
-        j, carry, _ = state
-        return (j < num_steps) & jnp.any(carry.active)
-
-    def body(state):
-        j, carry, out = state
+    def one_step(j, state):
+        carry, out = state
         carry, step_out, _, _ = decode_step(step, params, bias_rows, window, carry)
         out = WindowOutput(
             token_ids=out.token_ids.at[j].set(step_out.sampled_token_ids),
@@ -161,7 +183,32 @@ def run_window(
             sampled_logprobs=out.sampled_logprobs.at[j].set(step_out.sampled_logprobs),
             sampled_ranks=out.sampled_ranks.at[j].set(step_out.sampled_ranks),
         )
-        return j + 1, carry, out
+        return carry, out
+
+    def keep_going(state):
+        j, carry, _ = state
+        return (j < num_steps) & jnp.any(carry.active)
+
+    def body(state):
+        j, carry, out = state
+        if steps_per_check == 1:
+            carry, out = one_step(j, (carry, out))
+        else:
+
+            def run(i, state):
+                return one_step(j + i, state)
+
+            carry, out = jax.lax.fori_loop(0, steps_per_check, run, (carry, out))
+        return j + steps_per_check, carry, out
 
     _, carry, out = jax.lax.while_loop(keep_going, body, (jnp.int32(0), carry, out))
+    if num_rows > num_steps:
+        out = dataclasses.replace(
+            out,
+            **{
+                f.name: getattr(out, f.name)[:num_steps]
+                for f in dataclasses.fields(out)
+                if f.name != "num_sampled"
+            },
+        )
     return out, carry.kv_cache, carry.token_cache

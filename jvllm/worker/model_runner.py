@@ -22,7 +22,11 @@ from jvllm.sample.plan import SamplerPlan, choose_plan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
-from jvllm.worker.decode_loop import prepare_window_inputs, run_window
+from jvllm.worker.decode_loop import (
+    prepare_window_inputs,
+    run_window,
+    window_steps_per_check,
+)
 from jvllm.worker.executables import Executables
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
@@ -96,6 +100,7 @@ class ModelRunner:
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps
+        self.window_steps_per_check = window_steps_per_check()
         # Async scheduling: one more executable per decode bucket, the step after a step.
         self.async_scheduling = async_scheduling
         # On a GPU, a step runs the executable of its sampler plan once that is compiled (in
@@ -167,6 +172,7 @@ class ModelRunner:
                 run_window,
                 step=step,
                 num_steps=self.num_scheduler_steps,
+                steps_per_check=self.window_steps_per_check,
                 max_logprobs=self.max_logprobs,
             )
         elif kind == "ahead":
