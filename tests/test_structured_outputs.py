@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jvllm import LLM, SamplingParams, StructuredOutputsParams
+from jvllm.structured_output.grammar import close_objects
 
 # Every leaf has a bounded length (strings, integers) so that sampled outputs close in time
 # on any CPU; a bounded number may still have any number of decimals, so it is tested greedy.
@@ -88,6 +89,59 @@ def test_json_outputs_validate_against_their_schemas(smollm2_llm, temperature):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (name, completion.text)
         jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
+
+
+def test_objects_get_no_properties_their_schema_does_not_list(smollm2_llm):
+    """A schema that leaves additionalProperties unsaid gets only its declared keys, as from
+    vLLM's default (strict) grammar backend; sampled, a small model otherwise adds keys until
+    max_tokens cuts the JSON short."""
+    open_schema = {
+        "type": "object",
+        "properties": {"name": _NAME, "age": _SMALL_INT, "tags": {"type": "object"}},
+        "required": ["name", "age"],
+    }
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=seed,
+            max_tokens=80,
+            structured_outputs=StructuredOutputsParams(json=open_schema),
+        )
+        for seed in range(4)
+    ]
+    outputs = smollm2_llm.generate(["Describe a person as JSON: "] * 4, params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        jsonschema.validate(value, open_schema)
+        assert set(value) <= {"name", "age", "tags"}, completion.text
+
+
+def test_closing_objects_leaves_data_explicit_settings_and_all_of_members_alone():
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "$defs": {"point": point},
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {}}},  # a key named so
+            "list": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/point"}, point]}},
+            "open": {"type": "object", "properties": {"b": {}}, "additionalProperties": True},
+            "bare": {"type": "object"},
+            "both": {"allOf": [point, {"properties": {"y": {}}}]},
+        },
+        "default": {"properties": {"z": 1}},
+    }
+    closed = close_objects(json.loads(json.dumps(schema)))
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert props["list"]["items"]["anyOf"][1]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["bare"]["additionalProperties"] is False  # "{}" only, as xgrammar's strict
+    assert all("additionalProperties" not in member for member in props["both"]["allOf"])
+    assert closed["default"] == schema["default"]  # data, not a schema
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
