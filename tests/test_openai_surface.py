@@ -423,3 +423,57 @@ def test_request_id_names_the_response(client):
         prompt=PROMPT, extra_body={"request_id": "my-id"}, **_greedy(max_tokens=1)
     )
     assert out.id == "cmpl-my-id"
+
+
+def test_explicit_nulls_mean_the_defaults(served):
+    """Clients send null for fields they leave at their defaults (vLLM's fields are Optional)."""
+    nulls = {"stream": None, "n": None, "logprobs": None, "echo": None}
+    out = _post(served["url"], "/v1/completions", {"prompt": PROMPT, **nulls, **_greedy()})
+    [choice] = out["choices"]
+    assert choice["text"] == served["ref"].text and choice["logprobs"] is None
+    del nulls["echo"]
+    chat = _post(served["url"], "/v1/chat/completions", {"messages": CHAT, **nulls, **_greedy()})
+    assert len(chat["choices"]) == 1 and chat["choices"][0]["logprobs"] is None
+
+
+def test_a_tool_calling_turn_without_content_is_an_empty_string(served):
+    """The assistant turn of a tool call comes back from OpenAI with content null; sent back in
+    the next request it renders as vLLM renders it, as empty text."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    empty = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    no_key = [*CHAT, {"role": "assistant", "tool_calls": [call]}]
+    ids = [
+        _post(served["url"], "/tokenize", {"model": MODEL, "messages": m})["tokens"]
+        for m in (turns, empty, no_key)
+    ]
+    assert ids[0] == ids[1] == ids[2]
+    chat = _post(served["url"], "/v1/chat/completions", {"messages": turns, **_greedy()})
+    assert chat["choices"][0]["message"]["content"]
+
+
+def test_streamed_logprobs_text_offsets_count_from_the_choice_start(client):
+    whole = client.completions.create(prompt=PROMPT, logprobs=1, **_greedy())
+    chunks = client.completions.create(prompt=PROMPT, logprobs=1, stream=True, **_greedy())
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] > 0
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_alone(client):
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "model": MODEL, "max_tokens": 0}
+    out = client.completions.create(**body)
+    [choice] = out.choices
+    prompt_ids = (
+        client.completions.create(
+            **{**body, "max_tokens": 1}, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .prompt_token_ids
+    )
+    assert choice.text == PROMPT
+    assert len(choice.logprobs.tokens) == len(prompt_ids) and out.usage.completion_tokens == 0
+    streamed = client.completions.create(**body, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(**{**body, "echo": False})

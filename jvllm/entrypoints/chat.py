@@ -20,11 +20,15 @@ def as_conversations(messages) -> list[Conversation]:
 def text_content(conversation: Conversation) -> Conversation:
     """The conversation with each list of content parts (OpenAI's multi-part input) joined into
     one string, its text parts separated by newlines, as vLLM does for templates that take a
-    string; a part of any other type (image_url, input_audio, ...) is a ValueError naming it."""
+    string; a part of any other type (image_url, input_audio, ...) is a ValueError naming it.
+    No content, or null (an assistant turn that only calls tools, as OpenAI returns it), is
+    the empty string, as vLLM gives it to templates."""
     flat = []
     for i, message in enumerate(conversation):
         content = message.get("content")
-        if isinstance(content, list):
+        if content is None:
+            message = {**message, "content": ""}
+        elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__

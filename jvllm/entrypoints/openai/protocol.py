@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI API (pydantic), and the OpenAI-shaped error."""
 
+import typing
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -54,6 +55,13 @@ class _Request(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            # An explicit null where the field takes none means its default, as in vLLM's
+            # API, whose such fields are Optional (clients send "stream": null, "n": null).
+            data = {
+                name: value
+                for name, value in data.items()
+                if value is not None or name not in cls.model_fields or _takes_none(cls, name)
+            }
             name = first_unsupported(data, cls.unsupported_fields, set(cls.model_fields))
             if name is not None:
                 raise OpenAIError(
@@ -61,6 +69,11 @@ class _Request(BaseModel):
                     param=name,
                 )
         return data
+
+
+def _takes_none(model: type[BaseModel], name: str) -> bool:
+    annotation = model.model_fields[name].annotation
+    return annotation is Any or type(None) in typing.get_args(annotation)
 
 
 class StreamOptions(_Request):

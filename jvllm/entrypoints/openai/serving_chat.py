@@ -163,7 +163,7 @@ class OpenAIServingChat(OpenAIServing):
                 "index": c.index,
                 "message": message,
                 "logprobs": self._logprobs(request, c, top or 0) if request.logprobs else None,
-                "finish_reason": _finish_reason(c.finish_reason, bool(calls)),
+                "finish_reason": _finish_reason(c.finish_reason, bool(calls), tools.mode),
                 "stop_reason": c.stop_reason,
             }
             if request.return_token_ids:
@@ -293,7 +293,9 @@ class OpenAIServingChat(OpenAIServing):
                                 "delta": {},
                                 "logprobs": None,
                                 "finish_reason": _finish_reason(
-                                    c.finish_reason, calls is not None and calls.called
+                                    c.finish_reason,
+                                    calls is not None and calls.called,
+                                    tools.mode,
                                 ),
                                 "stop_reason": c.stop_reason,
                             }
@@ -325,9 +327,11 @@ def _num_text_chars(messages: list) -> int:
     return total
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """A reply that made tool calls and ended on its own finishes with "tool_calls" (OpenAI's)."""
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish_reason(reason: str | None, called: bool, tool_mode: str) -> str | None:
+    """A reply that made tool calls and ended on its own finishes with "tool_calls" (OpenAI's),
+    except a call of the function that tool_choice named, which finishes with "stop" (OpenAI's
+    and vLLM's)."""
+    return "tool_calls" if called and reason == "stop" and tool_mode != "named" else reason
 
 
 def _choice_delta(index: int, delta: dict) -> dict:

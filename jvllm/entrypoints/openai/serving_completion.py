@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from jvllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
@@ -49,10 +50,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n (every sample is returned)", param="best_of")
         prompts = self._prompts(request)
+        # echo with max_tokens 0 (vLLM's): the prompt and its logprobs alone; the engine samples
+        # one token, which the response leaves out.
+        asked = 1 if _echo_only(request) else request.max_tokens
         # One SamplingParams serves every prompt: without max_tokens, the room the longest leaves.
         max_tokens = min(
-            self.check_length(len(p["prompt_token_ids"]), request.max_tokens, "prompt")
-            for p in prompts
+            self.check_length(len(p["prompt_token_ids"]), asked, "prompt") for p in prompts
         )
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:  # echoed logprobs are the prompt's
@@ -88,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt_index, result in enumerate(results):
             num_prompt += len(result.prompt_token_ids)
             for completion in result.outputs:
+                completion = _shown(request, completion)
                 num_completion += len(completion.token_ids)
                 choices.append(self._choice(request, result, completion, prompt_index * n, True))
         choices.sort(key=lambda c: c["index"])
@@ -101,15 +105,25 @@ class OpenAIServingCompletion(OpenAIServing):
         }
 
     def _choice(
-        self, request, result: RequestOutput, completion: CompletionOutput, base: int, first: bool
+        self,
+        request,
+        result: RequestOutput,
+        completion: CompletionOutput,
+        base: int,
+        first: bool,
+        text_offset: int = 0,
     ) -> dict:
+        """One choice of a response or of a stream's chunk, whose text starts at `text_offset`
+        of the choice's whole text (logprobs' text_offset counts from the choice's start)."""
         text = completion.text
         echo = request.echo and first
         if echo:
             text = self._prompt_text(result) + text
         logprobs = None
         if request.logprobs is not None:
-            logprobs = self._logprobs(result, completion, echo, request.return_tokens_as_token_ids)
+            logprobs = self._logprobs(
+                result, completion, echo, request.return_tokens_as_token_ids, text_offset
+            )
         choice = {
             "index": base + completion.index,
             "text": text,
@@ -131,7 +145,12 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(result.prompt_token_ids)
 
     def _logprobs(
-        self, result: RequestOutput, completion: CompletionOutput, echo: bool, as_ids: bool
+        self,
+        result: RequestOutput,
+        completion: CompletionOutput,
+        echo: bool,
+        as_ids: bool,
+        offset: int,
     ) -> dict:
         """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
         token_ids: list[int] = []
@@ -145,7 +164,6 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids += list(completion.token_ids)
         positions += list(completion.logprobs or [None] * len(completion.token_ids))
         tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = 0
         for token_id, position in zip(token_ids, positions):
             chosen = position.get(token_id) if position else None
             text = self.token_text(token_id, chosen, as_ids)
@@ -180,7 +198,7 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and options.continuous_usage_stats
         num_prompt: dict[int, int] = {}
         num_completion = 0
-        started: set[int] = set()
+        text_lens: dict[int, int] = {}  # each choice's text sent so far, by index
         item = first
         try:
             while item is not None:
@@ -188,14 +206,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_prompt[prompt_index] = len(result.prompt_token_ids)
                 choices = []
                 for completion in result.outputs:
+                    completion = _shown(request, completion)
                     num_completion += len(completion.token_ids)
                     index = prompt_index * n + completion.index
-                    choices.append(
-                        self._choice(
-                            request, result, completion, prompt_index * n, index not in started
-                        )
+                    choice = self._choice(
+                        request,
+                        result,
+                        completion,
+                        prompt_index * n,
+                        index not in text_lens,
+                        text_lens.get(index, 0),
                     )
-                    started.add(index)
+                    text_lens[index] = text_lens.get(index, 0) + len(choice["text"])
+                    choices.append(choice)
                 chunk = {
                     "id": request_id,
                     "object": "text_completion",
@@ -226,3 +249,21 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _echo_only(request: CompletionRequest) -> bool:
+    return request.echo and request.max_tokens == 0
+
+
+def _shown(request: CompletionRequest, completion: CompletionOutput) -> CompletionOutput:
+    """What the response shows of a completion: nothing of the token sampled for an echo
+    with max_tokens 0."""
+    if not _echo_only(request):
+        return completion
+    return dataclasses.replace(
+        completion,
+        text="",
+        token_ids=[],
+        cumulative_logprob=None,
+        logprobs=None if completion.logprobs is None else [],
+    )
