@@ -110,7 +110,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len (vLLM's)
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -156,11 +156,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )

@@ -33,6 +33,19 @@ def test_chat_matches_hf_apply_chat_template_and_generate(smollm2_llm, hf_smollm
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+def test_chat_template_kwargs_reach_the_template(smollm2_llm):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ extra }}"
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    [out] = smollm2_llm.chat(
+        CONVERSATIONS[0][:1],
+        params,
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs={"extra": " and more"},
+    )
+    assert out.prompt == CONVERSATIONS[0][0]["content"] + " and more"
+
+
 @pytest.mark.parametrize("beam_width", [2, 4])
 def test_beam_search_matches_hf_num_beams(tiny_llama_dir, tiny_llama_hf, beam_width):
     llm = LLM(

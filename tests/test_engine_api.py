@@ -111,6 +111,22 @@ def test_bad_requests_are_rejected_before_entering_the_engine(llm, prompt, param
         engine.step()
 
 
+def test_max_tokens_none_generates_until_max_model_len(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    [out] = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 256 - 4 and out.outputs[0].finish_reason == "length"
+    assert params.max_tokens is None  # the caller's params are left as they were
+
+
+def test_vllm_keywords_for_what_jvllm_does_not_do_take_only_their_defaults(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    assert llm.generate(["hi"], params, use_tqdm=False, lora_request=None, priority=[0])
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.generate(["hi"], params, lora_request=object())
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["hi"], params, priority=[1])
+
+
 def test_abort_frees_blocks_and_the_loop_keeps_serving(llm):
     engine: LLMEngine = llm.llm_engine
     manager = engine.scheduler.kv_cache_manager
@@ -136,6 +152,8 @@ def test_sampling_params_errors_name_the_field():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=1.5)
 

@@ -234,7 +234,8 @@ class ServingMetrics:
         self.request_max_num_generation_tokens.observe(max(num_tokens))
         params = stream.sampling_params
         self.request_params_n.observe(params.n)
-        self.request_params_max_tokens.observe(params.max_tokens)
+        if params.max_tokens is not None:  # None: until max_model_len
+            self.request_params_max_tokens.observe(params.max_tokens)
         times = self.request_times
         times["e2e"].observe(now - stream.arrival_time)
         # The engine's milestones (wall clock). The first schedule, not the latest as in vLLM:

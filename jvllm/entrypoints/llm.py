@@ -45,8 +45,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt; outputs come back in the order of `prompts`."""
+        """Generate for each prompt; outputs come back in the order of `prompts`.
+        `lora_request` and `priority` are vLLM's, taken at what jvllm does: no adapter, and
+        first come first served (None or zeros)."""
+        _check_no_lora_or_priority(lora_request, priority)
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -92,11 +97,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
         of conversations, rendered through the tokenizer's chat template (or `chat_template`).
         `tools`: OpenAI-style function definitions, written into the prompt by the template;
-        the replies are text (constrain them with `structured_outputs` to force a call)."""
+        the replies are text (constrain them with `structured_outputs` to force a call).
+        `chat_template_kwargs`: more variables for the template (e.g. a model's thinking
+        switch)."""
+        _check_no_lora_or_priority(lora_request, None)
         tokenizer = self.get_tokenizer()
         prompts = [
             render_conversation(
@@ -105,6 +115,7 @@ class LLM:
                 chat_template,
                 add_generation_prompt,
                 continue_final_message,
+                chat_template_kwargs,
                 tools=tools,
             )
             for conversation in as_conversations(messages)
@@ -157,3 +168,10 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _check_no_lora_or_priority(lora_request, priority) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request must be None: jvllm does not load LoRA adapters")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError("priority must be None or zeros: jvllm schedules first come, first served")
