@@ -158,7 +158,7 @@ class ModelConfig:
         """
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         architecture = architecture_of(cfg)
-        check_supported(architecture)
+        check_supported(architecture, cfg.get("model_type"))
         # The family's checks, its defaults and its names in the layout read below.
         cfg = normalize_hf_config(architecture, cfg)
         rope = parse_rope(cfg)

@@ -34,6 +34,19 @@ CONFIGS = {
         moe_intermediate_size=48,
         norm_topk_prob=True,
     ),
+    # HF windows every layer of a Qwen3-MoE (max_window_layers is Qwen2's and Qwen3's), and
+    # attention_bias puts biases on o_proj too.
+    "qwen3_moe_windowed_biased": lambda: transformers.Qwen3MoeConfig(
+        **TINY,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        attention_bias=True,
+    ),
 }
 
 

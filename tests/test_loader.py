@@ -239,3 +239,29 @@ def test_hf_dir_without_tokenizer_loads_with_none_tokenizer(tmp_path):
     config, params, tokenizer = load_model(str(tmp_path), dtype="bfloat16")
     assert tokenizer is None and config.dtype == "bfloat16"
     assert params["layers"]["mlp"]["gate_up"]["weight"].shape == (1, 128, 32)
+
+
+def test_checkpoint_tensors_the_model_never_reads_are_named_in_a_warning(
+    tmp_path, tiny_llama_weights_dir, monkeypatch
+):
+    """A tensor jvllm's model of the architecture has no place for (here an o_proj bias in a
+    config without attention_bias) is named, since outputs would differ from HF's; buffers such
+    as rotary tables are not."""
+    from safetensors.numpy import save_file
+
+    from jvllm.model_loader import hf
+
+    shutil.copytree(tiny_llama_weights_dir, tmp_path, dirs_exist_ok=True)
+    extra = {
+        "model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32),
+    }
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    warned = []
+    monkeypatch.setattr(hf.logger, "warning", lambda *args: warned.append(args[0] % args[1:]))
+    hf.load_hf_dir(str(tmp_path), "float32")
+    [message] = warned
+    assert "does not use 1 of" in message and "model.layers.0.self_attn.o_proj.bias" in message
+    warned.clear()
+    hf.load_hf_dir(tiny_llama_weights_dir, "float32")
+    assert not warned

@@ -22,6 +22,11 @@ def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
     with pytest.raises(ValueError, match="BloomForCausalLM") as error:
         LLM(str(tmp_path), load_format="dummy")
     assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+    del config["architectures"]
+    config["model_type"] = "falcon"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="without `architectures` and with model_type 'falcon'"):
+        LLM(str(tmp_path), load_format="dummy")
 
 
 # The HF config class of the architectures whose config.json does not use Llama's field names or

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -13,8 +14,11 @@ import numpy as np
 
 from jvllm.config import SUPPORTED_DTYPES, ModelConfig
 from jvllm.distributed.tensor_parallel import placer
+from jvllm.logger import init_logger
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
+
+logger = init_logger(__name__)
 
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)
 
@@ -65,10 +69,41 @@ def load_hf_dir(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig,
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         tensors.update(read_safetensors(file))
+    read: set[str] = set()
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
+        read.add(name)
         return tensors[name]
 
-    return config, load_checkpoint_weights(config, get, placer(config, mesh))
+    params = load_checkpoint_weights(config, get, placer(config, mesh))
+    _warn_unread(path, config, [n for n in tensors if n not in read])
+    return config, params
+
+
+# Tensors checkpoints carry that no model computes with: rotary tables and attention masks
+# saved as buffers, a tied LM head saved anyway, and a multimodal checkpoint's image model (its
+# text model is what jvllm runs).
+_NEVER_READ = re.compile(
+    r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|\.attention\.bias$"
+    r"|^(vision_tower|multi_modal_projector)\."
+)
+
+
+def _warn_unread(path: str, config: ModelConfig, names: list[str]) -> None:
+    """A warning naming the checkpoint's tensors the model never read: a bias or a norm that
+    jvllm's model of the architecture lacks, whose outputs would then differ from HF's."""
+    names = [n for n in names if not _NEVER_READ.search(n)]
+    if config.tie_word_embeddings:
+        names = [n for n in names if n != "lm_head.weight"]
+    if names:
+        logger.warning(
+            "%s: jvllm's %s does not use %d of the checkpoint's tensors, so its outputs may "
+            "differ from the checkpoint's model: %s%s",
+            path,
+            config.architecture,
+            len(names),
+            ", ".join(sorted(names)[:8]),
+            ", ..." if len(names) > 8 else "",
+        )

@@ -35,7 +35,7 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, output_bias=config.option("o_proj_bias", False))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoE(config) if config.num_experts else GatedMLP(config)
 
@@ -56,13 +56,18 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
         architecture = cfg["architectures"][0] if cfg.get("architectures") else None
         if architecture == "Qwen2ForCausalLM" or cfg.get("model_type") == "qwen2":
-            cfg["attention_bias"] = True  # always there; its config has no field for it
+            cfg["attention_bias"] = True  # on q/k/v, always; its config has no field for it
+        elif cfg.get("attention_bias"):  # Llama's and Qwen3's: on o_proj too
+            cfg["options"] = {**cfg.get("options", {}), "o_proj_bias": True}
         if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
             cfg["qk_norm"] = True
         if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
-            # Qwen's window applies only with use_sliding_window, from layer max_window_layers.
+            # Qwen's window applies only with use_sliding_window, from layer max_window_layers
+            # (Qwen3-MoE's to every layer: HF's config has no max_window_layers).
             if not cfg.get("use_sliding_window"):
                 cfg["sliding_window"] = None
+            elif cfg.get("model_type") == "qwen3_moe":
+                cfg.pop("layer_types", None)
             elif not cfg.get("layer_types"):
                 start = cfg.get("max_window_layers", 0)
                 cfg["layer_types"] = [
@@ -126,6 +131,8 @@ class LlamaForCausalLM(nnx.Module):
             weights.stacked("layers.attn.q_norm.weight", ("self_attn.q_norm.weight",))
             weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
+        if config.option("o_proj_bias", False):
+            weights.stacked("layers.attn.o.bias", ("self_attn.o_proj.bias",))
         weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
         cls.load_mlp_weights(config, weights)
         weights.tensor("final_norm.weight", "model.norm.weight")

@@ -48,12 +48,15 @@ def architecture_of(hf_config: dict) -> str | None:
     return _ARCHITECTURE_BY_MODEL_TYPE.get(hf_config.get("model_type"))
 
 
-def check_supported(architecture: str | None) -> None:
+def check_supported(architecture: str | None, model_type: str | None = None) -> None:
     if architecture not in _MODELS:
+        what = f"architecture {architecture!r}"
+        if architecture is None:
+            what = f"a config.json without `architectures` and with model_type {model_type!r}"
         raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: "
+            f"{what} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}. jvllm reads the architecture from the "
-            "first entry of the config.json's `architectures`"
+            "first entry of the config.json's `architectures`, else from its model_type"
         )
 
 
