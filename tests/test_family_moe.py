@@ -19,29 +19,23 @@ TINY = {
     "vocab_size": 512,
     "max_position_embeddings": 512,
 }
+
+
+def _qwen3_moe(**kwargs) -> transformers.Qwen3MoeConfig:
+    kwargs = {"num_experts": 8, "num_experts_per_tok": 2, **kwargs}
+    return transformers.Qwen3MoeConfig(**TINY, head_dim=32, moe_intermediate_size=48, **kwargs)
+
+
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(
         **TINY, num_local_experts=4, num_experts_per_tok=2
     ),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **TINY, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48
-    ),
-    "qwen3_moe_renormalised_top4": lambda: transformers.Qwen3MoeConfig(
-        **TINY,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=4,
-        moe_intermediate_size=48,
-        norm_topk_prob=True,
-    ),
+    "qwen3_moe": lambda: _qwen3_moe(),
+    "qwen3_moe_renormalised_top4": lambda: _qwen3_moe(num_experts_per_tok=4, norm_topk_prob=True),
     # HF windows every layer of a Qwen3-MoE (max_window_layers is Qwen2's and Qwen3's), and
     # attention_bias puts biases on o_proj too.
-    "qwen3_moe_windowed_biased": lambda: transformers.Qwen3MoeConfig(
-        **TINY,
-        head_dim=32,
+    "qwen3_moe_windowed_biased": lambda: _qwen3_moe(
         num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
         use_sliding_window=True,
         sliding_window=8,
         max_window_layers=1,
