@@ -24,7 +24,7 @@ _STEPS = [
         "check",
         "bench-decode",
     ),
-    *("cond-sync", "bench-mixed"),
+    *("cond-sync", "scan-slices", "bench-mixed"),
     *("engine-small", "engine-8b", "engine-gemma", "engine-moe", "engine-steps"),
 ]
 

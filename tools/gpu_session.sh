@@ -20,8 +20,8 @@
 # Steps (logs land in $OUT/STEP.log; the reply shows the tail). What the open issues still need
 # measured, in the order to run them: `plans` alone in a first call (an 8B engine with its layers
 # split compiles for about a minute, so a comparison of two takes about 150 s), `issue-22` in a
-# second one while the machine and its XLA cache are warm; then `window-checks`, then
-# `issue-17 issue-18`:
+# second one while the machine and its XLA cache are warm; then `window-checks`, `scan-slices`,
+# then `issue-17 issue-18`:
 #     layers        the 8B shapes' layer matmuls, stacked in a scan against one array per layer
 #                   in bfloat16 and in fp8 (jvllm.benchmarks.layer_stack), then the engine on the
 #                   8B shapes with its layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the
@@ -41,6 +41,12 @@
 #                   against k = 1, then async against k = 1 with JVLLM_SAMPLER_PLANS=0 (the
 #                   conditionals, as measured at ea8951d: k = 1 batch-1 7.8 ms a step, async
 #                   0.92x, windows 5.42 ms); the next session's first call
+#     scan-slices   the layer scan with XLA's dynamic-slice fusion (cuBLAS reads each layer's
+#                   weight in place in the stack, where the scan copied it; the flag is off by
+#                   default): the 8B layer matmuls in a scan against one array per layer, then
+#                   the engine on the 8B shapes stacked (JVLLM_UNSTACKED_LAYERS=0) with the flag.
+#                   Were the scan as fast as the split layers, start-up would get the scan's
+#                   compile (one layer, 12.7 s cold first token) back from the split's 34-71 s
 #     window-checks decode windows (k = 16) against k = 1 on the 8B shapes, the window checking
 #                   for stopped rows after every 4 steps, then after all 16
 #                   (JVLLM_WINDOW_STEPS_PER_CHECK; worker/decode_loop.py): XLA reads a while
@@ -79,7 +85,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 check"
-usage+=" plans window-checks cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
+usage+=" plans window-checks scan-slices cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
 usage+=" engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
@@ -154,6 +160,14 @@ plans)
         shape_throughput llama-3-8b --async-scheduling
         shape_throughput llama-3-8b --num-scheduler-steps 16
         JVLLM_SAMPLER_PLANS=0 shape_throughput llama-3-8b --async-scheduling
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+scan-slices)
+    {
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true"
+        python3 -m jvllm.benchmarks.layer_stack --model jvllm/benchmarks/model_configs/llama-3-8b \
+            --layouts scan list
+        JVLLM_UNSTACKED_LAYERS=0 shape_throughput llama-3-8b
     } 2>&1 | tee "$out/$step.log"
     ;;
 window-checks)
