@@ -142,10 +142,11 @@ def test_a_decode_step_reads_the_experts_a_token_is_routed_to():
 
 def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, capsys):
     # Its own `jvllm serve` process, as a user's run starts; token-id prompts need no tokenizer.
-    # Poisson arrivals; 2 of the 4 clients leave after 1 to 3 of their 4 tokens.
+    # Poisson arrivals; 2 of the 4 clients leave after 1 to 3 of their 4 tokens. The model as
+    # vLLM's bench serve takes it: --model, its path and served name at once.
     serve.main(
         [
-            *("--model-path", tiny_llama_weights_dir, "--model", "tiny"),
+            *("--model", tiny_llama_weights_dir),
             *("--num-prompts", "4", "--input-len", "8", "--output-len", "4"),
             *("--max-concurrency", "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"),
             *("--max-model-len", "64", "--request-rate", "50", "--disconnect-fraction", "0.5"),
@@ -222,3 +223,9 @@ def test_benchmarks_without_torch_stop_before_jvllm_runs(bench_main, monkeypatch
     monkeypatch.setattr(dense_bound, "load_model", _must_not_run)
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[test\]'.*--skip-hf"):
         bench_main(_TINY_WORKLOAD)
+
+
+def test_serve_benchmark_loads_what_model_names_unless_a_path_is_given():
+    assert serve.model_path("/my/model", None) == "/my/model"
+    assert serve.model_path("served-name", "/my/model") == "/my/model"
+    assert serve.model_path(serve.DEFAULT_MODEL, None) is None  # the default model

@@ -66,6 +66,7 @@ def served(smollm2_dir):
         "stopped": stopped,
         "prompt_logprobs": prompt_logprobs,
         "beams": beams,
+        "engine": engine,
     }
     for server in servers:
         server.stop()
@@ -477,3 +478,67 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_alone(client
     assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(**{**body, "echo": False})
+
+
+def test_serve_takes_vllm_launch_flags(monkeypatch, tmp_path):
+    """What vLLM launch scripts pass: --model, several served names, VLLM_API_KEY, a chat
+    template file, a response role, vLLM's "float", and flags that change nothing here."""
+    from jvllm.entrypoints.openai import api_server
+
+    served = {}
+    monkeypatch.setattr(
+        api_server, "run_server", lambda model, **kw: served.update(kw, model=model)
+    )
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    cli.main(
+        ["serve", "--model", "some/dir", "--served-model-name", "a", "b", "--dtype", "float"]
+        + ["--chat-template", str(template), "--response-role", "bot"]
+        + ["--disable-log-requests", "--trust-remote-code", "--max-logprobs", "5"]
+    )
+    assert (served["model"], served["served_model_name"]) == ("some/dir", ["a", "b"])
+    assert (served["api_key"], served["chat_template"]) == ("from-env", TEMPLATE)
+    assert (served["response_role"], served["dtype"], served["max_logprobs"]) == (
+        "bot",
+        "float32",
+        5,
+    )
+    monkeypatch.delenv("VLLM_API_KEY")
+    cli.main(["serve", "--chat-template", "{{ messages }}"])
+    assert served["api_key"] is None and served["chat_template"] == "{{ messages }}"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dtype", "half"], "float32 or bfloat16"),
+        (["--uvicorn-log-level", "bogus"], "invalid choice"),
+        (["a", "--model", "b"], "given twice"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_loading(monkeypatch, capsys, flags, message):
+    from jvllm.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: pytest.fail("it ran"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", *flags])
+    assert message in str(exited.value.code) + capsys.readouterr().err
+
+
+def test_several_served_names_a_server_template_and_response_role(served):
+    names = ["smol-a", "smol-b"]
+    app = build_app(served["engine"], names, chat_template=TEMPLATE, response_role="bot")
+    server = ServerThread(app).start()
+    try:
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == names
+        body = {"model": "smol-b", "messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+        out = _post(server.url, "/v1/chat/completions", body)
+        assert out["model"] == "smol-a" and out["choices"][0]["message"]["role"] == "bot"
+        text = served["tokenizer"].decode(out["prompt_token_ids"])
+        assert text == "user: What is the capital of France?\n"
+        error = _error(server.url, "/v1/completions", {"model": "smol", "prompt": PROMPT}, 404)
+        assert "`smol-a`, `smol-b`" in error["message"]
+    finally:
+        server.stop()

@@ -237,12 +237,27 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not become healthy in 900 s")
 
 
+def model_path(model: str, path: str | None) -> str | None:
+    """The weights a started server loads: --model-path, else --model unless it is the
+    default model's name (None: the default model)."""
+    if path is None and model != DEFAULT_MODEL:
+        return model
+    return path
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=None, help="a running server (default: start one)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
     parser.add_argument(
-        "--model-path", default=None, help="model dir/gguf (default model if unset)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="the model (a directory or .gguf file, as vLLM's bench serve takes it) and the "
+        "name it is served under",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="the model's directory or .gguf file where --model is only a served name",
     )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=64)
@@ -269,6 +284,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    args.model_path = model_path(args.model, args.model_path)
     if not 0 <= args.disconnect_fraction <= 1:
         parser.error(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
 

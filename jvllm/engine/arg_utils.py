@@ -8,7 +8,21 @@ from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
 
-_DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """`dtype` as one of DTYPES, vLLM's "float" taken for float32; ValueError otherwise."""
+    if dtype == "float":
+        return "float32"
+    if dtype in ("half", "float16"):
+        raise ValueError(
+            f"dtype {dtype!r} is not supported: jvllm computes in float32 or bfloat16 (a float16 "
+            "checkpoint loads as float32 with dtype 'auto'); use 'bfloat16' or 'float32'"
+        )
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (or 'float'), got {dtype!r}")
+    return dtype
 
 
 @dataclasses.dataclass
@@ -79,8 +93,7 @@ class EngineArgs:
     distributed_process_id: int | None = None
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        self.dtype = normalize_dtype(self.dtype)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATION_METHODS}, "

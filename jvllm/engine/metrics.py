@@ -277,7 +277,7 @@ def _cache_config(engine) -> dict[str, str]:
     args = engine.args
     return {
         "block_size": str(args.block_size),
-        "cache_dtype": str(engine.model_config.dtype),
+        "cache_dtype": str(args.kv_cache_dtype),  # vLLM's: the setting, "auto" the model's
         "enable_prefix_caching": str(args.enable_prefix_caching),
         "gpu_memory_utilization": str(args.gpu_memory_utilization),
         "num_gpu_blocks": str(replicas(engine)[0].scheduler.kv_cache_manager.num_blocks),

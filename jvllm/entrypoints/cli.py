@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
-from jvllm.engine.arg_utils import EngineArgs
+from jvllm.engine.arg_utils import DTYPES, EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jvllm.logger import init_logger
 from jvllm.model_loader.loader import LOAD_FORMATS
 from jvllm.quantization import QUANTIZATION_METHODS
+
+logger = init_logger(__name__)
 
 # EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
 _ENGINE_FLAGS = {
     "dtype": {
-        "choices": ["auto", "float32", "bfloat16"],
-        "help": "weights' and activations' dtype",
+        "type": lambda value: _checked(normalize_dtype, value),
+        "help": f"weights' and activations' dtype: {', '.join(DTYPES)} ('float': float32)",
     },
     "load_format": {"choices": list(LOAD_FORMATS), "help": "dummy: random weights (benchmarks)"},
     "tokenizer": {"help": "a directory with tokenizer files or a .gguf file (None: the model's)"},
@@ -31,6 +35,7 @@ _ENGINE_FLAGS = {
         "help": "weights kept quantized (None: gguf for a .gguf file, else the model dtype)",
     },
     "max_model_len": {"type": int, "help": "longest prompt + output (None: the model's)"},
+    "max_logprobs": {"type": int, "help": "most logprobs a request may ask for"},
     "max_num_seqs": {"type": int, "help": "most requests in one step"},
     "max_num_batched_tokens": {"type": int, "help": "most tokens in one step"},
     "block_size": {"type": int, "help": "tokens per KV cache block"},
@@ -69,6 +74,14 @@ _ENGINE_FLAGS = {
 _SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "pydantic", "starlette")
 
 
+def _checked(normalize, value: str) -> str:
+    """argparse's type check by a function that raises ValueError: its message is the error."""
+    try:
+        return normalize(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineArgs()
     group = parser.add_argument_group("engine")
@@ -82,6 +95,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if args.model_option is not None:
+        if args.model is not None and args.model != args.model_option:
+            sys.exit(f"the model is given twice: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
+    if args.trust_remote_code:
+        logger.warning(
+            "--trust-remote-code changes nothing: jvllm runs no code from model directories "
+            "(its model families are built in)"
+        )
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit(
             "--enable-auto-tool-choice needs --tool-call-parser NAME "
@@ -97,7 +123,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
         served_model_name=args.served_model_name,
         log_level=args.uvicorn_log_level,
         log_stats=not args.disable_log_stats,
@@ -108,6 +134,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         metrics_prefix=args.metrics_prefix,
+        chat_template=chat_template,
+        response_role=args.response_role,
         **engine_kwargs(args),
     )
 
@@ -126,19 +154,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF model directory or .gguf file; None: the default model, SmolLM2-135M-Instruct",
     )
+    serve.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        help="the model, as MODEL above (vLLM's older form)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on /v1 and /invocations",
+        help="require `Authorization: Bearer KEY` on /v1 and /invocations (None: the "
+        "VLLM_API_KEY environment variable's, if set)",
     )
     serve.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients pass; None: MODEL, or the default model's",
+        help="the model names clients may pass, the first in responses and metrics; None: "
+        "MODEL, or the default model's",
     )
-    serve.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template (a Jinja template, or a file holding one) instead of the "
+        "tokenizer's",
+    )
+    serve.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of a chat reply after a generation prompt",
+    )
+    serve.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM's launch scripts: jvllm logs no requests",
+    )
+    serve.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's launch scripts: jvllm runs no code from model directories",
+    )
     serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",

@@ -89,14 +89,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(
     engine: AsyncLLM,
-    model_name: str,
+    model_name: str | list[str],
     api_key: str | None = None,
     metrics: ServingMetrics | None = None,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    chat_template: str | None = None,
+    response_role: str = "assistant",
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `model_name`. Pass the `ServingMetrics` that the
+    """The FastAPI app serving `engine` under `model_name` (or several names, the first in
+    responses; vLLM's --served-model-name). Pass the `ServingMetrics` that the
     engine records into (its `stat_loggers`) to expose them on /metrics. A request's own
     `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag).
     `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls out of replies to
@@ -105,7 +108,9 @@ def build_app(
     app = FastAPI(title="jvllm", version=jvllm.__version__)
     completion = OpenAIServingCompletion(engine, model_name)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
-    chat = OpenAIServingChat(engine, model_name, trust_request_chat_template, parser)
+    chat = OpenAIServingChat(
+        engine, model_name, trust_request_chat_template, parser, chat_template, response_role
+    )
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
     admission = Admission(max_request_body_bytes)
@@ -172,13 +177,14 @@ def build_app(
             "object": "list",
             "data": [
                 {
-                    "id": model_name,
+                    "id": name,
                     "object": "model",
                     "created": created,
                     "owned_by": "jvllm",
-                    "root": engine.engine.args.model or model_name,
+                    "root": engine.engine.args.model or completion.model_name,
                     "max_model_len": engine.max_model_len,
                 }
+                for name in completion.model_names
             ],
         }
 
@@ -268,20 +274,22 @@ def build_app(
 
 def build_server_engine(
     model: str | None,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     log_stats: bool = True,
     max_waiting_requests: int | None = None,
     metrics_prefix: str = "jvllm",
     **engine_kwargs,
 ):
-    """(AsyncLLM, ServingMetrics, served model name) for `model` with `EngineArgs` keywords;
-    the metrics' names start with `metrics_prefix:` ("vllm": vLLM's own names)."""
+    """(AsyncLLM, ServingMetrics, served model names) for `model` with `EngineArgs` keywords;
+    the metrics' names start with `metrics_prefix:` ("vllm": vLLM's own names) and carry the
+    first served name."""
     from jvllm.engine.data_parallel import make_engine
     from jvllm.engine.metrics import check_metrics_prefix
     from jvllm.model_loader.default_model import DEFAULT_MODEL
 
     check_metrics_prefix(metrics_prefix)  # before the model loads
-    name = served_model_name or model or DEFAULT_MODEL
+    names = served_model_name or [model or DEFAULT_MODEL]
+    names = [names] if isinstance(names, str) else list(names)
     # A server listens at once and compiles every bucket in the background: a request waits at
     # most for its own bucket's compile, and none once all are done.
     engine_kwargs.setdefault("compile_all_buckets", True)
@@ -291,9 +299,9 @@ def build_server_engine(
         log_stats=log_stats,
         max_waiting_requests=max_waiting_requests,
     )
-    metrics = ServingMetrics(engine, name, prefix=metrics_prefix)
+    metrics = ServingMetrics(engine, names[0], prefix=metrics_prefix)
     engine.stat_loggers.append(metrics)
-    return engine, metrics, name
+    return engine, metrics, names
 
 
 def run_server(
@@ -301,7 +309,7 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     log_level: str = "info",
     log_stats: bool = True,
     trust_request_chat_template: bool = False,
@@ -310,10 +318,12 @@ def run_server(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     shutdown_timeout: float = 0.0,
     metrics_prefix: str = "jvllm",
+    chat_template: str | None = None,
+    response_role: str = "assistant",
     **engine_kwargs,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down as shutdown.py says."""
-    engine, metrics, name = build_server_engine(
+    engine, metrics, names = build_server_engine(
         model,
         served_model_name,
         log_stats,
@@ -321,18 +331,20 @@ def run_server(
         metrics_prefix=metrics_prefix,
         **engine_kwargs,
     )
-    app = build_app(
-        engine,
-        name,
-        api_key,
-        metrics,
-        trust_request_chat_template,
-        tool_call_parser,
-        max_request_body_bytes,
-    )
-    server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level)
-    logger.info("serving %s on http://%s:%d", name, host, port)
     try:
+        app = build_app(
+            engine,
+            names,
+            api_key,
+            metrics,
+            trust_request_chat_template,
+            tool_call_parser,
+            max_request_body_bytes,
+            chat_template,
+            response_role,
+        )
+        server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level)
+        logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
         server.run()
     finally:
         engine.shutdown()

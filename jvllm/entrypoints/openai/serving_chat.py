@@ -25,15 +25,21 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLM,
-        model_name: str,
+        model_names: str | list[str],
         trust_request_chat_template: bool,
         tool_parser: type[ToolParser] | None = None,
+        chat_template: str | None = None,
+        response_role: str = "assistant",
     ):
         """`tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice and
-        --tool-call-parser), None when "auto" is refused."""
-        super().__init__(engine, model_name)
+        --tool-call-parser), None when "auto" is refused. `chat_template`: the server's
+        (--chat-template), instead of the tokenizer's. `response_role`: the reply's role after
+        a generation prompt (--response-role)."""
+        super().__init__(engine, model_names)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser
+        self.chat_template = chat_template
+        self.response_role = response_role
 
     def render(
         self,
@@ -55,8 +61,13 @@ class OpenAIServingChat(OpenAIServing):
                 "--trust-request-chat-template to allow one",
                 param="chat_template",
             )
+        chat_template = chat_template or self.chat_template
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise OpenAIError("this model's tokenizer has no chat template", param="messages")
+            raise OpenAIError(
+                "this model's tokenizer has no chat template; start the server with "
+                "--chat-template (a Jinja template or a file holding one)",
+                param="messages",
+            )
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise OpenAIError(
@@ -77,12 +88,11 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
         return prompt["prompt_token_ids"]
 
-    @staticmethod
-    def _role(request: ChatCompletionRequest) -> str:
-        """The reply's role (vLLM's): the assistant's after a generation prompt, else the role of
-        the message it continues."""
+    def _role(self, request: ChatCompletionRequest) -> str:
+        """The reply's role (vLLM's): the response role after a generation prompt, else the role
+        of the message it continues."""
         if request.add_generation_prompt and not request.continue_final_message:
-            return "assistant"
+            return self.response_role
         return request.messages[-1]["role"]
 
     @staticmethod

@@ -62,9 +62,12 @@ def engine_seed(seed: int | None) -> int | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_names: str | list[str]):
+        """`model_names`: the names requests may give the model (vLLM's --served-model-name);
+        responses carry the first."""
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = self.model_names[0]
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         chars_per_token = max_chars_per_token(self.tokenizer)
@@ -77,9 +80,10 @@ class OpenAIServing:
         self.defaults = engine.engine.generation_config.sampling_defaults
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            names = ", ".join(f"`{name}`" for name in self.model_names)
             raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                f"The model `{model}` does not exist; this server serves {names}.",
                 status_code=404,
                 param="model",
                 type="not_found_error",
