@@ -210,5 +210,8 @@ def test_a_tokenizer_from_elsewhere_or_none(tiny_llama_weights_dir, tiny_llama_d
     ids = {"prompt_token_ids": want.prompt_token_ids}
     out = bare.generate([ids], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == want.outputs[0].token_ids and out.text == ""
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        bare.llm_engine.add_request("s", ids, SamplingParams(stop=["x"]))
+    assert not bare.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="tokenizer='/no/such/dir' is neither a local directory"):
         LLM(tiny_llama_weights_dir, tokenizer="/no/such/dir")

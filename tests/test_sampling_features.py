@@ -180,6 +180,24 @@ def test_stop_strings_split_across_tokens(llm):
         assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As vLLM: a stop string ends a request only past min_tokens, and one wholly inside the
+    first min_tokens tokens' text is not found later."""
+    ref = _one(llm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)).outputs[0]
+    tokenizer = llm.get_tokenizer()
+    early = tokenizer.decode(ref.token_ids[1:2])  # the second token's text
+    assert early.strip() and early not in tokenizer.decode(ref.token_ids[:1])
+    params = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True, "stop": [early]}
+    stopped = _one(llm, SamplingParams(**params)).outputs[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 2
+    held = _one(llm, SamplingParams(**params, min_tokens=6)).outputs[0]
+    later = ref.text.find(early, len(tokenizer.decode(ref.token_ids[:6])))
+    if later == -1:
+        assert held.token_ids == ref.token_ids and held.finish_reason == "length"
+    else:
+        assert held.finish_reason == "stop" and held.text == ref.text[:later]
+
+
 def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
     engine = llm.llm_engine
     base = {
@@ -235,6 +253,13 @@ def test_aborting_a_parent_aborts_its_samples(llm):
     engine.add_request("p", PROMPT, SamplingParams(n=2, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.abort_request("p")
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == free
+    # A list naming an id twice, or a parent with one of its samples, aborts each once.
+    engine.add_request("q", PROMPT, SamplingParams(n=2, max_tokens=50, ignore_eos=True))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request(["r", "r", "q", "0_q", "unknown"])
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.kv_cache_manager.num_free_blocks == free
 

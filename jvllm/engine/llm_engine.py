@@ -168,6 +168,11 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer (they are found in the text), and this engine "
+                "has none; stop on token ids instead (stop_token_ids)"
+            )
         eos_ids = self.eos_token_ids
         extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
         if extra_eos and not params.ignore_eos:
@@ -240,7 +245,7 @@ class LLMEngine:
         """Finish requests as FINISHED_ABORTED and free their KV blocks; unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         ids = [child for i in ids for child in self._children.get(i, [i])]
-        live = [i for i in ids if i in self._requests]
+        live = [i for i in dict.fromkeys(ids) if i in self._requests]  # each once
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         for child_id in live:
             self._finish(self._requests[child_id])

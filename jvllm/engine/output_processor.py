@@ -181,7 +181,9 @@ class OutputProcessor:
         for i, token in enumerate(new_tokens):
             delta = state.detokenizer.add_token(token)
             state.text += delta
-            if not delta or not params.stop:
+            # As vLLM: no stop string ends a request before min_tokens, nor is one found later
+            # in the text of those first tokens (the search looks at each token's new text).
+            if not delta or not params.stop or first + i + 1 <= params.min_tokens:
                 continue
             hit = _find_stop(state.text, len(delta), params.stop)
             if hit is not None:
