@@ -33,9 +33,11 @@ def test_offline_inference_example_prints_the_four_prompts():
 
 @pytest.mark.slow  # the example loads the default model in a process of its own: 15 s
 def test_trace_request_example_prints_the_lifecycle():
-    out = _run("trace_request.py", "hello")
+    out = _run("trace_request.py")
     assert out.count("FINISHED_LENGTH") == 2
-    assert "Event(request_id='req-0', status='RUNNING'" in out
+    assert "Event(request_id='req-0', status='RUNNING', num_computed_tokens=1, num_tokens=2)" in out
+    # The chunked half's 6-token prompt, 2 tokens a step.
+    assert "status='RUNNING', num_computed_tokens=4, num_tokens=6)" in out
 
 
 def test_jitted_step_loop_example_matches_generate_and_times_both_k():
