@@ -145,3 +145,11 @@ def print_structured(results: dict[str, _Totals]) -> None:
         f"(goal >= 0.85x); mask fill {1e3 * constrained.mask / constrained.num_steps:.2f} ms "
         "a step"
     )
+
+
+if __name__ == "__main__":  # the throughput benchmark's --structured json, its flags passed on
+    import sys
+
+    from jvllm.benchmarks import throughput
+
+    throughput.main(["--structured", "json", *sys.argv[1:]])

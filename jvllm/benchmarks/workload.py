@@ -115,3 +115,10 @@ def bench_hf(args, prompt_sets, sampling: dict | None = None) -> dict:
 
     elapsed = median_time(run, args.num_iters)
     return {"tok_s": args.num_prompts * args.output_len / elapsed, "elapsed": elapsed}
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        "workload.py is what the offline benchmarks share; run one of them, e.g. "
+        "python -m jvllm.benchmarks.throughput --help"
+    )
