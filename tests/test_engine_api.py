@@ -215,3 +215,14 @@ def test_a_tokenizer_from_elsewhere_or_none(tiny_llama_weights_dir, tiny_llama_d
     assert not bare.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="tokenizer='/no/such/dir' is neither a local directory"):
         LLM(tiny_llama_weights_dir, tokenizer="/no/such/dir")
+
+
+def test_vllm_engine_options_that_change_nothing_here_are_taken():
+    from jvllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(trust_remote_code=True, enforce_eager=True, dtype="float")
+    assert args.dtype == "float32"
+    with pytest.raises(TypeError, match="enforce_eager must be a bool"):
+        EngineArgs(enforce_eager="yes")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        EngineArgs(dtype="float16")

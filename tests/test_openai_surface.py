@@ -495,7 +495,8 @@ def test_serve_takes_vllm_launch_flags(monkeypatch, tmp_path):
     cli.main(
         ["serve", "--model", "some/dir", "--served-model-name", "a", "b", "--dtype", "float"]
         + ["--chat-template", str(template), "--response-role", "bot"]
-        + ["--disable-log-requests", "--trust-remote-code", "--max-logprobs", "5"]
+        + ["--disable-log-requests", "--trust-remote-code", "--enforce-eager"]
+        + ["--max-logprobs", "5"]
     )
     assert (served["model"], served["served_model_name"]) == ("some/dir", ["a", "b"])
     assert (served["api_key"], served["chat_template"]) == ("from-env", TEMPLATE)

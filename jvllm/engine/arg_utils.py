@@ -71,6 +71,10 @@ class EngineArgs:
     # own compile only. The server sets True.
     compile_in_background: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # vLLM's, taken so that its scripts run; they change nothing here: jvllm runs no code from
+    # model directories (its families are built in), and its steps are always compiled.
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
     # Decode steps per device call while every running request decodes (vLLM's multi-step
     # scheduling; docs/design.md "Decode windows"); 1 = one step per call.
     num_scheduler_steps: int = 1
@@ -163,6 +167,9 @@ class EngineArgs:
                 "num_gpu_blocks_override must be an int >= 2 (block 0 is the reserved null "
                 f"block), got {self.num_gpu_blocks_override!r}"
             )
+        for name in ("trust_remote_code", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.long_prefill_token_threshold < 0:

@@ -12,11 +12,8 @@ from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.engine.arg_utils import DTYPES, EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from jvllm.logger import init_logger
 from jvllm.model_loader.loader import LOAD_FORMATS
 from jvllm.quantization import QUANTIZATION_METHODS
-
-logger = init_logger(__name__)
 
 # EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
 _ENGINE_FLAGS = {
@@ -36,6 +33,14 @@ _ENGINE_FLAGS = {
     },
     "max_model_len": {"type": int, "help": "longest prompt + output (None: the model's)"},
     "max_logprobs": {"type": int, "help": "most logprobs a request may ask for"},
+    "trust_remote_code": {
+        "action": "store_true",
+        "help": "accepted for vLLM's scripts: jvllm runs no code from model directories",
+    },
+    "enforce_eager": {
+        "action": "store_true",
+        "help": "accepted for vLLM's scripts: jvllm's steps are always compiled",
+    },
     "max_num_seqs": {"type": int, "help": "most requests in one step"},
     "max_num_batched_tokens": {"type": int, "help": "most tokens in one step"},
     "block_size": {"type": int, "help": "tokens per KV cache block"},
@@ -99,11 +104,6 @@ def _serve(args: argparse.Namespace) -> None:
         if args.model is not None and args.model != args.model_option:
             sys.exit(f"the model is given twice: {args.model} and --model {args.model_option}")
         args.model = args.model_option
-    if args.trust_remote_code:
-        logger.warning(
-            "--trust-remote-code changes nothing: jvllm runs no code from model directories "
-            "(its model families are built in)"
-        )
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template) as f:
@@ -197,11 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for vLLM's launch scripts: jvllm logs no requests",
     )
-    serve.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted for vLLM's launch scripts: jvllm runs no code from model directories",
-    )
+
     serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",
