@@ -297,3 +297,12 @@ def test_model_dependent_checks_reject_at_add_request(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request("bad", PROMPT, SamplingParams(**kwargs))
     assert not engine.has_unfinished_requests()
+
+
+def test_two_stop_strings_in_one_token_end_at_the_first_listed():
+    from jvllm.engine.output_processor import _find_stop
+
+    # A token "abc" completes both: vLLM takes the first stop in the request's list.
+    assert _find_stop("xxabc", 3, ["c", "a"]) == ("c", 4)
+    assert _find_stop("xxabc", 3, ["a", "c"]) == ("a", 2)
+    assert _find_stop("xxabc", 3, ["x"]) is None  # before the new text

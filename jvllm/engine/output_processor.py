@@ -31,13 +31,13 @@ class _RequestState:
 
 
 def _find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[str, int] | None:
-    """The first stop string in `text` that overlaps its last `num_new_chars` characters."""
-    best = None
+    """The first of `stops`, in their order (vLLM's), found in `text` overlapping its last
+    `num_new_chars` characters, and where it starts."""
     for stop in stops:
         idx = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
-        if idx != -1 and (best is None or idx < best[1]):
-            best = (stop, idx)
-    return best
+        if idx != -1:
+            return stop, idx
+    return None
 
 
 class OutputProcessor:
