@@ -197,7 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for vLLM's launch scripts: jvllm logs no requests",
     )
-
     serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",
