@@ -4,11 +4,12 @@ import dataclasses
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
+from jvllm.config import SUPPORTED_DTYPES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", *SUPPORTED_DTYPES)
 
 
 def normalize_dtype(dtype: str) -> str:
