@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jvllm import LLM, SamplingParams, StructuredOutputsParams
-from jvllm.structured_output.grammar import close_objects
+from jvllm.structured_output.grammar import cache_key, validate
+from jvllm.structured_output.json_schema import close_objects
 
 # Every leaf has a bounded length (strings, integers) so that sampled outputs close in time
 # on any CPU; a bounded number may still have any number of decimals, so it is tested greedy.
@@ -97,7 +98,11 @@ def test_objects_get_no_properties_their_schema_does_not_list(smollm2_llm):
     max_tokens cuts the JSON short."""
     open_schema = {
         "type": "object",
-        "properties": {"name": _NAME, "age": _SMALL_INT, "tags": {"type": "object"}},
+        "properties": {
+            "name": _NAME,
+            "age": _SMALL_INT,
+            "pet": {"type": "object", "properties": {"kind": _NAME}},
+        },
         "required": ["name", "age"],
     }
     params = [
@@ -115,33 +120,73 @@ def test_objects_get_no_properties_their_schema_does_not_list(smollm2_llm):
         assert completion.finish_reason == "stop", completion.text
         value = json.loads(completion.text)
         jsonschema.validate(value, open_schema)
-        assert set(value) <= {"name", "age", "tags"}, completion.text
+        assert set(value) <= {"name", "age", "pet"}, completion.text
+        assert set(value.get("pet", {})) <= {"kind"}, completion.text
 
 
-def test_closing_objects_leaves_data_explicit_settings_and_all_of_members_alone():
+def test_closing_objects_leaves_data_explicit_settings_and_composed_objects_open():
     point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    base = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
     schema = {
-        "$defs": {"point": point},
+        "$defs": {"point": point, "base": base},
         "type": "object",
         "properties": {
             "properties": {"type": "object", "properties": {"a": {}}},  # a key named so
             "list": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/point"}, point]}},
             "open": {"type": "object", "properties": {"b": {}}, "additionalProperties": True},
             "bare": {"type": "object"},
-            "both": {"allOf": [point, {"properties": {"y": {}}}]},
+            "both": {"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"y": {}}}]},
         },
         "default": {"properties": {"z": 1}},
     }
-    closed = close_objects(json.loads(json.dumps(schema)))
+    closed = close_objects(schema)
     props = closed["properties"]
+    assert "additionalProperties" not in schema  # a copy
     assert closed["additionalProperties"] is False
     assert closed["$defs"]["point"]["additionalProperties"] is False
     assert props["properties"]["additionalProperties"] is False
-    assert props["list"]["items"]["anyOf"][1]["additionalProperties"] is False
+    assert props["list"]["items"]["anyOf"][1]["additionalProperties"] is False  # alternatives
     assert props["open"]["additionalProperties"] is True
-    assert props["bare"]["additionalProperties"] is False  # "{}" only, as xgrammar's strict
-    assert all("additionalProperties" not in member for member in props["both"]["allOf"])
+    assert "additionalProperties" not in props["bare"]  # lists no properties: any object
+    assert "additionalProperties" not in props["both"]["allOf"][1]
+    assert "additionalProperties" not in closed["$defs"]["base"]  # an allOf member's target
     assert closed["default"] == schema["default"]  # data, not a schema
+
+
+_BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+_NAME_REQUIRED = {"properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": {"Base": _BASE}, "allOf": [{"$ref": "#/$defs/Base"}, _NAME_REQUIRED]},
+        {"$defs": {"Base": _BASE}, "$ref": "#/$defs/Base", **_NAME_REQUIRED},
+        {
+            "type": "object",
+            "properties": {"kind": {"type": "string"}, "a": {}, "b": {}},
+            "anyOf": [
+                {"properties": {"kind": {"const": "A"}}, "required": ["a"]},
+                {"properties": {"kind": {"const": "B"}}, "required": ["b"]},
+            ],
+        },
+        {"type": "object", "anyOf": [{"properties": {"a": {}}, "required": ["a"]}, _BASE]},
+        {"type": "object", "required": ["x"]},
+        "true",
+    ],
+)
+def test_schemas_that_compose_objects_stay_satisfiable(schema):
+    """Closing an object whose properties other schemas add to would leave nothing to emit."""
+    validate(StructuredOutputsParams(json=schema))
+
+
+def test_the_false_schema_is_refused_and_key_order_is_kept():
+    with pytest.raises(ValueError, match="false accepts no value"):
+        validate(StructuredOutputsParams(json="false"))
+    first = {"type": "object", "properties": {"zeta": {}, "alpha": {}}}
+    second = {"type": "object", "properties": {"alpha": {}, "zeta": {}}}
+    keys = {cache_key(StructuredOutputsParams(json=s)) for s in (first, second)}
+    assert len(keys) == 2  # each compiles its own grammar, in its own order
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

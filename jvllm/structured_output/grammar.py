@@ -5,12 +5,12 @@ straight into NumPy arrays, takes JSON schemas, regexes and Lark grammars (GBNF 
 builds a grammar lazily, so a new schema costs well under a millisecond to start.
 """
 
-import copy
 import json
 
 import llguidance
 
 from jvllm.sampling_params import StructuredOutputsParams
+from jvllm.structured_output.json_schema import close_objects
 
 # `json_object=True`: any JSON object, as vLLM asks of its grammar backends.
 _ANY_OBJECT = '{"type": "object"}'
@@ -19,14 +19,6 @@ _ANY_OBJECT = '{"type": "object"}'
 # newlines until max_tokens (BENCHMARKS.md, "Structured outputs": 8% of outputs valid, 92%
 # with the bound).
 _JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
-# Where a schema keeps schemas: under these keys one, in a list or a dict of them (the dict's
-# keys are names, not schema keywords). "enum", "const", "default" and "examples" hold data.
-_ONE_SCHEMA = (
-    *("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames"),
-    *("additionalProperties", "unevaluatedItems", "unevaluatedProperties"),
-)
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -36,10 +28,14 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = _ANY_OBJECT if kind == "json_object" else params.json
         if isinstance(schema, str):
             schema = json.loads(schema)
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("a JSON schema must be an object")
+        if schema is False:
+            raise ValueError("the JSON schema false accepts no value at all")
+        if schema is True:
+            schema = {}  # any value
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object (or true)")
         if kind == "json":
-            schema = close_objects(copy.deepcopy(schema))
+            schema = close_objects(schema)
         if params.disable_any_whitespace:
             defaults = {"whitespace_flexible": False}
         else:
@@ -52,49 +48,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", params.grammar)
 
 
-def close_objects(schema, in_all_of: bool = False):
-    """`schema` with every object closed to properties it does not list
-    (`"additionalProperties": false`) where it says nothing of others; changed in place.
-
-    JSON Schema leaves objects open, and llguidance follows it, so a small model fills a
-    schema's object with keys it never declared until max_tokens cuts the JSON short. vLLM's
-    default grammar backend (xgrammar, strict) emits only the declared keys; so does this.
-    Members of an allOf and the object that holds one stay open: each member's keys would be
-    "additional" to the others."""
-    if isinstance(schema, list):  # "items" as a list (draft 4-7 tuples)
-        for item in schema:
-            close_objects(item)
-        return schema
-    if not isinstance(schema, dict):
-        return schema
-    says_nothing = not any(
-        key in schema
-        for key in ("additionalProperties", "unevaluatedProperties", "patternProperties")
-    )
-    is_object = "properties" in schema or schema.get("type") == "object"
-    if is_object and says_nothing and "allOf" not in schema and not in_all_of:
-        schema["additionalProperties"] = False
-    for key, value in schema.items():
-        if key in _ONE_SCHEMA:
-            close_objects(value)
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for item in value:
-                close_objects(item)
-        elif key == "allOf" and isinstance(value, list):
-            for item in value:
-                close_objects(item, in_all_of=True)
-        elif key in _SCHEMA_DICTS and isinstance(value, dict):
-            for item in value.values():
-                close_objects(item)
-    return schema
-
-
 def cache_key(params: StructuredOutputsParams) -> str:
-    """Requests with equal keys share one compiled grammar."""
+    """Requests with equal keys share one compiled grammar. Key order counts: a schema's
+    properties come out in the order it lists them."""
     value = getattr(params, params.kind)
-    return json.dumps(
-        [params.kind, value, params.disable_any_whitespace], sort_keys=True, ensure_ascii=False
-    )
+    return json.dumps([params.kind, value, params.disable_any_whitespace], ensure_ascii=False)
 
 
 def validate(params: StructuredOutputsParams) -> str:
