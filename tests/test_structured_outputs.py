@@ -165,7 +165,7 @@ _NAME_REQUIRED = {"properties": {"name": {"type": "string"}}, "required": ["name
         {
             "type": "object",
             "properties": {"kind": {"type": "string"}, "a": {}, "b": {}},
-            "anyOf": [
+            "oneOf": [  # exclusive only through "kind": taken as an anyOf
                 {"properties": {"kind": {"const": "A"}}, "required": ["a"]},
                 {"properties": {"kind": {"const": "B"}}, "required": ["b"]},
             ],

@@ -36,10 +36,13 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise ValueError("a JSON schema must be an object (or true)")
         if kind == "json":
             schema = close_objects(schema)
+        # A oneOf whose branches llguidance cannot prove exclusive runs as an anyOf, as
+        # vLLM's default backend (xgrammar) takes every oneOf; refused otherwise.
+        defaults = {"coerce_one_of": True}
         if params.disable_any_whitespace:
-            defaults = {"whitespace_flexible": False}
+            defaults["whitespace_flexible"] = False
         else:
-            defaults = {"whitespace_pattern": _JSON_WHITESPACE}
+            defaults["whitespace_pattern"] = _JSON_WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     if kind == "regex":
         return llguidance.grammar_from("regex", params.regex)
