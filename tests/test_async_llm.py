@@ -5,10 +5,12 @@ import asyncio
 import pytest
 
 from jvllm import LLMEngine, SamplingParams
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from jvllm.engine.output_shaper import OutputShaper
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+DELTA = RequestOutputKind.DELTA
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +110,56 @@ def test_abort_ends_the_stream_and_frees_blocks(async_llm, engine):
         async for output in async_llm.generate("abort me", long, "victim"):
             outputs.append(output)
             if len(outputs) == 2:
-                async_llm.abort("victim")
+                await async_llm.abort("victim")
         return outputs
 
     outputs = asyncio.run(main())
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests() and kv.num_free_blocks == free_before
+
+
+def test_abort_takes_several_ids_and_keeps_tokens_the_consumer_had_not_read(async_llm, engine):
+    """vLLM's `await abort(ids)`: a list ends those requests only, and a slow consumer's last
+    output still brings every token the engine had sent it (a DELTA stream's tokens add up)."""
+    kv = engine.scheduler.kv_cache_manager
+    free_before = kv.num_free_blocks
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def slow_reader(request_id: str) -> list[int]:
+        token_ids = []
+        async for output in async_llm.generate("abort me", long, request_id, output_kind=DELTA):
+            token_ids += output.outputs[0].token_ids
+            while (request := engine._requests.get(request_id)) and request.num_output_tokens < 6:
+                await asyncio.sleep(0.01)  # the engine goes on; this consumer reads nothing
+            if request is not None:
+                await async_llm.abort(["a", "b", "a"])
+                while request_id in engine._requests:  # the abort lands before the next read
+                    await asyncio.sleep(0.01)
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+        return token_ids
+
+    async def main():
+        aborted = asyncio.gather(slow_reader("a"), slow_reader("b"))
+        kept = _collect(async_llm, "go on", "c")
+        return await asyncio.gather(aborted, kept)
+
+    (tokens_a, tokens_b), kept = asyncio.run(main())
+    # Whichever reader aborted first had waited for 6 tokens; the other may have joined later.
+    assert max(len(tokens_a), len(tokens_b)) >= 6 and min(len(tokens_a), len(tokens_b)) >= 3
+    assert kept[-1].outputs[0].finish_reason == "length" and async_llm.is_running
+    assert not engine.has_unfinished_requests() and kv.num_free_blocks == free_before
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        asyncio.run(async_llm.abort([1]))
+
+
+def test_from_engine_args_takes_engine_args(tiny_llama_dir):
+    args = EngineArgs(tiny_llama_dir, max_model_len=64, max_num_seqs=2)
+    llm = AsyncLLM.from_engine_args(args)
+    try:
+        outputs = asyncio.run(_collect(llm, "hello", "r"))
+        assert len(outputs[-1].outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()
 
 
 def test_breaking_out_of_generate_aborts_the_request(async_llm, engine):

@@ -17,9 +17,10 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
@@ -87,8 +88,9 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **kwargs) -> AsyncLLM:
-        return cls(make_engine(model, **kwargs))
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        """vLLM's constructor: the engine `engine_args` describe (data parallel included)."""
+        return cls(make_engine(**dataclasses.asdict(engine_args)))
 
     @property
     def is_running(self) -> bool:
@@ -142,7 +144,7 @@ class AsyncLLM:
                 header, changed = stream.take()
                 if stream.aborted:
                     finished = True
-                    yield shaper.abort(header, request_id)
+                    yield shaper.abort(header, changed, request_id)
                     return
                 finished = stream.finished
                 shaped = shaper.shape(header, changed, finished)
@@ -152,9 +154,14 @@ class AsyncLLM:
             if not finished:
                 self._submit(("abort", stream))
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request: its KV blocks are freed and its `generate()` ends with "abort"."""
-        self._submit(("abort_id", request_id))
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (vLLM's): their KV blocks are freed and each one's `generate()` ends
+        with "abort", after the tokens its consumer had not read; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
+        for i in ids:
+            self._submit(("abort_id", i))
 
     def abort_all(self) -> None:
         """Abort every unfinished request (a server's shutdown once its drain time is over)."""

@@ -62,14 +62,21 @@ class OutputShaper:
             self._done.add(index)
         return dataclasses.replace(completion, **changes)
 
-    def abort(self, header: RequestOutput | None, request_id: str) -> RequestOutput:
-        """The final output of a request ended by `AsyncLLM.abort()`."""
+    def abort(
+        self, header: RequestOutput | None, changed: list[CompletionOutput], request_id: str
+    ) -> RequestOutput:
+        """The final output of a request ended by `AsyncLLM.abort()`, holding what `changed`
+        brought that the consumer has not seen yet."""
+        for completion in changed:
+            self.completions[completion.index] = completion
         ended = [
             dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
             for c in (self.completions[i] for i in sorted(self.completions))
         ]
         if self.kind == RequestOutputKind.DELTA:
-            ended = [dataclasses.replace(c, text="", token_ids=[]) for c in ended]
+            ended = [
+                self._delta(c) or dataclasses.replace(c, text="", token_ids=[]) for c in ended
+            ]
         ended = ended or [CompletionOutput(0, "", [], finish_reason="abort")]
         if header is None:
             return RequestOutput(request_id, None, [], ended, finished=True)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import shard_layout
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV, _split_array
@@ -240,7 +241,8 @@ def test_an_llm_engine_runs_one_replica(kv8_dir):
 
 def test_async_engine_streams_from_data_parallel_replicas(kv2_dir, one_device):
     expected = _summary(one_device(kv2_dir), GREEDY, PROMPTS)
-    llm = AsyncLLM.from_engine_args(kv2_dir, data_parallel_size=2, **ENGINE_KWARGS)
+    args = EngineArgs(kv2_dir, data_parallel_size=2, **ENGINE_KWARGS)
+    llm = AsyncLLM.from_engine_args(args)
 
     async def one(i, prompt):
         outputs = [o async for o in llm.generate({"prompt_token_ids": prompt}, GREEDY, f"r{i}")]
