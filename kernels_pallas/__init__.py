@@ -1,5 +1,6 @@
 """Pallas GPU kernels (Triton lowering) for paged attention over the engine's KV cache."""
 
+from kernels_pallas._paging import is_supported_page_size
 from kernels_pallas.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -10,6 +11,7 @@ from kernels_pallas.ragged_paged_attention import (
 )
 
 __all__ = [
+    "is_supported_page_size",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "ragged_paged_attention",

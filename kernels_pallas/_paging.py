@@ -32,6 +32,11 @@ _TUNED_HEAD_DIM = 128
 _WIDE_HEAD_NUM_WARPS = 8
 
 
+def is_supported_page_size(page_size: int) -> bool:
+    """The kernels' pages: a power of two of at least 8 tokens."""
+    return page_size >= 8 and not page_size & (page_size - 1)
+
+
 def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
@@ -63,7 +68,7 @@ def validate_paged_inputs(
             f"{name}: q and kv_cache must share one dtype of bfloat16/float16/float32, "
             f"got {q.dtype} and {kv_cache.dtype}"
         )
-    if page_size < 8 or page_size & (page_size - 1):
+    if not is_supported_page_size(page_size):
         raise ValueError(f"{name}: page size B={page_size} must be a power of two >= 8")
     if jnp.shape(layer) not in ((), (1,)) or not jnp.issubdtype(
         jnp.result_type(layer), jnp.integer

@@ -53,11 +53,11 @@ def test_the_engine_starts_building_the_decode_kernel_before_its_first_use(tmp_p
     from jvllm.attention.backends import prepare_backend
 
     monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
-    prepare_backend("reference", "fp8")  # a quantized cache: the kernel does not read it
-    prepare_backend("pallas", "auto")
+    prepare_backend("reference", "fp8", 16)  # a quantized cache: the kernel does not read it
+    prepare_backend("pallas", "auto", 16)
     join_native_builds()
     assert list(tmp_path.iterdir()) == []
-    prepare_backend("reference", "auto")
+    prepare_backend("reference", "auto", 16)
     join_native_builds()
     assert [p.name.startswith("cpu_decode-") for p in tmp_path.glob("*.so")] == [True]
 

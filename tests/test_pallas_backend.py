@@ -45,3 +45,12 @@ def test_pallas_backend_matches_reference_with_chunked_prefill_and_prefix_hits(
     pallas, cached = _run(tiny_llama_weights_dir, "pallas")
     assert cached == 32  # two full blocks of the shared prefix came from the cache
     assert pallas == reference
+
+
+@pytest.mark.parametrize("block_size", [4, 24])
+def test_a_block_size_the_kernels_do_not_take_is_refused_before_loading(
+    tiny_llama_weights_dir, block_size
+):
+    # It used to load, then abort every request in the step with the kernel's ValueError.
+    with pytest.raises(ValueError, match=f"block_size={block_size} does not suit"):
+        LLM(tiny_llama_weights_dir, attention_backend="pallas", block_size=block_size)

@@ -12,9 +12,19 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def prepare_backend(name: str, kv_cache_dtype: str) -> None:
-    """Start what backend `name` builds on its first use, so that it overlaps with loading the
-    model: the reference backend's CPU decode kernel, which reads float32 and bfloat16 caches."""
+def prepare_backend(name: str, kv_cache_dtype: str, block_size: int) -> None:
+    """Check that backend `name` takes the engine's settings, before the model loads, and start
+    what it builds on its first use, so that it overlaps with loading: the reference backend's
+    CPU decode kernel, which reads float32 and bfloat16 caches."""
+    if name == "pallas":
+        from kernels_pallas import is_supported_page_size  # imports Pallas: only for its users
+
+        if not is_supported_page_size(block_size):
+            raise ValueError(
+                f"block_size={block_size} does not suit attention_backend='pallas' (the default "
+                "on a GPU), whose kernels take a power of two >= 8; use e.g. 16, or the "
+                "'reference' backend"
+            )
     if name == "reference" and kv_cache_dtype == "auto":
         cpu_decode.build_early()
 

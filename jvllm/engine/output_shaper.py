@@ -74,9 +74,7 @@ class OutputShaper:
             for c in (self.completions[i] for i in sorted(self.completions))
         ]
         if self.kind == RequestOutputKind.DELTA:
-            ended = [
-                self._delta(c) or dataclasses.replace(c, text="", token_ids=[]) for c in ended
-            ]
+            ended = [self._delta(c) or dataclasses.replace(c, text="", token_ids=[]) for c in ended]
         ended = ended or [CompletionOutput(0, "", [], finish_reason="abort")]
         if header is None:
             return RequestOutput(request_id, None, [], ended, finished=True)

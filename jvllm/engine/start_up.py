@@ -17,7 +17,8 @@ logger = init_logger(__name__)
 def build_kernels_early(args: EngineArgs) -> None:
     """Start building, in the background, the native kernels that the attention backend and the
     model dtype will use, so that tracing the first step finds them built."""
-    prepare_backend(args.attention_backend or default_backend(), args.kv_cache_dtype)
+    backend = args.attention_backend or default_backend()
+    prepare_backend(backend, args.kv_cache_dtype, args.block_size)
     cpu_dense.build_early(expected_dtype(args.model, args.dtype))
 
 
