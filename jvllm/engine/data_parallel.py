@@ -69,6 +69,7 @@ class DataParallelEngine:
                 "data-parallel front end runs them all, so leave it unset"
             )
         size = self.args.data_parallel_size
+        kwargs.pop("data_parallel_rank", None)  # None here (from_engine_args passes every field)
         self.replicas = [LLMEngine(model, **kwargs, data_parallel_rank=r) for r in range(size)]
         first = self.replicas[0]
         # What every replica shares: the model, its tokenizer and limits.
