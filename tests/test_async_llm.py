@@ -155,8 +155,16 @@ def test_abort_takes_several_ids_and_keeps_tokens_the_consumer_had_not_read(asyn
 def test_from_engine_args_takes_engine_args(tiny_llama_dir):
     args = EngineArgs(tiny_llama_dir, max_model_len=64, max_num_seqs=2)
     llm = AsyncLLM.from_engine_args(args)
+
+    async def main():
+        defaults = llm.generate("hello", GREEDY, "r", lora_request=None, priority=0)
+        outputs = [o async for o in defaults]
+        with pytest.raises(ValueError, match="priority must be None or 0"):
+            await anext(llm.generate("hello", GREEDY, "s", priority=1))
+        return outputs
+
     try:
-        outputs = asyncio.run(_collect(llm, "hello", "r"))
+        outputs = asyncio.run(main())
         assert len(outputs[-1].outputs[0].token_ids) == GREEDY.max_tokens
     finally:
         llm.shutdown()

@@ -22,7 +22,7 @@ from typing import Any
 
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
-from jvllm.engine.input_processor import PromptType
+from jvllm.engine.input_processor import PromptType, check_no_lora_or_priority
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
 from jvllm.engine.request_stream import RequestStream
@@ -110,14 +110,18 @@ class AsyncLLM:
         request_id: str,
         *,
         output_kind: RequestOutputKind | None = None,
+        lora_request=None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add the request and yield its outputs as they come; the last one has `finished`.
 
         `output_kind` (default: `sampling_params.output_kind`, else CUMULATIVE) picks what each
         output holds: everything so far, only what is new (DELTA), or only the final output.
         Invalid input raises here (ValueError/TypeError) before anything is yielded. Leaving the
-        generator early (break, cancellation, a client gone) aborts the request.
+        generator early (break, cancellation, a client gone) aborts the request. `lora_request`
+        and `priority` are vLLM's, taken at their defaults only (no adapters; FCFS).
         """
+        check_no_lora_or_priority(lora_request, priority)
         kind = RequestOutputKind(
             output_kind if output_kind is not None else sampling_params.output_kind
         )

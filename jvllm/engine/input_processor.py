@@ -62,3 +62,13 @@ def validate_request(
             f"is {total} tokens, more than max_model_len ({max_model_len}); shorten the prompt, "
             "lower max_tokens, or raise max_model_len"
         )
+
+
+def check_no_lora_or_priority(lora_request, priority) -> None:
+    """vLLM's request options taken at what jvllm does: no LoRA adapter, and first come, first
+    served (`priority` None, 0, or a list of zeros)."""
+    if lora_request is not None:
+        raise ValueError("lora_request must be None: jvllm does not load LoRA adapters")
+    priorities = priority if isinstance(priority, (list, tuple)) else [priority]
+    if any(p not in (None, 0) for p in priorities):
+        raise ValueError("priority must be None or 0: jvllm schedules first come, first served")

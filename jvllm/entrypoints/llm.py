@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from jvllm.engine.data_parallel import make_engine, replicas
-from jvllm.engine.input_processor import PromptType
+from jvllm.engine.input_processor import PromptType, check_no_lora_or_priority
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, render_conversation
 from jvllm.outputs import BeamSearchOutput, RequestOutput
@@ -51,7 +51,7 @@ class LLM:
         """Generate for each prompt; outputs come back in the order of `prompts`.
         `lora_request` and `priority` are vLLM's, taken at what jvllm does: no adapter, and
         first come first served (None or zeros)."""
-        _check_no_lora_or_priority(lora_request, priority)
+        check_no_lora_or_priority(lora_request, priority)
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -106,7 +106,7 @@ class LLM:
         the replies are text (constrain them with `structured_outputs` to force a call).
         `chat_template_kwargs`: more variables for the template (e.g. a model's thinking
         switch)."""
-        _check_no_lora_or_priority(lora_request, None)
+        check_no_lora_or_priority(lora_request, None)
         tokenizer = self.get_tokenizer()
         prompts = [
             render_conversation(
@@ -168,10 +168,3 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
-
-
-def _check_no_lora_or_priority(lora_request, priority) -> None:
-    if lora_request is not None:
-        raise ValueError("lora_request must be None: jvllm does not load LoRA adapters")
-    if priority is not None and any(p != 0 for p in priority):
-        raise ValueError("priority must be None or zeros: jvllm schedules first come, first served")
