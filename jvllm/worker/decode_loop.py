@@ -158,30 +158,33 @@ def run_window(
     left after every row stopped are spent."""
     num_seqs, k = window.limits.shape[0], max(max_logprobs, 1)
     steps_per_check = min(steps_per_check, num_steps)
-    # Room for the last run of steps, which may pass num_steps: every row has stopped there
-    # (limits <= num_steps), and those rows are cut off below.
-    num_rows = -(-num_steps // steps_per_check) * steps_per_check
     active = window.limits > 0
     carry = DecodeCarry(kv_cache, token_cache, inputs, jnp.zeros(num_seqs, jnp.int32), active)
     out = WindowOutput(
-        token_ids=jnp.zeros((num_rows, num_seqs), jnp.int32),
+        token_ids=jnp.zeros((num_steps, num_seqs), jnp.int32),
         num_sampled=carry.num_sampled,
-        topk_token_ids=jnp.zeros((num_rows, num_seqs, k), jnp.int32),
-        topk_logprobs=jnp.zeros((num_rows, num_seqs, k), jnp.float32),
-        sampled_logprobs=jnp.zeros((num_rows, num_seqs), jnp.float32),
-        sampled_ranks=jnp.zeros((num_rows, num_seqs), jnp.int32),
+        topk_token_ids=jnp.zeros((num_steps, num_seqs, k), jnp.int32),
+        topk_logprobs=jnp.zeros((num_steps, num_seqs, k), jnp.float32),
+        sampled_logprobs=jnp.zeros((num_steps, num_seqs), jnp.float32),
+        sampled_ranks=jnp.zeros((num_steps, num_seqs), jnp.int32),
     )
 
     def one_step(j, state):
         carry, out = state
         carry, step_out, _, _ = decode_step(step, params, bias_rows, window, carry)
+
+        def put(rows, value):
+            # The last run of steps may pass num_steps; every row has stopped by then
+            # (limits <= num_steps), and what those steps sample is dropped.
+            return rows.at[j].set(value, mode="drop")
+
         out = WindowOutput(
-            token_ids=out.token_ids.at[j].set(step_out.sampled_token_ids),
+            token_ids=put(out.token_ids, step_out.sampled_token_ids),
             num_sampled=carry.num_sampled,
-            topk_token_ids=out.topk_token_ids.at[j].set(step_out.topk_token_ids),
-            topk_logprobs=out.topk_logprobs.at[j].set(step_out.topk_logprobs),
-            sampled_logprobs=out.sampled_logprobs.at[j].set(step_out.sampled_logprobs),
-            sampled_ranks=out.sampled_ranks.at[j].set(step_out.sampled_ranks),
+            topk_token_ids=put(out.topk_token_ids, step_out.topk_token_ids),
+            topk_logprobs=put(out.topk_logprobs, step_out.topk_logprobs),
+            sampled_logprobs=put(out.sampled_logprobs, step_out.sampled_logprobs),
+            sampled_ranks=put(out.sampled_ranks, step_out.sampled_ranks),
         )
         return carry, out
 
@@ -202,13 +205,4 @@ def run_window(
         return j + steps_per_check, carry, out
 
     _, carry, out = jax.lax.while_loop(keep_going, body, (jnp.int32(0), carry, out))
-    if num_rows > num_steps:
-        out = dataclasses.replace(
-            out,
-            **{
-                f.name: getattr(out, f.name)[:num_steps]
-                for f in dataclasses.fields(out)
-                if f.name != "num_sampled"
-            },
-        )
     return out, carry.kv_cache, carry.token_cache
