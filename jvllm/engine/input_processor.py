@@ -1,5 +1,7 @@
 """Validation and tokenization at the edge: nothing half-enters the engine."""
 
+import dataclasses
+
 from jvllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -44,10 +46,24 @@ def _token_list(ids) -> list[int]:
 
 
 def validate_request(
-    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
-) -> None:
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    has_tokenizer: bool,
+) -> SamplingParams:
+    """`params` checked against the prompt and the model, with max_tokens=None resolved to the
+    room max_model_len leaves (vLLM's); raises ValueError/TypeError naming what is wrong."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.max_tokens is None:  # at least 1, so that a prompt with no room is refused below
+        room = max(max_model_len - len(prompt_token_ids), 1)
+        params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
+    if params.stop and not has_tokenizer:
+        raise ValueError(
+            "stop strings need a tokenizer (they are found in the text), and this engine "
+            "has none; stop on token ids instead (stop_token_ids)"
+        )
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty (it has 0 tokens)")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
@@ -62,6 +78,7 @@ def validate_request(
             f"is {total} tokens, more than max_model_len ({max_model_len}); shorten the prompt, "
             "lower max_tokens, or raise max_model_len"
         )
+    return params
 
 
 def check_no_lora_or_priority(lora_request, priority) -> None:

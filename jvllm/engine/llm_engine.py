@@ -163,16 +163,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         cache_salt = prompt_cache_salt(prompt)
-        if params.max_tokens is None:  # the room max_model_len leaves (at least 1: see below)
-            room = max(self.max_model_len - len(prompt_token_ids), 1)
-            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        params = validate_request(
+            prompt_token_ids,
+            params,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            has_tokenizer=self.tokenizer is not None,
+        )
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                "stop strings need a tokenizer (they are found in the text), and this engine "
-                "has none; stop on token ids instead (stop_token_ids)"
-            )
         eos_ids = self.eos_token_ids
         extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
         if extra_eos and not params.ignore_eos:
