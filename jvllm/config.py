@@ -14,6 +14,7 @@ from jvllm.models.registry import architecture_of, check_supported, normalize_hf
 from jvllm.rope_config import RopeScaling, parse_rope
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what a user passes: "auto" follows the checkpoint
 SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The window a global layer passes to attention in a model that mixes both kinds: never cuts.

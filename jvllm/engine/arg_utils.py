@@ -4,16 +4,14 @@ import dataclasses
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.config import SUPPORTED_DTYPES
+from jvllm.config import DTYPE_CHOICES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
 
-DTYPES = ("auto", *SUPPORTED_DTYPES)
-
 
 def normalize_dtype(dtype: str) -> str:
-    """`dtype` as one of DTYPES, vLLM's "float" taken for float32; ValueError otherwise."""
+    """`dtype` as one of DTYPE_CHOICES, vLLM's "float" taken for float32; ValueError otherwise."""
     if dtype == "float":
         return "float32"
     if dtype in ("half", "float16"):
@@ -21,8 +19,8 @@ def normalize_dtype(dtype: str) -> str:
             f"dtype {dtype!r} is not supported: jvllm computes in float32 or bfloat16 (a float16 "
             "checkpoint loads as float32 with dtype 'auto'); use 'bfloat16' or 'float32'"
         )
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES} (or 'float'), got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES} (or 'float'), got {dtype!r}")
     return dtype
 
 

@@ -8,8 +8,9 @@ import os
 import sys
 
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
+from jvllm.config import DTYPE_CHOICES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
-from jvllm.engine.arg_utils import DTYPES, EngineArgs, normalize_dtype
+from jvllm.engine.arg_utils import EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
@@ -19,7 +20,7 @@ from jvllm.quantization import QUANTIZATION_METHODS
 _ENGINE_FLAGS = {
     "dtype": {
         "type": lambda value: _checked(normalize_dtype, value),
-        "help": f"weights' and activations' dtype: {', '.join(DTYPES)} ('float': float32)",
+        "help": f"weights' and activations' dtype: {', '.join(DTYPE_CHOICES)} ('float': float32)",
     },
     "load_format": {"choices": list(LOAD_FORMATS), "help": "dummy: random weights (benchmarks)"},
     "tokenizer": {"help": "a directory with tokenizer files or a .gguf file (None: the model's)"},

@@ -12,15 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from jvllm.config import SUPPORTED_DTYPES, ModelConfig
+from jvllm.config import DTYPE_CHOICES, ModelConfig
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.logger import init_logger
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
 
 logger = init_logger(__name__)
-
-DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)
 
 
 def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
