@@ -16,10 +16,19 @@ from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
 from jvllm.quantization import QUANTIZATION_METHODS
 
+
+def _dtype(value: str) -> str:
+    """--dtype as EngineArgs takes it; argparse shows normalize_dtype's message."""
+    try:
+        return normalize_dtype(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
 _ENGINE_FLAGS = {
     "dtype": {
-        "type": lambda value: _checked(normalize_dtype, value),
+        "type": _dtype,
         "help": f"weights' and activations' dtype: {', '.join(DTYPE_CHOICES)} ('float': float32)",
     },
     "load_format": {"choices": list(LOAD_FORMATS), "help": "dummy: random weights (benchmarks)"},
@@ -78,14 +87,6 @@ _ENGINE_FLAGS = {
 }
 # What `jvllm serve` imports beyond the engine's own dependencies (the `serve` extra).
 _SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "pydantic", "starlette")
-
-
-def _checked(normalize, value: str) -> str:
-    """argparse's type check by a function that raises ValueError: its message is the error."""
-    try:
-        return normalize(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
