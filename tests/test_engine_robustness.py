@@ -41,6 +41,29 @@ def test_a_failed_step_aborts_its_requests_and_leaves_no_bad_cache_entries(
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama_hf, PROMPT, 6)
 
 
+@pytest.mark.parametrize("where", ["step", "output"])
+def test_generate_raises_when_the_engine_aborts_a_request_for_a_failure(
+    tiny_llama_dir, monkeypatch, where
+):
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, compile_all_buckets=False)
+    engine = llm.llm_engine
+    free = engine.scheduler.kv_cache_manager.num_free_blocks
+    expected = llm.generate([PROMPT, PROMPT[:20]], GREEDY, use_tqdm=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    target = engine.model_runner if where == "step" else engine.output_processor
+    monkeypatch.setattr(target, "execute_model" if where == "step" else "detokenize", broken)
+    with pytest.raises(RuntimeError, match="failed: .*injected failure"):
+        llm.generate([PROMPT, PROMPT[:20]], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == free
+    monkeypatch.undo()
+    again = llm.generate([PROMPT, PROMPT[:20]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_a_block_size_that_is_not_a_power_of_two_gives_hf_tokens(tiny_llama_dir, tiny_llama_hf):
     long_prompt = [(i * 7) % 40000 + 200 for i in range(240)]
     llm = LLM(

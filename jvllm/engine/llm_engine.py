@@ -274,8 +274,8 @@ class LLMEngine:
             self.structured_outputs.wait(timeout=0.05)  # only grammars compiling hold them
         try:
             runner_output = self._execute(scheduler_output)
-        except Exception:  # noqa: BLE001 - any failure of the step aborts its requests only
-            return self._fail_step(scheduler_output)
+        except Exception as error:  # noqa: BLE001 - any failure of the step aborts its requests only
+            return self._fail_step(scheduler_output, error)
         sampled, finished = self._update(scheduler_output, runner_output)
         return self._process_outputs(scheduler_output, sampled, finished)
 
@@ -327,7 +327,9 @@ class LLMEngine:
             )
         return sampled, finished
 
-    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+    def _fail_step(
+        self, scheduler_output: SchedulerOutput, error: Exception
+    ) -> list[RequestOutput]:
         """The model step raised: abort the step's requests (and forget the cache entries of
         blocks it did not write), report them as aborted, and keep the engine serving."""
         requests = scheduler_output.scheduled_requests
@@ -343,7 +345,9 @@ class LLMEngine:
             [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
         )
         outputs = []
+        self.last_finished_requests = list(requests)
         for request in requests:
+            request.status_message = f"the model step failed: {error!r}"
             self._finish(request)
             output = self.output_processor.make_output(request)
             if output is not None:
@@ -389,12 +393,14 @@ class LLMEngine:
             if request.is_finished:
                 self._finish(request)
             return self.output_processor.make_output(request)
-        except Exception:
+        except Exception as error:
             logger.exception(
                 "request %s failed while processing its output; aborting it", request.request_id
             )
+            request.status_message = f"processing its output failed: {error!r}"
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            request.status = RequestStatus.FINISHED_ABORTED  # also where it had finished already
             self._finish(request)
             self.output_processor.make_output(request)
             return None

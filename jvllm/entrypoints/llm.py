@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jvllm.core.request import RequestStatus
 from jvllm.engine.data_parallel import make_engine, replicas
 from jvllm.engine.input_processor import PromptType, check_no_lora_or_priority
 from jvllm.entrypoints.beam_search import beam_search
@@ -144,7 +145,9 @@ class LLM:
         compile_wait_start = compile_wait()
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = engine.step()
+                _raise_on_failure(engine.last_finished_requests)
+                for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
@@ -159,6 +162,14 @@ class LLM:
         finally:
             progress.close()
         return [finished[i] for i in request_ids]
+
+
+def _raise_on_failure(finished_requests) -> None:
+    """A request the engine aborted for a failure (its step, its output, its grammar) fails the
+    call, as in vLLM, rather than coming back cut short with finish_reason "abort"."""
+    for request in finished_requests:
+        if request.status == RequestStatus.FINISHED_ABORTED and request.status_message:
+            raise RuntimeError(f"request {request.request_id} failed: {request.status_message}")
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
