@@ -74,6 +74,9 @@ def validate_paged_inputs(
         jnp.result_type(layer), jnp.integer
     ):
         raise ValueError(f"{name}: layer must be an integer scalar, got {jnp.shape(layer)}")
+    layer_value = _concrete_int(layer)
+    if layer_value is not None and not 0 <= layer_value < num_layers:
+        raise ValueError(f"{name}: layer {layer_value} is out of range for L={num_layers} layers")
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
         raise ValueError(
             f"{name}: block_tables must be i32[S, M], got {block_tables.dtype}{block_tables.shape}"
@@ -102,7 +105,7 @@ def _validate_quantized(name: str, q: jax.Array, kv_cache: jax.Array, kv_scales:
 def validate_attention_options(
     name: str, sliding_window: jax.Array | int | None, logit_softcap: float | None
 ) -> None:
-    """sliding_window: None or an integer scalar (possibly traced, so its value is not checked);
+    """sliding_window: None or an integer scalar, >= 1 where it is known at trace time;
     logit_softcap: None or a positive finite float."""
     if sliding_window is not None and (
         jnp.shape(sliding_window) not in ((), (1,))
@@ -112,6 +115,9 @@ def validate_attention_options(
             f"{name}: sliding_window must be None or an integer scalar (keys a query sees, itself "
             f"included), got {jnp.result_type(sliding_window)}{jnp.shape(sliding_window)}"
         )
+    window = None if sliding_window is None else _concrete_int(sliding_window)
+    if window is not None and window < 1:
+        raise ValueError(f"{name}: sliding_window must be >= 1 (itself included), got {window}")
     if logit_softcap is not None and not (
         isinstance(logit_softcap, numbers.Real)
         and not isinstance(logit_softcap, bool)
@@ -120,6 +126,14 @@ def validate_attention_options(
         raise ValueError(
             f"{name}: logit_softcap must be None or a positive finite float, got {logit_softcap!r}"
         )
+
+
+def _concrete_int(x: jax.Array | int) -> int | None:
+    """The value of an integer scalar known at trace time; None for a traced one."""
+    try:
+        return int(jnp.reshape(jnp.asarray(x), ()))
+    except jax.errors.ConcretizationTypeError:
+        return None
 
 
 def kernel_scalars(layer: jax.Array, sliding_window: jax.Array | None) -> jax.Array:

@@ -220,6 +220,8 @@ def test_decode_takes_the_window_as_a_scanned_input():
     [
         ({"sliding_window": jnp.float32(4)}, "sliding_window"),
         ({"sliding_window": jnp.array([4, 4], jnp.int32)}, "sliding_window"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
+        ({"sliding_window": jnp.int32(-3)}, "sliding_window must be >= 1"),
         ({"logit_softcap": 0.0}, "logit_softcap"),
         ({"logit_softcap": float("inf")}, "logit_softcap"),
         ({"logit_softcap": jnp.float32(5)}, "logit_softcap"),
@@ -243,6 +245,8 @@ def test_decode_rejects_bad_window_or_softcap_with_a_clear_error(options, messag
         (lambda a: {**a, "block_tables": a["block_tables"][:-1]}, "seq_lens"),
         (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.float32)}, "seq_lens"),
         (lambda a: {**a, "layer": jnp.zeros((2,), jnp.int32)}, "layer"),
+        (lambda a: {**a, "layer": NUM_LAYERS}, "out of range"),
+        (lambda a: {**a, "layer": jnp.int32(-1)}, "out of range"),
     ],
 )
 def test_decode_rejects_bad_inputs_with_a_clear_error(change, message):

@@ -230,6 +230,7 @@ def test_ragged_takes_the_window_as_a_scanned_input():
     [
         ({"sliding_window": jnp.float32(4)}, "sliding_window"),
         ({"sliding_window": jnp.array([4, 4], jnp.int32)}, "sliding_window"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
         ({"logit_softcap": -1.0}, "logit_softcap"),
         ({"logit_softcap": jnp.float32(5)}, "logit_softcap"),
     ],
