@@ -22,8 +22,7 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
 ]
-# Untimed steps first: each k's first two calls compile (the second for its inputs as jitted
-# calls return them).
+# Untimed steps first: each k's first call compiles.
 WARM_UP_STEPS = 64
 
 
@@ -68,11 +67,13 @@ def run(llm: LLM, params: SamplingParams, num_steps: int, k: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--num-steps", type=int, default=256, help="a multiple of 32")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
+    if args.num_steps <= 0 or args.num_steps % 32:
+        parser.error(f"--num-steps must be a positive multiple of 32, got {args.num_steps}")
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=1024)
     # Every row decodes through all the loop's steps: one token from the prefill, then these.
     params = SamplingParams(

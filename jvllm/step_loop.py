@@ -1,7 +1,12 @@
 """The engine's decode step as a pure, jittable function over an explicit state, for experiments.
 
+    import jax, jax.numpy as jnp
+    from jvllm import LLM, SamplingParams
+    from jvllm.step_loop import StepLoop
+
     llm = LLM()
     loop = StepLoop(llm)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
     state = loop.prefill(prompts, SamplingParams(temperature=0.0, max_tokens=257))
 
     @loop.jit  # jax.jit, donating the state's caches
@@ -10,8 +15,10 @@
             state, tokens, active = carry
             state, out = loop.step(state)
             return state, tokens.at[i].set(out.token_ids), active.at[i].set(out.active)
-        ...
-        return jax.lax.fori_loop(0, 256, body, (state, tokens, active))
+
+        shape = (256, state.stops.limits.shape[0])  # [steps, S]
+        init = (state, jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool))
+        return jax.lax.fori_loop(0, 256, body, init)
 
     state, tokens, active = run(state)
     token_ids = loop.finish(state, tokens, active)  # == LLM.generate's token ids
@@ -28,9 +35,18 @@ per-request keys, then feeding the token back), so an unchanged body gives `LLM.
 tokens. A row stops by itself at its stop token ids (EOS included), max_tokens or max_model_len;
 after that it writes only the null page and `out.active` is False for it.
 
-Between `prefill` and `finish` the loop owns the engine's requests and KV arrays: do not step
-the engine. Stop strings are text and are not checked; min_tokens, n > 1, multi-token bad
-words and structured outputs are not supported here (`prefill` says so).
+Between `prefill` and `finish` the loop owns the engine's requests and KV arrays: the engine
+refuses new requests meanwhile. Stop strings are text and are not checked; min_tokens, n > 1,
+multi-token bad words and structured outputs are not supported here (`prefill` says so).
+
+What the state holds is what the engine prepared, so two kinds of edit do not do what they seem
+to. The sampling parameters come with batch switches set at prefill (`all_greedy`, `any_filter`,
+`any_penalties`, ...: `state.carry.inputs.sampling`), which skip work no row asked for: a new
+temperature written into a greedy batch is not read. To sample differently, pass `choose`
+(any function of the raw logits), or prefill with the parameters you want. And `prefill`
+allocates the KV blocks of each row's `limits` (max_tokens, or up to max_model_len): a row
+whose limit is raised afterwards writes past its blocks, into the null page, and its tokens go
+wrong; prefill with the largest max_tokens you may need, and stop rows early yourself.
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ import numpy as np
 
 from jvllm.core.decode_window import fits_window, window_limit
 from jvllm.core.request import Request
+from jvllm.distributed.mesh import replicated
 from jvllm.engine.data_parallel import DataParallelEngine
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
@@ -93,6 +110,7 @@ class StepLoop:
         self._runner = self.engine.model_runner
         self._requests: list[Request] = []  # every prompt's request, in prompt order
         self._rows: list[Request] = []  # the requests still decoding after prefill, row order
+        self._shardings = None  # the state's shardings but the params', from prefill
 
     def prefill(
         self,
@@ -161,7 +179,15 @@ class StepLoop:
 
         def split(params, state, *args):
             out = fn(dataclasses.replace(state, params=params), *args)
-            return _map_states(out, lambda s: dataclasses.replace(s, params=None))
+            # The states leave with the shardings they came in with (XLA would pick its own for
+            # some, e.g. bias_rows split over the model axis), so the next call does not compile
+            # again and finish() hands the engine arrays laid out as its executables expect.
+            return _map_states(
+                out,
+                lambda s: jax.lax.with_sharding_constraint(
+                    dataclasses.replace(s, params=None), self._shardings
+                ),
+            )
 
         jitted = jax.jit(split, donate_argnums=1)
 
@@ -176,6 +202,13 @@ class StepLoop:
         -> each prompt's output token ids: its prefill's, then the loop's active ones.
 
         `token_ids` and `active` are the steps' `StepOutput` fields stacked: [n, S] each."""
+        if not self._requests:
+            raise RuntimeError("StepLoop.finish: no loop to finish (prefill() first)")
+        if any(x.is_deleted() for x in jax.tree.leaves(state)):
+            raise ValueError(
+                "StepLoop.finish: this state's arrays were donated to a jitted call; pass the "
+                "state that call returned"
+            )
         runner = self._runner
         runner.kv_cache, runner.token_cache = state.carry.kv_cache, state.carry.token_cache
         runner.bias_rows.rows = state.bias_rows
@@ -215,20 +248,27 @@ class StepLoop:
             runner.config.vocab_size,
             runner.bias_rows.slots_for(self._rows),
         )
-        # Device arrays throughout, as a jitted loop returns them: host arrays in the first
-        # call's state would make its second call compile again.
-        stops = jax.device_put(prepare_window_inputs(self._rows, limits, bucket.num_seqs))
+        # Device arrays on the engine's mesh throughout, as loop.jit returns them: arrays
+        # placed otherwise in the first call's state would make its second call compile again.
+        on_mesh = lambda tree: jax.device_put(tree, replicated(runner.mesh))
+        stops = on_mesh(prepare_window_inputs(self._rows, limits, bucket.num_seqs))
         carry = DecodeCarry(
             runner.kv_cache,
             runner.token_cache,
-            jax.device_put(inputs),
-            jax.numpy.zeros(bucket.num_seqs, jax.numpy.int32),
-            stops.limits > 0,
+            on_mesh(inputs),
+            on_mesh(np.zeros(bucket.num_seqs, np.int32)),
+            on_mesh(np.asarray(stops.limits) > 0),
         )
-        return DecodeState(runner.params, runner.bias_rows.rows, stops, carry)
+        state = DecodeState(runner.params, runner.bias_rows.rows, stops, carry)
+        engine.held_by_step_loop = True
+        self._shardings = jax.tree.map(
+            lambda x: x.sharding, dataclasses.replace(state, params=None)
+        )
+        return state
 
     def _abort_all(self) -> None:
         """End the loop's requests through the engine (their blocks go back to the pool)."""
+        self.engine.held_by_step_loop = False
         running = self.engine.scheduler.running
         running.extend(r for r in self._rows if not r.is_finished and r not in running)
         self.engine.abort_request([r.request_id for r in self._requests])

@@ -104,3 +104,45 @@ def test_unsupported_requests_are_refused_and_leave_the_engine_idle(llm):
         StepLoop(llm).prefill(PROMPTS + [list(range(100, 300))], SamplingParams(max_tokens=5))
     assert not llm.llm_engine.has_unfinished_requests()
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_only_the_first_call_of_a_jitted_loop_compiles(llm):
+    """The state prefill returns is laid out as a jitted call returns it."""
+    lowerings = []
+    count = lambda event, duration, **kwargs: lowerings.append(event)
+    loop = StepLoop(llm)
+    state = loop.prefill(PROMPTS, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    call = loop.jit(loop.step)
+    per_call, tokens, active = [], [], []
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for _ in range(3):
+            before = lowerings.count(LOWERING)
+            state, out = call(state)
+            per_call.append(lowerings.count(LOWERING) - before)
+            tokens.append(out.token_ids)
+            active.append(out.active)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    loop.finish(state, jnp.stack(tokens), jnp.stack(active))
+    assert per_call[0] >= 1 and per_call[1:] == [0, 0]
+
+
+LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+def test_a_held_engine_refuses_requests_and_a_donated_state_is_refused(llm):
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = _generate(llm, greedy)
+    loop = StepLoop(llm)
+    state = loop.prefill(PROMPTS, greedy)
+    with pytest.raises(RuntimeError, match="finish the loop"):
+        llm.generate(PROMPTS, greedy, use_tqdm=False)
+    call = loop.jit(loop.step)
+    new_state, out = call(state)
+    with pytest.raises(ValueError, match="donated"):
+        loop.finish(state, out.token_ids[None], out.active[None])
+    loop.finish(new_state, out.token_ids[None], out.active[None])
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    assert _generate(llm, greedy) == expected

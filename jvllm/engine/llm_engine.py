@@ -137,6 +137,8 @@ class LLMEngine:
         self._parent_of: dict[str, str] = {}
         # Requests that finished in the last step, for observers such as jvllm.tracing.
         self.last_finished_requests: list[Request] = []
+        # Set while a jvllm.step_loop.StepLoop holds the KV arrays (between prefill and finish).
+        self.held_by_step_loop = False
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -156,6 +158,11 @@ class LLMEngine:
 
         With `n > 1` the request runs as n child requests that share the prompt's KV blocks
         through the prefix cache; its outputs still carry `request_id`."""
+        if self.held_by_step_loop:
+            raise RuntimeError(
+                "a StepLoop holds this engine's KV cache between its prefill() and finish(): "
+                "finish the loop before adding requests"
+            )
         params = self.get_default_sampling_params() if params is None else params
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
