@@ -102,6 +102,8 @@ def _error(url: str, path: str, body: dict, status: int = 400) -> dict:
         ("/v1/chat/completions", "modalities", ["text", "audio"]),
         ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
         ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
+        ("/v1/chat/completions", "store", True),
+        ("/v1/chat/completions", "service_tier", "flex"),
         ("/v1/completions", "priority", 1),
         ("/v1/completions", "logits_processors", ["my.Processor"]),
         ("/v1/completions", "suffix", "The end."),
@@ -116,7 +118,15 @@ def test_known_but_unsupported_field_is_400_naming_it(served, path, field, value
 
 
 def test_unsupported_fields_at_their_defaults_and_vendor_fields_pass(served):
-    chat = {"messages": CHAT, "modalities": ["text"], "include_reasoning": True, "audio": None}
+    chat = {
+        "messages": CHAT,
+        "modalities": ["text"],
+        "include_reasoning": True,
+        "audio": None,
+        "store": False,
+        "service_tier": "auto",
+        "metadata": {"team": "a"},
+    }
     completion = {"prompt": PROMPT, "priority": 0, "suffix": None, "some_vendor_field": 1}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
         assert _post(served["url"], path, {"model": MODEL, "max_tokens": 1, **body})["choices"]

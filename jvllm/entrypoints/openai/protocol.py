@@ -150,6 +150,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None  # tags, like `user`: they change no answer
 
 
 class TokenizeRequest(_Request):

@@ -39,6 +39,8 @@ CHAT_FIELDS: dict[str, tuple] = {
     "documents": ([],),
     "mm_processor_kwargs": ({},),
     "media_io_kwargs": ({},),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
 }
 
 TOKENIZE_FIELDS: dict[str, tuple] = {"mm_processor_kwargs": ({},)}
