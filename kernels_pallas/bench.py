@@ -226,7 +226,7 @@ def _ratio(other: float | None, ours: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--interpret", action="store_true", help="run the kernels in interpret mode (CPU)"
     )

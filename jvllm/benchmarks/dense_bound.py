@@ -60,7 +60,7 @@ def _step_seconds(params, config, num_tokens: int, num_sampling_rows: int, num_i
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(parser)
     args = parser.parse_args(argv)
     if not args.skip_hf:

@@ -1,5 +1,5 @@
 """A decoder stack's matmuls alone (no attention), T tokens through L Llama-shaped layers, with
-the weights laid out five ways, to see what each costs on a device:
+the weights laid out seven ways, to see what each costs on a device:
 
     scan         [L, ...] stacked weights, each layer taken by a dynamic index inside lax.scan
                  behind an optimization barrier (layers/scan.py's scan on CPU)

@@ -112,7 +112,7 @@ def bench_llama_cpp(gguf: str, prompt: list[int], num_threads: int, args) -> tup
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a .gguf file; default: the default model's")
     parser.add_argument(
         "--engine",

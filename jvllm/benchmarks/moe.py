@@ -119,7 +119,7 @@ def _bench_shape(name: str, args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--num-tokens", nargs="+", type=int, default=[1, 64, 512])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")

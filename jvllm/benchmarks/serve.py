@@ -245,8 +245,8 @@ def model_path(model: str, path: str | None) -> str | None:
     return path
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=None, help="a running server (default: start one)")
     parser.add_argument(
         "--model",

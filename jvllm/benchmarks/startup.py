@@ -270,7 +270,7 @@ def _print_report(args, results: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", nargs="+", choices=_DTYPES, default=_DTYPES)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")

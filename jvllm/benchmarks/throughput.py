@@ -207,8 +207,8 @@ def _print_workload(args, ignore_eos: bool) -> None:
     print(f"device: {jax.devices()[0].device_kind}")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_workload_args(parser)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--attention-backend", default=None)

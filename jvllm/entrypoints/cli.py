@@ -268,7 +268,7 @@ def _bench(args: argparse.Namespace) -> None:
         from jvllm.benchmarks.serve import main as bench_main
     else:
         from jvllm.benchmarks.throughput import main as bench_main
-    bench_main(args.rest)
+    bench_main(args.rest, prog=f"jvllm bench {args.which}")
 
 
 def main(argv: list[str] | None = None) -> None:
