@@ -41,9 +41,16 @@ def test_a_failed_step_aborts_its_requests_and_leaves_no_bad_cache_entries(
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama_hf, PROMPT, 6)
 
 
-@pytest.mark.parametrize("where", ["step", "output"])
+@pytest.mark.parametrize(
+    "target, method",
+    [
+        ("model_runner", "execute_model"),
+        ("output_processor", "detokenize"),
+        ("output_processor", "_completion"),
+    ],
+)
 def test_generate_raises_when_the_engine_aborts_a_request_for_a_failure(
-    tiny_llama_dir, monkeypatch, where
+    tiny_llama_dir, monkeypatch, target, method
 ):
     llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, compile_all_buckets=False)
     engine = llm.llm_engine
@@ -53,8 +60,7 @@ def test_generate_raises_when_the_engine_aborts_a_request_for_a_failure(
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    target = engine.model_runner if where == "step" else engine.output_processor
-    monkeypatch.setattr(target, "execute_model" if where == "step" else "detokenize", broken)
+    monkeypatch.setattr(getattr(engine, target), method, broken)
     with pytest.raises(RuntimeError, match="failed: .*injected failure"):
         llm.generate([PROMPT, PROMPT[:20]], GREEDY, use_tqdm=False)
     assert not engine.has_unfinished_requests()

@@ -78,6 +78,7 @@ class DataParallelEngine:
         self.generation_config = first.generation_config
         self.max_model_len = first.max_model_len
         self._replica_of: dict[str, LLMEngine] = {}
+        self._stepped: list[LLMEngine] = []  # the replicas the last step() ran
         self._pool = ThreadPoolExecutor(size, thread_name_prefix="jvllm-dp")
         logger.info("serving with %d data-parallel replicas", size)
 
@@ -124,6 +125,7 @@ class DataParallelEngine:
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work, side by side; their outputs in rank order."""
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        self._stepped = busy
         if len(busy) == 1:
             outputs = busy[0].step()
         else:
@@ -135,4 +137,5 @@ class DataParallelEngine:
 
     @property
     def last_finished_requests(self) -> list:
-        return [req for r in self.replicas for req in r.last_finished_requests]
+        """The requests that finished in the last step (of the replicas it stepped)."""
+        return [req for r in self._stepped for req in r.last_finished_requests]

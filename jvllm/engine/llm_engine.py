@@ -409,5 +409,5 @@ class LLMEngine:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
             request.status = RequestStatus.FINISHED_ABORTED  # also where it had finished already
             self._finish(request)
-            self.output_processor.make_output(request)
+            self.output_processor.discard(request)
             return None

@@ -212,12 +212,12 @@ class OutputProcessor:
         state = self._states[request.request_id]
         params = request.sampling_params
         finished = request.is_finished
-        if finished:
-            del self._states[request.request_id]
         kind = params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completion = self._completion(request, state, finished, kind == RequestOutputKind.DELTA)
+        if finished:  # only once its output is made: a failure above leaves it to discard()
+            del self._states[request.request_id]
         prompt_logprobs = state.prompt_logprobs
         if kind == RequestOutputKind.DELTA:
             prompt_logprobs = None if state.sent_prompt_logprobs else prompt_logprobs
@@ -238,6 +238,12 @@ class OutputProcessor:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             metrics=request.metrics,
         )
+
+    def discard(self, request: Request) -> None:
+        """Forget a request whose output could not be made (its sample leaves its parent's)."""
+        state = self._states.pop(request.request_id, None)
+        if state is not None and state.parent is not None:
+            state.parent.drop(request.request_id)
 
     def _completion(
         self, request: Request, state: _RequestState, finished: bool, delta: bool

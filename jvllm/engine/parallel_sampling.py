@@ -26,6 +26,10 @@ class ParentRequest:
         self._running = set(self.child_ids)
         self._final: dict[int, CompletionOutput] = {}
 
+    def drop(self, child_id: str) -> None:
+        """A sample that failed: the others no longer wait for it."""
+        self._running.discard(child_id)
+
     def get_outputs(
         self, child_id: str, completion: CompletionOutput
     ) -> tuple[list[CompletionOutput], bool]:

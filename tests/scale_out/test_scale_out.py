@@ -294,3 +294,20 @@ def test_families_at_t2_decode_like_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, FAMILIES[name]())
     prompts = ragged_prompts(FAMILY_VOCAB)
     assert_matches_hf(tmp_path, hf_model, prompts, block_size=4, tensor_parallel_size=2)
+
+
+def test_a_replicas_failure_fails_only_the_generate_it_happened_in(kv2_dir, monkeypatch):
+    llm = LLM(kv2_dir, data_parallel_size=2, **ENGINE_KWARGS)
+    second = llm.llm_engine.replicas[1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(second.model_runner, "execute_model", broken)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)  # one prompt a replica
+    monkeypatch.undo()
+    # The next call's one prompt runs on the first replica alone; the second's failed
+    # request of the last step is not this call's.
+    out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length"
