@@ -8,6 +8,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # Finite, so that a fully masked row gives exp(MASK - MASK) = 1 instead of exp(-inf + inf) = NaN;
@@ -130,9 +131,11 @@ def validate_attention_options(
 
 def _concrete_int(x: jax.Array | int) -> int | None:
     """The value of an integer scalar known at trace time; None for a traced one."""
+    if isinstance(x, (int, np.integer)):  # inside jit too: jnp.asarray(x) would be a tracer
+        return int(x)
     try:
-        return int(jnp.reshape(jnp.asarray(x), ()))
-    except jax.errors.ConcretizationTypeError:
+        return int(np.asarray(x).reshape(()))
+    except jax.errors.TracerArrayConversionError:
         return None
 
 

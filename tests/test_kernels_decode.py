@@ -234,6 +234,19 @@ def test_decode_rejects_bad_window_or_softcap_with_a_clear_error(options, messag
             fn(*args, sm_scale=0.1, **options)
 
 
+def test_a_window_or_layer_known_at_trace_time_is_checked_inside_jit():
+    q, kv_cache, _, block_tables, seq_lens = _case(16, [3, 9], 2, 64, jnp.float32)
+    for layer, window, message in ((0, 0, "sliding_window"), (NUM_LAYERS, None, "out of range")):
+
+        def call(q, layer=layer, window=window):
+            return paged_decode_attention(
+                q, kv_cache, layer, block_tables, seq_lens, sm_scale=0.1, sliding_window=window
+            )
+
+        with pytest.raises(ValueError, match=message):
+            jax.jit(call)(q)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
