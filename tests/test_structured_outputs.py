@@ -158,26 +158,67 @@ _NAME_REQUIRED = {"properties": {"name": {"type": "string"}}, "required": ["name
 
 
 @pytest.mark.parametrize(
-    "schema",
+    ("schema", "instance"),
     [
-        {"$defs": {"Base": _BASE}, "allOf": [{"$ref": "#/$defs/Base"}, _NAME_REQUIRED]},
-        {"$defs": {"Base": _BASE}, "$ref": "#/$defs/Base", **_NAME_REQUIRED},
-        {
-            "type": "object",
-            "properties": {"kind": {"type": "string"}, "a": {}, "b": {}},
-            "oneOf": [  # exclusive only through "kind": taken as an anyOf
-                {"properties": {"kind": {"const": "A"}}, "required": ["a"]},
-                {"properties": {"kind": {"const": "B"}}, "required": ["b"]},
-            ],
-        },
-        {"type": "object", "anyOf": [{"properties": {"a": {}}, "required": ["a"]}, _BASE]},
-        {"type": "object", "required": ["x"]},
-        "true",
+        (
+            {"$defs": {"Base": _BASE}, "allOf": [{"$ref": "#/$defs/Base"}, _NAME_REQUIRED]},
+            {"id": 1, "name": "a"},
+        ),
+        (
+            {"$defs": {"Base": _BASE}, "$ref": "#/$defs/Base", **_NAME_REQUIRED},
+            {"id": 1, "name": "a"},
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"kind": {"type": "string"}, "a": {}, "b": {}},
+                "oneOf": [  # exclusive only through "kind": taken as an anyOf
+                    {"properties": {"kind": {"const": "A"}}, "required": ["a"]},
+                    {"properties": {"kind": {"const": "B"}}, "required": ["b"]},
+                ],
+            },
+            {"kind": "A", "a": 1},
+        ),
+        (
+            {"type": "object", "anyOf": [{"properties": {"a": {}}, "required": ["a"]}, _BASE]},
+            {"a": 1, "id": 2},
+        ),
+        (
+            {  # an anyOf inside an allOf member applies beside the other members too
+                "type": "object",
+                "allOf": [
+                    {"anyOf": [{"properties": {"a": {}}, "required": ["a"]}, _NAME_REQUIRED]},
+                    _BASE,
+                ],
+            },
+            {"a": 1, "id": 2},
+        ),
+        (
+            {  # a $def that only refers on: its target is composed too
+                "$defs": {"Alias": {"$ref": "#/$defs/Base"}, "Base": _BASE},
+                "allOf": [{"$ref": "#/$defs/Alias"}, _NAME_REQUIRED],
+            },
+            {"id": 1, "name": "a"},
+        ),
+        ({"type": "object", "required": ["x"]}, {"x": 1, "y": 2}),
+        ("true", 5),
     ],
 )
-def test_schemas_that_compose_objects_stay_satisfiable(schema):
+def test_schemas_that_compose_objects_stay_satisfiable(schema, instance):
     """Closing an object whose properties other schemas add to would leave nothing to emit."""
+    closed = close_objects(json.loads(schema) if isinstance(schema, str) else schema)
+    jsonschema.validate(instance, closed)
     validate(StructuredOutputsParams(json=schema))
+
+
+def test_a_root_ref_beside_its_defs_is_closed():
+    """pydantic's schema of a recursive model: $defs beside the root $ref add no keys."""
+    node = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "children": {"items": {"$ref": "#/$defs/N"}}},
+    }
+    closed = close_objects({"$defs": {"N": node}, "$ref": "#/$defs/N"})
+    assert closed["$defs"]["N"]["additionalProperties"] is False
 
 
 def test_the_false_schema_is_refused_and_key_order_is_kept():

@@ -24,76 +24,70 @@ _DEFS = ("$defs", "definitions")
 # What an object says of properties it does not list, or that composes it with other schemas.
 _OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties", "$ref")
 _OPEN_KEYS += (*_COMPOSING_SCHEMA, *_COMPOSING_LISTS, "dependentSchemas", "dependencies")
-# Keywords beside a $ref that add nothing to the instance.
+# Keywords beside a $ref that add nothing to the instance (pydantic puts its $defs beside a
+# root $ref).
 _ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment", "deprecated"}
+_ANNOTATIONS |= {*_DEFS, "$schema", "$id", "$anchor"}
 
 
 def close_objects(schema):
     """A copy of `schema` (a dict, or a bool) in which every object that lists its properties,
     says nothing of others and composes no other schema has `"additionalProperties": false`."""
     schema = copy.deepcopy(schema)
-    _close(schema, _composed_refs(schema), composed=False)
+    composed_refs: set[str] = set()
+    while True:  # a composed $ref's target is composed, and so are the $refs it holds
+        nodes = list(_schemas(schema, "#", composed_refs, composed=False))
+        found = {
+            node["$ref"]
+            for node, composed in nodes
+            if _ref(node) is not None and (composed or set(node) - _ANNOTATIONS)
+        }
+        if found <= composed_refs:
+            break
+        composed_refs |= found
+    for node, composed in nodes:
+        if "properties" in node and not composed and not any(k in node for k in _OPEN_KEYS):
+            node["additionalProperties"] = False
     return schema
 
 
-def _close(schema, composed_refs: set[str], composed: bool) -> None:
-    """Close `schema`'s objects in place; `composed`: `schema` applies beside others."""
+def _schemas(schema, pointer: str, composed_refs: set[str], composed: bool):
+    """Every schema dict in `schema` (at JSON pointer `pointer`) with whether it applies beside
+    other schemas to the same instance: then its keys are "additional" to theirs."""
     if isinstance(schema, list):  # "items" as a list (draft 4-7 tuples)
-        for item in schema:
-            _close(item, composed_refs, False)
+        for i, item in enumerate(schema):
+            yield from _schemas(item, f"{pointer}/{i}", composed_refs, False)
         return
     if not isinstance(schema, dict):
         return
-    lists_properties = "properties" in schema
-    if lists_properties and not composed and not any(k in schema for k in _OPEN_KEYS):
-        schema["additionalProperties"] = False
-    is_object = lists_properties or schema.get("type") == "object"
+    composed = composed or pointer in composed_refs
+    yield schema, composed
+    is_object = "properties" in schema or schema.get("type") == "object"
     for key, value in schema.items():
+        at = f"{pointer}/{_escape(key)}"
         if key in _VALUE_SCHEMA:
-            _close(value, composed_refs, False)
+            yield from _schemas(value, at, composed_refs, False)
         elif key in _COMPOSING_SCHEMA:
-            _close(value, composed_refs, True)
+            yield from _schemas(value, at, composed_refs, True)
         elif key in _COMPOSING_LISTS and isinstance(value, list):
-            # An anyOf's alternatives are whole values, unless they add to the object's own.
-            for item in value:
-                _close(item, composed_refs, key == "allOf" or is_object)
+            # An anyOf's alternatives are whole values, unless they add to the object's own
+            # (or to the schemas this one applies beside).
+            beside = composed or key == "allOf" or is_object
+            for i, item in enumerate(value):
+                yield from _schemas(item, f"{at}/{i}", composed_refs, beside)
         elif key == "prefixItems" and isinstance(value, list):
-            for item in value:
-                _close(item, composed_refs, False)
-        elif key in _SCHEMA_DICTS and isinstance(value, dict):
-            for item in value.values():
-                _close(item, composed_refs, False)
-        elif key in _DEFS and isinstance(value, dict):
+            for i, item in enumerate(value):
+                yield from _schemas(item, f"{at}/{i}", composed_refs, False)
+        elif key in (*_SCHEMA_DICTS, *_DEFS) and isinstance(value, dict):
             for name, item in value.items():
-                _close(item, composed_refs, f"#/{key}/{name}" in composed_refs)
+                yield from _schemas(item, f"{at}/{_escape(name)}", composed_refs, False)
 
 
-def _composed_refs(schema) -> set[str]:
-    """The $refs whose targets apply beside other schemas: members of an allOf, of an object's
-    anyOf or oneOf, and a $ref beside keywords of its own."""
-    refs = set()
-    for node in _dicts(schema):
-        is_object = "properties" in node or node.get("type") == "object"
-        for key in _COMPOSING_LISTS:
-            members = node.get(key)
-            if isinstance(members, list) and (key == "allOf" or is_object):
-                refs.update(_ref(m) for m in members if _ref(m) is not None)
-        if _ref(node) is not None and set(node) - _ANNOTATIONS:
-            refs.add(node["$ref"])
-    return refs
+def _escape(key: str) -> str:
+    """A key as a JSON pointer's reference token."""
+    return str(key).replace("~", "~0").replace("/", "~1")
 
 
 def _ref(node) -> str | None:
     ref = node.get("$ref") if isinstance(node, dict) else None
     return ref if isinstance(ref, str) else None
-
-
-def _dicts(value):
-    """Every dict in a JSON value, itself included."""
-    if isinstance(value, dict):
-        yield value
-        for item in value.values():
-            yield from _dicts(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _dicts(item)
