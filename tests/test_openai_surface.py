@@ -516,8 +516,8 @@ def test_serve_takes_vllm_launch_flags(monkeypatch, tmp_path):
         5,
     )
     monkeypatch.delenv("VLLM_API_KEY")
-    cli.main(["serve", "--chat-template", "{{ messages }}"])
-    assert served["api_key"] is None and served["chat_template"] == "{{ messages }}"
+    cli.main(["serve", "--chat-template", "{{ messages }}\\n"])  # escapes decoded, as vLLM
+    assert served["api_key"] is None and served["chat_template"] == "{{ messages }}\n"
 
 
 @pytest.mark.parametrize(
@@ -526,6 +526,7 @@ def test_serve_takes_vllm_launch_flags(monkeypatch, tmp_path):
         (["--dtype", "half"], "float32 or bfloat16"),
         (["--uvicorn-log-level", "bogus"], "invalid choice"),
         (["a", "--model", "b"], "given twice"),
+        (["--chat-template", "./missing.jinja"], "looks like a file path"),
     ],
 )
 def test_serve_refuses_bad_flags_before_loading(monkeypatch, capsys, flags, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import os
 import sys
@@ -101,15 +102,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in _ENGINE_FLAGS if name in fields}
 
 
+def _load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself with its escapes (\\n) decoded,
+    as vLLM reads it; a value with no Jinja in it that names no file is a mistyped path."""
+    if value is None:
+        return None
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            sys.exit(f"--chat-template {value!r} looks like a file path, but it cannot be read: {e}")
+    return codecs.decode(value, "unicode_escape")
+
+
 def _serve(args: argparse.Namespace) -> None:
     if args.model_option is not None:
         if args.model is not None and args.model != args.model_option:
             sys.exit(f"the model is given twice: {args.model} and --model {args.model_option}")
         args.model = args.model_option
-    chat_template = args.chat_template
-    if chat_template is not None and os.path.isfile(chat_template):
-        with open(chat_template) as f:
-            chat_template = f.read()
+    chat_template = _load_chat_template(args.chat_template)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit(
             "--enable-auto-tool-choice needs --tool-call-parser NAME "
