@@ -44,6 +44,17 @@ def test_chat_template_kwargs_reach_the_template(smollm2_llm):
         chat_template_kwargs={"extra": " and more"},
     )
     assert out.prompt == CONVERSATIONS[0][0]["content"] + " and more"
+    # A named option given among them too: theirs wins, as in vLLM.
+    template += "{% if add_generation_prompt %}>{% endif %}"
+    kwargs = {"extra": "", "add_generation_prompt": False}
+    [out] = smollm2_llm.chat(
+        CONVERSATIONS[0][:1],
+        params,
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs=kwargs,
+    )
+    assert out.prompt == CONVERSATIONS[0][0]["content"]
 
 
 @pytest.mark.parametrize("beam_width", [2, 4])

@@ -97,6 +97,7 @@ def test_stop_token_ids_and_stop_strings_end_requests(llm):
         ([1, 2, 49152], SamplingParams(), r"\[0, 49152\)"),
         ([-1], SamplingParams(), r"\[0, 49152\)"),
         ("hi", SamplingParams(max_tokens=300), "max_model_len"),
+        ([5] * 256, SamplingParams(max_tokens=None), "leaves no room to generate"),
     ],
 )
 def test_bad_requests_are_rejected_before_entering_the_engine(llm, prompt, params, match):
@@ -125,6 +126,8 @@ def test_vllm_keywords_for_what_jvllm_does_not_do_take_only_their_defaults(llm):
         llm.generate(["hi"], params, lora_request=object())
     with pytest.raises(ValueError, match="priority"):
         llm.generate(["hi"], params, priority=[1])
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        llm.generate(["hi"], params, priority=[0, 0])
 
 
 def test_abort_frees_blocks_and_the_loop_keeps_serving(llm):

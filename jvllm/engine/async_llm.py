@@ -161,7 +161,8 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (vLLM's): their KV blocks are freed and each one's `generate()` ends
         with "abort", after the tokens its consumer had not read; unknown ids are ignored."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        is_iterable = isinstance(request_id, Iterable)
+        ids = [request_id] if isinstance(request_id, str) or not is_iterable else list(request_id)
         if not all(isinstance(i, str) for i in ids):
             raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
         for i in ids:
@@ -274,16 +275,13 @@ class AsyncLLM:
                 stream = self._live.pop(command[1], None)
                 if stream is not None:
                     engine.abort_request(command[1])
-                    stream.loop.call_soon_threadsafe(stream.abort)
                     self._record_aborted(stream)
+                    _tell_aborted(stream)
             elif op == "abort_all":
                 engine.abort_request(list(self._live))
                 for stream in self._live.values():
                     self._record_aborted(stream)
-                    try:
-                        stream.loop.call_soon_threadsafe(stream.abort)
-                    except RuntimeError:  # that loop is closed: its consumer is gone
-                        pass
+                    _tell_aborted(stream)
                 self._live.clear()
         return had_commands
 
@@ -375,3 +373,11 @@ class AsyncLLM:
         for stream in self._live.values():
             self._fail(stream, EngineDeadError(f"the engine loop stopped: {error!r}"))
         self._live.clear()
+
+
+def _tell_aborted(stream: RequestStream) -> None:
+    """End an aborted stream on its consumer's event loop."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.abort)
+    except RuntimeError:  # that loop is closed: its consumer is gone
+        pass

@@ -71,6 +71,11 @@ def validate_request(
         raise ValueError(
             f"prompt token ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
         )
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
+            f"max_model_len ({max_model_len}); shorten the prompt or raise max_model_len"
+        )
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(

@@ -83,14 +83,16 @@ def render_conversation(
         raise ValueError("chat needs a tokenizer; this model ships none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template: pass chat_template")
+    options = {
+        "tools": tools,
+        "chat_template": chat_template,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
+    options.update(chat_template_kwargs or {})  # they override the named ones, as in vLLM
     text = tokenizer.apply_chat_template(
         _tool_call_arguments_as_objects(text_content(conversation)),
-        tools=tools,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tokenize=False,
-        **(chat_template_kwargs or {}),
+        **{**options, "tokenize": False},
     )
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return {"prompt": text, "prompt_token_ids": ids}

@@ -112,7 +112,9 @@ def _load_chat_template(value: str | None) -> str | None:
             return f.read()
     except OSError as e:
         if not any(c in value for c in "{}\n"):
-            sys.exit(f"--chat-template {value!r} looks like a file path, but it cannot be read: {e}")
+            sys.exit(
+                f"--chat-template {value!r} looks like a file path, but it cannot be read: {e}"
+            )
     return codecs.decode(value, "unicode_escape")
 
 

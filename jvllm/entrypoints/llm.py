@@ -53,11 +53,15 @@ class LLM:
         `lora_request` and `priority` are vLLM's, taken at what jvllm does: no adapter, and
         first come first served (None or zeros)."""
         check_no_lora_or_priority(lora_request, priority)
+        prompts = _as_prompt_list(prompts)
+        if isinstance(priority, (list, tuple)) and len(priority) != len(prompts):
+            raise ValueError(
+                f"got {len(priority)} priorities for {len(prompts)} prompts; pass one a prompt"
+            )
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):

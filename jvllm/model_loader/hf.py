@@ -85,7 +85,7 @@ def load_hf_dir(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig,
 # text model is what jvllm runs).
 _NEVER_READ = re.compile(
     r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|\.attention\.bias$"
-    r"|^(vision_tower|multi_modal_projector)\."
+    r"|^(model\.)?(vision_tower|multi_modal_projector)\."
 )
 
 
