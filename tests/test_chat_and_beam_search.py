@@ -95,3 +95,17 @@ def test_beam_search_matches_hf_num_beams(tiny_llama_dir, tiny_llama_hf, beam_wi
         assert [beam.tokens for beam in out.sequences] == expected
         for beam, score in zip(out.sequences, hf.sequences_scores.tolist()):
             assert beam.cum_logprob / max_tokens == pytest.approx(score, abs=1e-4)
+    # vLLM's keywords; one prompt at a time gives the same beams.
+    one_at_a_time = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        lora_request=None,
+        use_tqdm=False,
+        concurrency_limit=1,
+    )
+    assert [[b.tokens for b in o.sequences] for o in one_at_a_time] == [
+        [b.tokens for b in o.sequences] for o in outs
+    ]
+    too_long = BeamSearchParams(beam_width=beam_width, max_tokens=256)
+    with pytest.raises(ValueError, match="more than max_model_len"):  # refused before any step
+        llm.beam_search([prompts[1]], too_long)

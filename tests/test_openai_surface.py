@@ -361,6 +361,9 @@ def test_use_beam_search_equals_offline_beam_search(served, client):
     assert streamed == {c.index: c.text for c in out.choices}
     with pytest.raises(openai.BadRequestError, match="length_penalty"):
         client.completions.create(prompt=PROMPT, extra_body={"length_penalty": 0.5}, **_greedy())
+    body = {"model": MODEL, "prompt": PROMPT, "n": 11, "use_beam_search": True}
+    error = _error(served["url"], "/v1/completions", body)  # more beams than max_logprobs / 2
+    assert error["param"] == "n" and "beam_width" in error["message"]
 
 
 def test_chat_echo_prepends_the_continued_message(client):

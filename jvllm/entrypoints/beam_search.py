@@ -9,6 +9,8 @@ offline `LLM` and the server's `AsyncLLM` each drive its steps.
 import asyncio
 import dataclasses
 
+from tqdm.auto import tqdm
+
 from jvllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -22,6 +24,14 @@ def beam_score(
     if tokens[-1] in eos_token_ids:
         seq_len -= 1
     return cum_logprob / (seq_len**length_penalty)
+
+
+def check_beam_width(width: int, max_logprobs: int) -> None:
+    if 2 * width > max_logprobs:
+        raise ValueError(
+            f"beam_width must be at most max_logprobs / 2 = {max_logprobs // 2} "
+            f"(each step ranks 2 * beam_width candidates), got {width}; raise max_logprobs"
+        )
 
 
 @dataclasses.dataclass
@@ -44,12 +54,8 @@ class BeamSearch:
         eos_token_ids: tuple[int, ...],
         max_logprobs: int,
     ):
+        check_beam_width(params.beam_width, max_logprobs)
         width = params.beam_width
-        if 2 * width > max_logprobs:
-            raise ValueError(
-                f"beam_width must be at most max_logprobs / 2 = {max_logprobs // 2} "
-                f"(each step ranks 2 * beam_width candidates), got {width}; raise max_logprobs"
-            )
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.step_params = SamplingParams(
@@ -114,26 +120,57 @@ class BeamSearch:
         return results
 
 
-def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(
+    llm, prompts, params: BeamSearchParams, use_tqdm: bool, concurrency_limit: int | None
+) -> list[BeamSearchOutput]:
+    """`LLM.beam_search`: the prompts' searches `concurrency_limit` prompts at a time (None:
+    all at once), each step of a group one `generate` call over its live beams."""
     from jvllm.engine.input_processor import prompt_cache_salt, tokenize_prompt
 
+    if concurrency_limit is not None and (
+        not isinstance(concurrency_limit, int)
+        or isinstance(concurrency_limit, bool)
+        or concurrency_limit < 1
+    ):
+        raise ValueError(
+            f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}"
+        )
     engine = llm.llm_engine
     tokenizer = engine.get_tokenizer()
     prompts_token_ids = [tokenize_prompt(prompt, tokenizer)[1] for prompt in prompts]
-    search = BeamSearch(
-        prompts_token_ids,
-        [prompt_cache_salt(prompt) for prompt in prompts],
-        params,
-        engine.eos_token_ids,
-        engine.args.max_logprobs,
-    )
-    for _ in range(params.max_tokens):
-        step_prompts = search.live_prompts()
-        if not step_prompts:
-            break
-        outputs = llm.generate(step_prompts, search.step_params, use_tqdm=False)
-        search.advance([out.outputs[0].logprobs[0] for out in outputs])
-    return search.results(tokenizer)
+    salts = [prompt_cache_salt(prompt) for prompt in prompts]
+    for ids in prompts_token_ids:  # refused now rather than after steps of work
+        if len(ids) + params.max_tokens > engine.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{len(ids) + params.max_tokens} tokens, more than max_model_len "
+                f"({engine.max_model_len}); shorten the prompt, lower max_tokens, or raise "
+                "max_model_len"
+            )
+    group = concurrency_limit or max(len(prompts), 1)
+    starts = range(0, len(prompts), group)
+    results = []
+    with tqdm(
+        total=len(starts) * params.max_tokens, desc="Beam search", disable=not use_tqdm
+    ) as bar:
+        for start in starts:
+            search = BeamSearch(
+                prompts_token_ids[start : start + group],
+                salts[start : start + group],
+                params,
+                engine.eos_token_ids,
+                engine.args.max_logprobs,
+            )
+            for step in range(params.max_tokens):
+                step_prompts = search.live_prompts()
+                if not step_prompts:
+                    bar.update(params.max_tokens - step)
+                    break
+                outputs = llm.generate(step_prompts, search.step_params, use_tqdm=False)
+                search.advance([out.outputs[0].logprobs[0] for out in outputs])
+                bar.update(1)
+            results += search.results(tokenizer)
+    return results
 
 
 async def beam_search_async(

@@ -127,11 +127,20 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's beam search: the `beam_width` best sequences of each prompt."""
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request=None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the `beam_width` best sequences of each prompt, searched
+        `concurrency_limit` prompts at a time (None: all at once)."""
+        check_no_lora_or_priority(lora_request, None)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        return beam_search(self, _as_prompt_list(prompts), params)
+        return beam_search(self, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
