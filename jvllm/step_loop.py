@@ -36,7 +36,8 @@ tokens. A row stops by itself at its stop token ids (EOS included), max_tokens o
 after that it writes only the null page and `out.active` is False for it.
 
 Between `prefill` and `finish` the loop owns the engine's requests and KV arrays: the engine
-refuses new requests meanwhile. Stop strings are text and are not checked; min_tokens, n > 1,
+refuses new requests meanwhile. A call that fails while tracing donates nothing: finish with
+the state it was given (and `token_ids` of shape [0, S]) to give the engine back. Stop strings are text and are not checked; min_tokens, n > 1,
 multi-token bad words and structured outputs are not supported here (`prefill` says so).
 
 What the state holds is what the engine prepared, so two kinds of edit do not do what they seem
