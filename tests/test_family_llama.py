@@ -39,6 +39,15 @@ def test_family_decodes_like_hf(tmp_path, name):
     assert_matches_hf(tmp_path, hf_model, ragged_prompts(TINY["vocab_size"]))
 
 
+def test_a_sliding_window_in_a_llama_config_is_not_applied(tmp_path):
+    """HF's Llama attends globally whatever its config says (its forward does; its generate's
+    cache would cut at the window from the first decode step, so the reference is the model
+    without the key)."""
+    hf_model = save_random_model(tmp_path, transformers.LlamaConfig(**TINY, sliding_window=8))
+    hf_model.config.sliding_window = None
+    assert_matches_hf(tmp_path, hf_model, ragged_prompts(TINY["vocab_size"]))
+
+
 def test_mistral_sliding_window_decodes_like_hf(tmp_path):
     """Mistral's window (8 positions, pages of 4) cuts the long prompts, their decodes and the
     prefix hit, whose first pages fall wholly outside it."""

@@ -61,6 +61,8 @@ class LlamaForCausalLM(nnx.Module):
             cfg["options"] = {**cfg.get("options", {}), "o_proj_bias": True}
         if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
             cfg["qk_norm"] = True
+        if cfg.get("model_type") == "llama":
+            cfg["sliding_window"] = None  # HF's Llama attends globally, whatever its config says
         if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
             # Qwen's window applies only with use_sliding_window, from layer max_window_layers
             # (Qwen3-MoE's to every layer: HF's config has no max_window_layers).
