@@ -519,8 +519,8 @@ def test_serve_takes_vllm_launch_flags(monkeypatch, tmp_path):
         5,
     )
     monkeypatch.delenv("VLLM_API_KEY")
-    cli.main(["serve", "--chat-template", "{{ messages }}\\n"])  # escapes decoded, as vLLM
-    assert served["api_key"] is None and served["chat_template"] == "{{ messages }}\n"
+    cli.main(["serve", "--chat-template", "{{ messages }}\\n你"])  # escapes decoded, as vLLM
+    assert served["api_key"] is None and served["chat_template"] == "{{ messages }}\n你"
 
 
 @pytest.mark.parametrize(

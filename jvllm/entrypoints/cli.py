@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import codecs
 import dataclasses
 import os
 import sys
@@ -115,7 +114,8 @@ def _load_chat_template(value: str | None) -> str | None:
             sys.exit(
                 f"--chat-template {value!r} looks like a file path, but it cannot be read: {e}"
             )
-    return codecs.decode(value, "unicode_escape")
+    # Characters past Latin-1 go through as escapes themselves, so that only escapes change.
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def _serve(args: argparse.Namespace) -> None:
