@@ -15,6 +15,9 @@ from jvllm.rope_config import RopeScaling, parse_rope
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what a user passes: "auto" follows the checkpoint
+# vLLM's: what logprobs and prompt_logprobs hold. Raw: the model's logits; processed: what the
+# sampler drew from (after logit processors, penalties, temperature and top-k/top-p/min-p).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The window a global layer passes to attention in a model that mixes both kinds: never cuts.

@@ -4,7 +4,7 @@ import dataclasses
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.config import DTYPE_CHOICES
+from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
@@ -70,6 +70,7 @@ class EngineArgs:
     # own compile only. The server sets True.
     compile_in_background: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
     # vLLM's, taken so that its scripts run; they change nothing here: jvllm runs no code from
     # model directories (its families are built in), and its steps are always compiled.
     trust_remote_code: bool = False
@@ -171,6 +172,10 @@ class EngineArgs:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = off), "

@@ -114,6 +114,7 @@ class LLMEngine:
             attention_backend=self.attention_backend,
             kv_cache_dtype=args.kv_cache_dtype,
             max_logprobs=args.max_logprobs,
+            logprobs_mode=args.logprobs_mode,
             max_num_seqs=args.max_num_seqs,
             num_scheduler_steps=args.num_scheduler_steps,
             async_scheduling=args.async_scheduling,

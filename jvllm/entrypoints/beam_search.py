@@ -26,7 +26,14 @@ def beam_score(
     return cum_logprob / (seq_len**length_penalty)
 
 
-def check_beam_width(width: int, max_logprobs: int) -> None:
+def check_beam_search(width: int, engine_args) -> None:
+    """What the engine must allow for a search of `width` beams: their candidates' logprobs."""
+    if engine_args.logprobs_mode.endswith("_logits"):
+        raise ValueError(
+            f"beam search ranks beams by logprobs, and this engine's logprobs_mode is "
+            f"{engine_args.logprobs_mode!r}; start it with a *_logprobs mode"
+        )
+    max_logprobs = engine_args.max_logprobs
     if 2 * width > max_logprobs:
         raise ValueError(
             f"beam_width must be at most max_logprobs / 2 = {max_logprobs // 2} "
@@ -52,9 +59,9 @@ class BeamSearch:
         cache_salts: list[str | None],
         params: BeamSearchParams,
         eos_token_ids: tuple[int, ...],
-        max_logprobs: int,
+        engine_args,
     ):
-        check_beam_width(params.beam_width, max_logprobs)
+        check_beam_search(params.beam_width, engine_args)
         width = params.beam_width
         self.params = params
         self.eos_token_ids = eos_token_ids
@@ -159,7 +166,7 @@ def beam_search(
                 salts[start : start + group],
                 params,
                 engine.eos_token_ids,
-                engine.args.max_logprobs,
+                engine.args,
             )
             for step in range(params.max_tokens):
                 step_prompts = search.live_prompts()
@@ -183,9 +190,7 @@ async def beam_search_async(
     """The same search for one prompt through an `AsyncLLM`: each step's beams run at once, as
     requests `{request_id}-{step}-{beam}`."""
     inner = engine.engine
-    search = BeamSearch(
-        [prompt_token_ids], [cache_salt], params, inner.eos_token_ids, inner.args.max_logprobs
-    )
+    search = BeamSearch([prompt_token_ids], [cache_salt], params, inner.eos_token_ids, inner.args)
     for step in range(params.max_tokens):
         step_prompts = search.live_prompts()
         if not step_prompts:

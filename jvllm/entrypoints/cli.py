@@ -8,7 +8,7 @@ import os
 import sys
 
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.config import DTYPE_CHOICES
+from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.engine.arg_utils import EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -43,6 +43,10 @@ _ENGINE_FLAGS = {
     },
     "max_model_len": {"type": int, "help": "longest prompt + output (None: the model's)"},
     "max_logprobs": {"type": int, "help": "most logprobs a request may ask for"},
+    "logprobs_mode": {
+        "choices": list(LOGPROBS_MODES),
+        "help": "raw: of the model's logits; processed: of what the sampler drew from",
+    },
     "trust_remote_code": {
         "action": "store_true",
         "help": "accepted for vLLM's scripts: jvllm runs no code from model directories",

@@ -68,14 +68,7 @@ def sample(
 
     def random_sample() -> jax.Array:
         is_greedy = md.temperature < GREEDY_TEMPERATURE
-        temperature = jnp.where(is_greedy, 1.0, md.temperature)
-        scaled = logits / temperature[:, None]
-        if plan is SamplerPlan.DYNAMIC:
-            scaled = jax.lax.cond(
-                md.any_filter, lambda x: apply_top_k_top_p_min_p(x, md), lambda x: x, scaled
-            )
-        elif plan is SamplerPlan.FILTERED:
-            scaled = apply_top_k_top_p_min_p(scaled, md, branch_free=True)
+        scaled = scaled_and_filtered(logits, md, plan)
         # One uniform per row and an inverse-CDF search: Gumbel noise for every vocabulary
         # entry cost 31 ms for 64 x 49152 logits, this 1.6 ms.
         u = jax.vmap(lambda key: jax.random.uniform(key))(_request_keys(md.seeds, md.output_index))
@@ -85,6 +78,22 @@ def sample(
     if plan is SamplerPlan.DYNAMIC:
         return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
     return random_sample()
+
+
+def scaled_and_filtered(
+    logits: jax.Array, md: SamplingMetadata, plan: SamplerPlan = SamplerPlan.DYNAMIC
+) -> jax.Array:
+    """f32[S, V] logits over each row's temperature (greedy rows' left as they are), then
+    top-k / top-p / min-p: what a random row draws from."""
+    is_greedy = md.temperature < GREEDY_TEMPERATURE
+    scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+    if plan is SamplerPlan.DYNAMIC:
+        return jax.lax.cond(
+            md.any_filter, lambda x: apply_top_k_top_p_min_p(x, md), lambda x: x, scaled
+        )
+    if plan is SamplerPlan.FILTERED:
+        return apply_top_k_top_p_min_p(scaled, md, branch_free=True)
+    return scaled
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -145,11 +154,16 @@ def sample_step(
     seq_lens: jax.Array,
     logits_fn,
     max_logprobs: int,
+    logprobs_mode: str = "raw_logprobs",
     plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ) -> SamplerOutput:
     """Everything after the forward: f32[S, V] last-position logits and f32[T, D] hidden states
     (for prompt logprobs, through `logits_fn`) -> `SamplerOutput`. A plan other than DYNAMIC
-    is only for steps that `choose_plan` gives it: no processors, penalties or logprobs."""
+    is only for steps that `choose_plan` gives it: no processors, penalties or logprobs.
+
+    `logprobs_mode` (config.LOGPROBS_MODES): the sampled positions' logprobs of the raw logits
+    or of the processed ones a row draws from, or those logits themselves; a prompt's
+    positions are sampled by nothing, so theirs are of the raw logits in every mode."""
     num_seqs, num_tokens, k = logits.shape[0], hidden.shape[0], max(max_logprobs, 1)
 
     def no_logprobs(n):
@@ -165,14 +179,18 @@ def sample_step(
         return SamplerOutput(sampled, *no_logprobs(num_seqs), *no_logprobs(num_tokens))
     processed = process_logits(logits, md, bias_rows, token_cache, block_tables, seq_lens)
     sampled = sample(processed, md)
-    top = jax.lax.cond(
-        md.any_logprobs,
-        lambda: topk_and_target(logits, sampled, k),
-        lambda: no_logprobs(num_seqs),
-    )
+    as_logits = logprobs_mode.endswith("_logits")
+
+    def sampled_logprobs():
+        source = logits
+        if logprobs_mode.startswith("processed"):
+            source = scaled_and_filtered(processed, md)
+        return topk_and_target(source, sampled, k, as_logits)
+
+    top = jax.lax.cond(md.any_logprobs, sampled_logprobs, lambda: no_logprobs(num_seqs))
     prompt = jax.lax.cond(
         md.any_prompt_logprobs,
-        lambda: prompt_logprobs(hidden, md.prompt_target_ids, logits_fn, k),
+        lambda: prompt_logprobs(hidden, md.prompt_target_ids, logits_fn, k, as_logits),
         lambda: no_logprobs(num_tokens),
     )
     return SamplerOutput(sampled, *top, *prompt)

@@ -51,6 +51,7 @@ class ModelRunner:
         attention_backend: str,
         kv_cache_dtype: str = "auto",
         max_logprobs: int = 20,
+        logprobs_mode: str = "raw_logprobs",
         max_num_seqs: int = 128,
         num_scheduler_steps: int = 1,
         async_scheduling: bool = False,
@@ -97,6 +98,7 @@ class ModelRunner:
             model_step,
             model=sharded_model(config, mesh, attn, self.layers_unstacked),
             max_logprobs=max_logprobs,
+            logprobs_mode=logprobs_mode,
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps

@@ -19,6 +19,7 @@ def model_step(
     *,
     model: ShardedModel,
     max_logprobs: int,
+    logprobs_mode: str = "raw_logprobs",
     plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ):
     """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
@@ -46,6 +47,7 @@ def model_step(
         seq_lens=md.seq_lens,
         logits_fn=lambda h: model.logits(params, h),
         max_logprobs=max_logprobs,
+        logprobs_mode=logprobs_mode,
         plan=plan,
     )
     return out, logits, kv_cache, token_cache

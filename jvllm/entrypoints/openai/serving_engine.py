@@ -16,7 +16,7 @@ from jvllm.engine.async_llm import (
     EngineOverloadedError,
     RequestOutputKind,
 )
-from jvllm.entrypoints.beam_search import beam_search_async, check_beam_width
+from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -122,7 +122,7 @@ class OpenAIServing:
         if temperature is None:
             temperature = self.defaults.get("temperature", 0.0)
         try:
-            check_beam_width(request.n, self.engine.engine.args.max_logprobs)
+            check_beam_search(request.n, self.engine.engine.args)
             return BeamSearchParams(
                 beam_width=request.n,
                 max_tokens=max_tokens,
