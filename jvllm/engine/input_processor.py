@@ -76,14 +76,19 @@ def validate_request(
             f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
             f"max_model_len ({max_model_len}); shorten the prompt or raise max_model_len"
         )
-    total = len(prompt_token_ids) + params.max_tokens
+    check_fits(len(prompt_token_ids), params.max_tokens, max_model_len)
+    return params
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """A prompt and its max_tokens within max_model_len, or a ValueError saying what to change."""
+    total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(
-            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-            f"is {total} tokens, more than max_model_len ({max_model_len}); shorten the prompt, "
-            "lower max_tokens, or raise max_model_len"
+            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} "
+            f"tokens, more than max_model_len ({max_model_len}); shorten the prompt, lower "
+            "max_tokens, or raise max_model_len"
         )
-    return params
 
 
 def check_no_lora_or_priority(lora_request, priority) -> None:

@@ -132,7 +132,7 @@ def beam_search(
 ) -> list[BeamSearchOutput]:
     """`LLM.beam_search`: the prompts' searches `concurrency_limit` prompts at a time (None:
     all at once), each step of a group one `generate` call over its live beams."""
-    from jvllm.engine.input_processor import prompt_cache_salt, tokenize_prompt
+    from jvllm.engine.input_processor import check_fits, prompt_cache_salt, tokenize_prompt
 
     if concurrency_limit is not None and (
         not isinstance(concurrency_limit, int)
@@ -147,13 +147,7 @@ def beam_search(
     prompts_token_ids = [tokenize_prompt(prompt, tokenizer)[1] for prompt in prompts]
     salts = [prompt_cache_salt(prompt) for prompt in prompts]
     for ids in prompts_token_ids:  # refused now rather than after steps of work
-        if len(ids) + params.max_tokens > engine.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{len(ids) + params.max_tokens} tokens, more than max_model_len "
-                f"({engine.max_model_len}); shorten the prompt, lower max_tokens, or raise "
-                "max_model_len"
-            )
+        check_fits(len(ids), params.max_tokens, engine.max_model_len)
     group = concurrency_limit or max(len(prompts), 1)
     starts = range(0, len(prompts), group)
     results = []
