@@ -43,6 +43,8 @@ class ModelConfig:
     rms_norm_eps: float  # the epsilon of the model's norms (LayerNorm's too)
     rope_theta: float
     rope_scaling: RopeScaling | None
+    # The longest sequence: config.json's, or YaRN's extended context where longer
+    # (rope_config.RopeScaling.context_length).
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: bias on the q/k/v projections
@@ -57,6 +59,12 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # Gemma 2: on the LM head's logits
     query_pre_attn_scalar: float | None = None  # Gemma: scores scale by its -1/2 power, not H's
     local_rope_theta: float | None = None  # Gemma 3: the windowed layers' rope base
+    # HF's partial rotary embedding: the first R = int(H * partial_rotary_factor) dims of each
+    # head rotate (rotate-half within those R), the other H - R pass through unchanged
+    # (layers/rotary.py; `rotary_dim`). Set only for a family whose HF model honours the key:
+    # its normalize_hf_config puts it under rope_config.ROTARY_FRACTION_KEY (Phi-3; HF's Llama,
+    # Qwen, Mistral, Mixtral and Gemma ignore partial_rotary_factor, and so does jvllm there).
+    partial_rotary_factor: float = 1.0
     num_experts: int = 0  # E; 0: a dense MLP
     num_experts_per_tok: int = 0  # k
     moe_intermediate_size: int = 0  # an expert's F
@@ -91,6 +99,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} rotates "
+                f"{self.rotary_dim} of head_dim={self.head_dim} dims; it must rotate an even "
+                "number of them, at least 2"
+            )
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
@@ -121,6 +139,12 @@ class ModelConfig:
             return (None,) * self.num_layers
         types = self.layer_types or ("sliding_attention",) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """R: the dims of each head that rotary embeddings rotate, its first R (HF's
+        `int(head_dim * partial_rotary_factor)`; H unless the family rotates part of a head)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def sm_scale(self) -> float:
@@ -170,6 +194,9 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         layer_types = cfg.get("layer_types")
+        max_len = cfg.get("max_position_embeddings", 2048)
+        if rope.scaling is not None:
+            max_len = rope.scaling.context_length(max_len)
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -182,7 +209,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope.theta,
             rope_scaling=rope.scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_len,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias")),
             qk_norm=bool(cfg.get("qk_norm")),
@@ -196,6 +223,7 @@ class ModelConfig:
             final_logit_softcap=cfg.get("final_logit_softcapping"),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             local_rope_theta=rope.local_theta,
+            partial_rotary_factor=rope.rotary_fraction,
             num_experts=cfg.get("num_local_experts") or cfg.get("num_experts") or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,

@@ -116,11 +116,13 @@ def test_phi3_config_reads_as_hf_reads_it():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
         (
             {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
             "short_factor must give one factor per pair",
         ),
+        # A partial rotation (Phi-4-mini's 0.75) runs (test_rope_scaling.py); one over an odd
+        # number of dims (16 * 0.7 = 11) does not.
+        ({"partial_rotary_factor": 0.7, "rope_scaling": None}, "must rotate an even number"),
     ],
 )
 def test_phi3_config_rejects_what_it_cannot_run(overrides, message):

@@ -1,11 +1,13 @@
 """Engine options (vLLM's names), validated on construction."""
 
 import dataclasses
+from collections.abc import Mapping
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
+from jvllm.model_loader.hf import HFOverrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
 
@@ -38,6 +40,9 @@ class EngineArgs:
     # load); None: the model dtype.
     quantization: str | None = None
     load_format: str = "auto"  # "dummy": random weights, only config.json read (benchmarks)
+    # vLLM's: config.json keys to replace (e.g. {"rope_scaling": {"rope_type": "yarn", ...}}),
+    # or a function of the config dict returning the one to use (model_loader/hf.py).
+    hf_overrides: HFOverrides = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
     # The KV cache's size (engine/kv_budget.py): num_gpu_blocks_override, an exact block count
@@ -137,6 +142,7 @@ class EngineArgs:
             )
         if self.tokenizer is not None:
             check_tokenizer_path(self.tokenizer)
+        _check_hf_overrides(self.hf_overrides)
         for name in (
             "async_scheduling",
             "compile_all_buckets",
@@ -196,6 +202,18 @@ class EngineArgs:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+
+
+def _check_hf_overrides(overrides) -> None:
+    if overrides is None or callable(overrides):
+        return
+    if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
+        raise ValueError(
+            "hf_overrides must be a dict of config.json keys to their values (e.g. "
+            '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+            '"original_max_position_embeddings": 32768}}) or a function of the config dict, '
+            f"got {overrides!r}"
+        )
 
 
 def _positive(name: str, value) -> None:

@@ -58,6 +58,7 @@ class LLMEngine:
             args.quantization,
             args.tokenizer,
             args.skip_tokenizer_init,
+            args.hf_overrides,
         )
         self.load_seconds = time.perf_counter() - start
         config = self.model_config

@@ -19,7 +19,7 @@ def build_kernels_early(args: EngineArgs) -> None:
     model dtype will use, so that tracing the first step finds them built."""
     backend = args.attention_backend or default_backend()
     prepare_backend(backend, args.kv_cache_dtype, args.block_size)
-    cpu_dense.build_early(expected_dtype(args.model, args.dtype))
+    cpu_dense.build_early(expected_dtype(args.model, args.dtype, args.hf_overrides))
 
 
 def compile_up_front(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -25,6 +26,17 @@ def _dtype(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _json_object(value: str) -> dict:
+    """--hf-overrides: a JSON object."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return parsed
+
+
 # EngineArgs fields exposed as flags (vLLM's flag names); --help shows each one's default.
 _ENGINE_FLAGS = {
     "dtype": {
@@ -40,6 +52,10 @@ _ENGINE_FLAGS = {
     "quantization": {
         "choices": list(QUANTIZATION_METHODS),
         "help": "weights kept quantized (None: gguf for a .gguf file, else the model dtype)",
+    },
+    "hf_overrides": {
+        "type": _json_object,
+        "help": "config.json keys to replace, as JSON, e.g. '{\"rope_scaling\": {...}}'",
     },
     "max_model_len": {"type": int, "help": "longest prompt + output (None: the model's)"},
     "max_logprobs": {"type": int, "help": "most logprobs a request may ask for"},

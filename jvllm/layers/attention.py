@@ -69,8 +69,10 @@ class Attention(nnx.Module):
     def __call__(
         self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn, sliding_window=None
     ):
-        """x f32[T, D] (normed) -> (f32[T, D], kv_cache); cos, sin f32[T, H] (None without
-        rope); sliding_window: None (no window) or this layer's i32[] W (see layer_windows)."""
+        """x f32[T, D] (normed) -> (f32[T, D], kv_cache); cos, sin f32[T, R] over the R rotated
+        dims of a head (None without rope; layers/rotary.py), applied after the q/k norms and
+        before the cache write, so the attention backends see whole rotated heads;
+        sliding_window: None (no window) or this layer's i32[] W (see layer_windows)."""
         num_tokens = x.shape[0]
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)  # [T, (N+2K)*H]

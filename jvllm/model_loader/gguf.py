@@ -18,7 +18,7 @@ from jvllm.config import ModelConfig
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
-from jvllm.model_loader.hf import resolve_dtype
+from jvllm.model_loader.hf import HFOverrides, apply_hf_overrides, resolve_dtype
 from jvllm.models.model import load_checkpoint_weights
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
@@ -202,10 +202,15 @@ def _check_packable(tensors: dict[str, HFTensor], path: str) -> None:
 
 
 def load_gguf(
-    path: str, dtype: str = "auto", mesh=None, keep_packed: bool = False
+    path: str,
+    dtype: str = "auto",
+    mesh=None,
+    keep_packed: bool = False,
+    hf_overrides: HFOverrides = None,
 ) -> tuple[ModelConfig, dict]:
     """Load a Llama GGUF, fused into our layout; dtype "auto" means float32 here. Placed on
-    `mesh` (None: JAX's default device).
+    `mesh` (None: JAX's default device). hf_overrides apply to the HF config its metadata
+    gives (hf.apply_hf_overrides).
 
     keep_packed: tensors of a block format that stays packed (quantization/gguf_blocks.py)
     become GGUFWeights of their blocks, dequantized inside the step; otherwise (and for other
@@ -213,6 +218,7 @@ def load_gguf(
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
+    hf_config = apply_hf_overrides(hf_config, hf_overrides)
     config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
     if keep_packed and mesh is not None and mesh.size > 1:
         raise ValueError(

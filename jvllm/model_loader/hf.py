@@ -7,7 +7,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,25 +42,49 @@ def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
     return "float32"
 
 
-def read_hf_config(path: str, dtype: str = "auto") -> ModelConfig:
-    """The ModelConfig of `path/config.json`."""
-    hf_config = read_config_json(path)
+# vLLM's hf_overrides: config.json keys to replace, or a function of the config dict.
+HFOverrides = Mapping[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None
+
+
+def apply_hf_overrides(hf_config: dict[str, Any], overrides: HFOverrides) -> dict[str, Any]:
+    """`hf_config` with the user's `overrides` applied, as vLLM's hf_overrides: a mapping's keys
+    replace the config's (a nested config, a dict under a key ending in "_config" such as
+    Gemma 3's text_config, is updated key by key rather than replaced); a callable takes the
+    config dict and returns the one to use."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return dict(overrides(dict(hf_config)))
+    merged = dict(hf_config)
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(value, Mapping):
+            merged[key] = apply_hf_overrides(dict(merged.get(key) or {}), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_hf_config(path: str, dtype: str = "auto", overrides: HFOverrides = None) -> ModelConfig:
+    """The ModelConfig of `path/config.json`, with `overrides` applied."""
+    hf_config = read_config_json(path, overrides)
     return ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
 
 
-def read_config_json(path: str) -> dict[str, Any]:
-    """`path/config.json` as it is written."""
+def read_config_json(path: str, overrides: HFOverrides = None) -> dict[str, Any]:
+    """`path/config.json` as it is written, with `overrides` applied."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path} is not an HF model directory: it has no config.json")
     with open(config_path) as f:
-        return json.load(f)
+        return apply_hf_overrides(json.load(f), overrides)
 
 
-def load_hf_dir(path: str, dtype: str = "auto", mesh=None) -> tuple[ModelConfig, dict]:
-    """Load `path/config.json` and all `path/*.safetensors` (sharded or not), placed on `mesh`
-    (None: JAX's default device)."""
-    config = read_hf_config(path, dtype)
+def load_hf_dir(
+    path: str, dtype: str = "auto", mesh=None, overrides: HFOverrides = None
+) -> tuple[ModelConfig, dict]:
+    """Load `path/config.json` (with `overrides` applied) and all `path/*.safetensors` (sharded
+    or not), placed on `mesh` (None: JAX's default device)."""
+    config = read_hf_config(path, dtype, overrides)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")

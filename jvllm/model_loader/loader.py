@@ -19,7 +19,13 @@ from jvllm.model_loader.default_model import (
 from jvllm.model_loader.dummy import dummy_params
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.gguf_tokenizer import tokenizer_from_gguf
-from jvllm.model_loader.hf import load_hf_dir, read_config_json, read_hf_config, resolve_dtype
+from jvllm.model_loader.hf import (
+    HFOverrides,
+    load_hf_dir,
+    read_config_json,
+    read_hf_config,
+    resolve_dtype,
+)
 from jvllm.quantization import QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
 
@@ -76,6 +82,7 @@ def load_model(
     quantization: str | None = None,
     tokenizer: str | None = None,
     skip_tokenizer_init: bool = False,
+    hf_overrides: HFOverrides = None,
 ) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
@@ -95,12 +102,16 @@ def load_model(
 
     tokenizer: another one than the model's (`load_tokenizer`); skip_tokenizer_init: none (the
     model's is then not even read).
+
+    hf_overrides: vLLM's, config keys replaced before the model is built (hf.apply_hf_overrides).
     """
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
     quantization = resolve_quantization(model, dtype, quantization)
-    config, params, own_tokenizer = _load(model, dtype, load_format, mesh, quantization)
+    config, params, own_tokenizer = _load(
+        model, dtype, load_format, mesh, quantization, hf_overrides
+    )
     if skip_tokenizer_init:
         tokenizer = None
     else:
@@ -115,7 +126,7 @@ def load_model(
     return config, params, tokenizer
 
 
-def expected_dtype(model: str | None, dtype: str) -> str:
+def expected_dtype(model: str | None, dtype: str, hf_overrides: HFOverrides = None) -> str:
     """The model dtype load_model will give `model` for `dtype`, from its config.json alone (so
     that the engine can prepare what that dtype runs on while the weights load): a GGUF, the
     default model included, loads in float32 unless told otherwise."""
@@ -124,7 +135,7 @@ def expected_dtype(model: str | None, dtype: str) -> str:
         return "float32" if dtype == "auto" else dtype
     with warnings.catch_warnings():  # load_model warns of a float16 checkpoint itself
         warnings.simplefilter("ignore")
-        return resolve_dtype(dtype, read_config_json(model))
+        return resolve_dtype(dtype, read_config_json(model, hf_overrides))
 
 
 def resolve_quantization(model: str | None, dtype: str, quantization: str | None) -> str | None:
@@ -148,7 +159,12 @@ def resolve_quantization(model: str | None, dtype: str, quantization: str | None
 
 
 def _load(
-    model: str | None, dtype: str, load_format: str, mesh: Mesh | None, quantization: str | None
+    model: str | None,
+    dtype: str,
+    load_format: str,
+    mesh: Mesh | None,
+    quantization: str | None,
+    hf_overrides: HFOverrides,
 ) -> tuple[ModelConfig, dict, Callable[[], Any | None]]:
     """(config, params, what loads the model's own tokenizer)."""
     is_default_model = model is None or model == DEFAULT_MODEL
@@ -159,9 +175,9 @@ def _load(
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         own_tokenizer = functools.partial(_load_dir_tokenizer, model, is_default_model)
         if load_format == "dummy":
-            config = read_hf_config(model, dtype)
+            config = read_hf_config(model, dtype, hf_overrides)
             return config, dummy_params(config, mesh=mesh), own_tokenizer
-        config, params = load_hf_dir(model, dtype, mesh)
+        config, params = load_hf_dir(model, dtype, mesh, hf_overrides)
         return config, params, own_tokenizer
     if model.endswith(".gguf") and os.path.isfile(model):
         if load_format == "dummy":
@@ -169,7 +185,8 @@ def _load(
                 "load_format='dummy' needs an HF model directory (its config.json), "
                 f"not a .gguf file: {model}"
             )
-        config, params = load_gguf(model, dtype, mesh, keep_packed=quantization == "gguf")
+        keep_packed = quantization == "gguf"
+        config, params = load_gguf(model, dtype, mesh, keep_packed, hf_overrides)
         return config, params, functools.partial(tokenizer_from_gguf, model)
     raise ValueError(
         f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "

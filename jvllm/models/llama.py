@@ -23,6 +23,7 @@ from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary import rope_cos_sin
 from jvllm.layers.scan import scan_layers, stacked_layers
 from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # Phi3Config's default context (max_position_embeddings, original_max_position_embeddings),
 # where a config.json does not say.
@@ -153,27 +154,27 @@ class LlamaForCausalLM(nnx.Module):
 def _normalize_phi3(cfg: dict) -> dict:
     """Phi-3's config.json as HF's Phi3Config reads it: the top-level
     original_max_position_embeddings wins over the rope dict's, "su" and "yarn" are old names of
-    "longrope"; and a sliding window that no sequence can fill is dropped (Phi-3.5-mini's
-    262144 in a 131072 context), so that attention takes its unwindowed path."""
+    "longrope"; partial_rotary_factor (Phi-4-mini's 0.75; the rope dict's, else the top level's)
+    rotates the first int(head_dim * factor) dims of each head, and LongRoPE's factor lists
+    give one factor per pair of them; and a sliding window that no sequence can fill is dropped
+    (Phi-3.5-mini's 262144 in a 131072 context), so that attention takes its unwindowed path."""
     cfg.setdefault("max_position_embeddings", _PHI3_DEFAULT_CONTEXT)
-    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    # The dict rope_config reads the scaling from: rope_scaling where given, as HF reads it.
+    rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = dict(cfg.get(rope_key) or {})
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor={partial} is not supported (Phi-4-mini sets 0.75); "
-            "allowed: 1.0 (the rotation covers whole heads)"
-        )
+    partial = hf_partial_rotary_factor(cfg)
+    cfg[ROTARY_FRACTION_KEY] = partial
     if rope.get("rope_type", rope.get("type")) in ("longrope", "su", "yarn"):
         rope["rope_type"] = "longrope"
         rope["original_max_position_embeddings"] = cfg.get(
             "original_max_position_embeddings", _PHI3_DEFAULT_CONTEXT
         )
-        num_pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        num_pairs = int(head_dim * partial) // 2
         for name in ("short_factor", "long_factor"):
             if len(rope.get(name) or ()) != num_pairs:
                 raise ValueError(
-                    f"rope_scaling.{name} must give one factor per pair of head dims "
+                    f"rope_scaling.{name} must give one factor per pair of rotated head dims "
                     f"({num_pairs}), got {rope.get(name)!r}"
                 )
         cfg[rope_key] = rope
