@@ -69,6 +69,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # k
     moe_intermediate_size: int = 0  # an expert's F
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's F; 0: none
     options: tuple[tuple[str, Any], ...] = ()  # family-specific settings, (name, value) sorted
     # > 1: this config is one device's shard of a tensor-parallel model (its heads, F and V are
     # that device's share; distributed/tensor_parallel.py), and the row-parallel layers sum
@@ -228,5 +229,6 @@ class ModelConfig:
             num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             options=tuple(sorted(cfg.get("options", {}).items())),
         )

@@ -1,12 +1,22 @@
-"""Mixtral and Qwen3-MoE through the engine against HF transformers, and their routers' choices."""
+"""Mixtral, Qwen3-MoE and Qwen2-MoE through the engine against HF transformers, and their
+routers' choices."""
+
+import json
+import re
 
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
-from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import (
+    assert_hf_window_cuts,
+    assert_matches_hf,
+    ragged_prompts,
+    save_random_model,
+)
 
+from jvllm.config import ModelConfig
 from jvllm.layers.moe import route
 from jvllm.model_loader.hf import load_hf_dir
 
@@ -26,6 +36,13 @@ def _qwen3_moe(**kwargs) -> transformers.Qwen3MoeConfig:
     return transformers.Qwen3MoeConfig(**TINY, head_dim=32, moe_intermediate_size=48, **kwargs)
 
 
+def _qwen2_moe(**kwargs) -> transformers.Qwen2MoeConfig:
+    kwargs = {"num_experts": 8, "num_experts_per_tok": 2, **kwargs}
+    return transformers.Qwen2MoeConfig(
+        **{**TINY, **kwargs}, moe_intermediate_size=48, shared_expert_intermediate_size=80
+    )
+
+
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(
         **TINY, num_local_experts=4, num_experts_per_tok=2
@@ -41,13 +58,38 @@ CONFIGS = {
         max_window_layers=1,
         attention_bias=True,
     ),
+    # The shared expert (width 80, gated per token) beside top-2 of 8 unrenormalised weights.
+    "qwen2_moe": lambda: _qwen2_moe(),
+    # Saved without layer_types (_WITHOUT_LAYER_TYPES), as the released config.json files: HF
+    # then windows the even layers below max_window_layers, here layer 0 of 2 (Qwen2's rule
+    # would window layer 1).
+    "qwen2_moe_windowed_renormalised_top4_unbiased_tied": lambda: _qwen2_moe(
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        qkv_bias=False,
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    ),
 }
+_WITHOUT_LAYER_TYPES = {"qwen2_moe_windowed_renormalised_top4_unbiased_tied"}
+
+
+def _drop_layer_types(path) -> None:
+    config = json.loads((path / "config.json").read_text())
+    del config["layer_types"]
+    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_moe_family_decodes_like_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, CONFIGS[name]())
-    assert_matches_hf(tmp_path, hf_model, ragged_prompts(TINY["vocab_size"]))
+    prompts = ragged_prompts(TINY["vocab_size"])
+    if name in _WITHOUT_LAYER_TYPES:
+        _drop_layer_types(tmp_path)
+        assert_hf_window_cuts(hf_model, max(prompts, key=len))
+    assert_matches_hf(tmp_path, hf_model, prompts)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -81,3 +123,55 @@ def test_router_picks_hf_experts_for_every_token(tmp_path, name):
         np.testing.assert_allclose(
             np.sort(np.asarray(weights), -1), np.sort(hf_weights.numpy(), -1), atol=1e-5
         )
+
+
+@pytest.mark.parametrize("num_layers,max_window_layers", [(5, 3), (4, 28), (3, 0)])
+@pytest.mark.parametrize("use_sliding_window", [True, False])
+def test_qwen2_moe_windows_the_layers_hf_derives_without_layer_types(
+    num_layers, max_window_layers, use_sliding_window
+):
+    hf = _qwen2_moe(
+        num_hidden_layers=num_layers,
+        use_sliding_window=use_sliding_window,
+        sliding_window=8,
+        max_window_layers=max_window_layers,
+    )
+    fields = {**hf.to_dict(), "sliding_window": 8}  # HF's config holds 0 when it is unused
+    del fields["layer_types"]
+    config = ModelConfig.from_hf_config(fields, "float32")
+    windowed = use_sliding_window and hf.sliding_window
+    expected = [8 if windowed and t == "sliding_attention" else None for t in hf.layer_types]
+    assert list(config.layer_windows) == expected
+
+
+@pytest.mark.parametrize(
+    "fields,dense_layers",
+    [
+        ({"decoder_sparse_step": 2}, [0]),
+        ({"mlp_only_layers": [1]}, [1]),
+        ({"num_experts": 0}, [0, 1]),
+    ],
+)
+def test_qwen2_moe_with_dense_mlp_layers_is_refused_naming_them(fields, dense_layers):
+    hf = {**_qwen2_moe().to_dict(), **fields}
+    with pytest.raises(ValueError, match=re.escape(f"make layers {dense_layers} dense MLPs")):
+        ModelConfig.from_hf_config(hf, "float32")
+
+
+def test_qwen2_moe_mlp_only_layers_past_the_last_layer_leave_every_layer_sparse():
+    hf = {**_qwen2_moe().to_dict(), "mlp_only_layers": [2, 7]}
+    assert ModelConfig.from_hf_config(hf, "float32").num_experts == 8  # not refused
+
+
+def test_qwen2_moe_config_json_without_moe_fields_takes_hf_defaults():
+    fields = {**TINY, "architectures": ["Qwen2MoeForCausalLM"], "attention_bias": True}
+    config = ModelConfig.from_hf_config(fields, "float32")
+    hf = transformers.Qwen2MoeConfig(**TINY)
+    assert config.num_experts == hf.num_experts
+    assert config.num_experts_per_tok == hf.num_experts_per_tok
+    assert config.moe_intermediate_size == hf.moe_intermediate_size
+    assert config.shared_expert_intermediate_size == hf.shared_expert_intermediate_size
+    assert config.norm_topk_prob is hf.norm_topk_prob is False
+    assert config.attention_bias is hf.qkv_bias is True  # HF ignores attention_bias here
+    assert not config.option("o_proj_bias", False)
+    assert config.layer_windows == (None,) * TINY["num_hidden_layers"]

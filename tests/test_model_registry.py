@@ -37,6 +37,7 @@ _HF_CONFIG_CLASSES = {
     "OPTForCausalLM": transformers.OPTConfig,
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
 }
 
 
@@ -57,6 +58,11 @@ def test_every_param_names_each_of_its_axes(architecture):
         assert axes["layers"]["mlp"]["router"] == ("layers", "experts", "embed")
     else:
         assert axes["layers"]["mlp"]["down"]["weight"] == ("layers", "embed", "mlp")
+    if config.shared_expert_intermediate_size:  # column- then row-parallel, as a dense MLP
+        shared = axes["layers"]["mlp"]["shared_expert"]
+        assert shared["gate_up"]["weight"] == ("layers", "mlp", "embed")
+        assert shared["down"]["weight"] == ("layers", "embed", "mlp")
+        assert axes["layers"]["mlp"]["shared_gate"] == ("layers", "embed")  # replicated
     assert shapes["layers"]["attn"]["qkv"]["weight"].shape[0] == config.num_layers
 
 

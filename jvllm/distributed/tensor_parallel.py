@@ -46,6 +46,9 @@ def check_tensor_parallel(config: ModelConfig, num_shards: int) -> None:
     if _mlp_width(config) % t:
         what = "each expert's" if config.num_experts else "the MLP's"
         problems.append(f"{what} intermediate size {_mlp_width(config)}")
+    shared = config.shared_expert_intermediate_size
+    if shared % t:
+        problems.append(f"the shared expert's intermediate size {shared}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={t} does not divide {' nor '.join(problems)} of "
@@ -77,6 +80,7 @@ def shard_config(config: ModelConfig, num_shards: int) -> ModelConfig:
         # A mixture of experts that reads moe_intermediate_size never reads this one.
         intermediate_size=max(1, config.intermediate_size // t),
         moe_intermediate_size=config.moe_intermediate_size // t,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // t,
         num_heads=config.num_heads // t,
         num_kv_heads=num_kv_heads(config, t) // t,
         num_shards=t,

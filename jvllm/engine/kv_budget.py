@@ -218,7 +218,7 @@ def activation_reserve_bytes(
     - prompt logprobs: 4 [C, V] arrays, C = the positions of one chunk;
     - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H],
       where a mixture of experts has k (token, expert) rows a token of 3F + 2D each and [T, E]
-      router scores in place of the MLP's 3F;
+      router scores in place of the MLP's 3F (and a shared expert's 3F beside them);
     - the bias rows: [S + 1, V].
     A formula, not a measurement, so that start-up compiles nothing to size the cache;
     tests/test_kv_budget.py checks that it bounds the compiled buckets' temp size, and
@@ -232,6 +232,7 @@ def activation_reserve_bytes(
     if c.num_experts:
         expert_width = c.moe_intermediate_size or c.intermediate_size
         mlp = c.num_experts_per_tok * (3 * expert_width + 2 * c.hidden_size) + c.num_experts
+        mlp += 3 * c.shared_expert_intermediate_size
     layer = num_tokens * (mlp + 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
     bias_rows = (num_seqs + 1) * c.vocab_size
     return _FLOAT32_BYTES * (sampler + prompt_logprobs + layer + bias_rows)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): routing, then the experts as a grouped matmul.
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE): routing, then the experts as a
+grouped matmul, plus Qwen2-MoE's gated shared expert.
 
 Glossary: T tokens, D hidden, F expert intermediate, E experts, k experts per token.
 
@@ -18,6 +19,7 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.layers.linear import dense
+from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import param
 
@@ -109,9 +111,13 @@ def _grouped_dense(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
 
 
 class SparseMoE(nnx.Module):
-    """The MoE MLP of Mixtral and Qwen3-MoE: a router [E, D], then each token's top-k experts
-    (`route`) as grouped matmuls (`moe_mlp`). Expert weights in ragged_dot's layout (see the
-    module docstring), the experts axis named for expert parallelism."""
+    """The MoE MLP of Mixtral, Qwen3-MoE and Qwen2-MoE: a router [E, D], then each token's top-k
+    experts (`route`) as grouped matmuls (`moe_mlp`). Expert weights in ragged_dot's layout (see
+    the module docstring), the experts axis named for expert parallelism.
+
+    With `shared_expert_intermediate_size` (Qwen2-MoE), every token also runs a shared expert, a
+    gated MLP of that width, scaled by sigmoid(shared_gate . x) (shared_gate [D]: HF's [1, D]
+    shared_expert_gate) and added to the experts' sum, as HF's Qwen2MoeSparseMoeBlock does."""
 
     def __init__(self, config: ModelConfig):
         d, e = config.hidden_size, config.num_experts
@@ -123,9 +129,16 @@ class SparseMoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.num_shards = config.num_shards  # > 1: each device holds a slice of every expert's F
+        shared_f = config.shared_expert_intermediate_size
+        # Its partial sum joins the experts' before their one all-reduce.
+        self.shared_expert = GatedMLP(config, shared_f, sum_shards=False) if shared_f else None
+        self.shared_gate = param((d,), dtype, ("embed",)) if shared_f else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])
+        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])  # [T, D]
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(dense(x, self.shared_gate[...][None]))  # [T, 1]
+            out = out + gate * self.shared_expert(x)
         return sum_over_shards(out, self.num_shards)

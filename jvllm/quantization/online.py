@@ -9,7 +9,8 @@ from jvllm.quantization.channel_weight import quantize_channels
 
 def quantize_layer_weights(params: dict, method: str, dtype: str) -> dict:
     """params with every stacked matmul weight (`layers...weight` [L, O, I]) replaced by its
-    ChannelWeight; embeddings, the LM head, norms, biases and experts stay as they are."""
+    ChannelWeight (Qwen2-MoE's shared expert, a dense MLP, among them); embeddings, the LM
+    head, norms, biases and the routed experts stay as they are."""
 
     def convert(path, x):
         keys = [getattr(k, "key", None) for k in path]

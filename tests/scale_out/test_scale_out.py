@@ -286,6 +286,14 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **_TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48
     ),
+    # The shared expert's partial sums join the experts' before their one all-reduce.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **_TINY,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+    ),
 }
 
 
