@@ -149,7 +149,11 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
-        """The factor on q . k before the softmax."""
+        """The factor on q . k before the softmax: H^-1/2 (Gemma: query_pre_attn_scalar^-1/2),
+        or Granite's attention_multiplier, which replaces it."""
+        multiplier = self.option("attention_multiplier")
+        if multiplier is not None:
+            return multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:

@@ -165,13 +165,13 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt_token_ids) :].tolist()
 
 
-def _dense_causal_attn(layer, q, k, v, kv_cache, metadata, sliding_window=None):
+def _dense_causal_attn(layer, q, k, v, kv_cache, metadata, sliding_window=None, *, sm_scale):
     """Causal attention over one sequence's T tokens (within the last `sliding_window` of them,
-    if given); the cache is passed through untouched."""
-    num_tokens, num_heads, head_dim = q.shape
+    if given), scores scaled by `sm_scale`; the cache is passed through untouched."""
+    num_tokens, num_heads, _ = q.shape
     k = jnp.repeat(k, num_heads // k.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
     v = jnp.repeat(v, num_heads // v.shape[1], axis=1).astype(jnp.float32)  # [T, N, H]
-    scores = jnp.einsum("tnh,snh->nts", q.astype(jnp.float32), k) / np.sqrt(head_dim)
+    scores = jnp.einsum("tnh,snh->nts", q.astype(jnp.float32), k) * sm_scale
     causal = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))  # [T, T]
     if sliding_window is not None:
         i, j = jnp.arange(num_tokens)[:, None], jnp.arange(num_tokens)[None, :]
@@ -183,8 +183,9 @@ def _dense_causal_attn(layer, q, k, v, kv_cache, metadata, sliding_window=None):
 def dense_forward_logits(params, token_ids, positions, *, config, forward_fn=forward):
     """`forward_fn` (the model's forward, or a test's variant of it) on one sequence with plain
     causal attention (no pages) -> logits f32[T, V]; traceable."""
+    attn = functools.partial(_dense_causal_attn, sm_scale=config.sm_scale)
     hidden, _ = forward_fn(
-        params, jnp.zeros(()), token_ids, positions, None, config=config, attn=_dense_causal_attn
+        params, jnp.zeros(()), token_ids, positions, None, config=config, attn=attn
     )
     return compute_logits(params, hidden, config=config)
 

@@ -9,6 +9,17 @@ from conftest import hf_greedy
 
 from jvllm import LLM, SamplingParams
 
+# The tiny models' shapes: 2 layers, 4 query heads over 2 KV heads, a 512-token vocabulary.
+TINY_SHAPES = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+
 
 def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15):
     """An HF model of `hf_config` with O(1) random weights everywhere (biases and norms too),

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 from family_parity import (
+    TINY_SHAPES,
     assert_hf_window_cuts,
     assert_matches_hf,
     ragged_prompts,
@@ -15,15 +16,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
+TINY = TINY_SHAPES
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen2": lambda: transformers.Qwen2Config(**TINY),

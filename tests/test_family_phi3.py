@@ -11,18 +11,13 @@ import pytest
 import torch
 import transformers
 from conftest import dense_logits
-from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_random_model
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
 
 TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 512,
+    **TINY_SHAPES,
     "max_position_embeddings": 256,
     "bos_token_id": 1,
     "eos_token_id": 2,

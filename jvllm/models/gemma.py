@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.layers.attention import Attention, AttentionFn, layer_windows
+from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.embedding import Embed
 from jvllm.layers.linear import Linear
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
-from jvllm.layers.rotary import rope_cos_sin
-from jvllm.layers.scan import scan_layers, stacked_layers
+from jvllm.layers.rotary_layers import run_rotary_layers
+from jvllm.layers.scan import stacked_layers
 from jvllm.model_loader.weights import CheckpointWeights
 
 # The defaults of HF's config classes: a config.json may leave out any field it does not change.
@@ -185,24 +185,12 @@ class GemmaForCausalLM(nnx.Module):
         # the checkpoints were trained with that factor.
         normalizer = jnp.asarray(config.hidden_size**0.5, jnp.float32).astype(config.dtype)
         x = self.embed(token_ids) * normalizer.astype(jnp.float32)  # [T, D]
-        cos, sin = rope_cos_sin(positions, config)  # [T, H] each
-        per_layer = {"window": layer_windows(config)}  # i32[L] or None
-        if config.local_rope_theta is not None:
-            # Gemma 3: both sets computed once; each layer picks its own by its flag.
-            local_cos, local_sin = rope_cos_sin(positions, config, local=True)
-            is_local = [t == "sliding_attention" for t in config.layer_types]
-            per_layer["is_local"] = jnp.asarray(is_local)  # bool[L]
-
-        def body(layer_module, carry, layer, extra):
-            x, kv_cache = carry
-            layer_cos, layer_sin = cos, sin
-            if "is_local" in extra:
-                layer_cos = jnp.where(extra["is_local"], local_cos, cos)
-                layer_sin = jnp.where(extra["is_local"], local_sin, sin)
-            window = extra["window"]
-            return layer_module(x, layer, layer_cos, layer_sin, window, kv_cache, metadata, attn)
-
-        x, kv_cache = scan_layers(self.layers, body, (x, kv_cache), per_layer=per_layer)
+        local_layers = None
+        if config.local_rope_theta is not None:  # Gemma 3: the windowed layers' own base
+            local_layers = [t == "sliding_attention" for t in config.layer_types]
+        x, kv_cache = run_rotary_layers(
+            self.layers, x, kv_cache, positions, config, metadata, attn, local_layers=local_layers
+        )
         return self.final_norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) as flax.nnx modules.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3) as flax.nnx
+modules.
 
 The contract is in docs/design.md: the model runs over flattened tokens and returns the post-norm
 hidden states and the updated KV cache; `compute_logits` applies the LM head to the rows that
@@ -14,14 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.layers.attention import Attention, AttentionFn, layer_windows
+from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.embedding import Embed
 from jvllm.layers.linear import Linear
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.moe import SparseMoE
 from jvllm.layers.norm import RMSNorm
-from jvllm.layers.rotary import rope_cos_sin
-from jvllm.layers.scan import scan_layers, stacked_layers
+from jvllm.layers.rotary_layers import run_rotary_layers
+from jvllm.layers.scan import stacked_layers
 from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
@@ -39,16 +40,20 @@ class LlamaDecoderLayer(nnx.Module):
         self.attn = Attention(config, output_bias=config.option("o_proj_bias", False))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoE(config) if config.num_experts else GatedMLP(config)
+        # Granite scales the attention's and the MLP's outputs before each residual add.
+        self.residual_multiplier = config.option("residual_multiplier", 1.0)
 
     def __call__(self, x, layer, cos, sin, window, kv_cache, metadata, attn: AttentionFn):
         """x f32[T, D] -> (x f32[T, D], kv_cache); window: None or this layer's i32[] W."""
         x_normed = self.input_norm(x)
         out, kv_cache = self.attn(x_normed, layer, cos, sin, kv_cache, metadata, attn, window)
-        x = x + out
-        return x + self.mlp(self.post_attention_norm(x)), kv_cache
+        x = x + out * self.residual_multiplier
+        return x + self.mlp(self.post_attention_norm(x)) * self.residual_multiplier, kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
+    decoder_layer = LlamaDecoderLayer  # a family with other blocks (OLMo 2) sets its own
+
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
         if cfg.get("mlp_bias"):
@@ -62,7 +67,7 @@ class LlamaForCausalLM(nnx.Module):
             cfg["options"] = {**cfg.get("options", {}), "o_proj_bias": True}
         if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
             cfg["qk_norm"] = True
-        if cfg.get("model_type") == "llama":
+        if cfg.get("model_type") in ("llama", "granite"):
             cfg["sliding_window"] = None  # HF's Llama attends globally, whatever its config says
         if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
             # Qwen's window applies only with use_sliding_window, from layer max_window_layers
@@ -79,6 +84,10 @@ class LlamaForCausalLM(nnx.Module):
                 ]
         if architecture == "Phi3ForCausalLM" or cfg.get("model_type") == "phi3":
             cfg = _normalize_phi3(cfg)
+        if architecture == "GraniteForCausalLM" or cfg.get("model_type") == "granite":
+            cfg = _normalize_granite(cfg)
+        if architecture == "SmolLM3ForCausalLM" or cfg.get("model_type") == "smollm3":
+            cfg = _normalize_smollm3(cfg)
         return cfg
 
     def __init__(self, config: ModelConfig):
@@ -87,7 +96,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed = Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, num_shards=config.num_shards
         )
-        self.layers = stacked_layers(lambda: LlamaDecoderLayer(config), config.num_layers)
+        self.layers = stacked_layers(lambda: self.decoder_layer(config), config.num_layers)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
@@ -101,23 +110,23 @@ class LlamaForCausalLM(nnx.Module):
         Each layer's cache scatter updates the donated cache, carried through the layer scan,
         in place.
         """
-        x = self.embed(token_ids)  # [T, D]
-        cos, sin = rope_cos_sin(positions, self.config)  # [T, H] each
-
-        def body(layer_module, carry, layer, window):
-            x, kv_cache = carry
-            return layer_module(x, layer, cos, sin, window, kv_cache, metadata, attn)
-
-        # Mistral's (and windowed Qwen2's) sliding windows, one per layer.
-        windows = layer_windows(self.config)  # i32[L] or None
-        x, kv_cache = scan_layers(self.layers, body, (x, kv_cache), per_layer=windows)
+        config = self.config
+        x = self.embed(token_ids) * config.option("embedding_multiplier", 1.0)  # [T, D]
+        # SmolLM3's layers without rotary embeddings (None: every layer rotates).
+        rope_layers = config.option("rope_layers")
+        x, kv_cache = run_rotary_layers(
+            self.layers, x, kv_cache, positions, config, metadata, attn, rope_layers=rope_layers
+        )
         return self.final_norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
+        """hidden f32[S, D] (already final-normed) -> logits f32[S, V] (Granite's divided by
+        its logits_scaling)."""
         if self.lm_head is None:
-            return self.embed.attend(hidden)
-        return self.lm_head(hidden)
+            logits = self.embed.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits / self.config.option("logits_scaling", 1.0)
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:
@@ -149,6 +158,73 @@ class LlamaForCausalLM(nnx.Module):
             gate_up = ("mlp.gate_up_proj.weight",)
         weights.stacked("layers.mlp.gate_up.weight", gate_up)
         weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
+
+
+# What GraniteConfig and SmolLM3Config assume where a config.json says nothing.
+_GRANITE_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2}
+_SMOLLM3_DEFAULTS = {
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+_SMOLLM3_ROPE_THETA = 2_000_000.0
+# Granite's scalings: the embeddings by the first, each block's outputs by the second, q . k by
+# the third (in place of H^-1/2), and the logits divided by the last.
+_GRANITE_SCALINGS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+)
+
+
+def _normalize_granite(cfg: dict) -> dict:
+    """Granite's scalings as options, each 1.0 where the config leaves it out (GraniteConfig's
+    default: so the scores of such a config are not scaled by H^-1/2 at all)."""
+    cfg = {**_GRANITE_DEFAULTS, **cfg}
+    scalings = {name: cfg.get(name, 1.0) for name in _GRANITE_SCALINGS}
+    for name, value in scalings.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    cfg["options"] = {**cfg.get("options", {}), **{k: float(v) for k, v in scalings.items()}}
+    return cfg
+
+
+def _normalize_smollm3(cfg: dict) -> dict:
+    """SmolLM3's config as SmolLM3Config reads it: `no_rope_layers` gives each layer 1 (rotary
+    embeddings) or 0 (none), and where absent every `no_rope_layer_interval`-th layer has none;
+    with use_sliding_window, the layers without rope are the windowed ones unless layer_types
+    says otherwise."""
+    cfg = {**_SMOLLM3_DEFAULTS, **cfg}
+    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        cfg["rope_theta"] = _SMOLLM3_ROPE_THETA
+    num_layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers or not set(flags) <= {0, 1}:
+        raise ValueError(
+            f"no_rope_layers must give 1 (rope) or 0 (no rope) for each of the {num_layers} "
+            f"layers, got {flags}"
+        )
+    if not all(flags):
+        cfg["options"] = {**cfg.get("options", {}), "rope_layers": tuple(map(bool, flags))}
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if not cfg.get("layer_types"):
+        is_windowed = lambda flag: window is not None and not flag
+        cfg["layer_types"] = [
+            "sliding_attention" if is_windowed(f) else "full_attention" for f in flags
+        ]
+    elif window is None and "sliding_attention" in cfg["layer_types"]:
+        # HF's masks would cut at sliding_window there while its flash attention would not.
+        raise ValueError(
+            "layer_types has sliding_attention layers but use_sliding_window is false or "
+            "sliding_window is null; allowed: both set, or only full_attention layers"
+        )
+    cfg["sliding_window"] = window
+    return cfg
 
 
 def _normalize_phi3(cfg: dict) -> dict:

@@ -280,6 +280,9 @@ FAMILIES = {
         final_logit_softcapping=5.0,
         attn_implementation="eager",
     ),
+    # q/k norms over all heads: their statistics summed over the devices, the one KV head
+    # (and its k norm weights) repeated on both.
+    "olmo2": lambda: transformers.Olmo2Config(**{**_TINY, "num_key_value_heads": 1}),
     "gpt2": lambda: transformers.GPT2Config(  # biases after the all-reduces
         n_layer=2, n_embd=64, n_head=4, vocab_size=FAMILY_VOCAB, n_positions=256
     ),

@@ -1,0 +1,57 @@
+"""The rotary families' decoder layers in turn under the layer scan, each with its own sliding
+window and rotary (cos, sin): the global set, a local one, or none."""
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.layers.attention import AttentionFn, layer_windows
+from jvllm.layers.rotary import rope_cos_sin
+from jvllm.layers.scan import scan_layers
+
+
+def run_rotary_layers(
+    layers: nnx.Module,
+    x: jax.Array,
+    kv_cache,
+    positions: jax.Array,
+    config: ModelConfig,
+    metadata,
+    attn: AttentionFn,
+    *,
+    local_layers: Sequence[bool] | None = None,
+    rope_layers: Sequence[bool] | None = None,
+):
+    """x f32[T, D] through every layer of `layers` (stacked_layers) -> (x, kv_cache).
+
+    Layer i runs `layer(x, i, cos, sin, window, kv_cache, metadata, attn)` with its window
+    (`layer_windows`) and its (cos, sin) f32[T, R]: the global set; the local one where
+    `local_layers[i]` (Gemma 3's and OLMo 3's windowed layers: their own base, no scaling); or
+    a rotation by angle 0 (cos 1, sin 0, which leaves q and k exact) where not
+    `rope_layers[i]` (SmolLM3). Both sets are computed once per step, and each layer picks its
+    own by its flag, so the scan still runs one layer.
+    """
+    cos, sin = rope_cos_sin(positions, config)  # [T, R] each
+    per_layer = {"window": layer_windows(config)}  # i32[L] or None
+    if local_layers is not None:
+        local_cos, local_sin = rope_cos_sin(positions, config, local=True)
+        per_layer["is_local"] = jnp.asarray(local_layers)  # bool[L]
+    if rope_layers is not None:
+        per_layer["use_rope"] = jnp.asarray(rope_layers)  # bool[L]
+
+    def body(layer_module, carry, layer, extra):
+        x, kv_cache = carry
+        layer_cos, layer_sin = cos, sin
+        if "is_local" in extra:
+            layer_cos = jnp.where(extra["is_local"], local_cos, layer_cos)
+            layer_sin = jnp.where(extra["is_local"], local_sin, layer_sin)
+        if "use_rope" in extra:
+            layer_cos = jnp.where(extra["use_rope"], layer_cos, 1.0)
+            layer_sin = jnp.where(extra["use_rope"], layer_sin, 0.0)
+        window = extra["window"]
+        return layer_module(x, layer, layer_cos, layer_sin, window, kv_cache, metadata, attn)
+
+    return scan_layers(layers, body, (x, kv_cache), per_layer=per_layer)
