@@ -16,6 +16,8 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from jvllm.config import ModelConfig
+
 TINY = TINY_SHAPES
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
@@ -39,6 +41,16 @@ def test_a_sliding_window_in_a_llama_config_is_not_applied(tmp_path):
     hf_model = save_random_model(tmp_path, transformers.LlamaConfig(**TINY, sliding_window=8))
     hf_model.config.sliding_window = None
     assert_matches_hf(tmp_path, hf_model, ragged_prompts(TINY["vocab_size"]))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_windows_of_a_config_without_the_keys_are_hf_defaults(model_type):
+    """use_sliding_window with no sliding_window nor max_window_layers: HF's 4096 from layer 28."""
+    fields = {"model_type": model_type, "use_sliding_window": True, "num_hidden_layers": 30}
+    hf = transformers.AutoConfig.for_model(**fields)
+    config = ModelConfig.from_hf_config({**TINY, **fields}, "float32")
+    expected = [4096 if t == "sliding_attention" else None for t in hf.layer_types]
+    assert hf.sliding_window == 4096 and list(config.layer_windows) == expected
 
 
 def test_mistral_sliding_window_decodes_like_hf(tmp_path):

@@ -26,6 +26,9 @@ from jvllm.layers.scan import stacked_layers
 from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
+# Qwen2Config's and Qwen3Config's window where use_sliding_window sets none, and its first layer.
+_QWEN_DEFAULT_WINDOW = 4096
+_QWEN_DEFAULT_WINDOW_START = 28
 # Phi3Config's default context (max_position_embeddings, original_max_position_embeddings),
 # where a config.json does not say.
 _PHI3_DEFAULT_CONTEXT = 4096
@@ -71,13 +74,17 @@ class LlamaForCausalLM(nnx.Module):
             cfg["sliding_window"] = None  # HF's Llama attends globally, whatever its config says
         if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
             # Qwen's window applies only with use_sliding_window, from layer max_window_layers
-            # (Qwen3-MoE's to every layer: HF's config has no max_window_layers).
-            if not cfg.get("use_sliding_window"):
+            # (Qwen3-MoE's to every layer: HF's config has no max_window_layers); HF's configs
+            # default to a window of 4096 from layer 28.
+            is_windowed = bool(cfg.get("use_sliding_window"))
+            if is_windowed:
+                cfg.setdefault("sliding_window", _QWEN_DEFAULT_WINDOW)
+            else:
                 cfg["sliding_window"] = None
-            elif cfg.get("model_type") == "qwen3_moe":
+            if is_windowed and cfg.get("model_type") == "qwen3_moe":
                 cfg.pop("layer_types", None)
-            elif not cfg.get("layer_types"):
-                start = cfg.get("max_window_layers", 0)
+            elif is_windowed and not cfg.get("layer_types"):
+                start = cfg.get("max_window_layers", _QWEN_DEFAULT_WINDOW_START)
                 cfg["layer_types"] = [
                     "sliding_attention" if i >= start else "full_attention"
                     for i in range(cfg["num_hidden_layers"])
