@@ -66,7 +66,10 @@ class LLMEngine:
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({config.max_position_embeddings}); lower max_model_len"
+                f"max_position_embeddings ({config.max_position_embeddings}); lower max_model_len, "
+                "or extend the context with a rope scaling the model's card recommends, e.g. "
+                'hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+                f'"original_max_position_embeddings": {config.max_position_embeddings}}}}}'
             )
         self.model_config = config = config.for_max_model_len(self.max_model_len)
         self.attention_backend = args.attention_backend or default_backend()
