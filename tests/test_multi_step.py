@@ -252,6 +252,7 @@ def test_forced_preemption_matches_single_steps(engines):
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
 
+@pytest.mark.slow  # two engines compile every bucket up front: a minute on 2 cores
 def test_a_quantized_cache_rides_through_windows_async_steps_and_preemption(engines):
     """kv_cache_dtype="fp8" makes the KV cache a pair of arrays (values, scales), which the
     windows' loop and the steps run ahead carry and donate as they do the one array."""

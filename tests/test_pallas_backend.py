@@ -38,6 +38,7 @@ def full_precision_dots():
     jax.config.update("jax_default_matmul_precision", before)
 
 
+@pytest.mark.slow  # the kernels interpreted on CPU over a whole generate: 30-50 s
 def test_pallas_backend_matches_reference_with_chunked_prefill_and_prefix_hits(
     tiny_llama_weights_dir, full_precision_dots
 ):
