@@ -2,8 +2,8 @@
 
 transformers can read a GGUF tokenizer too, but its GGUF support imports torch, which inference
 does not otherwise need. This builds the same fast tokenizer (checked against transformers' in
-the tests) from the file's `tokenizer.*` metadata, for llama.cpp's two tokenizer models of Llama
-files:
+the tests) from the file's `tokenizer.*` metadata, for llama.cpp's two tokenizer models
+(checked on Llama, Qwen2 and SmolLM2 files; gguf_arch.py's other architectures use them too):
 - "gpt2": byte-level BPE with the file's merges, its text split as `tokenizer.ggml.pre` says
   (Llama 3's or Qwen2's pattern, else GPT-2's);
 - "llama": SentencePiece BPE (Llama 2, Mistral, TinyLlama), whose merges the file does not

