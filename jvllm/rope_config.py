@@ -227,14 +227,15 @@ def _rope_dicts(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | N
     return params, local
 
 
-def hf_partial_rotary_factor(cfg: dict[str, Any]) -> float:
+def hf_partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float:
     """HF's `partial_rotary_factor` of a config.json dict: the rope dict's (transformers 5 moves
-    it there), else the top-level key, else 1.0. For a family's normalize_hf_config to put under
-    ROTARY_FRACTION_KEY where its HF model honours it."""
+    it there), else the top-level key, else the config class's `default` (Phi's 0.5, StableLM's
+    0.25). For a family's normalize_hf_config to put under ROTARY_FRACTION_KEY where its HF
+    model honours it."""
     factor = _rope_dicts(cfg)[0].get("partial_rotary_factor")
     if factor is None:
         factor = cfg.get("partial_rotary_factor")
-    return 1.0 if factor is None else float(factor)
+    return default if factor is None else float(factor)
 
 
 def parse_rope(cfg: dict[str, Any]) -> Rope:

@@ -38,6 +38,10 @@ _HF_CONFIG_CLASSES = {
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+    "GPTNeoXForCausalLM": transformers.GPTNeoXConfig,
+    "PhiForCausalLM": transformers.PhiConfig,
+    "Starcoder2ForCausalLM": transformers.Starcoder2Config,
+    "StableLmForCausalLM": transformers.StableLmConfig,
 }
 
 

@@ -6,9 +6,10 @@ import jax
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
-    # GeLU's tanh approximation, under the names Gemma and GPT-2 give it.
+    # GeLU's tanh approximation, under the names Gemma, GPT-2 and GPT-NeoX-20B give it.
     "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "relu": jax.nn.relu,
 }

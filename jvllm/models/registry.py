@@ -25,6 +25,10 @@ _MODELS = {
     "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForConditionalGeneration"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -47,6 +51,10 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "phi": "PhiForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
 }
 
 

@@ -297,6 +297,16 @@ FAMILIES = {
         moe_intermediate_size=48,
         shared_expert_intermediate_size=80,
     ),
+    # q|k|v reordered from GPT-NeoX's head-by-head rows, then cut shard-major.
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_TINY),
+    # The LM head's bias padded and cut with the vocabulary: its own (untied) and beside the
+    # embedding (tied); the shared q/k LayerNorms replicated.
+    "phi": lambda: transformers.PhiConfig(**_TINY, qk_layernorm=True),
+    "phi_tied": lambda: transformers.PhiConfig(**_TINY, tie_word_embeddings=True),
+    # Per-head q/k LayerNorm weights cut with their heads, the one KV head's repeated.
+    "stablelm": lambda: transformers.StableLmConfig(
+        **{**_TINY, "num_key_value_heads": 1}, qk_layernorm=True, use_qkv_bias=True
+    ),
 }
 
 
