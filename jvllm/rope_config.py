@@ -194,19 +194,27 @@ def _scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
         )
     if rope_type == "default":
         return None
+    need = lambda key: _required(rope, key, rope_type)
     if rope_type == "llama3":
         return RopeScaling(
             rope_type="llama3",
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            factor=float(need("factor")),
+            low_freq_factor=float(need("low_freq_factor")),
+            high_freq_factor=float(need("high_freq_factor")),
+            original_max_position_embeddings=int(need("original_max_position_embeddings")),
         )
     if rope_type in ("linear", "dynamic"):
-        return RopeScaling(rope_type=rope_type, factor=float(rope["factor"]))
+        return RopeScaling(rope_type=rope_type, factor=float(need("factor")))
     if rope_type == "yarn":
         return _yarn(rope, cfg)
     return _longrope(rope, cfg)
+
+
+def _required(rope: dict[str, Any], key: str, rope_type: str) -> Any:
+    """rope[key], or a ValueError naming the field a `rope_type` scaling needs."""
+    if rope.get(key) is None:
+        raise ValueError(f"rope_scaling.{key} is required for rope_type {rope_type!r}, got {rope}")
+    return rope[key]
 
 
 def _rope_dicts(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:

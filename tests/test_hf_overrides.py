@@ -12,6 +12,7 @@ from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.hf import apply_hf_overrides
 from jvllm.model_loader.loader import resolve_default_model
+from jvllm.rope_config import parse_rope
 
 TINY = {
     "num_hidden_layers": 2,
@@ -73,6 +74,13 @@ def test_nested_configs_are_updated_key_by_key_and_other_keys_replaced():
         "vocab_size": 10,
     }
     assert config["text_config"]["rope_scaling"]["factor"] == 2  # the input is left as it was
+
+
+def test_rope_parameters_override_a_transformers_4_rope():
+    llama31 = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    rope = parse_rope(apply_hf_overrides(llama31, {"rope_parameters": {**yarn, "rope_theta": 1e6}}))
+    assert (rope.theta, rope.scaling.rope_type, rope.scaling.factor) == (1e6, "yarn", 2.0)
 
 
 def test_gguf_config_takes_overrides():

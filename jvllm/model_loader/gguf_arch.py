@@ -156,10 +156,11 @@ def _read_phi3(gguf: GGUFFile, arch: str, cfg: dict[str, Any]) -> None:
     meta = gguf.metadata.get
     head_dim = cfg["head_dim"]
     rotary_dim = meta(f"{arch}.rope.dimension_count", head_dim)
-    if not 0 < rotary_dim <= head_dim or int(head_dim * (rotary_dim / head_dim)) != rotary_dim:
+    is_even_part = 2 <= rotary_dim <= head_dim and rotary_dim % 2 == 0
+    if not is_even_part or int(head_dim * (rotary_dim / head_dim)) != rotary_dim:
         raise ValueError(
-            f"GGUF {arch}.rope.dimension_count={rotary_dim} is not supported; supported: the "
-            f"first 1 to {head_dim} (head_dim) dims of each head"
+            f"GGUF {arch}.rope.dimension_count={rotary_dim} is not supported; supported: an even "
+            f"number from 2 to {head_dim} (head_dim) of each head's first dims"
         )
     cfg["partial_rotary_factor"] = rotary_dim / head_dim
     cfg["sliding_window"] = meta(f"{arch}.attention.sliding_window") or None

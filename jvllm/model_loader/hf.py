@@ -49,13 +49,17 @@ HFOverrides = Mapping[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | N
 def apply_hf_overrides(hf_config: dict[str, Any], overrides: HFOverrides) -> dict[str, Any]:
     """`hf_config` with the user's `overrides` applied, as vLLM's hf_overrides: a mapping's keys
     replace the config's (a nested config, a dict under a key ending in "_config" such as
-    Gemma 3's text_config, is updated key by key rather than replaced); a callable takes the
-    config dict and returns the one to use."""
+    Gemma 3's text_config, is updated key by key rather than replaced; a `rope_parameters`
+    drops transformers 4's `rope_scaling` and `rope_theta`, which would win over it); a
+    callable takes the config dict and returns the one to use."""
     if overrides is None:
         return hf_config
     if callable(overrides):
         return dict(overrides(dict(hf_config)))
     merged = dict(hf_config)
+    if "rope_parameters" in overrides:  # transformers 5's rope layout supersedes 4's keys
+        for key in ("rope_scaling", "rope_theta"):
+            merged.pop(key, None)
     for key, value in overrides.items():
         if key.endswith("_config") and isinstance(value, Mapping):
             merged[key] = apply_hf_overrides(dict(merged.get(key) or {}), value)

@@ -17,6 +17,7 @@ from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Qwen2MoeConfig's defaults, where a config.json does not say.
 _DEFAULTS = {
+    "max_position_embeddings": 32768,
     "num_experts": 60,
     "num_experts_per_tok": 4,
     "moe_intermediate_size": 1408,

@@ -15,6 +15,7 @@ from jvllm.models.layer_norm_rotary import LayerNormRotaryForCausalLM, layer_nor
 # What Starcoder2Config assumes where a config.json says nothing.
 _DEFAULTS = {
     "hidden_act": "gelu_pytorch_tanh",
+    "max_position_embeddings": 4096,
     "use_bias": True,
     "tie_word_embeddings": True,
     "bos_token_id": 50256,
