@@ -118,20 +118,31 @@ def test_llama3_rope_factors_in_a_gguf_match_hfs_llama3_scaling(
 @pytest.mark.parametrize(
     ("metadata", "want"),
     [
-        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 4.0),
-        ({"llama.rope.scaling.type": "yarn"}, "rope scaling 'yarn' is not supported"),
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, "linear"),
+        (
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.original_context_length": 4096,
+            },
+            "yarn",
+        ),
+        ({"llama.rope.scaling.type": "longrope"}, "rope scaling 'longrope' is not supported"),
         ({"llama.rope.dimension_count": 32}, "rope over 32 of each head's 64 dims"),
     ],
 )
 def test_a_gguf_rope_scaling_is_read_or_a_clear_error(tmp_path, gguf_path, metadata, want):
     path = str(tmp_path / "rope.gguf")
     rewrite_gguf(gguf_path, path, metadata=metadata)
-    if isinstance(want, str):
+    if want not in ("linear", "yarn"):
         with pytest.raises(ValueError, match=want):
             load_gguf(path)
         return
     config, _ = load_gguf(path)
-    assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("linear", want)
+    assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == (want, 4.0)
+    if want == "yarn":  # its context runs to the original times the factor
+        assert config.rope_scaling.original_max_position_embeddings == 4096
+        assert config.max_position_embeddings == 4 * 4096
 
 
 def test_default_model_is_converted_once_then_read_from_cache(cache_dir, gguf_model, monkeypatch):

@@ -9,6 +9,7 @@ window patterns and attention scales). gguf.py maps the tensors.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -255,6 +256,22 @@ def hf_config_of(gguf: GGUFFile, path: str) -> dict[str, Any]:
     return cfg
 
 
+def _yarn(meta, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """HF's YaRN rope_scaling from llama.cpp's keys: the factor, the original context (else the
+    file's context length), the ramp's betas where given, and llama.cpp's attn_factor, which
+    multiplies the cos/sin scale YaRN computes (HF's attention_factor replaces it)."""
+    key = f"{arch}.rope.scaling."
+    factor = float(meta(key + "factor", 1.0))
+    original = meta(key + "original_context_length") or cfg["max_position_embeddings"]
+    rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    for name in ("beta_fast", "beta_slow"):
+        if meta(key + "yarn_" + name) is not None:
+            rope[name] = float(meta(key + "yarn_" + name))
+    if meta(key + "attn_factor") is not None and factor > 1:
+        rope["attention_factor"] = float(meta(key + "attn_factor")) * (0.1 * math.log(factor) + 1)
+    return rope
+
+
 def _read_rope(gguf: GGUFFile, arch: str, cfg: dict[str, Any], path: str) -> None:
     """The rope's extent and scaling that every architecture may carry (Phi-3's own in
     _read_phi3)."""
@@ -269,13 +286,15 @@ def _read_rope(gguf: GGUFFile, arch: str, cfg: dict[str, Any], path: str) -> Non
     if scaling == "linear":
         factor = float(meta(f"{arch}.rope.scaling.factor", 1.0))
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif scaling == "yarn":
+        cfg["rope_scaling"] = _yarn(meta, arch, cfg)
     elif scaling == "longrope" and "rope_scaling" in cfg:  # Phi-3's factor tensors
         pass
     elif scaling != "none":
         raise ValueError(
             f"{path}: GGUF rope scaling {scaling!r} is not supported; supported: 'none', "
-            "'linear', Llama 3.1's frequency factors (rope_freqs.weight) and Phi-3's LongRoPE "
-            "factors (rope_factors_long/short.weight)"
+            "'linear', 'yarn', Llama 3.1's frequency factors (rope_freqs.weight) and Phi-3's "
+            "LongRoPE factors (rope_factors_long/short.weight)"
         )
     if "rope_freqs.weight" in gguf.tensors:
         cfg["rope_scaling"] = _rope_freqs(gguf.tensors["rope_freqs.weight"], cfg)
