@@ -23,8 +23,11 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen2": lambda: transformers.Qwen2Config(**TINY),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
-    # Biases on q, k, v and o_proj (Qwen2's have none on o_proj).
-    "llama_attention_bias": lambda: transformers.LlamaConfig(**TINY, attention_bias=True),
+    # Biases on q, k, v and o_proj (Qwen2's have none on o_proj) and on the MLP's three
+    # projections, and another activation than SiLU.
+    "llama_biased_gelu": lambda: transformers.LlamaConfig(
+        **TINY, attention_bias=True, mlp_bias=True, hidden_act="gelu"
+    ),
 }
 
 

@@ -10,7 +10,8 @@ from jvllm.layers.linear import Linear
 
 
 class GatedMLP(nnx.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused in one projection [2F, D].
+    """down(act(gate(x)) * up(x)), gate and up fused in one projection [2F, D], biased where
+    `bias` (Llama's mlp_bias).
 
     F is `intermediate_size` where given (Qwen2-MoE's shared expert), else the config's. Without
     `sum_shards`, a tensor-parallel layer returns its device's partial sum for the caller to
@@ -18,13 +19,19 @@ class GatedMLP(nnx.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, intermediate_size: int | None = None, *, sum_shards: bool = True
+        self,
+        config: ModelConfig,
+        intermediate_size: int | None = None,
+        *,
+        sum_shards: bool = True,
+        bias: bool = False,
     ):
         d, dtype = config.hidden_size, jnp.dtype(config.dtype)
         f = intermediate_size or config.intermediate_size
         num_shards = config.num_shards if sum_shards else 1
-        self.gate_up = Linear(d, 2 * f, ("mlp", "embed"), dtype=dtype, segments=((f, 1), (f, 1)))
-        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype, num_shards=num_shards)
+        segments = ((f, 1), (f, 1))
+        self.gate_up = Linear(d, 2 * f, ("mlp", "embed"), dtype=dtype, bias=bias, segments=segments)
+        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype, bias=bias, num_shards=num_shards)
         self.act = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:

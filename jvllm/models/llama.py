@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.activation import check_activation
 from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.embedding import Embed
 from jvllm.layers.linear import Linear
@@ -42,7 +43,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, output_bias=config.option("o_proj_bias", False))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoE(config) if config.num_experts else GatedMLP(config)
+        if config.num_experts:
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = GatedMLP(config, bias=config.option("mlp_bias", False))
         # Granite scales the attention's and the MLP's outputs before each residual add.
         self.residual_multiplier = config.option("residual_multiplier", 1.0)
 
@@ -59,10 +63,16 @@ class LlamaForCausalLM(nnx.Module):
 
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported (no model we load has MLP biases)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
+        act = cfg.get("hidden_act", "silu")
+        if cfg.get("num_local_experts") or cfg.get("num_experts"):
+            if act != "silu":  # layers/moe.py's experts compute silu
+                raise ValueError(f"hidden_act={act!r} is not supported; allowed: 'silu'")
+            if cfg.get("mlp_bias"):
+                raise ValueError("mlp_bias=True is not supported for experts; allowed: False")
+        else:
+            cfg["hidden_act"] = check_activation(act, "hidden_act")
+        if cfg.get("mlp_bias"):  # Llama's: on gate, up and down
+            cfg["options"] = {**cfg.get("options", {}), "mlp_bias": True}
         architecture = cfg["architectures"][0] if cfg.get("architectures") else None
         if architecture == "Qwen2ForCausalLM" or cfg.get("model_type") == "qwen2":
             cfg["attention_bias"] = True  # on q/k/v, always; its config has no field for it
@@ -165,6 +175,10 @@ class LlamaForCausalLM(nnx.Module):
             gate_up = ("mlp.gate_up_proj.weight",)
         weights.stacked("layers.mlp.gate_up.weight", gate_up)
         weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
+        if config.option("mlp_bias", False):
+            bias = tuple(name.replace(".weight", ".bias") for name in gate_up)
+            weights.stacked("layers.mlp.gate_up.bias", bias)
+            weights.stacked("layers.mlp.down.bias", ("mlp.down_proj.bias",))
 
 
 # What GraniteConfig and SmolLM3Config assume where a config.json says nothing.
