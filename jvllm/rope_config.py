@@ -249,8 +249,7 @@ def hf_partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float
 def parse_rope(cfg: dict[str, Any]) -> Rope:
     """The rope settings of a normalized config (see ROTARY_FRACTION_KEY for the fraction)."""
     params, local = _rope_dicts(cfg)
-    # A top-level rope_theta: transformers 4's layout, or an hf_overrides of a 5 one.
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     local_theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq"))
     if local and _scaling(local, cfg) is not None:
         raise ValueError("a rope scaling on the sliding-window layers is not supported")

@@ -316,3 +316,30 @@ def test_a_llama_config_rotates_whole_heads_whatever_its_partial_rotary_factor(t
     np.testing.assert_allclose(
         dense_logits(config, params, prompt), _hf_logits(hf_model, prompt), rtol=1e-4, atol=1e-4
     )
+
+
+_ROPE_THETA_CLASSES = (
+    "LlamaConfig",
+    "Qwen2Config",
+    "Qwen3Config",
+    "Phi3Config",
+    "GemmaConfig",
+    "Gemma2Config",
+    "GraniteConfig",
+    "SmolLM3Config",
+    "Olmo2Config",
+    "StableLmConfig",
+    "Starcoder2Config",
+    "PhiConfig",
+    "Qwen2MoeConfig",
+)
+
+
+@pytest.mark.parametrize("config_class", _ROPE_THETA_CLASSES)
+def test_each_familys_saved_rope_base_is_read_over_its_defaults(config_class):
+    """A transformers 5 config.json keeps rope_theta in rope_parameters, where a family's
+    defaults (written at the top level) must not win over it."""
+    tiny = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    hf = getattr(transformers, config_class)(**tiny, num_key_value_heads=2, rope_theta=123456.0)
+    config = ModelConfig.from_hf_config(hf.to_dict(), "float32")
+    assert config.rope_theta == 123456.0

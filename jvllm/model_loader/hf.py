@@ -65,6 +65,11 @@ def apply_hf_overrides(hf_config: dict[str, Any], overrides: HFOverrides) -> dic
             merged[key] = apply_hf_overrides(dict(merged.get(key) or {}), value)
         else:
             merged[key] = value
+    rope = merged.get("rope_parameters")
+    if "rope_theta" in overrides and isinstance(rope, Mapping) and "full_attention" not in rope:
+        # A transformers 5 config keeps its base in rope_parameters, which wins over the top
+        # level's (where families write their defaults).
+        merged["rope_parameters"] = {**rope, "rope_theta": overrides["rope_theta"]}
     return merged
 
 
