@@ -156,6 +156,19 @@ class ModelConfig:
             return multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def checked_max_model_len(self, max_model_len: int | None) -> int:
+        """The engine's max_model_len: the one asked for (None: max_position_embeddings), or a
+        ValueError past the model's context that says how to extend it."""
+        if max_model_len is None:
+            return self.max_position_embeddings
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({self.max_position_embeddings}); lower max_model_len"
+                + _rope_scaling_hint(self)
+            )
+        return max_model_len
+
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
         """This config in an engine of `max_model_len`: LongRoPE picks its factor set by it
         (rope_config.RopeScaling.use_long_factor)."""
@@ -236,3 +249,15 @@ class ModelConfig:
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             options=tuple(sorted(cfg.get("options", {}).items())),
         )
+
+
+def _rope_scaling_hint(config: ModelConfig) -> str:
+    """How a model reaches a longer context: YaRN, where it has no rope scaling of its own to
+    lose (or only dynamic NTK, which a paged cache cannot follow past its context)."""
+    if config.rope_scaling is not None and config.rope_scaling.rope_type != "dynamic":
+        return ""
+    return (
+        ", or extend the context with a rope scaling the model's card recommends, e.g. "
+        'hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+        f'"original_max_position_embeddings": {config.max_position_embeddings}}}}}'
+    )

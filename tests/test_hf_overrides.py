@@ -4,7 +4,7 @@ and the command line."""
 import pytest
 import torch
 import transformers
-from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_random_model
 
 from jvllm import LLM
 from jvllm.engine.arg_utils import EngineArgs
@@ -15,12 +15,7 @@ from jvllm.model_loader.loader import resolve_default_model
 from jvllm.rope_config import parse_rope
 
 TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "vocab_size": 512,
+    **TINY_SHAPES,
     "max_position_embeddings": 256,
     "rope_theta": 500.0,  # low, so that positions rotate fast and a lost base shows
 }

@@ -62,13 +62,7 @@ class LLMEngine:
         )
         self.load_seconds = time.perf_counter() - start
         config = self.model_config
-        self.max_model_len = args.max_model_len or config.max_position_embeddings
-        if self.max_model_len > config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({config.max_position_embeddings}); lower max_model_len"
-                + _rope_scaling_hint(config)
-            )
+        self.max_model_len = config.checked_max_model_len(args.max_model_len)
         self.model_config = config = config.for_max_model_len(self.max_model_len)
         self.attention_backend = args.attention_backend or default_backend()
         kv_spec = kv_cache_spec(config.dtype, self.attention_backend, args.kv_cache_dtype)
@@ -414,15 +408,3 @@ class LLMEngine:
             self._finish(request)
             self.output_processor.discard(request)
             return None
-
-
-def _rope_scaling_hint(config) -> str:
-    """How a model reaches a longer context: YaRN, where it has no rope scaling of its own to
-    lose (or only dynamic NTK, which a paged cache cannot follow past its context)."""
-    if config.rope_scaling is not None and config.rope_scaling.rope_type != "dynamic":
-        return ""
-    return (
-        ", or extend the context with a rope scaling the model's card recommends, e.g. "
-        'hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
-        f'"original_max_position_embeddings": {config.max_position_embeddings}}}}}'
-    )
