@@ -119,6 +119,25 @@ def test_max_tokens_none_generates_until_max_model_len(llm):
     assert params.max_tokens is None  # the caller's params are left as they were
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    prompt = list(range(5, 45))
+    greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
+    [cut, tail] = llm.generate(
+        [prompt, prompt[-7:]],
+        [SamplingParams(**greedy, truncate_prompt_tokens=7), SamplingParams(**greedy)],
+        use_tqdm=False,
+    )
+    assert cut.prompt_token_ids == prompt[-7:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    # -1: the last max_model_len tokens, which leave no room to generate: refused as such.
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate([list(range(300))], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        llm.generate([prompt], SamplingParams(truncate_prompt_tokens=257), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_vllm_keywords_for_what_jvllm_does_not_do_take_only_their_defaults(llm):
     params = SamplingParams(temperature=0.0, max_tokens=2)
     assert llm.generate(["hi"], params, use_tqdm=False, lora_request=None, priority=[0])

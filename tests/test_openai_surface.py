@@ -107,7 +107,6 @@ def _error(url: str, path: str, body: dict, status: int = 400) -> dict:
         ("/v1/completions", "priority", 1),
         ("/v1/completions", "logits_processors", ["my.Processor"]),
         ("/v1/completions", "suffix", "The end."),
-        ("/v1/completions", "truncate_prompt_tokens", 4),
     ],
 )
 def test_known_but_unsupported_field_is_400_naming_it(served, path, field, value):
@@ -557,3 +556,18 @@ def test_several_served_names_a_server_template_and_response_role(served):
         assert "`smol-a`, `smol-b`" in error["message"]
     finally:
         server.stop()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(served):
+    url, tokenizer = served["url"], served["tokenizer"]
+    long_prompt = "word " * 20_000 + PROMPT  # past max_model_len tokens and characters
+    ids = tokenizer.encode(long_prompt)
+    cut = _post(url, "/v1/completions", _greedy(prompt=long_prompt, truncate_prompt_tokens=5))
+    tail = _post(url, "/v1/completions", _greedy(prompt=ids[-5:]))
+    assert cut["usage"]["prompt_tokens"] == 5
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    chat = _post(url, "/v1/chat/completions", _greedy(messages=CHAT, truncate_prompt_tokens=3))
+    assert chat["usage"]["prompt_tokens"] == 3
+    for value, message in ((10**6, "greater than max_model_len"), (0, "must be None, -1")):
+        error = _error(url, "/v1/completions", _greedy(prompt=PROMPT, truncate_prompt_tokens=value))
+        assert error["param"] == "truncate_prompt_tokens" and message in error["message"]

@@ -45,17 +45,41 @@ def _token_list(ids) -> list[int]:
     return ids
 
 
+def truncate_prompt(
+    prompt_token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int
+) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's: -1 means max_model_len; None
+    keeps the whole prompt); a truncation longer than max_model_len is refused, as in vLLM."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return prompt_token_ids
+    if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+        raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {k!r}")
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
+            "select a smaller truncation size"
+        )
+    return prompt_token_ids[-k:]
+
+
 def validate_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
     vocab_size: int,
     max_model_len: int,
     has_tokenizer: bool,
-) -> SamplingParams:
-    """`params` checked against the prompt and the model, with max_tokens=None resolved to the
-    room max_model_len leaves (vLLM's); raises ValueError/TypeError naming what is wrong."""
+) -> tuple[list[int], SamplingParams]:
+    """The prompt, truncated as `params` asks, and `params` checked against it and the model,
+    with max_tokens=None resolved to the room max_model_len leaves (vLLM's); raises
+    ValueError/TypeError naming what is wrong."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    prompt_token_ids = truncate_prompt(
+        prompt_token_ids, params.truncate_prompt_tokens, max_model_len
+    )
     if params.max_tokens is None:  # at least 1, so that a prompt with no room is refused below
         room = max(max_model_len - len(prompt_token_ids), 1)
         params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
@@ -77,7 +101,7 @@ def validate_request(
             f"max_model_len ({max_model_len}); shorten the prompt or raise max_model_len"
         )
     check_fits(len(prompt_token_ids), params.max_tokens, max_model_len)
-    return params
+    return prompt_token_ids, params
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

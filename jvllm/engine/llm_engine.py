@@ -167,7 +167,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         cache_salt = prompt_cache_salt(prompt)
-        params = validate_request(
+        prompt_token_ids, params = validate_request(
             prompt_token_ids,
             params,
             self.model_config.vocab_size,

@@ -119,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             constraint = tools.constraint
-        self.check_prompt_chars(_num_text_chars(request.messages), "messages")
+        self.check_prompt_chars(_num_text_chars(request.messages), "messages", request)
         prompt_token_ids = self.render(
             request.messages,
             request.add_generation_prompt,
@@ -129,6 +129,7 @@ class OpenAIServingChat(OpenAIServing):
             request.add_special_tokens,
             request.tools,
         )
+        prompt_token_ids = self.truncated(prompt_token_ids, request)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens

@@ -32,14 +32,16 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise OpenAIError("prompt must not be empty", param="prompt")
-                self.check_prompt_chars(len(p), "prompt")
+                self.check_prompt_chars(len(p), "prompt", request)
                 ids = self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)
+                ids = self.truncated(ids, request)
                 out.append({"prompt": p, "prompt_token_ids": ids, "cache_salt": request.cache_salt})
             else:
                 if not p:
                     raise OpenAIError("prompt must not be empty (it has 0 tokens)", param="prompt")
+                ids = self.truncated(list(p), request)
                 out.append(
-                    {"prompt": None, "prompt_token_ids": list(p), "cache_salt": request.cache_salt}
+                    {"prompt": None, "prompt_token_ids": ids, "cache_salt": request.cache_salt}
                 )
         return out
 

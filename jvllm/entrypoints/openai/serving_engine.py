@@ -16,6 +16,7 @@ from jvllm.engine.async_llm import (
     EngineOverloadedError,
     RequestOutputKind,
 )
+from jvllm.engine.input_processor import truncate_prompt
 from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.outputs import CompletionOutput, RequestOutput
@@ -172,6 +173,7 @@ class OpenAIServing:
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "structured_outputs": constraint,
+            "truncate_prompt_tokens": request.truncate_prompt_tokens,
         }
         if request.logit_bias:
             try:
@@ -191,9 +193,22 @@ class OpenAIServing:
             first = message.split(" ", 1)[0]
             raise OpenAIError(message, param=first if first in values else None) from None
 
-    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+    def truncated(self, prompt_token_ids: list[int], request) -> list[int]:
+        """The prompt's last `request.truncate_prompt_tokens` tokens (vLLM's field), cut here so
+        that the length checks see what the engine will run."""
+        try:
+            return truncate_prompt(
+                prompt_token_ids, request.truncate_prompt_tokens, self.max_model_len
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
+
+    def check_prompt_chars(self, num_chars: int, param: str, request) -> None:
         """Refuse a prompt text too long for max_model_len tokens before tokenizing it (a huge
-        text would cost the tokenizer time and memory only to be refused)."""
+        text would cost the tokenizer time and memory only to be refused), unless the request
+        truncates its prompt."""
+        if request.truncate_prompt_tokens is not None:
+            return
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens; your "

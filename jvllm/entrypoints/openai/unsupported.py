@@ -10,7 +10,6 @@ from typing import Any
 
 # Beside None, which always means unused: each field's other unused values (its defaults).
 _COMMON: dict[str, tuple] = {
-    "truncate_prompt_tokens": (),
     "logits_processors": ([],),
     "priority": (0,),
     "kv_transfer_params": ({},),
