@@ -153,14 +153,16 @@ def test_abort_takes_several_ids_and_keeps_tokens_the_consumer_had_not_read(asyn
 
 
 def test_from_engine_args_takes_engine_args(tiny_llama_dir):
-    args = EngineArgs(tiny_llama_dir, max_model_len=64, max_num_seqs=2)
+    args = EngineArgs(
+        tiny_llama_dir, max_model_len=64, max_num_seqs=2, scheduling_policy="priority"
+    )
     llm = AsyncLLM.from_engine_args(args)
 
     async def main():
-        defaults = llm.generate("hello", GREEDY, "r", lora_request=None, priority=0)
+        defaults = llm.generate("hello", GREEDY, "r", lora_request=None, priority=3)
         outputs = [o async for o in defaults]
-        with pytest.raises(ValueError, match="priority must be None or 0"):
-            await anext(llm.generate("hello", GREEDY, "s", priority=1))
+        with pytest.raises(TypeError, match="priority must be an int"):
+            await anext(llm.generate("hello", GREEDY, "s", priority="high"))
         return outputs
 
     try:

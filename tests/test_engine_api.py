@@ -143,10 +143,29 @@ def test_vllm_keywords_for_what_jvllm_does_not_do_take_only_their_defaults(llm):
     assert llm.generate(["hi"], params, use_tqdm=False, lora_request=None, priority=[0])
     with pytest.raises(ValueError, match="lora_request"):
         llm.generate(["hi"], params, lora_request=object())
-    with pytest.raises(ValueError, match="priority"):
+    with pytest.raises(ValueError, match="needs the engine option scheduling_policy='priority'"):
         llm.generate(["hi"], params, priority=[1])
-    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+    with pytest.raises(ValueError, match=r"priority must be a list with one int a prompt \(1\)"):
         llm.generate(["hi"], params, priority=[0, 0])
+
+
+def test_priority_policy_serves_lower_priorities_first(tiny_llama_dir):
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=1,
+        scheduling_policy="priority",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([[5, 6], [7, 8], [9, 10]], params, use_tqdm=False, priority=[2, 0, 1])
+    alone = [llm.generate([o.prompt_token_ids], params, use_tqdm=False)[0] for o in outputs]
+    assert [o.outputs[0].token_ids for o in outputs] == [a.outputs[0].token_ids for a in alone]
+    # One request at a time: each finishes before the next in priority order starts.
+    done = [o.metrics.finished_time for o in outputs]
+    assert done[1] < done[2] < done[0]
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        LLM(tiny_llama_dir, scheduling_policy="lifo")
 
 
 def test_abort_frees_blocks_and_the_loop_keeps_serving(llm):

@@ -104,7 +104,6 @@ def _error(url: str, path: str, body: dict, status: int = 400) -> dict:
         ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
         ("/v1/chat/completions", "store", True),
         ("/v1/chat/completions", "service_tier", "flex"),
-        ("/v1/completions", "priority", 1),
         ("/v1/completions", "logits_processors", ["my.Processor"]),
         ("/v1/completions", "suffix", "The end."),
     ],
@@ -571,3 +570,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(served):
     for value, message in ((10**6, "greater than max_model_len"), (0, "must be None, -1")):
         error = _error(url, "/v1/completions", _greedy(prompt=PROMPT, truncate_prompt_tokens=value))
         assert error["param"] == "truncate_prompt_tokens" and message in error["message"]
+
+
+def test_priority_needs_the_priority_scheduling_policy(served):
+    error = _error(served["url"], "/v1/completions", _greedy(prompt=PROMPT, priority=1))
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+    assert _post(served["url"], "/v1/completions", _greedy(prompt=PROMPT, priority=0))["choices"]

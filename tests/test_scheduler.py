@@ -391,3 +391,55 @@ def test_constrained_requests_run_single_steps_and_failed_grammars_abort():
     while scheduler.has_unfinished_requests():
         assert step(scheduler)[0].num_steps == 1  # never a decode window
     assert scheduler.kv_cache_manager.num_free_blocks == 63
+
+
+def _request(request_id, priority, arrival_time, num_prompt_tokens=5, first_token=100):
+    prompt = list(range(first_token, first_token + num_prompt_tokens))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    return Request(request_id, prompt, params, EOS, arrival_time, priority=priority)
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    for rid, priority, arrival in (("a", 2, 1.0), ("b", 0, 2.0), ("c", 1, 3.0), ("d", 0, 4.0)):
+        scheduler.add_request(_request(rid, priority, arrival, first_token=ord(rid) * 10))
+    order = []
+    while scheduler.has_unfinished_requests():
+        output, _ = step(scheduler)
+        order += [r.request_id for r in output.scheduled_requests if r.request_id not in order]
+    assert order == ["b", "d", "c", "a"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_even_if_already_scheduled():
+    def start(num_blocks):
+        scheduler = make_scheduler(num_blocks=num_blocks, policy="priority")
+        low = _request("low", 9, 1.0, num_prompt_tokens=1)
+        scheduler.add_request(low)
+        step(scheduler)  # "low" runs first, so it is scheduled before "high" in each step
+        high = _request("high", 0, 2.0, num_prompt_tokens=8, first_token=200)
+        scheduler.add_request(high)
+        return scheduler, low, high
+
+    # 5 usable blocks of 4 tokens, of the 9 both need: "high" soon needs one "low" holds.
+    scheduler, low, high = start(num_blocks=6)
+    preempted_while_scheduled = False
+    while scheduler.has_unfinished_requests():
+        output, _ = step(scheduler)
+        assert high not in output.preempted_requests
+        if low in output.preempted_requests and high in output.scheduled_requests:
+            # "low" was scheduled in this step before "high" ran short: the step drops it.
+            assert low not in output.scheduled_requests
+            assert set(output.num_scheduled_tokens) == {"high"}
+            preempted_while_scheduled = True
+    assert preempted_while_scheduled
+    reference, ref_low, ref_high = start(num_blocks=64)
+    run_to_completion(reference)
+    assert reference.num_preemptions_total == 0
+    assert low.output_token_ids == ref_low.output_token_ids
+    assert high.output_token_ids == ref_high.output_token_ids
+    assert scheduler.kv_cache_manager.num_free_blocks == 5
+
+
+def test_scheduling_policy_is_checked():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        make_scheduler(policy="lifo")

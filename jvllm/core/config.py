@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass
 class SchedulerConfig:
@@ -21,8 +23,15 @@ class SchedulerConfig:
     # Decode steps one device call may run when every running request decodes (see
     # core/decode_window.py); 1 = one step per call.
     num_scheduler_steps: int = 1
+    # vLLM's: "fcfs" serves requests in arrival order; "priority" by (priority, arrival time),
+    # lowest first, and preempts the running request that comes last in that order.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
+            )
         for name in (
             "max_model_len",
             "max_num_batched_tokens",

@@ -45,6 +45,7 @@ class Request:
     `seed` is the request's sampling seed; the engine passes one it drew when the user gave none.
     `cache_salt` (vLLM's): the request reuses only prefix-cache blocks computed under the same
     salt, so that users who do not share one cannot learn each other's prompts from hit timing.
+    `priority` (vLLM's): under the "priority" scheduling policy, lower values are served first.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class Request:
         prompt: str | None = None,
         seed: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -68,6 +70,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.seed = sampling_params.seed if seed is None else seed
         self.cache_salt = cache_salt
+        self.priority = priority
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -57,7 +57,9 @@ class SchedulerOutput:
 
 class Scheduler:
     """Decides each step which requests compute how many tokens, and owns their lifecycle:
-    `waiting` (FCFS queue, preempted requests re-enter at its front) -> `running` -> finished."""
+    `waiting` -> `running` -> finished. `waiting` is in arrival order with preempted requests
+    re-entering at its front (FCFS), or in (priority, arrival time) order under the "priority"
+    policy; either way nobody overtakes its head."""
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = scheduler_config
@@ -74,7 +76,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -209,8 +211,12 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                # FCFS: the newest running request gives its blocks back.
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                if victim.request_id in output.num_scheduled_tokens:  # scheduled this step: undo
+                    output.scheduled_requests.remove(victim)
+                    token_budget += output.num_scheduled_tokens.pop(victim.request_id)
+                    index -= 1
+                self.running.remove(victim)
                 self._preempt(victim)
                 output.preempted_requests.append(victim)
                 if victim is request:
@@ -278,14 +284,37 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
         return min(num_new_tokens, token_budget)
 
+    def _pick_victim(self) -> Request:
+        """The running request that gives its blocks back: the newest (FCFS), or the last in
+        (priority, arrival time) order, as vLLM picks."""
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into `waiting`: at the back (a new request) or the front (a preempted one) under
+        FCFS; under the priority policy after every request that sorts before or with it."""
+        if self.config.policy == "priority":
+            key = _priority_key(request)
+            index = next(
+                (i for i, r in enumerate(self.waiting) if _priority_key(r) > key),
+                len(self.waiting),
+            )
+            self.waiting.insert(index, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
     def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: drop the KV, keep the tokens, requeue at the front."""
+        """Preemption by recompute: drop the KV, keep the tokens, requeue (at the front under
+        FCFS)."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         logger.info(
             "preempted %s (%d tokens, preemption #%d)",
             request.request_id,
@@ -363,3 +392,7 @@ class Scheduler:
     def _free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time

@@ -7,6 +7,7 @@ from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
+from jvllm.core.config import SCHEDULING_POLICIES
 from jvllm.model_loader.hf import HFOverrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
@@ -86,6 +87,9 @@ class EngineArgs:
     # Dispatch the next decode step before reading this one's tokens, so that the host's work
     # overlaps the device's (vLLM v1's name; worker/async_step.py).
     async_scheduling: bool = False
+    # "fcfs" or "priority" (vLLM's): which waiting request goes first, and which running one
+    # gives its blocks back under memory pressure (core/scheduler.py).
+    scheduling_policy: str = "fcfs"
     # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
     # "vllm": ignore it; or a directory holding one.
     generation_config: str = "auto"
@@ -191,6 +195,11 @@ class EngineArgs:
             raise ValueError(
                 "generation_config must be 'auto', 'vllm' or a directory holding "
                 f"generation_config.json, got {self.generation_config!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(

@@ -115,11 +115,19 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
         )
 
 
-def check_no_lora_or_priority(lora_request, priority) -> None:
-    """vLLM's request options taken at what jvllm does: no LoRA adapter, and first come, first
-    served (`priority` None, 0, or a list of zeros)."""
+def check_no_lora(lora_request) -> None:
+    """vLLM's `lora_request` taken at what jvllm does: no LoRA adapter."""
     if lora_request is not None:
         raise ValueError("lora_request must be None: jvllm does not load LoRA adapters")
-    priorities = priority if isinstance(priority, (list, tuple)) else [priority]
-    if any(p not in (None, 0) for p in priorities):
-        raise ValueError("priority must be None or 0: jvllm schedules first come, first served")
+
+
+def check_priority(priority, scheduling_policy: str) -> None:
+    """A request's `priority`: an int, and 0 unless the engine schedules by priority (vLLM's
+    rule)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(
+            f"priority={priority} needs the engine option scheduling_policy='priority' "
+            f"(--scheduling-policy priority); this engine's is {scheduling_policy!r}"
+        )

@@ -32,10 +32,12 @@ class LeaderEngine(LLMEngine):
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
-        super().add_request(request_id, prompt, params, arrival_time)  # raises: nothing sent
-        self._pending.append(("add", request_id, prompt, params, arrival_time))
+        # Raises before anything is sent.
+        super().add_request(request_id, prompt, params, arrival_time, priority)
+        self._pending.append(("add", request_id, prompt, params, arrival_time, priority))
 
     def abort_request(self, request_id: str | list[str]) -> None:
         super().abort_request(request_id)

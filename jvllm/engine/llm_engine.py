@@ -14,6 +14,7 @@ from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import (
     PromptType,
+    check_priority,
     prompt_cache_salt,
     tokenize_prompt,
     validate_request,
@@ -92,6 +93,7 @@ class LLMEngine:
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps,
+                policy=args.scheduling_policy,
             ),
             KVCacheManager(
                 num_blocks,
@@ -150,11 +152,13 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and enqueue a request; raises ValueError/TypeError without side effects.
 
         With `n > 1` the request runs as n child requests that share the prompt's KV blocks
-        through the prefix cache; its outputs still carry `request_id`."""
+        through the prefix cache; its outputs still carry `request_id`. `priority` (vLLM's):
+        lower is served first under scheduling_policy="priority", and must be 0 otherwise."""
         if self.held_by_step_loop:
             raise RuntimeError(
                 "a StepLoop holds this engine's KV cache between its prefill() and finish(): "
@@ -165,6 +169,7 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self.args.scheduling_policy)
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         cache_salt = prompt_cache_salt(prompt)
         prompt_token_ids, params = validate_request(
@@ -216,6 +221,7 @@ class LLMEngine:
                 prompt=prompt_text,
                 seed=seed,
                 cache_salt=cache_salt,
+                priority=priority,
             )
             request.bad_words_token_ids = bad_words
             if grammar is not None:

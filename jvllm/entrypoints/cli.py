@@ -11,6 +11,7 @@ import sys
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
+from jvllm.core.config import SCHEDULING_POLICIES
 from jvllm.engine.arg_utils import EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -95,6 +96,10 @@ _ENGINE_FLAGS = {
         "help": "split long prompts over steps",
     },
     "num_scheduler_steps": {"type": int, "help": "decode steps per device call"},
+    "scheduling_policy": {
+        "choices": list(SCHEDULING_POLICIES),
+        "help": "priority: requests' priority (lowest first), then arrival",
+    },
     "async_scheduling": {
         "action": argparse.BooleanOptionalAction,
         "help": "overlap the host's work with the next step",

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from jvllm.core.request import RequestStatus
 from jvllm.engine.data_parallel import make_engine, replicas
-from jvllm.engine.input_processor import PromptType, check_no_lora_or_priority
+from jvllm.engine.input_processor import PromptType, check_no_lora
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, render_conversation
 from jvllm.outputs import BeamSearchOutput, RequestOutput
@@ -50,18 +50,22 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in the order of `prompts`.
-        `lora_request` and `priority` are vLLM's, taken at what jvllm does: no adapter, and
-        first come first served (None or zeros)."""
-        check_no_lora_or_priority(lora_request, priority)
+        `lora_request` is vLLM's, taken at what jvllm does: no adapter. `priority` (vLLM's):
+        one int a prompt, lower first, under scheduling_policy="priority" (None: all 0)."""
+        check_no_lora(lora_request)
         prompts = _as_prompt_list(prompts)
-        if isinstance(priority, (list, tuple)) and len(priority) != len(prompts):
+        if priority is None:
+            priority = [0] * len(prompts)
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
             raise ValueError(
-                f"got {len(priority)} priorities for {len(prompts)} prompts; pass one a prompt"
+                f"priority must be a list with one int a prompt ({len(prompts)}), got {priority!r}"
             )
         with self._lock:
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, list(priority))
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(
+        self, prompts, sampling_params, use_tqdm: bool, priorities: list[int]
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -83,9 +87,9 @@ class LLM:
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, priority in zip(prompts, params_list, priorities):
                 request_id = str(self._request_counter)
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, priority=priority)
                 self._request_counter += 1
                 request_ids.append(request_id)
         except Exception:
@@ -111,7 +115,7 @@ class LLM:
         the replies are text (constrain them with `structured_outputs` to force a call).
         `chat_template_kwargs`: more variables for the template (e.g. a model's thinking
         switch)."""
-        check_no_lora_or_priority(lora_request, None)
+        check_no_lora(lora_request)
         tokenizer = self.get_tokenizer()
         prompts = [
             render_conversation(
@@ -137,7 +141,7 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: the `beam_width` best sequences of each prompt, searched
         `concurrency_limit` prompts at a time (None: all at once)."""
-        check_no_lora_or_priority(lora_request, None)
+        check_no_lora(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         return beam_search(self, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit)

@@ -116,6 +116,7 @@ class _SamplingFields(_Request):
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt.
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     # Output constraints (structured.py): OpenAI's, vLLM's, and vLLM's older fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -153,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
             "prompt_token_ids": prompt_token_ids,
             "cache_salt": request.cache_salt,
         }
-        outputs = self.generate_all([prompt], params, request_id, kind, beam)
+        outputs = self.generate_all([prompt], params, request_id, kind, beam, request.priority)
         try:
             first = await anext(outputs)
         except StopAsyncIteration:

@@ -16,7 +16,7 @@ from jvllm.engine.async_llm import (
     EngineOverloadedError,
     RequestOutputKind,
 )
-from jvllm.engine.input_processor import truncate_prompt
+from jvllm.engine.input_processor import check_priority, truncate_prompt
 from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.outputs import CompletionOutput, RequestOutput
@@ -91,9 +91,12 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    @staticmethod
-    def check_request(request) -> None:
+    def check_request(self, request) -> None:
         """Combinations of fields that vLLM refuses, or that would be silently ignored."""
+        try:
+            check_priority(request.priority, self.engine.engine.args.scheduling_policy)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="priority") from None
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "stream_options can only be given with stream=true", param="stream_options"
@@ -251,11 +254,14 @@ class OpenAIServing:
         request_id: str,
         kind: RequestOutputKind,
         beam: BeamSearchParams | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all.
         With `beam`, each prompt is one beam search, reported once, at its end."""
         if len(prompts) == 1:
-            async for output in self._generate(prompts[0], params, request_id, kind, beam):
+            async for output in self._generate(
+                prompts[0], params, request_id, kind, beam, priority
+            ):
                 yield 0, output
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -263,7 +269,7 @@ class OpenAIServing:
         async def pump(index: int, prompt: dict) -> None:
             rid = f"{request_id}-{index}"
             try:
-                async for output in self._generate(prompt, params, rid, kind, beam):
+                async for output in self._generate(prompt, params, rid, kind, beam, priority):
                     queue.put_nowait((index, output))
             except BaseException as e:
                 queue.put_nowait((index, e))
@@ -293,12 +299,15 @@ class OpenAIServing:
         request_id: str,
         kind: RequestOutputKind,
         beam: BeamSearchParams | None,
+        priority: int,
     ) -> AsyncIterator[RequestOutput]:
         try:
             if beam is not None:
                 yield await self._beam_search(prompt, beam, request_id)
                 return
-            async for output in self.engine.generate(prompt, params, request_id, output_kind=kind):
+            async for output in self.engine.generate(
+                prompt, params, request_id, output_kind=kind, priority=priority
+            ):
                 yield output
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from None

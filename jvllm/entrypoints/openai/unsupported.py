@@ -11,7 +11,6 @@ from typing import Any
 # Beside None, which always means unused: each field's other unused values (its defaults).
 _COMMON: dict[str, tuple] = {
     "logits_processors": ([],),
-    "priority": (0,),
     "kv_transfer_params": ({},),
     "vllm_xargs": ({},),
     "guided_decoding_backend": (),
