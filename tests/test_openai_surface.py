@@ -5,6 +5,7 @@ One in-process server per module (plus one that trusts request chat templates an
 API key, on the same engine); offline references are taken on that engine before it serves.
 """
 
+import json
 import re
 import sys
 
@@ -55,11 +56,13 @@ def served(smollm2_dir):
         ServerThread(build_app(engine, MODEL)).start(),
         ServerThread(build_app(engine, MODEL, trust_request_chat_template=True)).start(),
         ServerThread(build_app(engine, MODEL, API_KEY)).start(),
+        ServerThread(build_app(engine, MODEL, reasoning_parser="qwen3")).start(),
     ]
     yield {
         "url": servers[0].url,
         "trusting_url": servers[1].url,
         "keyed_url": servers[2].url,
+        "reasoning_url": servers[3].url,
         "tokenizer": engine.get_tokenizer(),
         "ref": ref,
         "stop_id": stop_id,
@@ -576,3 +579,34 @@ def test_priority_needs_the_priority_scheduling_policy(served):
     error = _error(served["url"], "/v1/completions", _greedy(prompt=PROMPT, priority=1))
     assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
     assert _post(served["url"], "/v1/completions", _greedy(prompt=PROMPT, priority=0))["choices"]
+
+
+def _stream_deltas(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    return [c["choices"][0]["delta"] for c in map(json.loads, lines[:-1]) if c["choices"]]
+
+
+def test_reasoning_parser_splits_the_thought_from_the_content(served):
+    url = served["reasoning_url"]
+    # The constraint makes SmolLM2 think first, as a thinking model would.
+    thinking = _greedy(
+        messages=CHAT, max_tokens=40, guided_regex=r"<think>[a-z ]{2,12}</think> ?[A-Z][a-z]{1,9}"
+    )
+    message = _post(url, "/v1/chat/completions", thinking)["choices"][0]["message"]
+    text = _post(served["url"], "/v1/chat/completions", thinking)["choices"][0]["message"]
+    thought, answer = re.fullmatch(r"<think>(.*)</think>(.*)", text["content"]).groups()
+    assert (message["reasoning_content"], message["content"]) == (thought, answer)
+    assert message["reasoning"] == thought
+    deltas = _stream_deltas(url, {**thinking, "stream": True})
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.get("content") or "" for d in deltas) == answer
+    left_out = _post(url, "/v1/chat/completions", {**thinking, "include_reasoning": False})
+    assert left_out["choices"][0]["message"]["reasoning_content"] is None
+    assert left_out["choices"][0]["message"]["content"] == answer
+    # A reply that does not think (Qwen3 with thinking off) is all content.
+    plain = [
+        _post(u, "/v1/chat/completions", _greedy(messages=CHAT))["choices"][0]["message"]
+        for u in (url, served["url"])
+    ]
+    assert plain[0]["reasoning_content"] is None and plain[0]["content"] == plain[1]["content"]

@@ -14,6 +14,7 @@ from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.config import SCHEDULING_POLICIES
 from jvllm.engine.arg_utils import EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jvllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jvllm.model_loader.loader import LOAD_FORMATS
 from jvllm.quantization import QUANTIZATION_METHODS
@@ -177,6 +178,7 @@ def _serve(args: argparse.Namespace) -> None:
         metrics_prefix=args.metrics_prefix,
         chat_template=chat_template,
         response_role=args.response_role,
+        reasoning_parser=args.reasoning_parser,
         **engine_kwargs(args),
     )
 
@@ -255,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (Qwen2.5/3, <tool_call> JSON), "
         "llama3_json (Llama 3.1/3.2 JSON)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a thinking model's <think> reasoning into the reply's reasoning_content: "
+        "deepseek_r1 (R1 and its distills: always thinks), qwen3 (Qwen3, thinking switchable)",
     )
     serve.add_argument(
         "--disable-log-stats",

@@ -27,6 +27,7 @@ from jvllm.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
+from jvllm.entrypoints.openai.reasoning import get_reasoning_parser
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jvllm.entrypoints.openai.shutdown import DrainingServer
@@ -97,6 +98,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     chat_template: str | None = None,
     response_role: str = "assistant",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name` (or several names, the first in
     responses; vLLM's --served-model-name). Pass the `ServingMetrics` that the
@@ -104,12 +106,19 @@ def build_app(
     `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag).
     `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls out of replies to
     tool_choice "auto" (vLLM's --enable-auto-tool-choice); None refuses "auto". A body over
-    `max_request_body_bytes` is a 413 (admission.py)."""
+    `max_request_body_bytes` is a 413 (admission.py). `reasoning_parser` (a name in
+    reasoning.REASONING_PARSERS) splits thinking models' replies into reasoning and content."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
     completion = OpenAIServingCompletion(engine, model_name)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     chat = OpenAIServingChat(
-        engine, model_name, trust_request_chat_template, parser, chat_template, response_role
+        engine,
+        model_name,
+        trust_request_chat_template,
+        parser,
+        chat_template,
+        response_role,
+        get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
     )
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
@@ -320,6 +329,7 @@ def run_server(
     metrics_prefix: str = "jvllm",
     chat_template: str | None = None,
     response_role: str = "assistant",
+    reasoning_parser: str | None = None,
     **engine_kwargs,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down as shutdown.py says."""
@@ -342,6 +352,7 @@ def run_server(
             max_request_body_bytes,
             chat_template,
             response_role,
+            reasoning_parser,
         )
         server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level)
         logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)

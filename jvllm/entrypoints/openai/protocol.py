@@ -153,6 +153,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None  # tags, like `user`: they change no answer
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (--reasoning-parser)
 
 
 class TokenizeRequest(_Request):

@@ -7,6 +7,12 @@ from collections.abc import AsyncIterator
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.entrypoints.chat import render_conversation, text_content
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from jvllm.entrypoints.openai.reasoning import (
+    ReasoningParser,
+    ReasoningSplitter,
+    prompt_opens_thought,
+    split_reply,
+)
 from jvllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     now,
@@ -30,12 +36,15 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: type[ToolParser] | None = None,
         chat_template: str | None = None,
         response_role: str = "assistant",
+        reasoning_parser: ReasoningParser | None = None,
     ):
         """`tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice and
         --tool-call-parser), None when "auto" is refused. `chat_template`: the server's
         (--chat-template), instead of the tokenizer's. `response_role`: the reply's role after
-        a generation prompt (--response-role)."""
+        a generation prompt (--response-role). `reasoning_parser` (--reasoning-parser): splits
+        a thinking model's reasoning from its content (reasoning.py)."""
         super().__init__(engine, model_names)
+        self.reasoning_parser = reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser
         self.chat_template = chat_template
@@ -158,16 +167,24 @@ class OpenAIServingChat(OpenAIServing):
             first = await anext(outputs)
         except StopAsyncIteration:
             first = None
+        opened = self._prompt_opens_thought(prompt_token_ids)
         if request.stream:
-            return self._stream(request, request_id, params.n, first, outputs, tools)
+            return self._stream(request, request_id, params.n, first, outputs, tools, opened)
         result = first[1]
         await outputs.aclose()
         role = self._role(request)
         echo = self._echo(request, role)
         choices = []
         for c in sorted(result.outputs, key=lambda c: c.index):
-            content, calls = reply(tools, c.text)
+            text, reasoning = c.text, None
+            if self.reasoning_parser is not None:
+                reasoning, text = split_reply(self.reasoning_parser, opened, c.text)
+            content, calls = reply(tools, text)
+            if reasoning and not content:
+                content = None  # a reply that only thought (vLLM's)
             message = {"role": role, "content": echo + content if content is not None else None}
+            if self.reasoning_parser is not None:
+                _add_reasoning(message, reasoning or None, request.include_reasoning)
             if calls:
                 message["tool_calls"] = calls
             choice = {
@@ -219,8 +236,22 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
+    def _prompt_opens_thought(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the rendered prompt ends inside an opened thought (reasoning.py)."""
+        if self.reasoning_parser is None:
+            return False
+        tail = self.tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:])
+        return prompt_opens_thought(self.reasoning_parser, tail)
+
     async def _stream(
-        self, request, request_id: str, n: int, first, outputs: AsyncIterator, tools: ToolPlan
+        self,
+        request,
+        request_id: str,
+        n: int,
+        first,
+        outputs: AsyncIterator,
+        tools: ToolPlan,
+        opened: bool,
     ) -> AsyncIterator[str]:
         created = now()
         options = request.stream_options
@@ -275,6 +306,8 @@ class OpenAIServingChat(OpenAIServing):
                 ]
             )
         streams = [ToolCallStream(tools) if tools.mode != "none" else None for _ in range(n)]
+        parser = self.reasoning_parser
+        splitters = [ReasoningSplitter(parser, opened) if parser else None for _ in range(n)]
         item = first
         try:
             while item is not None:
@@ -283,13 +316,21 @@ class OpenAIServingChat(OpenAIServing):
                 for c in result.outputs:
                     num_completion += len(c.token_ids)
                     calls = streams[c.index]
+                    text, reasoning = c.text, ""
+                    if splitters[c.index] is not None:
+                        reasoning, text = _split_delta(splitters[c.index], c)
                     if calls is None:
-                        content = {"content": c.text} if c.text or c.token_ids else None
+                        content = {"content": text} if text or c.token_ids else None
                     else:
-                        content = calls.feed(c.text)
+                        content = calls.feed(text)
                         tail = calls.finish() if c.finish_reason else None
                         if tail:  # what the parser held back, in a chunk of its own
                             tails.append(_choice_delta(c.index, tail))
+                    if reasoning and request.include_reasoning:
+                        content = content or {}
+                        if not text:
+                            content.pop("content", None)
+                        _add_reasoning(content, reasoning, True)
                     if content:
                         delta = _choice_delta(c.index, content)
                         if request.logprobs:
@@ -347,3 +388,25 @@ def _finish_reason(reason: str | None, called: bool, tool_mode: str) -> str | No
 
 def _choice_delta(index: int, delta: dict) -> dict:
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+# Tokens of the prompt's end decoded to see whether it opens a thought: enough for any tag.
+_PROMPT_TAIL_TOKENS = 8
+
+
+def _split_delta(splitter: ReasoningSplitter, c: CompletionOutput) -> tuple[str, str]:
+    """A streamed choice's new text -> (reasoning, content), with what the splitter held back
+    released when the choice finishes."""
+    reasoning, content = splitter.feed(c.text)
+    if c.finish_reason:
+        more_reasoning, more_content = splitter.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return reasoning, content
+
+
+def _add_reasoning(message: dict, reasoning: str | None, include: bool) -> None:
+    """A reply's reasoning under vLLM's two names (`reasoning_content`, and `reasoning`, which
+    newer vLLM writes), or None where the request asked for none (include_reasoning=false)."""
+    value = reasoning if include else None
+    message["reasoning_content"] = value
+    message["reasoning"] = value

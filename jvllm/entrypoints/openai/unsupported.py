@@ -33,7 +33,6 @@ CHAT_FIELDS: dict[str, tuple] = {
     "prediction": (),
     "web_search_options": (),
     "reasoning_effort": (),
-    "include_reasoning": (True,),
     "documents": ([],),
     "mm_processor_kwargs": ({},),
     "media_io_kwargs": ({},),
