@@ -25,11 +25,13 @@ from jvllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from jvllm.entrypoints.openai.reasoning import get_reasoning_parser
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jvllm.entrypoints.openai.shutdown import DrainingServer
 from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
@@ -120,6 +122,7 @@ def build_app(
         response_role,
         get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
     )
+    responses = OpenAIServingResponses(chat)
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
     admission = Admission(max_request_body_bytes)
@@ -179,6 +182,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
         return _respond(await unless_disconnected(raw, chat.create(request)))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request):
+        return _respond(await unless_disconnected(raw, responses.create(request)))
 
     @app.get("/v1/models")
     async def list_models():

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from jvllm.entrypoints.openai.unsupported import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    RESPONSES_FIELDS,
     TOKENIZE_FIELDS,
     first_unsupported,
 )
@@ -154,6 +155,34 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None  # tags, like `user`: they change no answer
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (--reasoning-parser)
+
+
+class ResponsesRequest(_SamplingFields):
+    """OpenAI's Responses API (POST /v1/responses), with vLLM's sampling extras; `text.format`
+    is read as `response_format` (structured.py)."""
+
+    unsupported_fields = RESPONSES_FIELDS
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    text: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # Taken as vLLM takes it without a response store: the response is not kept.
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _text_format_as_response_format(self) -> "ResponsesRequest":
+        fmt = (self.text or {}).get("format")
+        if fmt is not None and self.response_format is None:
+            if not isinstance(fmt, dict):
+                raise OpenAIError("text.format must be an object", param="text")
+            if fmt.get("type") == "json_schema":  # flat here, nested in chat's response_format
+                spec = {k: v for k, v in fmt.items() if k != "type"}
+                fmt = {"type": "json_schema", "json_schema": spec}
+            self.response_format = fmt
+        return self
 
 
 class TokenizeRequest(_Request):

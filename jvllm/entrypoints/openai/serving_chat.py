@@ -167,7 +167,7 @@ class OpenAIServingChat(OpenAIServing):
             first = await anext(outputs)
         except StopAsyncIteration:
             first = None
-        opened = self._prompt_opens_thought(prompt_token_ids)
+        opened = self.opens_thought(prompt_token_ids)
         if request.stream:
             return self._stream(request, request_id, params.n, first, outputs, tools, opened)
         result = first[1]
@@ -236,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
-    def _prompt_opens_thought(self, prompt_token_ids: list[int]) -> bool:
+    def opens_thought(self, prompt_token_ids: list[int]) -> bool:
         """Whether the rendered prompt ends inside an opened thought (reasoning.py)."""
         if self.reasoning_parser is None:
             return False

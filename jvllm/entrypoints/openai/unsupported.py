@@ -40,6 +40,22 @@ CHAT_FIELDS: dict[str, tuple] = {
     "service_tier": ("auto", "default"),
 }
 
+RESPONSES_FIELDS: dict[str, tuple] = {
+    **_COMMON,
+    "previous_response_id": (),  # jvllm keeps no responses to continue from
+    "conversation": (),
+    "prompt": (),  # a stored prompt template
+    "tools": ([],),
+    "tool_choice": ("auto", "none"),
+    "reasoning": (),
+    "include": ([],),
+    "background": (False,),
+    "top_logprobs": (0,),
+    "max_tool_calls": (),
+    "truncation": ("disabled",),
+    "service_tier": ("auto", "default"),
+}
+
 TOKENIZE_FIELDS: dict[str, tuple] = {"mm_processor_kwargs": ({},)}
 
 

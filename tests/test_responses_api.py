@@ -1,0 +1,159 @@
+"""POST /v1/responses (OpenAI's Responses API) on the default model, through the official
+client: the same reply as the chat completion of the same messages, whole and streamed, with
+`text.format` constraints, reasoning items under --reasoning-parser, and refusals of what it
+does not serve."""
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import SMOLLM2_ENGINE_KWARGS
+
+from jvllm import LLM
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+
+MODEL = "smol"
+QUESTION = "What is the capital of France?"
+THINKING = r"<think>[a-z ]{2,12}</think> ?[A-Z][a-z]{1,9}"
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_dir):
+    engine = AsyncLLM(LLM(smollm2_dir, **SMOLLM2_ENGINE_KWARGS).llm_engine)
+    threads = [
+        ServerThread(build_app(engine, MODEL)).start(),
+        ServerThread(build_app(engine, MODEL, reasoning_parser="deepseek_r1")).start(),
+    ]
+    yield {"plain": threads[0].url, "reasoning": threads[1].url}
+    for thread in threads:
+        thread.stop()
+    engine.shutdown()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat(url: str, messages: list[dict], max_tokens: int, **extra) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_response_is_the_chat_reply_to_the_same_messages(servers):
+    client = _client(servers["plain"])
+    # 4 tokens: the reply is cut at max_output_tokens.
+    response = client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0
+    )
+    chat = _chat(servers["plain"], [{"role": "user", "content": QUESTION}], 4)
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert response.usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert response.status == "incomplete" and response.incomplete_details.reason == (
+        "max_output_tokens"
+    )
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    # instructions and message items (text parts, a developer role) render as chat messages.
+    items = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+    ]
+    response = client.responses.create(
+        model=MODEL, instructions="Be brief.", input=items, max_output_tokens=8, temperature=0
+    )
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": QUESTION},
+    ]
+    chat = _chat(servers["plain"], messages, 8)
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+
+
+def test_a_streamed_response_sends_the_apis_events_in_order(servers):
+    client = _client(servers["plain"])
+    whole = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0)
+    events = list(
+        client.responses.create(
+            model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+
+
+def test_text_format_constrains_the_response(servers):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    response = _client(servers["plain"]).responses.create(
+        model=MODEL,
+        input=QUESTION + " Reply in JSON.",
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+    )
+    assert set(json.loads(response.output_text)) == {"city"}
+
+
+def test_reasoning_is_an_output_item_of_its_own(servers):
+    client = _client(servers["reasoning"])
+    # The constraint makes SmolLM2 think first, as a thinking model would.
+    extra = {"guided_regex": THINKING}
+    args = {"model": MODEL, "input": QUESTION, "max_output_tokens": 40, "temperature": 0}
+    plain = _client(servers["plain"]).responses.create(**args, extra_body=extra).output_text
+    thought, answer = plain[len("<think>") :].split("</think>")
+    response = client.responses.create(**args, extra_body=extra)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == thought
+    assert message.type == "message"
+    assert response.output_text == answer
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(**args, extra_body=extra, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == thought
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == answer
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": QUESTION, "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": QUESTION, "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": QUESTION, "n": 2}, "n"),
+    ],
+)
+def test_what_responses_do_not_serve_is_a_400_naming_it(servers, body, param):
+    response = httpx.post(
+        servers["plain"] + "/v1/responses", json={"model": MODEL, **body}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
