@@ -267,3 +267,21 @@ def test_vllm_engine_options_that_change_nothing_here_are_taken():
         EngineArgs(enforce_eager="yes")
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         EngineArgs(dtype="float16")
+    # More of vLLM's, at the values its scripts pass, and refused where they would ask for more.
+    EngineArgs(
+        tokenizer_mode="auto",
+        swap_space=4,
+        disable_log_stats=True,
+        distributed_executor_backend="mp",
+        compilation_config={"level": 3},
+        served_model_name="m",
+    )
+    for name, value, why in (
+        ("tokenizer_mode", "mistral", "Hugging Face tokenizer"),
+        ("revision", "main", "no model hub"),
+        ("pipeline_parallel_size", 2, "tensor_parallel_size"),
+        ("cpu_offload_gb", 4, "on the device"),
+        ("enable_lora", True, "LoRA"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} must be .*{why}.*; got {value!r}"):
+            EngineArgs(**{name: value})

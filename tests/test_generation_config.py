@@ -7,6 +7,7 @@ import types
 import pytest
 
 from jvllm import LLM, SamplingParams
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.openai.protocol import CompletionRequest
 from jvllm.entrypoints.openai.serving_engine import OpenAIServing
 from jvllm.model_loader.generation_config import GenerationConfig, load_generation_config
@@ -33,6 +34,18 @@ def test_vllm_option_and_sources_without_a_file_give_no_defaults(tmp_path):
     assert load_generation_config("vllm", str(tmp_path)) == GenerationConfig()
     assert load_generation_config("auto", None) == GenerationConfig()
     assert load_generation_config("auto", str(tmp_path / "model.gguf")) == GenerationConfig()
+
+
+def test_override_generation_config_sets_fields_over_the_models(tmp_path):
+    _write(tmp_path, eos_token_id=5, temperature=0.3, top_p=0.9)
+    overrides = {"temperature": 0.7, "max_new_tokens": 12}
+    merged = load_generation_config("auto", str(tmp_path), overrides)
+    assert merged == GenerationConfig((5,), {"temperature": 0.7, "top_p": 0.9, "max_tokens": 12})
+    alone = load_generation_config("vllm", str(tmp_path), overrides)
+    assert alone == GenerationConfig((), {"temperature": 0.7, "max_tokens": 12})
+    for bad, match in (({"seed": 1}, "allowed: .*'temperature'"), ({"top_p": 2.0}, "top_p")):
+        with pytest.raises(ValueError, match=f"override_generation_config.*{match}"):
+            EngineArgs(override_generation_config=bad)
 
 
 def test_bad_generation_config_is_rejected_with_what_to_do(tmp_path):

@@ -510,8 +510,11 @@ def test_serve_takes_vllm_launch_flags(monkeypatch, tmp_path):
         ["serve", "--model", "some/dir", "--served-model-name", "a", "b", "--dtype", "float"]
         + ["--chat-template", str(template), "--response-role", "bot"]
         + ["--disable-log-requests", "--trust-remote-code", "--enforce-eager"]
-        + ["--max-logprobs", "5"]
+        + ["--max-logprobs", "5", "--swap-space", "16", "--tokenizer-mode", "auto"]
+        + ["--override-generation-config", '{"temperature": 0.6}']
     )
+    assert served["override_generation_config"] == {"temperature": 0.6}
+    assert (served["swap_space"], served["tokenizer_mode"]) == (16.0, "auto")
     assert (served["model"], served["served_model_name"]) == ("some/dir", ["a", "b"])
     assert (served["api_key"], served["chat_template"]) == ("from-env", TEMPLATE)
     assert (served["response_role"], served["dtype"], served["max_logprobs"]) == (

@@ -8,6 +8,8 @@ from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.config import SCHEDULING_POLICIES
+from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
+from jvllm.model_loader.generation_config import check_generation_overrides
 from jvllm.model_loader.hf import HFOverrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
@@ -81,6 +83,23 @@ class EngineArgs:
     # model directories (its families are built in), and its steps are always compiled.
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    # More of vLLM's, taken at the values that say what jvllm does (engine/vllm_options.py).
+    tokenizer_mode: str = "auto"
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    code_revision: str | None = None
+    download_dir: str | None = None
+    swap_space: float = 4
+    cpu_offload_gb: float = 0
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    disable_log_stats: bool = True
+    disable_custom_all_reduce: bool = False
+    max_seq_len_to_capture: int = 8192
+    compilation_config: int | dict | None = None
+    served_model_name: str | list[str] | None = None
+    enable_lora: bool = False
+    enable_sleep_mode: bool = False
     # Decode steps per device call while every running request decodes (vLLM's multi-step
     # scheduling; docs/design.md "Decode windows"); 1 = one step per call.
     num_scheduler_steps: int = 1
@@ -93,6 +112,9 @@ class EngineArgs:
     # "auto": the model directory's generation_config.json (EOS ids, sampling defaults);
     # "vllm": ignore it; or a directory holding one.
     generation_config: str = "auto"
+    # vLLM's: generation_config.json sampling fields set over (or, with "vllm", instead of)
+    # the model's, e.g. {"temperature": 0.6, "max_new_tokens": 512}.
+    override_generation_config: dict | None = None
     # Scale-out over a ("data", "model") device mesh (jvllm/distributed/): each replica's
     # weights and KV cache cut over tensor_parallel_size devices; data_parallel_size replicas,
     # each with its own KV pool (LLM and the server run one per rank and share the requests).
@@ -177,6 +199,8 @@ class EngineArgs:
                 "num_gpu_blocks_override must be an int >= 2 (block 0 is the reserved null "
                 f"block), got {self.num_gpu_blocks_override!r}"
             )
+        check_neutral_options({name: getattr(self, name) for name in NEUTRAL_OPTIONS})
+        check_generation_overrides(self.override_generation_config)
         for name in ("trust_remote_code", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

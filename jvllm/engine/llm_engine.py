@@ -44,7 +44,9 @@ class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.args = args = EngineArgs(model=model, **kwargs)
         keep_freed_memory()  # before anything starts JAX's threads
-        self.generation_config = load_generation_config(args.generation_config, args.model)
+        self.generation_config = load_generation_config(
+            args.generation_config, args.model, args.override_generation_config
+        )
         enable_compilation_cache()  # before loading: its small jits are cached too
         start = time.perf_counter()
         build_kernels_early(args)

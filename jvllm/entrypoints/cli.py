@@ -73,6 +73,19 @@ _ENGINE_FLAGS = {
         "action": "store_true",
         "help": "accepted for vLLM's scripts: jvllm's steps are always compiled",
     },
+    # Taken at the values that say what jvllm does (engine/vllm_options.py).
+    "tokenizer_mode": {"help": "auto or hf: the Hugging Face tokenizer"},
+    "revision": {"help": "accepted unset: local files only"},
+    "download_dir": {"help": "accepted unset: local files only"},
+    "swap_space": {"type": float, "help": "accepted: preempted requests are recomputed"},
+    "cpu_offload_gb": {"type": float, "help": "accepted at 0: the weights stay on the device"},
+    "pipeline_parallel_size": {"type": int, "help": "accepted at 1: use --tensor-parallel-size"},
+    "distributed_executor_backend": {"help": "accepted unset, mp or uni"},
+    "override_generation_config": {
+        "type": _json_object,
+        "help": "generation_config.json sampling fields to set, as JSON, e.g. "
+        "'{\"temperature\": 0.6}'",
+    },
     "max_num_seqs": {"type": int, "help": "most requests in one step"},
     "max_num_batched_tokens": {"type": int, "help": "most tokens in one step"},
     "block_size": {"type": int, "help": "tokens per KV cache block"},
@@ -256,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (Qwen2.5/3, <tool_call> JSON), "
-        "llama3_json (Llama 3.1/3.2 JSON)",
+        "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]), pythonic (Llama 3.2/4 "
+        "[f(x=1)]), granite (Granite 3.x JSON list), qwen3_coder (Qwen3-Coder XML)",
     )
     serve.add_argument(
         "--reasoning-parser",

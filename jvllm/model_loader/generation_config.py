@@ -31,9 +31,41 @@ class GenerationConfig:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 
-def load_generation_config(option: str, model: str | None) -> GenerationConfig:
+def check_generation_overrides(overrides: dict | None) -> None:
+    """vLLM's override_generation_config: None, or a dict of generation_config.json's sampling
+    fields whose values SamplingParams takes."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError (vLLM)
+            f"override_generation_config must be a dict (or None), got {overrides!r}"
+        )
+    unknown = sorted(set(overrides) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config sets {unknown}; allowed: {sorted(_SAMPLING_FIELDS)}"
+        )
+    try:
+        SamplingParams(**{_SAMPLING_FIELDS[k]: v for k, v in overrides.items()})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"override_generation_config: {e}") from None
+
+
+def load_generation_config(
+    option: str, model: str | None, overrides: dict | None = None
+) -> GenerationConfig:
     """option "auto": `model`'s generation_config.json when `model` is a directory that has one;
-    "vllm": none (the library's defaults, vLLM's spelling); otherwise a directory holding one."""
+    "vllm": none (the library's defaults, vLLM's spelling); otherwise a directory holding one.
+    `overrides` (checked by check_generation_overrides) are set over its sampling fields."""
+    config = _read_generation_config(option, model)
+    if not overrides:
+        return config
+    defaults = {**config.sampling_defaults}
+    defaults.update({_SAMPLING_FIELDS[k]: v for k, v in overrides.items()})
+    return GenerationConfig(config.eos_token_ids, defaults)
+
+
+def _read_generation_config(option: str, model: str | None) -> GenerationConfig:
     if option == "vllm":
         return GenerationConfig()
     if option == "auto":
