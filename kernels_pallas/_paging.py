@@ -129,6 +129,24 @@ def validate_attention_options(
         )
 
 
+def validate_sinks(name: str, sinks: jax.Array | None, num_heads: int) -> None:
+    """sinks: None or one float logit per query head, [N] (gpt-oss's attention sinks)."""
+    if sinks is not None and (
+        jnp.shape(sinks) != (num_heads,) or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)
+    ):
+        raise ValueError(
+            f"{name}: sinks must be None or one float logit per query head, [{num_heads}], got "
+            f"{jnp.result_type(sinks)}{jnp.shape(sinks)}"
+        )
+
+
+def sinks_per_kv_head(sinks: jax.Array, num_kv_heads: int, group_padded: int) -> jax.Array:
+    """The sinks [N] as the kernels' rows take them: f32[K, Gp] in log2 units (query head
+    n = k * G + g), the padded heads' (dropped from the output) 0."""
+    sinks = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, -1) * LOG2_E  # [K, G]
+    return jnp.pad(sinks, ((0, 0), (0, group_padded - sinks.shape[1])))
+
+
 def _concrete_int(x: jax.Array | int) -> int | None:
     """The value of an integer scalar known at trace time; None for a traced one."""
     if isinstance(x, (int, np.integer)):  # inside jit too: jnp.asarray(x) would be a tracer
@@ -207,10 +225,10 @@ def load_kv(
     return k, v, (k_scale, v_scale)
 
 
-def without_scales(kernel, num_inputs: int):
-    """A kernel `kernel(*inputs, scales_ref, *outputs)` whose scales follow its `num_inputs`
-    other inputs, as pallas_call calls it for a cache with no scales (scales_ref None)."""
-    return lambda *refs: kernel(*refs[:num_inputs], None, *refs[num_inputs:])
+def without_operand(kernel, position: int):
+    """A kernel with an optional input ref at `position` (a quantized cache's scales, the
+    sinks), as pallas_call calls it when that input is absent: the ref is None."""
+    return lambda *refs: kernel(*refs[:position], None, *refs[position:])
 
 
 def online_softmax_step(
@@ -284,8 +302,10 @@ def reference_attention(
     is_visible: jax.Array,  # bool[Q, C]
     sm_scale: float,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # [N]
 ) -> jax.Array:
-    """Dense masked softmax attention in float32, for the references -> f32[Q, N, H]."""
+    """Dense masked softmax attention in float32, for the references -> f32[Q, N, H]. Sinks
+    join each softmax as one more, always visible, unscaled logit with no value."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     qg = q.astype(jnp.float32).reshape(
@@ -298,8 +318,14 @@ def reference_attention(
     if logit_softcap is not None:
         logits = logit_softcap * jnp.tanh(logits / logit_softcap)
     logits = jnp.where(is_visible, logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1, where=is_visible)
-    probs = jnp.where(is_visible, probs, 0.0)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1, where=is_visible)
+        probs = jnp.where(is_visible, probs, 0.0)
+    else:
+        sink_logits = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, -1, 1, 1)
+        sink_logits = jnp.broadcast_to(sink_logits, (*logits.shape[:-1], 1))  # [K, G, Q, 1]
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink_logits], axis=-1), axis=-1)
+        probs = jnp.where(is_visible, probs[..., :-1], 0.0)  # the sink's share has no value
     # Zero the values where invisible too: NaN in unused slots must not leak through 0 * NaN.
     values = jnp.where(jnp.any(is_visible, axis=0)[:, None, None], values.astype(jnp.float32), 0.0)
     out = jnp.einsum("kgqc,ckh->qkgh", probs, values, precision=lax.Precision.HIGHEST)

@@ -24,9 +24,11 @@ from kernels_pallas._paging import (
     pad_block_tables,
     reference_attention,
     sequence_kv,
+    sinks_per_kv_head,
     validate_attention_options,
     validate_paged_inputs,
-    without_scales,
+    validate_sinks,
+    without_operand,
 )
 
 # KV tokens per inner-loop step: large enough to keep many loads in flight, small enough that the
@@ -122,13 +124,22 @@ def _default_num_kv_splits(num_seqs: int, num_kv_heads: int, num_blocks: int) ->
     return max(1, min(next_power_of_2(wanted), _MAX_KV_SPLITS, num_blocks))
 
 
-def merge_kv_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
+def merge_kv_splits(
+    acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
     """Log-sum-exp merge of flash-decoding splits.
 
-    acc f32[J, ..., H]; row_max (log2 units), row_sum f32[J, ...] -> f32[..., H].
+    acc f32[J, ..., H]; row_max (log2 units), row_sum f32[J, ...] -> f32[..., H]. sinks: None
+    or f32 logits (log2 units) broadcast against row_max[0], merged as one more split holding
+    a key of that logit and no value (gpt-oss's attention sinks).
     """
-    weights = jnp.exp2(row_max - row_max.max(axis=0))  # [J, ...]; 0 for splits that saw no key
+    merged_max = row_max.max(axis=0)
+    if sinks is not None:
+        merged_max = jnp.maximum(merged_max, sinks)
+    weights = jnp.exp2(row_max - merged_max)  # [J, ...]; 0 for splits that saw no key
     denominator = (weights * row_sum).sum(axis=0)
+    if sinks is not None:
+        denominator = denominator + jnp.exp2(sinks - merged_max)
     numerator = (weights[..., None] * acc).sum(axis=0)
     # Padding sequences (seq_len 0) have denominator 0: give them 0 rather than NaN.
     return numerator / jnp.where(denominator == 0, 1.0, denominator)[..., None]
@@ -145,6 +156,7 @@ def paged_decode_attention(
     kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
     num_kv_splits: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -160,6 +172,9 @@ def paged_decode_attention(
     sliding_window: None, or i32[] W (may be traced): the query sees only its last W positions,
     itself included, and only their pages are read. logit_softcap: None, or a static cap for
     cap * tanh(logit / cap) on the scaled logits (Gemma 2).
+
+    sinks: None, or [N] float logits (may be traced), one more key per query head with no value,
+    not scaled or capped (gpt-oss). They join the splits' merge, so the kernel is the same.
     """
     name = "paged_decode_attention"
     _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
@@ -167,6 +182,7 @@ def paged_decode_attention(
     )
     validate_attention_options(name, sliding_window, logit_softcap)
     num_seqs, num_heads, _ = q.shape
+    validate_sinks(name, sinks, num_heads)
     if block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"{name}: q has S={num_seqs} rows but block_tables has {block_tables.shape[0]}"
@@ -195,7 +211,7 @@ def paged_decode_attention(
     )
     kv_operands = [kv_cache]
     if kv_scales is None:
-        kernel = without_scales(kernel, num_inputs=5)
+        kernel = without_operand(kernel, position=5)
     else:
         kv_operands.append(kv_scales)
     split_shape = (num_kv_splits, num_seqs, num_kv_heads, group_padded)
@@ -234,7 +250,9 @@ def paged_decode_attention(
         qg,
         *kv_operands,
     )
-    out = merge_kv_splits(acc, row_max, row_sum)[:, :, :group, :head_dim]  # [S, K, G, H]
+    if sinks is not None:
+        sinks = sinks_per_kv_head(sinks, num_kv_heads, group_padded)  # [K, Gp]
+    out = merge_kv_splits(acc, row_max, row_sum, sinks)[:, :, :group, :head_dim]  # [S, K, G, H]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
@@ -249,14 +267,16 @@ def paged_decode_attention_reference(
     kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pure jnp: gather every page of the block table (dequantized with kv_scales), dense softmax
-    masked by seq_len (and the window: positions >= seq_len - W)."""
+    masked by seq_len (and the window: positions >= seq_len - W), with the sinks if any."""
     name = "paged_decode_attention_reference"
     page_size = validate_paged_inputs(name, q, kv_cache, layer, block_tables, seq_lens, kv_scales)[
         3
     ]
     validate_attention_options(name, sliding_window, logit_softcap)
+    validate_sinks(name, sinks, q.shape[1])
     max_len = block_tables.shape[1] * page_size
     layer = jnp.asarray(layer, jnp.int32).reshape(())
 
@@ -267,7 +287,7 @@ def paged_decode_attention_reference(
         if sliding_window is not None:
             is_visible &= positions >= seq_len - jnp.asarray(sliding_window).reshape(())
         return reference_attention(
-            q_s[None], keys, values, is_visible[None, :], sm_scale, logit_softcap
+            q_s[None], keys, values, is_visible[None, :], sm_scale, logit_softcap, sinks
         )[0]
 
     out = jax.vmap(one_sequence)(q, block_tables, seq_lens)  # [S, N, H]

@@ -27,9 +27,11 @@ from kernels_pallas._paging import (
     pad_block_tables,
     reference_attention,
     sequence_kv,
+    sinks_per_kv_head,
     validate_attention_options,
     validate_paged_inputs,
-    without_scales,
+    validate_sinks,
+    without_operand,
 )
 
 # Rows (queries x query heads) per tile and KV tokens per inner step: the FlashAttention-2 Triton
@@ -51,6 +53,7 @@ def _ragged_kernel(
     q_ref,  # [T + block_q, K, Gp, Hp]: all queries, zero padded
     kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
     scales_ref,  # [L, 2, K, P, B]: a quantized cache's scales; None for the others
+    sinks_ref,  # f32[block_q * Gp]: each row's sink logit (log2 units); None without sinks
     # outputs
     o_ref,  # [block_q * Gp, Hp]: rows ordered (query, query head)
     *,
@@ -117,8 +120,23 @@ def _ragged_kernel(
         jnp.full((num_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
-    acc, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc, row_max, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    if sinks_ref is not None:
+        acc, row_sum = _fold_sinks(acc, row_max, row_sum, sinks_ref[...])
     o_ref[...] = (acc / jnp.where(row_sum == 0, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
+
+
+def _fold_sinks(
+    acc: jax.Array,  # f32[R, Hp], unnormalized output
+    row_max: jax.Array,  # f32[R], log2 units
+    row_sum: jax.Array,  # f32[R]
+    sinks: jax.Array,  # f32[R], log2 units
+) -> tuple[jax.Array, jax.Array]:
+    """The online softmax with one more key per row, of logit `sinks` and no value -> (acc,
+    row_sum) relative to the new max; a row that saw no key gets sum 1 and output 0."""
+    max_next = jnp.maximum(row_max, sinks)
+    alpha = jnp.exp2(row_max - max_next)
+    return alpha[:, None] * acc, alpha * row_sum + jnp.exp2(sinks - max_next)
 
 
 def _tile_schedule(
@@ -170,6 +188,7 @@ def ragged_paged_attention(
     kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of flattened ragged queries over their sequences' paged KV.
@@ -184,6 +203,9 @@ def ragged_paged_attention(
     sliding_window: None, or i32[] W (may be traced): a query at position p sees p - W < j <= p,
     and a tile reads pages only from its first query's window on. logit_softcap: None, or a static
     cap for cap * tanh(logit / cap) on the scaled logits (Gemma 2).
+
+    sinks: None, or [N] float logits (may be traced), one more key per query head with no value,
+    not scaled or capped (gpt-oss), folded in before each tile's rows are normalized.
     """
     name = "ragged_paged_attention"
     _, num_kv_heads, _, page_size, head_dim, group = validate_paged_inputs(
@@ -191,6 +213,7 @@ def ragged_paged_attention(
     )
     validate_attention_options(name, sliding_window, logit_softcap)
     num_tokens, num_heads, _ = q.shape
+    validate_sinks(name, sinks, num_heads)
     num_seqs = block_tables.shape[0]
     _validate_query_start_loc(name, query_start_loc, num_seqs)
 
@@ -218,16 +241,23 @@ def ragged_paged_attention(
         block_q=block_q,
         pages_per_block=pages_per_block,
     )
-    kv_operands = [kv_cache]
+    kv_operands, sink_operands, sink_specs = [kv_cache], [], []
+    if sinks is None:
+        kernel = without_operand(kernel, position=10)
+    else:
+        # Each row's sink, rows ordered (query, query head) as q's: [K, block_q * Gp].
+        row_sinks = jnp.tile(sinks_per_kv_head(sinks, num_kv_heads, group_padded), block_q)
+        sink_operands.append(row_sinks)
+        sink_specs.append(pl.BlockSpec((None, num_rows), lambda t, k: (k, 0)))
     if kv_scales is None:
-        kernel = without_scales(kernel, num_inputs=9)
+        kernel = without_operand(kernel, position=9)
     else:
         kv_operands.append(kv_scales)
     out_tiles = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        # every operand is indexed inside the kernel
-        in_specs=[pl.no_block_spec] * (8 + len(kv_operands)),
+        # every operand but the sinks is indexed inside the kernel
+        in_specs=[pl.no_block_spec] * (8 + len(kv_operands)) + sink_specs,
         out_specs=pl.BlockSpec((None, None, num_rows, head_dim_padded), lambda t, k: (t, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(
             (num_tiles, num_kv_heads, num_rows, head_dim_padded), q.dtype
@@ -247,6 +277,7 @@ def ragged_paged_attention(
         tile_pos,
         qg,
         *kv_operands,
+        *sink_operands,
     )
 
     # Back from tiles to rows of q: row r of sequence s is query (r - start_s) of s.
@@ -273,14 +304,17 @@ def ragged_paged_attention_reference(
     kv_scales: jax.Array | None = None,
     sliding_window: jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pure jnp: every query gathers its sequence's pages (dequantized with kv_scales) and runs
-    a dense causal softmax (query at p sees p - W < j <= p with a window W)."""
+    a dense causal softmax (query at p sees p - W < j <= p with a window W), with the sinks if
+    any."""
     name = "ragged_paged_attention_reference"
     page_size = validate_paged_inputs(name, q, kv_cache, layer, block_tables, seq_lens, kv_scales)[
         3
     ]
     validate_attention_options(name, sliding_window, logit_softcap)
+    validate_sinks(name, sinks, q.shape[1])
     num_seqs = block_tables.shape[0]
     _validate_query_start_loc(name, query_start_loc, num_seqs)
     max_len = block_tables.shape[1] * page_size
@@ -298,7 +332,7 @@ def ragged_paged_attention_reference(
         if sliding_window is not None:
             is_visible &= positions > pos - jnp.asarray(sliding_window).reshape(())
         return reference_attention(
-            q_t[None], keys, values, is_visible[None, :], sm_scale, logit_softcap
+            q_t[None], keys, values, is_visible[None, :], sm_scale, logit_softcap, sinks
         )[0]
 
     out = jax.vmap(one_query)(q, block_tables[row_seq], row_pos, is_real_row)  # [T, N, H]

@@ -31,12 +31,14 @@ def prepare_backend(name: str, kv_cache_dtype: str, block_size: int) -> None:
 
 def get_attention(name: str, sm_scale: float, logit_softcap: float | None = None):
     """The `attn` callable of the model contract for backend `name`:
-    attn(layer, q, k, v, kv_cache, md, sliding_window=None) -> (out, kv_cache).
+    attn(layer, q, k, v, kv_cache, md, sliding_window=None, sinks=None) -> (out, kv_cache).
 
     logit_softcap: None, or Gemma 2's static cap c (scores c * tanh(score / c) after scaling).
     sliding_window (per call): None for a model without windowed layers, else i32[] W, possibly
     traced (a scanned per-layer input; a global layer of a mixed model passes a W that never
     cuts, e.g. 2**30): a query at p sees p - W < j <= p.
+    sinks (per call): None, or f32[N] per-head logits (possibly traced) that join every query's
+    softmax with no value and no scaling (gpt-oss's attention sinks).
     """
     if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
         raise ValueError(f"logit_softcap must be None or a positive float, got {logit_softcap!r}")

@@ -11,7 +11,16 @@ from kernels_pallas import paged_decode_attention, ragged_paged_attention
 def pallas_attention(sm_scale: float, interpret: bool, logit_softcap: float | None = None):
     """Decode buckets (one query per sequence, T == S) use the decode kernel; others the ragged one."""
 
-    def attn(layer, q, k, v, kv_cache: KVCache, md: AttentionMetadata, sliding_window=None):
+    def attn(
+        layer,
+        q,
+        k,
+        v,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        sliding_window=None,
+        sinks=None,
+    ):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
         values, scales = _kernel_operands(kv_cache)
         options = {
@@ -19,6 +28,7 @@ def pallas_attention(sm_scale: float, interpret: bool, logit_softcap: float | No
             "kv_scales": scales,
             "sliding_window": sliding_window,
             "logit_softcap": logit_softcap,
+            "sinks": sinks,
             "interpret": interpret,
         }
         if md.is_decode:

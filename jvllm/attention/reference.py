@@ -156,6 +156,17 @@ def _normalize(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array]:
     return (acc / jnp.where(l > 0, l, 1.0)[..., None],)
 
 
+def _fold_sinks(
+    m: jax.Array, l: jax.Array, acc: jax.Array, sinks: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An online softmax's unnormalised (max, sum [..., N], weighted values [..., N, H]) with one
+    more key per head, of logit `sinks` (broadcast against max, unscaled) and no value:
+    gpt-oss's attention sinks, which take a share of each query's probability."""
+    m_new = jnp.maximum(m, sinks)
+    correction = jnp.exp(m - m_new)
+    return m_new, l * correction + jnp.exp(sinks - m_new), acc * correction[..., None]
+
+
 def _to_rows(x: jax.Array) -> jax.Array:
     """Per-tile results [TB, K, G, Q, ...] -> per-query rows [TB*Q, K*G, ...]."""
     num_tiles, num_kv_heads, group, tile_q = x.shape[:4]
@@ -235,6 +246,7 @@ def paged_attention(
     sm_scale: float,
     logit_softcap: float | None = None,
     sliding_window: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of q [T, N, H] to the KV of each query's sequence -> [T, N, H].
 
@@ -248,7 +260,11 @@ def paged_attention(
     logit_softcap: None or a static c, scores c * tanh(score / c) after scaling (Gemma 2).
     sliding_window: None or i32[] W, possibly traced: a query at p sees p - W < j <= p, and the
     page walks start at the chunk the window reaches.
+    sinks: None or f32[N] (may be traced), a per-head logit joining every query's softmax with
+    no value (gpt-oss), not scaled or capped; folded in where the softmax is normalised.
     """
+    if sinks is not None:
+        sinks = _sinks_vector(sinks, q.shape[1])
     q_scaled = q.astype(jnp.float32) * sm_scale
     first_visible = None
     if sliding_window is not None:
@@ -278,6 +294,8 @@ def paged_attention(
             flat = cpu_decode.attend_pages(
                 q_scaled, kv_cache, layer, md.block_tables, tiles, no_pages()
             )
+            if sinks is not None:
+                flat = _fold_sinks(*flat, sinks)
             (out,) = _normalize(*flat)
             return out.astype(q.dtype)
         init = (jnp.zeros(q.shape),)
@@ -289,7 +307,7 @@ def paged_attention(
             md.block_tables,
             init,
             _DECODE_TILE_BLOCK,
-            _normalize,
+            _normalize if sinks is None else _normalize_with_sinks(sinks, kv_cache),
             **pages_options,
         )
         return out.astype(q.dtype)
@@ -316,11 +334,31 @@ def paged_attention(
 
     reads_pages = jnp.any(jnp.stack([jnp.any(tiles.kv_lens > 0) for tiles in md.tiles]))
     m1, l1, acc1 = jax.lax.cond(reads_pages, from_pages, no_pages)
+    if sinks is not None:  # one more key of the pages' half, merged with the window's below
+        m1, l1, acc1 = _fold_sinks(m1, l1, acc1, sinks)
     m2, l2, acc2 = attend_window(q, k, v, md, sm_scale, logit_softcap, sliding_window)
     m = jnp.maximum(m1, m2)
     a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
     out = (acc1 * a1 + acc2 * a2) / (l1[..., None] * a1 + l2[..., None] * a2)
     return out.astype(q.dtype)
+
+
+def _normalize_with_sinks(sinks: jax.Array, kv_cache: KVCache):
+    """The page walk's `finish` for tiles [TB, K, G, Q, ...]: the sinks f32[N] (query head
+    n = k * G + g) folded in, then normalised."""
+    num_kv_heads = kv_values(kv_cache).shape[2]
+    per_tile = sinks.reshape(num_kv_heads, -1, 1)  # [K, G, 1]
+    return lambda m, l, acc: _normalize(*_fold_sinks(m, l, acc, per_tile))
+
+
+def _sinks_vector(sinks, num_heads: int) -> jax.Array:
+    """The sinks as f32[N], checked to hold one logit per query head (values may be traced)."""
+    if jnp.shape(sinks) != (num_heads,):
+        raise ValueError(
+            f"sinks must be None or one logit per query head, f32[{num_heads}], got "
+            f"{jnp.result_type(sinks)}{jnp.shape(sinks)}"
+        )
+    return jnp.asarray(sinks, jnp.float32)
 
 
 def _window_scalar(sliding_window) -> jax.Array:
@@ -338,9 +376,11 @@ def _window_scalar(sliding_window) -> jax.Array:
 def reference_attention(sm_scale: float, logit_softcap: float | None = None):
     """The `attn` callable of the model contract (docs/design.md) for this backend."""
 
-    def attn(layer, q, k, v, kv_cache, md: AttentionMetadata, sliding_window=None):
+    def attn(layer, q, k, v, kv_cache, md: AttentionMetadata, sliding_window=None, sinks=None):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache, layer, md, sm_scale, logit_softcap, sliding_window)
+        out = paged_attention(
+            q, k, v, kv_cache, layer, md, sm_scale, logit_softcap, sliding_window, sinks
+        )
         return out, kv_cache
 
     return attn
