@@ -73,9 +73,16 @@ def _random_cuts(rng: random.Random, length: int) -> list[int]:
 def test_get_tool_parser_names_the_allowed_parsers():
     assert get_tool_parser("hermes") is Hermes2ProToolParser
     assert get_tool_parser("llama3_json") is Llama3JsonToolParser
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        get_tool_parser("mistral")
+    assert set(TOOL_PARSERS) == {
+        "granite",
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "qwen3_coder",
+    }
+    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral, pythonic, qwen"):
+        get_tool_parser("nope")
 
 
 def test_hermes_one_call_has_no_content_and_canonical_arguments():

@@ -25,6 +25,7 @@ class ToolPlan:
     mode: str
     name: str | None = None
     parser: type[ToolParser] | None = None
+    tools: dict[str, dict] | None = None  # "auto": name -> parameters schema, for the parser
     constraint: StructuredOutputsParams | None = None
 
 
@@ -48,7 +49,7 @@ def plan_tools(request, parser: type[ToolParser] | None) -> ToolPlan:
                 'or "none"',
                 param="tool_choice",
             )
-        return ToolPlan("auto", parser=parser)
+        return ToolPlan("auto", parser=parser, tools=functions)
     if choice == "required":
         return ToolPlan("required", constraint=_required(functions, request.parallel_tool_calls))
     name = _named(choice)
@@ -136,7 +137,7 @@ def reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
             _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls
         ]
     if plan.mode == "auto":
-        extracted = plan.parser().extract_tool_calls(text)
+        extracted = plan.parser(tools=plan.tools).extract_tool_calls(text)
         if extracted.tools_called:
             return extracted.content, extracted.tool_calls
     return text, []
@@ -151,7 +152,7 @@ class ToolCallStream:
         self.plan = plan
         self.called = False  # some tool call went out
         self._text = ""
-        self._parser = plan.parser() if plan.mode == "auto" else None
+        self._parser = plan.parser(tools=plan.tools) if plan.mode == "auto" else None
 
     def feed(self, delta_text: str) -> dict | None:
         previous, self._text = self._text, self._text + delta_text

@@ -1,12 +1,20 @@
 """Tool call parsers for the chat API, by vLLM's `--tool-call-parser` names."""
 
 from jvllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolParser
+from jvllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from jvllm.entrypoints.openai.tool_parsers.hermes import Hermes2ProToolParser
 from jvllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from jvllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from jvllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from jvllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": Hermes2ProToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "granite": GraniteToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
@@ -21,8 +29,12 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 __all__ = [
     "TOOL_PARSERS",
     "ExtractedToolCalls",
+    "GraniteToolParser",
     "Hermes2ProToolParser",
     "Llama3JsonToolParser",
+    "MistralToolParser",
+    "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "ToolParser",
     "get_tool_parser",
 ]

@@ -38,8 +38,11 @@ class ToolParser:
 
     require_arguments = False  # whether a call object without an arguments key is malformed
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, tools: dict[str, dict] | None = None):
         self.tokenizer = tokenizer  # vLLM's parsers take it; the JSON formats need only text
+        # The request's functions, name -> parameters schema: vLLM passes the request to its
+        # parsers, and a format whose values are untyped text (qwen3_coder) types them by it.
+        self.tools = tools or {}
         self._text = ""
         self._pos = 0  # text[:pos] is handled
         self._held_from = 0  # text[held_from:pos] is held back, as part of a call so far
@@ -57,7 +60,7 @@ class ToolParser:
     def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
         """The calls in a whole response; any malformed call makes all of it content. Leaves
         this parser's stream as it is."""
-        stream = type(self)(self.tokenizer)
+        stream = type(self)(self.tokenizer, self.tools)
         deltas = [stream.extract_tool_calls_streaming("", model_output, model_output)]
         deltas.append(stream.finish())
         if stream._is_malformed:
@@ -148,27 +151,38 @@ class ToolParser:
             name, arguments = call_fields(call_text, self.require_arguments)
             if not arguments.startswith(self._arguments_sent):  # by construction it does
                 raise ValueError("streamed arguments disagree with the parsed call")
+        if self._call_id is None and (name is None or not (reader.has_arguments or reader.end)):
+            return False
+        self._send_call(name, arguments, reader.end)
+        return reader.end is not None
+
+    def _new_call_id(self) -> str:
+        """A call's id; a format whose models check ids (Mistral's) makes its own."""
+        return new_call_id()
+
+    def _send_call(self, name: str, arguments: str, end: int | None) -> None:
+        """Sends the current call's name, the first time, and its arguments grown to the
+        canonical `arguments`; with `end`, the call is complete and text[:end] handled."""
         index = self._num_calls
-        if self._call_id is None and name is not None and (reader.has_arguments or reader.end):
-            self._call_id = new_call_id()
+        if self._call_id is None:
+            self._call_id = self._new_call_id()
             self._delta_calls[index] = {
                 "index": index,
                 "id": self._call_id,
                 "type": "function",
                 "function": {"name": name, "arguments": ""},
             }
-        if self._call_id is not None and len(arguments) > len(self._arguments_sent):
+        if len(arguments) > len(self._arguments_sent):
             entry = self._delta_calls.setdefault(
                 index, {"index": index, "function": {"arguments": ""}}
             )
             entry["function"]["arguments"] += arguments[len(self._arguments_sent) :]
             self._arguments_sent = arguments
-        if reader.end is None:
-            return False
-        self._drop(reader.end)
+        if end is None:
+            return
+        self._drop(end)
         self._reader, self._call_id, self._arguments_sent = None, None, ""
         self._num_calls += 1
-        return True
 
 
 def _reassemble(deltas: list[dict]) -> tuple[str, list[dict]]:

@@ -24,8 +24,8 @@ class Hermes2ProToolParser(ToolParser):
     `</tool_call>` when the model stopped right after the JSON; a call without "arguments"
     has "{}"."""
 
-    def __init__(self, tokenizer=None):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer=None, tools: dict[str, dict] | None = None):
+        super().__init__(tokenizer, tools)
         self._state = _State.CONTENT
 
     def _advance(self, is_final: bool) -> None:
@@ -34,7 +34,7 @@ class Hermes2ProToolParser(ToolParser):
             if self._state is _State.CONTENT:
                 start = text.find(TOOL_CALL_START, self._pos)
                 if start < 0:
-                    held = 0 if is_final else _partial_marker_len(text, self._pos, TOOL_CALL_START)
+                    held = 0 if is_final else partial_marker_len(text, self._pos, TOOL_CALL_START)
                     self._emit_content(len(text) - held)
                     return
                 self._emit_content(start)
@@ -66,7 +66,7 @@ class Hermes2ProToolParser(ToolParser):
                     raise ValueError(f"text between a tool call's JSON and {TOOL_CALL_END}")
 
 
-def _partial_marker_len(text: str, pos: int, marker: str) -> int:
+def partial_marker_len(text: str, pos: int, marker: str) -> int:
     """Length of the longest end of text[pos:] that begins `marker`, held back as content
     until the next text tells whether the marker follows."""
     for length in range(min(len(marker) - 1, len(text) - pos), 0, -1):

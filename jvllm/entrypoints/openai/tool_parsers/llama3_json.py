@@ -25,8 +25,8 @@ class Llama3JsonToolParser(ToolParser):
 
     require_arguments = True
 
-    def __init__(self, tokenizer=None):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer=None, tools: dict[str, dict] | None = None):
+        super().__init__(tokenizer, tools)
         self._state = _State.START
 
     def _advance(self, is_final: bool) -> None:
