@@ -65,6 +65,9 @@ class ModelConfig:
     # its normalize_hf_config puts it under rope_config.ROTARY_FRACTION_KEY (Phi-3; HF's Llama,
     # Qwen, Mistral, Mixtral and Gemma ignore partial_rotary_factor, and so does jvllm there).
     partial_rotary_factor: float = 1.0
+    # The rotated dims pair as 2i, 2i + 1 (GPT-J's rotate_every_two, Cohere, GLM), not as HF's
+    # rotate-half i, i + R/2 (layers/rotary.py); set by a family's normalize_hf_config.
+    is_rope_interleaved: bool = False
     num_experts: int = 0  # E; 0: a dense MLP
     num_experts_per_tok: int = 0  # k
     moe_intermediate_size: int = 0  # an expert's F
@@ -242,6 +245,7 @@ class ModelConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             local_rope_theta=rope.local_theta,
             partial_rotary_factor=rope.rotary_fraction,
+            is_rope_interleaved=bool(cfg.get("is_rope_interleaved")),
             num_experts=cfg.get("num_local_experts") or cfg.get("num_experts") or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,

@@ -42,6 +42,11 @@ _HF_CONFIG_CLASSES = {
     "PhiForCausalLM": transformers.PhiConfig,
     "Starcoder2ForCausalLM": transformers.Starcoder2Config,
     "StableLmForCausalLM": transformers.StableLmConfig,
+    "CohereForCausalLM": transformers.CohereConfig,
+    "Cohere2ForCausalLM": transformers.Cohere2Config,
+    "GlmForCausalLM": transformers.GlmConfig,
+    "Glm4ForCausalLM": transformers.Glm4Config,
+    "GPTJForCausalLM": lambda **kw: transformers.GPTJConfig(**kw, rotary_dim=8),
 }
 
 

@@ -65,6 +65,7 @@ class Attention(nnx.Module):
             num_shards=config.num_shards,
         )
         self.rope = rope
+        self.is_rope_interleaved = config.is_rope_interleaved
 
     def __call__(
         self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn, sliding_window=None
@@ -83,9 +84,10 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
         if self.rope:
-            q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+            interleaved = self.is_rope_interleaved
+            q, key = apply_rope(q, cos, sin, interleaved), apply_rope(key, cos, sin, interleaved)
         # q/k/v leave in the model dtype: the cache they are written into has that dtype.
-        window = {} if sliding_window is None else {"sliding_window": sliding_window}
+        options = {} if sliding_window is None else {"sliding_window": sliding_window}
         out, kv_cache = attn(
             layer,
             q.astype(self.dtype),
@@ -93,6 +95,6 @@ class Attention(nnx.Module):
             value.astype(self.dtype),
             kv_cache,
             metadata,
-            **window,
+            **options,
         )  # out [T, N, H]
         return self.o(out.reshape(num_tokens, n * h)), kv_cache

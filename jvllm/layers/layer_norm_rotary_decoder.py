@@ -1,6 +1,7 @@
 """The decoder layer of the LayerNorm families with rotary embeddings (GPT-NeoX, Phi, Starcoder2,
-StableLM): LayerNorm (with bias) before attention and the MLP, rotary embeddings over all or
-the first part of each head, and three ways to join the residual stream (RESIDUALS).
+StableLM, GPT-J, Cohere): LayerNorm (with bias, or Cohere's without) before attention and the
+MLP, rotary embeddings over all or the first part of each head, and three ways to join the
+residual stream (RESIDUALS).
 
 What differs between the families travels in the config's options (`decoder_options`), so that
 one layer class, one scan body, serves them all.
@@ -20,11 +21,13 @@ from jvllm.layers.params import param
 # "sequential": x += attn(ln1(x)), then x += mlp(ln2(x))   (Starcoder2, StableLM, Pythia-style
 #               GPT-NeoX with use_parallel_residual=False);
 # "parallel": x + attn(ln1(x)) + mlp(ln2(x))              (GPT-NeoX, Pythia);
-# "parallel_shared_norm": x + attn(ln1(x)) + mlp(ln1(x))  (Phi, StableLM's parallel variant).
+# "parallel_shared_norm": x + attn(ln1(x)) + mlp(ln1(x))  (Phi, StableLM's parallel variant,
+#                         GPT-J, Cohere).
 RESIDUALS = ("sequential", "parallel", "parallel_shared_norm")
 # The q/k norms, applied per head before rotary embeddings:
 # "shared": one LayerNorm over H (weight and bias [H]) for every head (Phi's qk_layernorm);
-# "per_head": a LayerNorm over H without bias, each head with its own weight (StableLM's).
+# "per_head": a LayerNorm over H without bias, each head with its own weight (StableLM's,
+#             Cohere's use_qk_norm).
 QK_LAYERNORMS = ("shared", "per_head")
 
 
@@ -36,9 +39,11 @@ def decoder_options(
     qk_layernorm: str | None = None,
     is_gated_mlp: bool = False,
     lm_head_bias: bool = False,
+    norm_bias: bool = True,
 ) -> dict:
     """The options (ModelConfig.option) a family's normalize_hf_config sets for this layer and
-    for models/layer_norm_rotary.py's LM head."""
+    for models/layer_norm_rotary.py's LM head; `norm_bias` False: every LayerNorm of the
+    model (the layers' and the final one) has a weight and no bias (Cohere's)."""
     if residual not in RESIDUALS:
         raise ValueError(f"residual={residual!r} is not one of {RESIDUALS}")
     if qk_layernorm is not None and qk_layernorm not in QK_LAYERNORMS:
@@ -50,6 +55,7 @@ def decoder_options(
         "qk_layernorm": qk_layernorm,
         "is_gated_mlp": is_gated_mlp,
         "lm_head_bias": lm_head_bias,
+        "norm_bias": norm_bias,
     }
 
 
@@ -101,10 +107,11 @@ class LayerNormRotaryDecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig):
         d, eps = config.hidden_size, config.rms_norm_eps
-        residual = config.option("residual")
-        self.attn_norm = LayerNorm(d, eps)
+        residual, bias = config.option("residual"), config.option("norm_bias", True)
+        self.attn_norm = LayerNorm(d, eps, bias=bias)
         self.attn = LayerNormRotaryAttention(config)
-        self.mlp_norm = None if residual == "parallel_shared_norm" else LayerNorm(d, eps)
+        is_shared_norm = residual == "parallel_shared_norm"
+        self.mlp_norm = None if is_shared_norm else LayerNorm(d, eps, bias=bias)
         if config.option("is_gated_mlp"):
             self.mlp = GatedMLP(config)
         else:

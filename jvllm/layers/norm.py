@@ -48,12 +48,20 @@ def layer_norm(
 
 class LayerNorm(nnx.Module):
     """layer_norm over the last axis with a float32 weight and bias [size] (float32 as RMSNorm's),
-    or neither when not `is_affine` (OPT's layer_norm_elementwise_affine=False); `axis` names
-    the size (a head's q/k norm: "head_dim")."""
+    the weight alone without `bias` (Cohere's), or neither when not `is_affine` (OPT's
+    layer_norm_elementwise_affine=False); `axis` names the size (a head's q/k norm: "head_dim")."""
 
-    def __init__(self, size: int, eps: float, *, is_affine: bool = True, axis: str = "embed"):
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        *,
+        is_affine: bool = True,
+        bias: bool = True,
+        axis: str = "embed",
+    ):
         self.weight = param((size,), jnp.float32, (axis,)) if is_affine else None
-        self.bias = param((size,), jnp.float32, (axis,)) if is_affine else None
+        self.bias = param((size,), jnp.float32, (axis,)) if is_affine and bias else None
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -1,8 +1,11 @@
-"""Rotary position embeddings in HF's rotate-half convention, over the first R dims of each head.
+"""Rotary position embeddings over the first R dims of each head, in one of two layouts.
 
 R = config.rotary_dim: the whole head H, or HF's `int(H * partial_rotary_factor)` for a family
-that rotates part of each head (Phi-4-mini's 0.75). The rotated dims pair dim i with dim i + R/2
-(first half / second half of the R); dims R..H pass through unchanged.
+that rotates part of each head (Phi-4-mini's 0.75); dims R..H pass through unchanged. The
+rotated dims pair up as HF's rotate-half convention pairs them, dim i with dim i + R/2 (first
+half / second half of the R), or, where `config.is_rope_interleaved` (GPT-J's rotate_every_two,
+Cohere, GLM), dim 2i with dim 2i + 1. Either way pair i turns at frequency i. The flag is static,
+so a rotate-half model compiles exactly the program it compiled before the option existed.
 """
 
 import math
@@ -82,10 +85,15 @@ def rope_cos_sin(
 ) -> tuple[jax.Array, jax.Array]:
     """positions i32[T] -> (cos, sin), each f32[T, R] over the R = config.rotary_dim rotated
     dims of a head (R = H unless the family rotates part of it); scaled by the rope scaling's
-    attention factor (LongRoPE, YaRN). `local`: the sliding-window layers' base (Gemma 3)."""
+    attention factor (LongRoPE, YaRN). `local`: the sliding-window layers' base (Gemma 3).
+    Laid out as apply_rope pairs the dims: pair i's angle at dims i and i + R/2 (rotate-half),
+    or at dims 2i and 2i + 1 (`config.is_rope_interleaved`)."""
     inv_freq = jnp.asarray(inverse_frequencies(config, local))  # [R/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, R]
+    if config.is_rope_interleaved:
+        angles = jnp.repeat(angles, 2, axis=-1)  # [T, R]: a0 a0 a1 a1 ...
+    else:
+        angles = jnp.concatenate([angles, angles], axis=-1)  # [T, R]: a0 a1 ... a0 a1 ...
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     scaling = None if local else config.rope_scaling
     if scaling is not None and scaling.attention_factor != 1.0:
@@ -93,15 +101,23 @@ def rope_cos_sin(
     return cos, sin
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, H] with its first R dims rotated by (cos, sin) [T, R] (rotate-half within
-    those R: dim i pairs with dim i + R/2) and dims R..H passed through unchanged, as HF's
-    partial rotary embedding; R = H rotates the whole head. Computed and returned in float32."""
+def apply_rope(
+    x: jax.Array, cos: jax.Array, sin: jax.Array, is_interleaved: bool = False
+) -> jax.Array:
+    """x [T, heads, H] with its first R dims rotated by (cos, sin) [T, R] (rope_cos_sin's, of
+    the same layout) and dims R..H passed through unchanged, as HF's partial rotary embedding;
+    R = H rotates the whole head. Rotate-half pairs dim i with dim i + R/2 (HF's Llama);
+    `is_interleaved` pairs dim 2i with dim 2i + 1 (HF's GPT-J, Cohere, GLM). Computed and
+    returned in float32."""
     x = x.astype(jnp.float32)
     rotary_dim = cos.shape[-1]  # R
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]  # [T, heads, R], [T, heads, H-R]
-    half = rotary_dim // 2
-    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)  # [T, heads, R]
+    if is_interleaved:
+        even, odd = x_rot[..., 0::2], x_rot[..., 1::2]  # [T, heads, R/2] each
+        rotated = jnp.stack([-odd, even], axis=-1).reshape(x_rot.shape)  # [T, heads, R]
+    else:
+        half = rotary_dim // 2
+        rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     if x_pass.shape[-1] == 0:
         return out

@@ -31,8 +31,8 @@ def run_rotary_layers(
     (`layer_windows`) and its (cos, sin) f32[T, R]: the global set; the local one where
     `local_layers[i]` (Gemma 3's and OLMo 3's windowed layers: their own base, no scaling); or
     a rotation by angle 0 (cos 1, sin 0, which leaves q and k exact) where not
-    `rope_layers[i]` (SmolLM3). Both sets are computed once per step, and each layer picks its
-    own by its flag, so the scan still runs one layer.
+    `rope_layers[i]` (SmolLM3, Cohere2's global layers). Both sets are computed once per step,
+    and each layer picks its own by its flag, so the scan still runs one layer.
     """
     cos, sin = rope_cos_sin(positions, config)  # [T, R] each
     per_layer = {"window": layer_windows(config)}  # i32[L] or None

@@ -1,10 +1,11 @@
 """The model around the LayerNorm rotary layers (layers/layer_norm_rotary_decoder.py): token
 embedding, the layers under the rotary layer scan, a final LayerNorm, and an LM head tied to
-the embedding or its own, with a bias where the family has one (Phi's).
+the embedding or its own, with a bias where the family has one (Phi's, GPT-J's), its logits
+scaled where the family scales them (Cohere's logit_scale).
 
-GPT-NeoX (gpt_neox.py), Phi (phi.py), Starcoder2 (starcoder2.py) and StableLM (stablelm.py)
-subclass it with their config reading and checkpoint names. The contract is in docs/design.md;
-the runner reaches the model through models/model.py.
+GPT-NeoX (gpt_neox.py), Phi (phi.py), Starcoder2 (starcoder2.py), StableLM (stablelm.py),
+GPT-J (gptj.py) and Cohere (cohere.py) subclass it with their config reading and checkpoint
+names. The contract is in docs/design.md; the runner reaches the model through models/model.py.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class LayerNormRotaryForCausalLM(nnx.Module):
         self.config = config
         self.embed = Embed(v, d, dtype=dtype, num_shards=config.num_shards)
         self.layers = stacked_layers(lambda: LayerNormRotaryDecoderLayer(config), config.num_layers)
-        self.final_norm = LayerNorm(d, config.rms_norm_eps)
+        self.final_norm = LayerNorm(d, config.rms_norm_eps, bias=config.option("norm_bias", True))
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -73,18 +74,26 @@ class LayerNormRotaryForCausalLM(nnx.Module):
 
     def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn):
         """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
+        config = self.config
         x = self.embed(token_ids)  # [T, D]
+        # Cohere2's layers without rotary embeddings (None: every layer rotates).
+        rope_layers = config.option("rope_layers")
         x, kv_cache = run_rotary_layers(
-            self.layers, x, kv_cache, positions, self.config, metadata, attn
+            self.layers, x, kv_cache, positions, config, metadata, attn, rope_layers=rope_layers
         )
         return self.final_norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
+        """hidden f32[S, D] (already final-normed) -> logits f32[S, V], times the family's
+        `logit_scale` where it has one (Cohere's)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        logits = self.embed.attend(hidden)
-        return logits if self.lm_head_bias is None else logits + self.lm_head_bias[...]
+            logits = self.lm_head(hidden)
+        else:
+            logits = self.embed.attend(hidden)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias[...]
+        scale = self.config.option("logit_scale")
+        return logits if scale is None else logits * scale
 
     @classmethod
     def load_model_prefixed_input(cls, weights: CheckpointWeights, qkv_bias: bool) -> None:
@@ -115,10 +124,12 @@ class LayerNormRotaryForCausalLM(nnx.Module):
     def load_head(
         config: ModelConfig, weights: CheckpointWeights, final_norm: str, lm_head: str = "lm_head"
     ) -> None:
-        """The final LayerNorm (`final_norm`.weight / .bias) and the LM head: `lm_head`.weight
-        unless tied, and `lm_head`.bias where the family has one."""
+        """The final LayerNorm (`final_norm`.weight, and .bias unless the family's norms have
+        none) and the LM head: `lm_head`.weight unless tied, and `lm_head`.bias where the
+        family has one."""
         weights.tensor("final_norm.weight", final_norm + ".weight")
-        weights.tensor("final_norm.bias", final_norm + ".bias")
+        if config.option("norm_bias", True):
+            weights.tensor("final_norm.bias", final_norm + ".bias")
         if not config.tie_word_embeddings:
             weights.tensor("lm_head.weight", lm_head + ".weight")
         if config.option("lm_head_bias", False):

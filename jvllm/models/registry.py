@@ -29,6 +29,11 @@ _MODELS = {
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere", "CohereForCausalLM"),
+    "GlmForCausalLM": ("glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
+    "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -55,6 +60,11 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "phi": "PhiForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "gptj": "GPTJForCausalLM",
 }
 
 
