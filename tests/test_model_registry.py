@@ -23,9 +23,9 @@ def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
         LLM(str(tmp_path), load_format="dummy")
     assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
     del config["architectures"]
-    config["model_type"] = "falcon"
+    config["model_type"] = "bloom"
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="without `architectures` and with model_type 'falcon'"):
+    with pytest.raises(ValueError, match="without `architectures` and with model_type 'bloom'"):
         LLM(str(tmp_path), load_format="dummy")
 
 
@@ -47,6 +47,10 @@ _HF_CONFIG_CLASSES = {
     "GlmForCausalLM": transformers.GlmConfig,
     "Glm4ForCausalLM": transformers.Glm4Config,
     "GPTJForCausalLM": lambda **kw: transformers.GPTJConfig(**kw, rotary_dim=8),
+    "OlmoeForCausalLM": transformers.OlmoeConfig,
+    "GraniteMoeForCausalLM": transformers.GraniteMoeConfig,
+    "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
+    "FalconForCausalLM": transformers.FalconConfig,
 }
 
 

@@ -29,7 +29,8 @@ def layer_windows(config: ModelConfig) -> jax.Array | None:
 
 class Attention(nnx.Module):
     """q|k|v fused in one projection [(N+2K)*H, D] (with Qwen2's bias), Qwen3's RMSNorm over H on
-    q and k (Gemma 3's with `norm_weight_offset` 1), rotary embeddings unless `rope` is False
+    q and k (Gemma 3's with `norm_weight_offset` 1), q/k/v clamped where the config's option
+    `clip_qkv` says (OLMoE), rotary embeddings unless `rope` is False
     (GPT-2, OPT: positions are learned and added to the input), then the `attn` callable and the
     output projection (with a bias where `output_bias`)."""
 
@@ -66,6 +67,7 @@ class Attention(nnx.Module):
         )
         self.rope = rope
         self.is_rope_interleaved = config.is_rope_interleaved
+        self.clip_qkv = config.option("clip_qkv")  # OLMoE's: None, or c > 0
 
     def __call__(
         self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn, sliding_window=None
@@ -83,6 +85,9 @@ class Attention(nnx.Module):
         value = value.reshape(num_tokens, k, h)  # [T, K, H]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
+        if self.clip_qkv is not None:  # clamped to [-c, c] after the q/k norms, as HF's OLMoE
+            c = self.clip_qkv
+            q, key, value = (jnp.clip(t, -c, c) for t in (q, key, value))
         if self.rope:
             interleaved = self.is_rope_interleaved
             q, key = apply_rope(q, cos, sin, interleaved), apply_rope(key, cos, sin, interleaved)

@@ -34,6 +34,10 @@ _MODELS = {
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
+    "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
+    "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # A config built in code (not read from a checkpoint) may have no `architectures`.
@@ -65,6 +69,10 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "gptj": "GPTJForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "falcon": "FalconForCausalLM",
 }
 
 
