@@ -47,6 +47,7 @@ _HF_CONFIG_CLASSES = {
     "GlmForCausalLM": transformers.GlmConfig,
     "Glm4ForCausalLM": transformers.Glm4Config,
     "GPTJForCausalLM": lambda **kw: transformers.GPTJConfig(**kw, rotary_dim=8),
+    "GptOssForCausalLM": transformers.GptOssConfig,
     "OlmoeForCausalLM": transformers.OlmoeConfig,
     "GraniteMoeForCausalLM": transformers.GraniteMoeConfig,
     "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,

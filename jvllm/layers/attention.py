@@ -11,10 +11,11 @@ from flax import nnx
 from jvllm.config import NO_WINDOW, ModelConfig
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import RMSNorm
+from jvllm.layers.params import param
 from jvllm.layers.rotary import apply_rope
 
-# attn(layer i32[], q [T, N, H], k [T, K, H], v [T, K, H], kv_cache, metadata[, sliding_window])
-#     -> (out, kv_cache)
+# attn(layer i32[], q [T, N, H], k [T, K, H], v [T, K, H], kv_cache, metadata[, sliding_window]
+#      [, sinks]) -> (out, kv_cache)
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -68,6 +69,9 @@ class Attention(nnx.Module):
         self.rope = rope
         self.is_rope_interleaved = config.is_rope_interleaved
         self.clip_qkv = config.option("clip_qkv")  # OLMoE's: None, or c > 0
+        # gpt-oss's sinks: per query head, a logit that joins its softmax with no value.
+        is_sinked = config.option("attention_sinks", False)
+        self.sinks = param((n,), jnp.float32, ("heads",)) if is_sinked else None
 
     def __call__(
         self, x, layer, cos, sin, kv_cache, metadata, attn: AttentionFn, sliding_window=None
@@ -93,6 +97,8 @@ class Attention(nnx.Module):
             q, key = apply_rope(q, cos, sin, interleaved), apply_rope(key, cos, sin, interleaved)
         # q/k/v leave in the model dtype: the cache they are written into has that dtype.
         options = {} if sliding_window is None else {"sliding_window": sliding_window}
+        if self.sinks is not None:
+            options["sinks"] = self.sinks[...]  # f32[N]
         out, kv_cache = attn(
             layer,
             q.astype(self.dtype),

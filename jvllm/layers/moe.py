@@ -70,9 +70,9 @@ def moe_mlp(
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
     rows = x.astype(gate_up.dtype)[order // top_k]  # [T*k, D]
 
-    gate, up = jnp.split(_grouped_dense(rows, gate_up, group_sizes), 2, axis=-1)  # [T*k, F] each
+    gate, up = jnp.split(grouped_dense(rows, gate_up, group_sizes), 2, axis=-1)  # [T*k, F] each
     hidden = jax.nn.silu(gate) * up  # f32[T*k, F]
-    out = _grouped_dense(hidden.astype(down.dtype), down, group_sizes)  # f32[T*k, D]
+    out = grouped_dense(hidden.astype(down.dtype), down, group_sizes)  # f32[T*k, D]
 
     # Back to assignment order (the inverse permutation of `order`), then weight and sum.
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
@@ -103,7 +103,7 @@ def dense_moe_mlp(
     return jnp.einsum("etd,te->td", out, dense_weights)
 
 
-def _grouped_dense(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_dense(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, I] (grouped by expert, group_sizes i32[E]) @ w[e] [I, O] per group -> f32[M, O]."""
     return jax.lax.ragged_dot(
         rows.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32

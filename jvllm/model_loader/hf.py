@@ -15,6 +15,7 @@ import numpy as np
 from jvllm.config import DTYPE_CHOICES, ModelConfig
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.logger import init_logger
+from jvllm.model_loader.mxfp4 import packed_names, read_packed
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
 
@@ -103,6 +104,10 @@ def load_hf_dir(
     read: set[str] = set()
 
     def get(name: str) -> np.ndarray:
+        packed = None if name in tensors else read_packed(tensors, name)
+        if packed is not None:  # MXFP4 (gpt-oss's experts), dequantized here
+            read.update(packed_names(name))
+            return packed
         if name not in tensors:
             raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
         read.add(name)

@@ -22,6 +22,7 @@ _DTYPES = {
     "BF16": jnp.bfloat16,
     "I64": np.int64,
     "I32": np.int32,
+    "U8": np.uint8,  # packed quantized weights (MXFP4's blocks and scales)
 }
 _ALIGNMENT = 64  # where the data starts in a file we write: aligned for whoever maps it
 
