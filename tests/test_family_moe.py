@@ -147,7 +147,7 @@ def test_qwen2_moe_windows_the_layers_hf_derives_without_layer_types(
 @pytest.mark.parametrize(
     "fields,dense_layers",
     [
-        ({"decoder_sparse_step": 2}, [0]),
+        ({"decoder_sparse_step": 2, "num_hidden_layers": 4}, [0, 2]),
         ({"mlp_only_layers": [1]}, [1]),
         ({"num_experts": 0}, [0, 1]),
     ],
@@ -156,6 +156,23 @@ def test_qwen2_moe_with_dense_mlp_layers_is_refused_naming_them(fields, dense_la
     hf = {**_qwen2_moe().to_dict(), **fields}
     with pytest.raises(ValueError, match=re.escape(f"make layers {dense_layers} dense MLPs")):
         ModelConfig.from_hf_config(hf, "float32")
+
+
+def test_qwen_moe_dense_layers_before_the_sparse_ones_decode_like_hf(tmp_path):
+    """HF's dense layers (mlp_only_layers) before the sparse ones run as a stack of their own,
+    then the sparse layers', at their own KV-cache layers."""
+    hf_model = save_random_model(tmp_path, _qwen2_moe(num_hidden_layers=3, mlp_only_layers=[0]))
+    prompts = ragged_prompts(TINY["vocab_size"], lengths=(5, 17, 40))
+    assert_matches_hf(tmp_path, hf_model, prompts, max_tokens=8)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [_qwen2_moe(decoder_sparse_step=2), _qwen3_moe(mlp_only_layers=[0])],
+)
+def test_qwen_moe_dense_prefix_is_read_from_either_rule(config):
+    fields = {**config.to_dict(), "num_hidden_layers": 2}
+    assert ModelConfig.from_hf_config(fields, "float32").option("num_dense_layers") == 1
 
 
 def test_qwen2_moe_mlp_only_layers_past_the_last_layer_leave_every_layer_sparse():

@@ -52,6 +52,13 @@ _HF_CONFIG_CLASSES = {
     "GraniteMoeForCausalLM": transformers.GraniteMoeConfig,
     "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
     "FalconForCausalLM": transformers.FalconConfig,
+    # A key and a value per query head (MLA); V2's layers all MoE, V3's all dense (2 < 3).
+    "DeepseekV2ForCausalLM": lambda **kw: transformers.DeepseekV2Config(
+        **{**kw, "num_key_value_heads": kw["num_attention_heads"], "num_experts_per_tok": 2}
+    ),
+    "DeepseekV3ForCausalLM": lambda **kw: transformers.DeepseekV3Config(
+        **{**kw, "num_key_value_heads": kw["num_attention_heads"]}
+    ),
 }
 
 
@@ -66,6 +73,11 @@ def test_every_param_names_each_of_its_axes(architecture):
     for spec, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_axes)):
         assert len(names) == len(spec.shape) and set(names) <= set(AXIS_NAMES)
     assert axes["embed"]["embedding"] == ("vocab", "embed")
+    if architecture.startswith("Deepseek"):  # MLA; a dense stack, then a MoE one
+        stack = axes.get("moe_layers") or axes["dense_layers"]
+        assert stack["attn"]["kv_b"]["weight"] == ("layers", "heads", "embed")
+        assert stack["attn"]["o"]["weight"] == ("layers", "embed", "heads")
+        return
     assert axes["layers"]["attn"]["qkv"]["weight"] == ("layers", "heads", "embed")
     if config.num_experts:
         assert axes["layers"]["mlp"]["down"] == ("layers", "experts", "mlp", "embed")

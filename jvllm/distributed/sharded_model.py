@@ -21,7 +21,7 @@ from jvllm.config import ModelConfig
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import param_specs, shard_config
 from jvllm.layers.scan import unstack_specs
-from jvllm.models.model import compute_logits, forward, param_axes
+from jvllm.models.model import compute_logits, forward, param_axes, param_shapes
 
 # The KV cache [L, 2, K, P, B, H] is cut on its KV-head axis (a quantized cache's scales
 # [L, 2, K, P, B] too: the spec is a prefix of both arrays).
@@ -49,7 +49,7 @@ def sharded_model(config: ModelConfig, mesh: Mesh, attn, layers_unstacked: bool)
     local = shard_config(config, num_shards)
     specs = param_specs(config)
     if layers_unstacked:
-        specs = unstack_specs(specs, param_axes(config), config.num_layers)
+        specs = unstack_specs(specs, param_axes(config), param_shapes(config))
     whole = PartitionSpec()
     sharded_forward = jax.shard_map(
         functools.partial(forward, config=local, attn=attn),

@@ -10,7 +10,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.layers.attention import AttentionFn, layer_windows
 from jvllm.layers.rotary import rope_cos_sin
-from jvllm.layers.scan import scan_layers
+from jvllm.layers.scan import num_stacked_layers, scan_layers
 
 
 def run_rotary_layers(
@@ -24,6 +24,7 @@ def run_rotary_layers(
     *,
     local_layers: Sequence[bool] | None = None,
     rope_layers: Sequence[bool] | None = None,
+    first_layer: int = 0,
 ):
     """x f32[T, D] through every layer of `layers` (stacked_layers) -> (x, kv_cache).
 
@@ -33,6 +34,10 @@ def run_rotary_layers(
     a rotation by angle 0 (cos 1, sin 0, which leaves q and k exact) where not
     `rope_layers[i]` (SmolLM3, Cohere2's global layers). Both sets are computed once per step,
     and each layer picks its own by its flag, so the scan still runs one layer.
+
+    A model whose layers are of two kinds (DeepSeek's dense, then MoE layers) runs one stack of
+    each in turn: `layers` then holds the model's layers from `first_layer` on, which keep their
+    KV-cache layer indices and their per-layer settings (given above for all L layers).
     """
     cos, sin = rope_cos_sin(positions, config)  # [T, R] each
     per_layer = {"window": layer_windows(config)}  # i32[L] or None
@@ -41,6 +46,10 @@ def run_rotary_layers(
         per_layer["is_local"] = jnp.asarray(local_layers)  # bool[L]
     if rope_layers is not None:
         per_layer["use_rope"] = jnp.asarray(rope_layers)  # bool[L]
+    num_layers = num_stacked_layers(layers)
+    if (first_layer, num_layers) != (0, config.num_layers):
+        span = slice(first_layer, first_layer + num_layers)
+        per_layer = jax.tree.map(lambda a: a[span], per_layer)  # [this stack's layers]
 
     def body(layer_module, carry, layer, extra):
         x, kv_cache = carry
@@ -52,6 +61,7 @@ def run_rotary_layers(
             layer_cos = jnp.where(extra["use_rope"], layer_cos, 1.0)
             layer_sin = jnp.where(extra["use_rope"], layer_sin, 0.0)
         window = extra["window"]
+        layer = layer + first_layer if first_layer else layer
         return layer_module(x, layer, layer_cos, layer_sin, window, kv_cache, metadata, attn)
 
     return scan_layers(layers, body, (x, kv_cache), per_layer=per_layer)

@@ -106,15 +106,18 @@ def unstack_layers(params: dict, axes: dict) -> dict:
     return treedef.unflatten(leaves)
 
 
-def unstack_specs(specs: dict, axes: dict, num_layers: int) -> dict:
+def unstack_specs(specs: dict, axes: dict, shapes: dict) -> dict:
     """shard_map's in_specs for unstack_layers' params, from the stacked params' `specs`
     (distributed/tensor_parallel.py's param_specs): a "layers" param's spec without its first
-    axis, once per layer."""
+    axis, once per layer of its stack (its first axis in `shapes`, models/model.py's
+    param_shapes: a model may hold stacks of different lengths)."""
 
-    def split(names: tuple, spec: PartitionSpec):
-        return spec if names[:1] != ("layers",) else Unstacked((_layer_spec(spec),) * num_layers)
+    def split(names: tuple, spec: PartitionSpec, shape: jax.ShapeDtypeStruct):
+        if names[:1] != ("layers",):
+            return spec
+        return Unstacked((_layer_spec(spec),) * shape.shape[0])
 
-    return jax.tree.map(split, axes, specs, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(split, axes, specs, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _split_array(x: jax.Array, through_host: bool | None = None) -> list[jax.Array]:
@@ -151,6 +154,12 @@ def _layer_spec(spec: PartitionSpec) -> PartitionSpec:
 @functools.cache
 def _split_on_device(num_layers: int, sharding) -> Callable:
     return jax.jit(lambda x: [x[i] for i in range(num_layers)], out_shardings=sharding)
+
+
+def num_stacked_layers(layers: nnx.Module) -> int:
+    """L of a stacked_layers module, stacked or split by unstack_layers."""
+    first = jax.tree.leaves(nnx.state(layers), is_leaf=is_unstacked)[0]
+    return len(first.layers) if is_unstacked(first) else first.shape[0]
 
 
 def scan_layers(

@@ -60,6 +60,8 @@ class CheckpointWeights:
         self._get_lazy = get if keep_packed else None
         self._shapes = shapes
         self._num_layers = num_layers
+        self._first_layer = 0
+        self._stack = "layers"
         self._layer_prefix = layer_prefix
         self._params: dict = {}
 
@@ -76,6 +78,14 @@ class CheckpointWeights:
         """Where layer i's tensors live ("transformer.h.{}."), for a family whose checkpoints
         do not keep them under "model.layers.{}."."""
         self._layer_prefix = layer_prefix
+
+    def set_layers(self, first_layer: int, num_layers: int, stack: str = "layers") -> None:
+        """Which checkpoint layers the stacked params read from now on: `num_layers` of them
+        from `first_layer`, for a model built of more than one layer stack (dense layers,
+        then MoE layers). A stacked param whose path starts with "layers." then goes to the
+        stack named `stack` instead, so that a family loads each stack with the same calls."""
+        self._first_layer, self._num_layers = first_layer, num_layers
+        self._stack = stack
 
     def tensor(
         self, path: str, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None
@@ -100,9 +110,10 @@ class CheckpointWeights:
         """The param at `path` [L, ...] is, for each layer i, the layer's tensors `names`
         (after the layer prefix) concatenated along their first axis, each as `transform`
         makes it."""
+        path = self._in_stack(path)
         spec = self._spec(path)
         layer_names = [
-            [self._layer_prefix.format(i) + n for n in names] for i in range(self._num_layers)
+            [self._layer_prefix.format(i) + n for n in names] for i in self._layer_range()
         ]
         if self._set_packed(path, spec, layer_names, transform, stack=True):
             return
@@ -122,11 +133,12 @@ class CheckpointWeights:
         """The param at `path` [L, E, in, out] is, for layer i and expert j, the tensors
         `names` formatted with j ("experts.{}.w1.weight", torch's [out, in]) concatenated
         along their first axis and transposed: ragged_dot's layout (layers/moe.py)."""
+        path = self._in_stack(path)
         spec = self._spec(path)
         out = aligned_empty(spec.shape, spec.dtype)
-        for i in range(self._num_layers):
+        for i, layer in enumerate(self._layer_range()):
             for j in range(num_experts):
-                full_names = [self._layer_prefix.format(i) + n.format(j) for n in names]
+                full_names = [self._layer_prefix.format(layer) + n.format(j) for n in names]
                 pieces = [self._get(n) for n in full_names]
                 rows = sum(p.shape[0] for p in pieces)
                 if any(p.shape[1:] != spec.shape[2:3] for p in pieces) or rows != spec.shape[3]:
@@ -136,6 +148,15 @@ class CheckpointWeights:
                     )
                 out[i, j] = np.concatenate(pieces, axis=0).T
         self._set(path, self._place(path, out))
+
+    def _layer_range(self) -> range:
+        return range(self._first_layer, self._first_layer + self._num_layers)
+
+    def _in_stack(self, path: str) -> str:
+        """A stacked param's path in the stack set_layers names."""
+        if path.startswith("layers.") and self._stack != "layers":
+            return self._stack + path[len("layers") :]
+        return path
 
     def _set_packed(self, path, spec, layer_names, transform, stack: bool) -> bool:
         """Set the param at `path` as a GGUFWeight of the tensors `layer_names` ([L][pieces],

@@ -39,11 +39,12 @@ class LlamaDecoderLayer(nnx.Module):
     """A pre-norm block on the float32 residual stream; its MLP is the experts' where the model
     has them (Mixtral, Qwen3-MoE)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, is_moe: bool | None = None):
+        """is_moe: whether the MLP is the experts' (None: where the config has experts)."""
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, output_bias=config.option("o_proj_bias", False))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.num_experts:
+        if config.num_experts if is_moe is None else is_moe:
             self.mlp = SparseMoE(config)
         else:
             self.mlp = GatedMLP(config, bias=config.option("mlp_bias", False))
@@ -113,7 +114,13 @@ class LlamaForCausalLM(nnx.Module):
         self.embed = Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, num_shards=config.num_shards
         )
-        self.layers = stacked_layers(lambda: self.decoder_layer(config), config.num_layers)
+        # Qwen-MoE's dense layers before its MoE ones: a stack of their own, run first.
+        self.num_dense = num_dense = config.option("num_dense_layers", 0)
+        if num_dense:
+            make_dense = lambda: self.decoder_layer(config, is_moe=False)
+            self.dense_layers = stacked_layers(make_dense, num_dense)
+        num_layers = config.num_layers - num_dense
+        self.layers = stacked_layers(lambda: self.decoder_layer(config), num_layers)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
@@ -131,8 +138,14 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed(token_ids) * config.option("embedding_multiplier", 1.0)  # [T, D]
         # SmolLM3's layers without rotary embeddings (None: every layer rotates).
         rope_layers = config.option("rope_layers")
+        options = {"rope_layers": rope_layers}
+        if self.num_dense:
+            x, kv_cache = run_rotary_layers(
+                self.dense_layers, x, kv_cache, positions, config, metadata, attn, **options
+            )
+            options["first_layer"] = self.num_dense
         x, kv_cache = run_rotary_layers(
-            self.layers, x, kv_cache, positions, config, metadata, attn, rope_layers=rope_layers
+            self.layers, x, kv_cache, positions, config, metadata, attn, **options
         )
         return self.final_norm(x), kv_cache
 
@@ -152,6 +165,21 @@ class LlamaForCausalLM(nnx.Module):
         if config.architecture == "Phi3ForCausalLM":  # saved fused, in our q|k|v order
             attn = ("self_attn.qkv_proj",)
         weights.tensor("embed.embedding", "model.embed_tokens.weight")
+        num_dense = config.option("num_dense_layers", 0)
+        if num_dense:  # their own stack (see __init__), with a dense MLP
+            weights.set_layers(0, num_dense, stack="dense_layers")
+            cls.load_layer_weights(config, weights, attn)
+            LlamaForCausalLM.load_mlp_weights(config, weights)
+            weights.set_layers(num_dense, config.num_layers - num_dense)
+        cls.load_layer_weights(config, weights, attn)
+        cls.load_mlp_weights(config, weights)
+        weights.tensor("final_norm.weight", "model.norm.weight")
+        if not config.tie_word_embeddings:
+            weights.tensor("lm_head.weight", "lm_head.weight")
+
+    @staticmethod
+    def load_layer_weights(config: ModelConfig, weights: CheckpointWeights, attn: tuple) -> None:
+        """A stack's norms and attention (`attn`: the q|k|v tensors' names)."""
         weights.stacked("layers.input_norm.weight", ("input_layernorm.weight",))
         weights.stacked("layers.attn.qkv.weight", tuple(n + ".weight" for n in attn))
         if config.attention_bias:
@@ -163,10 +191,6 @@ class LlamaForCausalLM(nnx.Module):
         if config.option("o_proj_bias", False):
             weights.stacked("layers.attn.o.bias", ("self_attn.o_proj.bias",))
         weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
-        cls.load_mlp_weights(config, weights)
-        weights.tensor("final_norm.weight", "model.norm.weight")
-        if not config.tie_word_embeddings:
-            weights.tensor("lm_head.weight", "lm_head.weight")
 
     @staticmethod
     def load_mlp_weights(config: ModelConfig, weights: CheckpointWeights) -> None:

@@ -6,14 +6,15 @@ As HF's Qwen2MoeConfig reads its config.json:
 - `qkv_bias` (default True) puts the biases on q/k/v, never on o; `attention_bias` is not read;
 - with `use_sliding_window` and no `layer_types`, the windowed layers are the even ones below
   `max_window_layers` (Qwen2's are those from it on); without it no layer is windowed.
-Layers with a dense MLP (`decoder_sparse_step` > 1, `mlp_only_layers`, no experts) are refused:
-the layer scan runs one kind of layer, and the released checkpoints are sparse in every layer.
+Layers with a dense MLP (`decoder_sparse_step` > 1, `mlp_only_layers`) run as a stack of their
+own where they come before the sparse ones, as Qwen3-MoE's (qwen3_moe.set_dense_prefix); any
+other mix, and a model without experts, is refused.
 """
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
-from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM, set_dense_prefix
 
 # Qwen2MoeConfig's defaults, where a config.json does not say.
 _DEFAULTS = {
@@ -37,7 +38,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         cfg.pop("attention_bias", None)  # not Qwen2-MoE's field: HF ignores it
         cfg = LlamaForCausalLM.normalize_hf_config(cfg)
         cfg["attention_bias"] = attention_bias
-        _check_every_layer_sparse(cfg)
+        cfg = set_dense_prefix(cfg)
         if not cfg.get("use_sliding_window"):
             cfg["sliding_window"] = None
         elif not cfg.get("layer_types"):
@@ -63,24 +64,4 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
             "layers.mlp.shared_gate",
             ("mlp.shared_expert_gate.weight",),
             transform=lambda w: w.reshape(-1),  # [1, D] -> [D]
-        )
-
-
-def _check_every_layer_sparse(cfg: dict) -> None:
-    """Raise ValueError unless HF's rule makes every layer a sparse MoE block: layer i is sparse
-    when num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
-    step, mlp_only = cfg["decoder_sparse_step"], cfg.get("mlp_only_layers") or []
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"decoder_sparse_step must be a positive int, got {step!r}")
-    dense = [
-        i
-        for i in range(cfg["num_hidden_layers"])
-        if not cfg["num_experts"] or i in mlp_only or (i + 1) % step
-    ]
-    if dense:
-        raise ValueError(
-            f"decoder_sparse_step={step}, mlp_only_layers={mlp_only} and "
-            f"num_experts={cfg['num_experts']} make layers {dense} dense MLPs, which are not "
-            "supported (the layer scan runs one kind of layer); allowed: every layer sparse, "
-            "e.g. decoder_sparse_step 1 and mlp_only_layers [] as in the released checkpoints"
         )

@@ -14,7 +14,10 @@ def quantize_layer_weights(params: dict, method: str, dtype: str) -> dict:
 
     def convert(path, x):
         keys = [getattr(k, "key", None) for k in path]
-        if keys[0] == "layers" and keys[-1] == "weight" and x.ndim == 3:
+        # A model of two layer stacks (DeepSeek, Qwen-MoE with dense layers) names the other
+        # "dense_layers" / "moe_layers".
+        is_stacked = keys[0] in ("layers", "dense_layers", "moe_layers")
+        if is_stacked and keys[-1] == "weight" and x.ndim == 3:
             return quantize_channels(x, method, dtype)
         return x
 

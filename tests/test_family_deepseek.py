@@ -1,0 +1,187 @@
+"""DeepSeek-V2 and V3 (multi-head latent attention, dense layers then experts) through the
+engine against HF transformers, and their routers against HF's."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+
+from jvllm.config import ModelConfig
+from jvllm.layers.deepseek_moe import deepseek_route
+from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
+
+# 1 dense layer then MoE layers; the value head (16) is narrower than the key's 16 + 8.
+TINY = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 96,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "kv_lora_rank": 24,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+}
+# YaRN with DeepSeek's mscale: cos/sin scale by mscale(4, 1) / mscale(4, 0.8), the softmax by
+# mscale(4, 0.8)^2 (1.23).
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
+
+def v2_lite_like(**kwargs) -> transformers.DeepseekV2Config:
+    """DeepSeek-V2-Lite's layout: q_proj (no q latent), greedy softmax routing, 2 shared
+    experts; tied embeddings."""
+    kwargs = {
+        "num_hidden_layers": 3,
+        "q_lora_rank": None,
+        "topk_method": "greedy",
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.5,
+        "tie_word_embeddings": True,
+        **kwargs,
+    }
+    return transformers.DeepseekV2Config(**{**TINY, **kwargs})
+
+
+def v3_like(**kwargs) -> transformers.DeepseekV3Config:
+    """DeepSeek-V3's layout: a q latent, sigmoid routing with a correction bias over 2 groups
+    of 4 (the best group only), renormalised and scaled by 2.5, one shared expert, YaRN;
+    biases on q_a, kv_a and o."""
+    kwargs = {
+        "num_hidden_layers": 2,
+        "q_lora_rank": 32,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "attention_bias": True,
+        "rope_parameters": YARN,
+        **kwargs,
+    }
+    return transformers.DeepseekV3Config(**{**TINY, **kwargs})
+
+
+def _save(path, config):
+    """save_random_model, with V3's correction biases (a buffer, so left 0 there) random:
+    large enough to change which experts are chosen."""
+    model = save_random_model(path, config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+# HF's DeepSeek generates slowly on CPU: fewer and shorter prompts than the other families'.
+PROMPTS = ragged_prompts(TINY["vocab_size"], lengths=(5, 17, 40))
+
+
+def test_deepseek_v2_lite_like_decodes_like_hf(tmp_path):
+    hf_model = _save(tmp_path, v2_lite_like())
+    assert_matches_hf(tmp_path, hf_model, PROMPTS, max_tokens=8)
+
+
+def test_deepseek_v3_like_decodes_like_hf(tmp_path):
+    hf_model = _save(tmp_path, v3_like())
+    assert_matches_hf(tmp_path, hf_model, PROMPTS, max_tokens=8)
+
+
+def test_deepseek_v3_unstacked_rotate_half_decodes_like_hf(tmp_path, monkeypatch):
+    """The layers split per layer (the GPU layout) across the two stacks, and V3 without
+    rope_interleave."""
+    monkeypatch.setenv(UNSTACKED_LAYERS_ENV, "1")
+    hf_model = _save(tmp_path, v3_like(num_hidden_layers=3, rope_interleave=False))
+    assert_matches_hf(tmp_path, hf_model, PROMPTS[:2], max_tokens=8)
+
+
+_V2 = transformers.models.deepseek_v2.modeling_deepseek_v2
+_V3 = transformers.models.deepseek_v3.modeling_deepseek_v3
+# name -> (config, HF's router class, jvllm's routing); the group-limited one keeps the single
+# best of 4 groups of 2, so that it differs from greedy whenever the best 2 are in 2 groups.
+ROUTERS = {
+    "greedy": (v2_lite_like, _V2.DeepseekV2TopkRouter),
+    "group_limited_greedy": (
+        lambda: v2_lite_like(topk_method="group_limited_greedy", n_group=4, topk_group=1),
+        _V2.DeepseekV2TopkRouter,
+    ),
+    "noaux_tc": (v3_like, _V3.DeepseekV3TopkRouter),
+}
+
+
+def _sorted_by_expert(weights, experts) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(np.asarray(experts), axis=-1)
+    take = lambda a: np.take_along_axis(np.asarray(a), order, axis=-1)
+    return take(weights), take(experts)
+
+
+@pytest.mark.parametrize("routing", list(ROUTERS))
+def test_router_picks_hf_experts_with_hf_weights(routing):
+    make_config, router_class = ROUTERS[routing]
+    config = make_config()
+    router = router_class(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.5)
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(0.0, 0.3)
+        logits, hf_weights, hf_experts = router(torch.randn(64, config.hidden_size))
+    weights, experts = deepseek_route(
+        jax.numpy.asarray(logits.numpy()),
+        None if bias is None else jax.numpy.asarray(bias.numpy()),
+        routing=routing,
+        top_k=config.num_experts_per_tok,
+        num_groups=config.n_group or 1,
+        topk_group=config.topk_group or 1,
+        renormalize=routing == "noaux_tc",
+        scaling_factor=config.routed_scaling_factor,
+    )
+    weights, experts = _sorted_by_expert(weights, experts)
+    hf_weights, hf_experts = _sorted_by_expert(hf_weights.numpy(), hf_experts.numpy())
+    np.testing.assert_array_equal(experts, hf_experts)
+    np.testing.assert_allclose(weights, hf_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_config,fields,message",
+    [
+        (v2_lite_like, {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+        (v2_lite_like, {"norm_topk_prob": True}, "norm_topk_prob=True"),
+        (v3_like, {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+        (v3_like, {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+        (v3_like, {"n_group": 3}, "n_group must be a positive int dividing"),
+        (v3_like, {"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
+    ],
+)
+def test_unsupported_deepseek_config_is_refused_naming_the_field(make_config, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_config({**make_config().to_dict(), **fields}, "float32")
+
+
+def test_deepseek_config_reads_hf_semantics():
+    """The cache's head dim is the key's (16 + 8, wider than the value's 16); the softmax scale
+    is 24^-1/2 times mscale(4, 0.8)^2; V3's dense layers come first."""
+    config = ModelConfig.from_hf_config(v3_like(num_hidden_layers=3).to_dict(), "float32")
+    assert (config.head_dim, config.num_kv_heads) == (24, 4)
+    assert config.sm_scale == pytest.approx(24**-0.5 * (0.1 * 0.8 * np.log(4) + 1) ** 2)
+    assert config.option("first_k_dense_replace") == 1 and config.num_experts == 8
+    dense = ModelConfig.from_hf_config(v3_like(first_k_dense_replace=5).to_dict(), "float32")
+    assert dense.num_experts == 0  # every layer dense: no routing settings are read
