@@ -443,3 +443,40 @@ def test_priority_policy_preempts_the_lowest_priority_even_if_already_scheduled(
 def test_scheduling_policy_is_checked():
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         make_scheduler(policy="lifo")
+
+
+def test_a_victim_skipped_this_step_leaves_the_requests_after_it_scheduled():
+    scheduler = make_scheduler(num_blocks=5, policy="priority")
+    low = _request("low", 9, 1.0, num_prompt_tokens=1)
+    scheduler.add_request(low)
+    step(scheduler)
+    scheduler.add_request(_request("b", 0, 2.0, num_prompt_tokens=1, first_token=200))
+    scheduler.add_request(_request("c", 0, 3.0, num_prompt_tokens=3, first_token=300))
+    for i in range(30):
+        running = [r.request_id for r in scheduler.running]
+        output = scheduler.schedule()
+        if low in output.preempted_requests:
+            # "low" came first and caught up with no token (so was not scheduled); "b" ran
+            # short of blocks: "low" gives its blocks back and "c", after it, still runs.
+            assert running == ["low", "b", "c"] and "low" not in output.num_scheduled_tokens
+            assert set(output.num_scheduled_tokens) == {"b", "c"}
+            return
+        sampled = {r.request_id: fake_next_token(r) for r in output.scheduled_requests}
+        if i % 2 == 0:
+            sampled.pop("low", None)  # its token lost: caught up, with none to decode, next step
+        scheduler.update_from_output(output, sampled)
+    raise AssertionError("no preemption")
+
+
+def test_an_undone_victims_unwritten_blocks_leave_the_prefix_cache():
+    # 8 usable blocks of 4 tokens; prompts prefilled 8 tokens a step.
+    scheduler = make_scheduler(num_blocks=9, policy="priority", long_prefill_token_threshold=8)
+    low = _request("low", 9, 1.0, num_prompt_tokens=24)
+    scheduler.add_request(low)
+    step(scheduler)
+    scheduler.add_request(_request("high", 0, 2.0, num_prompt_tokens=8, first_token=500))
+    while low not in step(scheduler)[0].preempted_requests:
+        pass
+    # "low" had computed 16 tokens when its third chunk was scheduled and then undone.
+    _, num_hit_tokens = scheduler.kv_cache_manager.get_computed_blocks(low)
+    assert num_hit_tokens == 16

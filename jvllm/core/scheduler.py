@@ -215,6 +215,9 @@ class Scheduler:
                 if victim.request_id in output.num_scheduled_tokens:  # scheduled this step: undo
                     output.scheduled_requests.remove(victim)
                     token_budget += output.num_scheduled_tokens.pop(victim.request_id)
+                    # Its blocks were entered in the prefix cache for KV this step never writes.
+                    self.kv_cache_manager.uncache_uncomputed_blocks(victim)
+                if self.running.index(victim) < index:  # the requests after it move up one
                     index -= 1
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -287,19 +290,19 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         """The running request that gives its blocks back: the newest (FCFS), or the last in
         (priority, arrival time) order, as vLLM picks."""
-        if self.config.policy == "priority":
-            return max(self.running, key=_priority_key)
+        if self.config.policy == "priority":  # of equal keys (n > 1 siblings), the newest
+            return max(reversed(self.running), key=_priority_key)
         return self.running[-1]
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into `waiting`: at the back (a new request) or the front (a preempted one) under
         FCFS; under the priority policy after every request that sorts before or with it."""
         if self.config.policy == "priority":
+            # From the back: a new request usually sorts last, so adding n costs O(n), not n^2.
             key = _priority_key(request)
-            index = next(
-                (i for i, r in enumerate(self.waiting) if _priority_key(r) > key),
-                len(self.waiting),
-            )
+            index = len(self.waiting)
+            while index > 0 and _priority_key(self.waiting[index - 1]) > key:
+                index -= 1
             self.waiting.insert(index, request)
         elif front:
             self.waiting.appendleft(request)
