@@ -34,7 +34,7 @@ R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
     ],
 )
 def test_a_reply_splits_the_same_whole_and_in_deltas(parser, prompt_opened, text, expected):
-    assert split_reply(parser, prompt_opened, text) == expected
+    assert split_reply(parser, text, prompt_opened) == expected
     for size in (1, 2, 3, 5):
         splitter = ReasoningSplitter(parser, prompt_opened)
         parts = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)]
@@ -42,6 +42,14 @@ def test_a_reply_splits_the_same_whole_and_in_deltas(parser, prompt_opened, text
         assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected
         # Nothing past the end tag is released as reasoning, nothing before it as content.
         assert all(parser.end not in r for r, _ in parts)
+
+
+@pytest.mark.parametrize("parser", [R1, QWEN3])
+def test_a_constrained_reply_thinks_only_where_it_opens_the_thought(parser):
+    # The grammar holds from the first token: JSON is the content, even for R1, which always
+    # thinks, and after a prompt that opened a thought.
+    assert split_reply(parser, '{"a": 1}', True, constrained=True) == ("", '{"a": 1}')
+    assert split_reply(parser, "<think>x</think>{}", True, constrained=True) == ("x", "{}")
 
 
 def test_the_prompt_opens_a_thought_when_it_ends_with_the_start_tag():

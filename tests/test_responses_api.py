@@ -108,14 +108,19 @@ def test_text_format_constrains_the_response(servers):
         "required": ["city"],
         "additionalProperties": False,
     }
-    response = _client(servers["plain"]).responses.create(
-        model=MODEL,
-        input=QUESTION + " Reply in JSON.",
-        max_output_tokens=40,
-        temperature=0,
-        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
-    )
+    args = {
+        "model": MODEL,
+        "input": QUESTION + " Reply in JSON.",
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+    }
+    response = _client(servers["plain"]).responses.create(**args)
     assert set(json.loads(response.output_text)) == {"city"}
+    # deepseek_r1's replies think by default, but not a constrained one: the JSON is the text.
+    thinking = _client(servers["reasoning"]).responses.create(**args)
+    assert [item.type for item in thinking.output] == ["message"]
+    assert thinking.output_text == response.output_text
 
 
 def test_reasoning_is_an_output_item_of_its_own(servers):
@@ -149,6 +154,7 @@ def test_reasoning_is_an_output_item_of_its_own(servers):
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": ""}, "input"),
         ({"input": QUESTION, "n": 2}, "n"),
+        ({"input": QUESTION, "prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_what_responses_do_not_serve_is_a_400_naming_it(servers, body, param):

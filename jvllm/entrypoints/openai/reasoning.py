@@ -9,6 +9,10 @@ for "deepseek_r1", always (R1 always thinks; an unclosed thought is all reasonin
 (Qwen3 with thinking switched off) the reply is all content. Streamed or whole, a reply splits
 the same way: `ReasoningSplitter` reads the text as it comes and holds back only what could
 still be the start of a tag.
+
+Under an output constraint (a JSON schema, a regex, a forced tool call) the grammar holds from
+the first token, so a reply thinks only where it opens the thought itself: a constrained JSON
+reply to a thinking model is content, not an unclosed thought.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ def prompt_opens_thought(parser: ReasoningParser, prompt_tail: str) -> bool:
 class ReasoningSplitter:
     """One reply's text in deltas -> (reasoning delta, content delta) pairs."""
 
-    def __init__(self, parser: ReasoningParser, prompt_opened: bool):
+    def __init__(self, parser: ReasoningParser, prompt_opened: bool, constrained: bool = False):
+        """constrained: the reply is under an output constraint (see the module's docstring)."""
         self.parser = parser
+        self.thinks_by_default = parser.thinks_by_default and not constrained
         # "start": the reply's first characters may still be the start tag; "thought": inside
         # the reasoning; "content": after it (or a reply that does not think).
-        self.state = "thought" if prompt_opened else "start"
+        self.state = "thought" if prompt_opened and not constrained else "start"
         self.pending = ""  # text held back: it may be the beginning of a tag
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -63,7 +69,7 @@ class ReasoningSplitter:
                 self.pending = self.pending.lstrip()[len(start) :]
                 self.state = "thought"
             else:
-                self.state = "thought" if self.parser.thinks_by_default else "content"
+                self.state = "thought" if self.thinks_by_default else "content"
         if self.state == "thought":
             end = self.parser.end
             index = self.pending.find(end)
@@ -79,14 +85,16 @@ class ReasoningSplitter:
     def finish(self) -> tuple[str, str]:
         """What was held back, at the reply's end: an unclosed thought's tail is reasoning."""
         held, self.pending = self.pending, ""
-        if self.state == "thought" or (self.state == "start" and self.parser.thinks_by_default):
+        if self.state == "thought" or (self.state == "start" and self.thinks_by_default):
             return held, ""
         return "", held
 
 
-def split_reply(parser: ReasoningParser, prompt_opened: bool, text: str) -> tuple[str, str]:
+def split_reply(
+    parser: ReasoningParser, text: str, prompt_opened: bool, constrained: bool = False
+) -> tuple[str, str]:
     """A whole reply -> (reasoning, content)."""
-    splitter = ReasoningSplitter(parser, prompt_opened)
+    splitter = ReasoningSplitter(parser, prompt_opened, constrained)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return reasoning + more_reasoning, content + more_content

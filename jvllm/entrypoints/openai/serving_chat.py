@@ -167,9 +167,10 @@ class OpenAIServingChat(OpenAIServing):
             first = await anext(outputs)
         except StopAsyncIteration:
             first = None
-        opened = self.opens_thought(prompt_token_ids)
+        # How each reply starts, for the reasoning parser: inside a thought, under a constraint.
+        start = (self.opens_thought(prompt_token_ids), constraint is not None)
         if request.stream:
-            return self._stream(request, request_id, params.n, first, outputs, tools, opened)
+            return self._stream(request, request_id, params.n, first, outputs, tools, start)
         result = first[1]
         await outputs.aclose()
         role = self._role(request)
@@ -178,7 +179,7 @@ class OpenAIServingChat(OpenAIServing):
         for c in sorted(result.outputs, key=lambda c: c.index):
             text, reasoning = c.text, None
             if self.reasoning_parser is not None:
-                reasoning, text = split_reply(self.reasoning_parser, opened, c.text)
+                reasoning, text = split_reply(self.reasoning_parser, c.text, *start)
             content, calls = reply(tools, text)
             if reasoning and not content:
                 content = None  # a reply that only thought (vLLM's)
@@ -251,7 +252,7 @@ class OpenAIServingChat(OpenAIServing):
         first,
         outputs: AsyncIterator,
         tools: ToolPlan,
-        opened: bool,
+        start: tuple[bool, bool],
     ) -> AsyncIterator[str]:
         created = now()
         options = request.stream_options
@@ -307,7 +308,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         streams = [ToolCallStream(tools) if tools.mode != "none" else None for _ in range(n)]
         parser = self.reasoning_parser
-        splitters = [ReasoningSplitter(parser, opened) if parser else None for _ in range(n)]
+        splitters = [ReasoningSplitter(parser, *start) if parser else None for _ in range(n)]
         item = first
         try:
             while item is not None:

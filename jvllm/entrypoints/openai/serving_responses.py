@@ -21,6 +21,14 @@ from jvllm.sampling_params import RequestOutputKind
 # The item types of `input` that are messages, and the roles the chat template sees for them.
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The fields shared with chat and completions (protocol._SamplingFields) that a response has no
+# place for, with the value that leaves them unused.
+_CHAT_ONLY_FIELDS = {
+    "prompt_logprobs": None,
+    "return_token_ids": False,
+    "return_tokens_as_token_ids": False,
+    "stream_options": None,
+}
 
 
 class OpenAIServingResponses(OpenAIServing):
@@ -34,6 +42,12 @@ class OpenAIServingResponses(OpenAIServing):
         self.check_model(request.model)
         if request.n != 1 or request.use_beam_search:
             raise OpenAIError("/v1/responses gives one reply: n must be 1", param="n")
+        for name, unused in _CHAT_ONLY_FIELDS.items():
+            if getattr(request, name) != unused:
+                raise OpenAIError(
+                    f"'{name}' is a chat and completions field; /v1/responses does not take it",
+                    param=name,
+                )
         self.check_request(request)
         messages = _messages(request)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "input", request)
@@ -59,19 +73,20 @@ class OpenAIServingResponses(OpenAIServing):
             first = await anext(outputs)  # errors at admission become a 400, not a broken stream
         except StopAsyncIteration:
             first = None
-        opened = self.chat.opens_thought(prompt_token_ids)
+        # How the reply starts, for the reasoning parser: inside a thought, under a constraint.
+        start = (self.chat.opens_thought(prompt_token_ids), params.structured_outputs is not None)
         view = _ResponseView(request, response_id, self.model_name, len(prompt_token_ids))
         if request.stream:
-            return self._stream(view, first, outputs, opened)
+            return self._stream(view, first, outputs, start)
         await outputs.aclose()
         result = first[1]
-        reasoning, text = self._split(opened, result.outputs[0].text)
+        reasoning, text = self._split(start, result.outputs[0].text)
         return view.response(result, reasoning, text, self._count(reasoning))
 
-    def _split(self, opened: bool, text: str) -> tuple[str | None, str]:
+    def _split(self, start: tuple[bool, bool], text: str) -> tuple[str | None, str]:
         if self.chat.reasoning_parser is None:
             return None, text
-        reasoning, content = split_reply(self.chat.reasoning_parser, opened, text)
+        reasoning, content = split_reply(self.chat.reasoning_parser, text, *start)
         return reasoning or None, content
 
     def _count(self, reasoning: str | None) -> int:
@@ -79,11 +94,11 @@ class OpenAIServingResponses(OpenAIServing):
         return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
     async def _stream(
-        self, view: _ResponseView, first, outputs: AsyncIterator, opened: bool
+        self, view: _ResponseView, first, outputs: AsyncIterator, start: tuple[bool, bool]
     ) -> AsyncIterator[str]:
         events = _Events()
         parser = self.chat.reasoning_parser
-        splitter = ReasoningSplitter(parser, opened) if parser is not None else None
+        splitter = ReasoningSplitter(parser, *start) if parser is not None else None
         reasoning, text = "", ""
         open_items: list[str] = []  # "reasoning", then "message", as each starts
         try:
