@@ -15,6 +15,7 @@ import transformers
 from family_parity import TP_VOCAB as VOCAB
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model, save_tp_llama
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from test_family_gpt_oss import _save_gpt_oss
 
 from jvllm import LLM, LLMEngine, SamplingParams
 from jvllm.distributed.mesh import TP_AXIS
@@ -307,12 +308,44 @@ FAMILIES = {
     "stablelm": lambda: transformers.StableLmConfig(
         **{**_TINY, "num_key_value_heads": 1}, qk_layernorm=True, use_qkv_bias=True
     ),
+    # Per-head q/k LayerNorm weights cut with their heads; interleaved rope.
+    "cohere": lambda: transformers.CohereConfig(**_TINY, use_qk_norm=True, logit_scale=0.5),
+    # Interleaved rope on part of each head; norms after each block.
+    "glm4": lambda: transformers.Glm4Config(
+        **_TINY, head_dim=16, partial_rotary_factor=0.75, pad_token_id=0
+    ),
+    # A biased LM head of its own, cut with the vocabulary.
+    "gptj": lambda: transformers.GPTJConfig(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=FAMILY_VOCAB, n_positions=256, rotary_dim=6
+    ),
+    # clip_qkv on each device's heads; q/k norms over all heads.
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **_TINY, num_experts=4, num_experts_per_tok=2, clip_qkv=0.8
+    ),
+    # The ungated shared MLP's partial sums join the experts'.
+    "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(
+        **_TINY, num_local_experts=4, shared_intermediate_size=32, residual_multiplier=0.5
+    ),
+    # One KV head, repeated on both devices, from Falcon-7B's fused multi-query q|k|v.
+    "falcon": lambda: transformers.FalconConfig(
+        **{k: v for k, v in _TINY.items() if k not in ("intermediate_size", "num_key_value_heads")}
+    ),
+    # Sinks cut with their heads; the experts' gate|up halves cut apart; the down biases once.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**_TINY, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_families_at_t2_decode_like_hf(tmp_path, name):
-    hf_model = save_random_model(tmp_path, FAMILIES[name]())
+    # gpt-oss's sinks and router biases drawn large enough to move the tokens.
+    save = _save_gpt_oss if name == "gpt_oss" else save_random_model
+    hf_model = save(tmp_path, FAMILIES[name]())
     prompts = ragged_prompts(FAMILY_VOCAB)
     assert_matches_hf(tmp_path, hf_model, prompts, block_size=4, tensor_parallel_size=2)
 
