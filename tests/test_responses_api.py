@@ -149,8 +149,13 @@ def test_reasoning_is_an_output_item_of_its_own(servers):
     "body, param",
     [
         ({"input": QUESTION, "previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"input": QUESTION, "tools": [{"type": "function", "name": "f"}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": QUESTION, "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+            "input",
+        ),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": ""}, "input"),
         ({"input": QUESTION, "n": 2}, "n"),
@@ -163,3 +168,76 @@ def test_what_responses_do_not_serve_is_a_400_naming_it(servers, body, param):
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_forced_tool_call_is_a_function_call_item_whole_or_streamed(servers):
+    client = _client(servers["plain"])
+    args = {"model": MODEL, "input": QUESTION, "tools": [WEATHER], "max_output_tokens": 40}
+    named = {"type": "function", "name": "get_weather"}
+    for choice in ("required", named):
+        response = client.responses.create(**args, tool_choice=choice, temperature=0)
+        [call] = response.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert set(json.loads(call.arguments)) == {"city"} and call.call_id.startswith("call_")
+    events = list(client.responses.create(**args, tool_choice=named, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments
+    assert events[-1].response.output[0].arguments == call.arguments
+
+
+def test_function_call_items_render_as_the_chat_apis_tool_messages(servers):
+    arguments = json.dumps({"city": "Paris"})
+    items = [
+        {"role": "user", "content": QUESTION},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": arguments,
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+    ]
+    response = _client(servers["plain"]).responses.create(
+        model=MODEL,
+        input=items,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]
+    chat_tools = [
+        {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    ]
+    chat = _chat(servers["plain"], messages, 8, tools=chat_tools, tool_choice="none")
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.usage.input_tokens == chat["usage"]["prompt_tokens"]

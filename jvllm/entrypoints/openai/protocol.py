@@ -166,6 +166,9 @@ class ResponsesRequest(_SamplingFields):
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: dict[str, Any] | None = None
+    # Function tools, flat ({"type": "function", "name", "parameters"}), as chat's tools.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     # Taken as vLLM takes it without a response store: the response is not kept.
     store: bool = True

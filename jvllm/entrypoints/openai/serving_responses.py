@@ -1,26 +1,25 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat template, as vLLM serves it for
-text: `input` (a string, or message items) after `instructions`, one reply, given whole or as
-the API's typed stream events. With --reasoning-parser a thinking model's reasoning is an
-output item of its own. Responses are not stored (vLLM's default), so `previous_response_id`
-and tools are refused (unsupported.py)."""
+"""POST /v1/responses: OpenAI's Responses API over the chat template, as vLLM serves it: `input`
+(a string, or message and function-call items) after `instructions`, function tools, one reply,
+given whole or as the API's typed stream events. With --reasoning-parser a thinking model's
+reasoning is an output item of its own; tool calls are function_call items, forced or parsed
+out of the text as on /v1/chat/completions. Responses are not stored (vLLM's default), so
+`previous_response_id` is refused (unsupported.py)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
 
-from jvllm.entrypoints.chat import text_content
 from jvllm.entrypoints.openai.protocol import OpenAIError, ResponsesRequest
 from jvllm.entrypoints.openai.reasoning import ReasoningSplitter, split_reply
+from jvllm.entrypoints.openai.responses_input import chat_messages, chat_tools_request
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, sse
 from jvllm.entrypoints.openai.structured import structured_outputs
+from jvllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, reply
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import RequestOutputKind
 
-# The item types of `input` that are messages, and the roles the chat template sees for them.
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
 # The fields shared with chat and completions (protocol._SamplingFields) that a response has no
 # place for, with the value that leaves them unused.
 _CHAT_ONLY_FIELDS = {
@@ -33,7 +32,7 @@ _CHAT_ONLY_FIELDS = {
 
 class OpenAIServingResponses(OpenAIServing):
     def __init__(self, chat: OpenAIServingChat):
-        """Renders through `chat` (its template, trust and reasoning parser)."""
+        """Renders through `chat` (its template, trust, tool and reasoning parsers)."""
         super().__init__(chat.engine, chat.model_names)
         self.chat = chat
 
@@ -49,18 +48,31 @@ class OpenAIServingResponses(OpenAIServing):
                     param=name,
                 )
         self.check_request(request)
-        messages = _messages(request)
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "input", request)
+        tools_request = chat_tools_request(request)
+        plan = plan_tools(tools_request, self.chat.tool_parser)
+        constraint = structured_outputs(request)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise OpenAIError(
+                    f"tool_choice {request.tool_choice!r} already constrains the reply; "
+                    "leave out text.format",
+                    param="tool_choice",
+                )
+            constraint = plan.constraint
+        messages = chat_messages(request)
+        num_chars = sum(len(m["content"] or "") for m in messages)
+        self.check_prompt_chars(num_chars, "input", request)
         prompt_token_ids = self.chat.render(
-            messages, kwargs=request.chat_template_kwargs, chat_template=None
+            messages,
+            kwargs=request.chat_template_kwargs,
+            chat_template=None,
+            tools=tools_request.tools,
         )
         prompt_token_ids = self.truncated(prompt_token_ids, request)
         max_tokens = self.check_length(
             len(prompt_token_ids), request.max_output_tokens, "max_output_tokens"
         )
-        params = self.sampling_params(
-            request, max_tokens, None, constraint=structured_outputs(request)
-        )
+        params = self.sampling_params(request, max_tokens, None, constraint=constraint)
         response_id = f"resp_{request.request_id or uuid.uuid4().hex}"
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         prompt = {
@@ -74,24 +86,48 @@ class OpenAIServingResponses(OpenAIServing):
         except StopAsyncIteration:
             first = None
         # How the reply starts, for the reasoning parser: inside a thought, under a constraint.
-        start = (self.chat.opens_thought(prompt_token_ids), params.structured_outputs is not None)
+        start = (self.chat.opens_thought(prompt_token_ids), constraint is not None)
         view = _ResponseView(request, response_id, self.model_name, len(prompt_token_ids))
-        if request.stream:
+        if request.stream and plan.mode == "none":
             return self._stream(view, first, outputs, start)
+        if request.stream:  # calls are known once the reply is: its items go out whole
+            return self._stream_whole(view, first, outputs, start, plan)
         await outputs.aclose()
-        result = first[1]
-        reasoning, text = self._split(start, result.outputs[0].text)
-        return view.response(result, reasoning, text, self._count(reasoning))
+        return self._final(view, first[1], first[1].outputs[0].text, start, plan)
 
-    def _split(self, start: tuple[bool, bool], text: str) -> tuple[str | None, str]:
-        if self.chat.reasoning_parser is None:
-            return None, text
-        reasoning, content = split_reply(self.chat.reasoning_parser, text, *start)
-        return reasoning or None, content
+    def _final(
+        self, view: _ResponseView, result: RequestOutput, text: str, start, plan: ToolPlan
+    ) -> dict:
+        """The response to the whole reply `text`: its reasoning, message and calls."""
+        reasoning = None
+        if self.chat.reasoning_parser is not None:
+            reasoning, text = split_reply(self.chat.reasoning_parser, text, *start)
+        content, calls = reply(plan, text)
+        return view.response(result, reasoning or None, content, calls, self._count(reasoning))
 
     def _count(self, reasoning: str | None) -> int:
         """Tokens of the reasoning (usage's reasoning_tokens), re-read from its text."""
         return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+
+    async def _stream_whole(
+        self, view: _ResponseView, first, outputs: AsyncIterator, start, plan: ToolPlan
+    ) -> AsyncIterator[str]:
+        events = _Events()
+        try:
+            yield events.emit("response.created", response=view.shell("in_progress"))
+            yield events.emit("response.in_progress", response=view.shell("in_progress"))
+            item, text = first, ""
+            while item is not None:
+                result, text = item[1], text + item[1].outputs[0].text
+                item = await anext(outputs, None)
+            final = self._final(view, result, text, start, plan)
+            for line in view.replay(events, final["output"]):
+                yield line
+            yield events.emit(_closing_event(final), response=final)
+        except OpenAIError as e:
+            yield events.emit("error", message=e.message, code=e.code, param=e.param)
+        finally:
+            await outputs.aclose()
 
     async def _stream(
         self, view: _ResponseView, first, outputs: AsyncIterator, start: tuple[bool, bool]
@@ -138,13 +174,16 @@ class OpenAIServingResponses(OpenAIServing):
                 done = view.reasoning_done if name == "reasoning" else view.message_done
                 for line in done(events, index, reasoning if name == "reasoning" else text):
                     yield line
-            final = view.response(result, reasoning or None, text, self._count(reasoning or None))
-            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-            yield events.emit(kind, response=final)
+            final = view.response(result, reasoning or None, text, [], self._count(reasoning))
+            yield events.emit(_closing_event(final), response=final)
         except OpenAIError as e:
             yield events.emit("error", message=e.message, code=e.code, param=e.param)
         finally:
             await outputs.aclose()
+
+
+def _closing_event(final: dict) -> str:
+    return "response.completed" if final["status"] == "completed" else "response.incomplete"
 
 
 class _Events:
@@ -189,8 +228,8 @@ class _ResponseView:
             "temperature": request.temperature,
             "top_p": request.top_p,
             "text": request.text or {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+            "tools": request.tools or [],
             "truncation": "disabled",
             "user": request.user,
             "error": None,
@@ -199,13 +238,22 @@ class _ResponseView:
         }
 
     def response(
-        self, result: RequestOutput, reasoning: str | None, text: str, num_reasoning: int
+        self,
+        result: RequestOutput,
+        reasoning: str | None,
+        text: str | None,
+        calls: list[dict],
+        num_reasoning: int,
     ) -> dict:
+        """The response to `result`: its reasoning item, its message (unless it only calls
+        tools) and a function_call item per call (chat's tool_calls entries)."""
         completion = result.outputs[0]
         output = []
         if reasoning is not None:
             output.append(self._reasoning_item(reasoning, "completed"))
-        output.append(self._message_item(text, "completed"))
+        if text or not calls:
+            output.append(self._message_item(text or "", "completed"))
+        output += [_call_item(call) for call in calls]
         incomplete = completion.finish_reason == "length"
         body = self.shell("incomplete" if incomplete else "completed", output)
         if incomplete:
@@ -239,6 +287,36 @@ class _ResponseView:
             "content": content,
             "status": status,
         }
+
+    def replay(self, events: _Events, items: list[dict]) -> list[str]:
+        """The events of whole output items, in order (a reply whose calls are known only at
+        its end): each item added, its content in one delta, done."""
+        lines = []
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                lines += self.message_started(events, index)
+                lines.append(self.text_delta(events, index, text))
+                lines += self.message_done(events, index, text)
+            elif item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                lines += self.reasoning_started(events, index)
+                lines.append(self.reasoning_delta(events, index, text))
+                lines += self.reasoning_done(events, index, text)
+            else:
+                at = {"item_id": item["id"], "output_index": index}
+                started = {**item, "arguments": "", "status": "in_progress"}
+                lines += [
+                    events.emit("response.output_item.added", output_index=index, item=started),
+                    events.emit(
+                        "response.function_call_arguments.delta", **at, delta=item["arguments"]
+                    ),
+                    events.emit(
+                        "response.function_call_arguments.done", **at, arguments=item["arguments"]
+                    ),
+                    events.emit("response.output_item.done", output_index=index, item=item),
+                ]
+        return lines
 
     def message_started(self, events: _Events, index: int) -> list[str]:
         at = {"item_id": self.message_id, "output_index": index, "content_index": 0}
@@ -292,45 +370,17 @@ class _ResponseView:
         ]
 
 
+def _call_item(call: dict) -> dict:
+    """A chat tool_calls entry as a function_call output item."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": "completed",
+    }
+
+
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _messages(request: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as chat messages; an item that is not a text message is a 400
-    naming it."""
-    messages = []
-    if request.instructions:
-        messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        if not request.input:
-            raise OpenAIError("input must not be empty", param="input")
-        return [*messages, {"role": "user", "content": request.input}]
-    if not request.input:
-        raise OpenAIError("input must not be empty", param="input")
-    for i, item in enumerate(request.input):
-        kind, role = item.get("type", "message"), item.get("role")
-        if kind != "message" or role not in _ROLES:
-            raise OpenAIError(
-                f"input[{i}] is a {kind!r} item with role {role!r}; jvllm takes message items "
-                f"with a role in {sorted(_ROLES)} (tool calls and outputs are not supported)",
-                param="input",
-            )
-        content = item.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise OpenAIError(
-                        f"input[{i}].content[{j}] is a {kind!r} part; jvllm takes text parts "
-                        f"({', '.join(_TEXT_PARTS)})",
-                        param="input",
-                    )
-                parts.append({"type": "text", "text": part.get("text", "")})
-            content = parts
-        messages.append({"role": _ROLES[role], "content": content})
-    try:
-        return text_content(messages)
-    except ValueError as e:
-        raise OpenAIError(str(e), param="input") from None

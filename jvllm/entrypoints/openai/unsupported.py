@@ -45,8 +45,6 @@ RESPONSES_FIELDS: dict[str, tuple] = {
     "previous_response_id": (),  # jvllm keeps no responses to continue from
     "conversation": (),
     "prompt": (),  # a stored prompt template
-    "tools": ([],),
-    "tool_choice": ("auto", "none"),
     "reasoning": (),
     "include": ([],),
     "background": (False,),
