@@ -25,8 +25,9 @@ def servers(smollm2_dir):
     threads = [
         ServerThread(build_app(engine, MODEL)).start(),
         ServerThread(build_app(engine, MODEL, reasoning_parser="deepseek_r1")).start(),
+        ServerThread(build_app(engine, MODEL, tool_call_parser="hermes")).start(),
     ]
-    yield {"plain": threads[0].url, "reasoning": threads[1].url}
+    yield {"plain": threads[0].url, "reasoning": threads[1].url, "tools": threads[2].url}
     for thread in threads:
         thread.stop()
     engine.shutdown()
@@ -241,3 +242,18 @@ def test_function_call_items_render_as_the_chat_apis_tool_messages(servers):
     chat = _chat(servers["plain"], messages, 8, tools=chat_tools, tool_choice="none")
     assert response.output_text == chat["choices"][0]["message"]["content"]
     assert response.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_auto_tool_choice_reads_the_calls_out_of_the_reply(servers):
+    # The constraint makes SmolLM2 write a call the way Qwen's template asks (hermes).
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
+    args = {"model": MODEL, "input": QUESTION, "tools": [WEATHER], "max_output_tokens": 40}
+    extra = {"guided_regex": call}
+    response = _client(servers["tools"]).responses.create(**args, temperature=0, extra_body=extra)
+    [item] = response.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert set(json.loads(item.arguments)) == {"city"}
+    events = _client(servers["tools"]).responses.create(
+        **args, temperature=0, extra_body=extra, stream=True
+    )
+    assert [i.type for i in list(events)[-1].response.output] == ["function_call"]
