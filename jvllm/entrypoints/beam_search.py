@@ -180,9 +180,10 @@ async def beam_search_async(
     params: BeamSearchParams,
     request_id: str,
     cache_salt: str | None = None,
+    priority: int = 0,
 ) -> BeamSearchOutput:
     """The same search for one prompt through an `AsyncLLM`: each step's beams run at once, as
-    requests `{request_id}-{step}-{beam}`."""
+    requests `{request_id}-{step}-{beam}` of the search's `priority`."""
     inner = engine.engine
     search = BeamSearch([prompt_token_ids], [cache_salt], params, inner.eos_token_ids, inner.args)
     for step in range(params.max_tokens):
@@ -191,7 +192,11 @@ async def beam_search_async(
             break
         outputs = await asyncio.gather(
             *(
-                _last(engine.generate(prompt, search.step_params, f"{request_id}-{step}-{i}"))
+                _last(
+                    engine.generate(
+                        prompt, search.step_params, f"{request_id}-{step}-{i}", priority=priority
+                    )
+                )
                 for i, prompt in enumerate(step_prompts)
             )
         )

@@ -303,7 +303,7 @@ class OpenAIServing:
     ) -> AsyncIterator[RequestOutput]:
         try:
             if beam is not None:
-                yield await self._beam_search(prompt, beam, request_id)
+                yield await self._beam_search(prompt, beam, request_id, priority)
                 return
             async for output in self.engine.generate(
                 prompt, params, request_id, output_kind=kind, priority=priority
@@ -322,13 +322,13 @@ class OpenAIServing:
             ) from None
 
     async def _beam_search(
-        self, prompt: dict, beam: BeamSearchParams, request_id: str
+        self, prompt: dict, beam: BeamSearchParams, request_id: str, priority: int
     ) -> RequestOutput:
         """One finished output whose completions are the best beams (vLLM's online beam search:
         the text leaves out a final EOS unless include_stop_str_in_output)."""
         prompt_ids = prompt["prompt_token_ids"]
         found = await beam_search_async(
-            self.engine, prompt_ids, beam, request_id, prompt.get("cache_salt")
+            self.engine, prompt_ids, beam, request_id, prompt.get("cache_salt"), priority
         )
         eos = self.engine.engine.eos_token_ids
         outputs = []
