@@ -1,7 +1,7 @@
 """GGUF files of each llama.cpp architecture jvllm reads, written from a tiny random HF model as
-llama.cpp's converter writes that architecture (matmul weights in Q8_0): each loads as the HF
-checkpoint it was written from, and the more involved ones decode like HF transformers with
-their weights kept packed."""
+llama.cpp's converter writes that architecture (matmul weights in Q8_0, a MoE file's experts
+also in Q4_K and MXFP4): each loads as the HF checkpoint it was written from, and the more
+involved ones decode like HF transformers with their weights kept packed."""
 
 import dataclasses
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import random_gguf_blocks
 from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_random_model
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as Q
@@ -50,6 +51,24 @@ _PHI3_LAYER_NAMES = {
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
+# MoE layers (the same HF names in Qwen3-MoE, Qwen2-MoE and Mixtral in memory): the router,
+# Qwen2-MoE's shared expert and its q/k/v biases; the experts go through _add_experts.
+_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+}
+# HF's fused experts [E, 2F, D] (gate | up) and [E, D, F] -> llama.cpp's kinds of expert tensor.
+_EXPERT_KINDS = {
+    "mlp.experts.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.experts.down_proj": ("ffn_down",),
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -69,7 +88,8 @@ def _save_gguf(hf_model, path, arch: str, layer_names: dict, metadata: dict, **c
     hf_model as their dequantized values so that both compute with the same weights; a tied
     head left out; the tokenizer a byte-level vocabulary of placeholders. Conventions:
     `permute_qk` (Llama's q/k rows), `norm_shift` (Gemma's: its norms stored + 1),
-    `extra_tensors` ({name: f32 array})."""
+    `extra_tensors` ({name: f32 array}), and the experts' (see _add_experts). Routers stay
+    float32, as llama.cpp keeps them."""
     config = hf_model.config
     writer = GGUFWriter(str(path), arch=arch)
     common = {
@@ -99,6 +119,9 @@ def _save_gguf(hf_model, path, arch: str, layer_names: dict, metadata: dict, **c
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if name.split(".", 3)[-1] in _EXPERT_KINDS:
+            _add_experts(writer, name, tensor, **conventions)
+            continue
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             gguf_name = f"blk.{layer}.{layer_names[rest]}"
@@ -108,7 +131,7 @@ def _save_gguf(hf_model, path, arch: str, layer_names: dict, metadata: dict, **c
         if name.endswith("norm.weight") and conventions.get("norm_shift"):
             values = values + np.float32(1.0)
             tensor.copy_(torch.from_numpy(values - np.float32(1.0)))  # what the file holds
-        if values.ndim == 2 and gguf_name.startswith("blk."):
+        if values.ndim == 2 and gguf_name.startswith("blk.") and "gate_inp" not in gguf_name:
             stored = gguf_dequantize(gguf_quantize(values, Q.Q8_0), Q.Q8_0).reshape(values.shape)
             tensor.copy_(torch.from_numpy(stored))
             suffix = gguf_name.split(".", 2)[2]
@@ -123,6 +146,36 @@ def _save_gguf(hf_model, path, arch: str, layer_names: dict, metadata: dict, **c
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_experts(writer, name: str, tensor, expert_qtypes=None, per_expert=False, **_) -> None:
+    """HF's fused experts `name` as llama.cpp's 3-D ffn_{gate,up,down}_exps [E, out, in] (or,
+    `per_expert`, old Mixtral files' ffn_*.{j} [out, in]), each kind in expert_qtypes' format
+    ({kind: qtype}, else Q8_0); the HF tensor gets the values the file holds."""
+    _, _, layer, rest = name.split(".", 3)
+    kinds = _EXPERT_KINDS[rest]
+    stored = []
+    for kind, values in zip(kinds, np.split(tensor.numpy(), len(kinds), axis=1)):
+        qtype = (expert_qtypes or {}).get(kind, Q.Q8_0)
+        blocks = _encoded(values, qtype)  # [E, out, bytes]
+        stored.append(gguf_dequantize(blocks, qtype).reshape(values.shape))
+        if per_expert:
+            for j, expert in enumerate(blocks):
+                writer.add_tensor(f"blk.{layer}.{kind}.{j}.weight", expert, raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"blk.{layer}.{kind}_exps.weight", blocks, raw_dtype=qtype)
+    tensor.copy_(torch.from_numpy(np.concatenate(stored, axis=1)))
+
+
+def _encoded(values: np.ndarray, qtype) -> np.ndarray:
+    """values [..., I] in `qtype`'s blocks (u8 [..., bytes]): gguf's quantizer, or for Q4_K
+    (which gguf cannot quantize) random blocks with scales small enough for O(0.1) values."""
+    if qtype != Q.Q4_K:
+        return gguf_quantize(values, qtype)
+    rows = int(np.prod(values.shape[:-1]))
+    blocks = random_gguf_blocks(qtype, (rows, values.shape[-1] // 256), np.random.default_rng(0))
+    blocks["d"] = blocks["dmin"] = np.float16(3e-4)
+    return blocks.view(np.uint8).reshape(*values.shape[:-1], -1)
 
 
 def _qwen3():
@@ -225,6 +278,58 @@ def _phi3():
     return config, "phi3", _PHI3_LAYER_NAMES, metadata, {"extra_tensors": factors}
 
 
+def _moe_metadata(config, num_experts: int) -> dict:
+    return {
+        "rope.freq_base": _theta(config),
+        "expert_count": num_experts,
+        "expert_used_count": config.num_experts_per_tok,
+    }
+
+
+def _qwen3_moe():
+    """Top-2 of 4 experts renormalised (as llama.cpp always runs qwen3moe), q/k norms; the
+    experts' down projections in Q4_K (rows of 256), their gate and up in Q8_0."""
+    config = transformers.Qwen3MoeConfig(
+        **TINY,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+    )
+    metadata = {**_moe_metadata(config, 4), "expert_feed_forward_length": 256}
+    conventions = {"expert_qtypes": {"ffn_down": Q.Q4_K}}
+    return config, "qwen3moe", _MOE_LAYER_NAMES, metadata, conventions
+
+
+def _qwen2_moe():
+    """Top-2 of 8 experts, not renormalised (as llama.cpp always runs qwen2moe), beside the
+    gated shared expert of its own width; q/k/v biases. The experts' gate projections in MXFP4
+    (a format the packed path does not keep), their down ones in Q4_K."""
+    config = transformers.Qwen2MoeConfig(
+        **TINY,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=96,
+    )
+    metadata = {
+        **_moe_metadata(config, 8),
+        "expert_feed_forward_length": 256,
+        "expert_shared_feed_forward_length": 96,
+    }
+    conventions = {"expert_qtypes": {"ffn_gate": Q.MXFP4, "ffn_down": Q.Q4_K}}
+    return config, "qwen2moe", _MOE_LAYER_NAMES, metadata, conventions
+
+
+def _mixtral(per_expert: bool = False):
+    """Written as a Llama with experts (q and k rows reordered), each intermediate_size wide;
+    `per_expert`: as old files, one tensor an expert (ffn_gate.{j})."""
+    config = transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
+    conventions = {"permute_qk": True, "per_expert": per_expert}
+    return config, "llama", _MOE_LAYER_NAMES, _moe_metadata(config, 4), conventions
+
+
 CASES = {
     "qwen3": _qwen3,
     "mistral": _mistral,
@@ -232,6 +337,10 @@ CASES = {
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "mixtral_per_expert": lambda: _mixtral(per_expert=True),
 }
 
 
@@ -278,11 +387,12 @@ def _assert_same_config(got, want) -> None:
             assert value == wanted, field.name
 
 
-@pytest.mark.parametrize("case", ["mistral", "gemma3", "phi3"])
+@pytest.mark.parametrize("case", ["mistral", "gemma3", "phi3", "qwen2_moe"])
 def test_a_packed_gguf_decodes_like_hf(tmp_path, case):
     """Through the engine, Q8_0 kept packed: Llama's reordered q/k blocks and Mistral's window;
     Gemma 3's local and global layers; Phi-3's fused blocks, partial rotation and LongRoPE
-    (its short factors: within the original context, where HF uses them too)."""
+    (its short factors: within the original context, where HF uses them too); Qwen2-MoE's
+    experts (MXFP4, Q8_0, Q4_K) dequantized beside its packed attention and shared expert."""
     hf_model, path = _gguf_of(tmp_path, case)
     engine = {"block_size": 4}
     if case == "phi3":
@@ -299,6 +409,17 @@ def test_a_packed_gguf_decodes_like_hf(tmp_path, case):
         ("gemma2", {"rope.freq_base_swa": 100.0}, "gemma2.rope.freq_base_swa=100.0"),
         ("qwen3", {"rope.dimension_count": 8}, "rope over 8 of each head's 16 dims"),
         ("qwen3", {"attention.value_length": 8}, "value_length=8 is not supported"),
+        ("qwen3moe", {"expert_used_count": 2}, "expert_count=None and qwen3moe.expert_used"),
+        (
+            "qwen2moe",
+            {"expert_count": 4, "expert_used_count": 2, "expert_gating_func": 2},
+            "expert_gating_func=2 and qwen2moe.expert_weights_scale=0.0 are not supported",
+        ),
+        (
+            "llama",
+            {"expert_count": 4, "expert_used_count": 2, "expert_weights_scale": 2.5},
+            "expert_weights_scale=2.5 are not supported",
+        ),
     ],
 )
 def test_what_jvllm_cannot_run_is_refused(tmp_path, arch, metadata, message):

@@ -83,6 +83,10 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
     tensors: dict[str, HFTensor] = {}
     for name, t in gguf.tensors.items():
         layer, rest = name.split(".", 2)[1:] if name.startswith("blk.") else (None, name)
+        experts = _experts_of(t, rest, spec.expert_names) if layer is not None else {}
+        if experts:
+            tensors.update({f"model.layers.{layer}.{n}": HFTensor(e) for n, e in experts.items()})
+            continue
         if layer is not None and rest in spec.layer_names:
             hf_name = f"model.layers.{layer}.{spec.layer_names[rest]}"
         elif layer is None and name in GLOBAL_NAMES:
@@ -102,14 +106,38 @@ def gguf_as_hf(gguf: GGUFFile, path: str) -> tuple[dict[str, Any], dict[str, HFT
     return hf_config, tensors
 
 
+def _experts_of(t: GGUFTensor, rest: str, expert_names) -> dict[str, GGUFTensor]:
+    """A layer's expert tensor (`rest` after "blk.{i}.") as HF's per-expert tensors {name after
+    "model.layers.{i}.": [out, in]}, or {} if it is none: llama.cpp's 3-D ffn_*_exps
+    [E, out, in], each expert a view of its own contiguous blocks, or an old Mixtral file's
+    ffn_*.{j}, expert j's alone."""
+    if rest in expert_names:
+        num_experts, size = t.shape[0], t.data.size // t.shape[0]
+        return {
+            expert_names[rest].format(j): GGUFTensor(
+                f"{t.name}[{j}]", t.qtype, t.shape[1:], t.data[j * size : (j + 1) * size]
+            )
+            for j in range(num_experts)
+        }
+    kind, index, suffix = (rest.split(".") + ["", ""])[:3]
+    merged = f"{kind}_exps.{suffix}"
+    if not index.isdigit() or merged not in expert_names:
+        return {}
+    return {expert_names[merged].format(index): t}
+
+
 # What quantization="gguf" loads: block formats kept packed, and float tensors (norms).
 _KEPT_QTYPES = (*PACKED_QTYPES, *_FLOAT_QTYPES)
 
 
 def _check_packable(tensors: dict[str, HFTensor], path: str) -> None:
-    """Every tensor is of a block format kept packed, or a float one."""
+    """Every tensor is of a block format kept packed, or a float one; but the experts, which
+    are dequantized at load whatever their format (the packed kernels take 2-D matmul weights
+    only; CheckpointWeights.stacked_experts reads floats)."""
     unsupported = {
-        t.source.name: t.qtype.name for t in tensors.values() if t.qtype not in _KEPT_QTYPES
+        t.source.name: t.qtype.name
+        for name, t in tensors.items()
+        if t.qtype not in _KEPT_QTYPES and ".experts." not in name
     }
     if unsupported:
         name, qtype = next(iter(unsupported.items()))
@@ -134,7 +162,8 @@ def load_gguf(
 
     keep_packed: tensors of a block format that stays packed (quantization/gguf_blocks.py)
     become GGUFWeights of their blocks, dequantized inside the step; otherwise (and for other
-    formats) every tensor is dequantized to float32 here and cast to the model dtype."""
+    formats, and for a MoE file's experts in any format) every tensor is dequantized to float32
+    here and cast to the model dtype."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
