@@ -175,6 +175,16 @@ def test_qwen_moe_dense_prefix_is_read_from_either_rule(config):
     assert ModelConfig.from_hf_config(fields, "float32").option("num_dense_layers") == 1
 
 
+def test_qwen3_moe_all_dense_config_is_refused_with_its_own_expert_count():
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
+    fields = {**_qwen3_moe(mlp_only_layers=[0, 1]).to_dict(), "num_hidden_layers": 2}
+    with pytest.raises(ValueError, match=r"num_experts=8 make layers \[0, 1\] dense"):
+        ModelConfig.from_hf_config(fields, "float32")
+    no_experts = {**_qwen3_moe().to_dict(), "num_hidden_layers": 2, "num_local_experts": 0}
+    with pytest.raises(ValueError, match=r"num_experts=0 make layers \[0, 1\] dense"):
+        ModelConfig.from_hf_config(no_experts, "float32")
+
+
 def test_qwen2_moe_mlp_only_layers_past_the_last_layer_leave_every_layer_sparse():
     hf = {**_qwen2_moe().to_dict(), "mlp_only_layers": [2, 7]}
     assert ModelConfig.from_hf_config(hf, "float32").num_experts == 8  # not refused

@@ -17,7 +17,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def normalize_hf_config(cfg: dict) -> dict:
         cfg = LlamaForCausalLM.normalize_hf_config(cfg)
         cfg["qk_norm"] = True
-        cfg.setdefault("num_experts", 128)  # Qwen3MoeConfig's defaults
+        # Qwen3MoeConfig's defaults; transformers 5 saves the expert count as num_local_experts.
+        cfg.setdefault("num_experts", cfg.get("num_local_experts", 128))
         cfg.setdefault("num_experts_per_tok", 8)
         cfg.setdefault("norm_topk_prob", False)
         return set_dense_prefix(cfg)
