@@ -92,6 +92,26 @@ def test_every_param_names_each_of_its_axes(architecture):
     assert shapes["layers"]["attn"]["qkv"]["weight"].shape[0] == config.num_layers
 
 
+@pytest.mark.parametrize("architecture", sorted(_HF_CONFIG_CLASSES))
+def test_a_config_json_without_num_key_value_heads_takes_hfs_default(architecture):
+    """Some config classes default to a fixed KV head count (GLM's 2, Mixtral's 8, Qwen3's 32,
+    ...) where the others take the query heads' count."""
+    config_class = _HF_CONFIG_CLASSES[architecture]
+    hf = config_class(**TINY).to_dict()
+    if not isinstance(config_class, type):
+        pytest.skip("the test sets its own num_key_value_heads")
+    del hf["num_key_value_heads"]
+    expected = getattr(config_class(**hf), "num_key_value_heads", None)  # HF reading the JSON
+    if expected is None:
+        pytest.skip("the config class reads no num_key_value_heads")
+    # Twice as many query heads as HF's default KV heads (at least 8): the default divides them
+    # and differs from them, so that a config read as "KV heads = query heads" shows.
+    num_heads = 2 * max(expected, hf["num_attention_heads"])
+    hf.update(num_attention_heads=num_heads, head_dim=16, hidden_size=16 * num_heads)
+    config = ModelConfig.from_hf_config({**hf, "architectures": [architecture]}, "float32")
+    assert config.num_kv_heads == config_class(**hf).num_key_value_heads
+
+
 def test_checkpoint_that_does_not_match_its_config_names_the_tensor(tmp_path):
     _save_random_model(tmp_path, transformers.LlamaConfig(**TINY))
     config = json.loads((tmp_path / "config.json").read_text())

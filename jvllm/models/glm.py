@@ -25,6 +25,7 @@ from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # What GlmConfig and Glm4Config assume where a config.json says nothing.
 _DEFAULTS = {
+    "num_key_value_heads": 2,
     "head_dim": 128,
     "max_position_embeddings": 131072,
     "rms_norm_eps": 1.5625e-07,

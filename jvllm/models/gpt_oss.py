@@ -20,6 +20,7 @@ from jvllm.models.llama import LlamaForCausalLM
 
 # GptOssConfig's defaults, where a config.json does not say.
 _DEFAULTS = {
+    "num_key_value_heads": 8,
     "num_experts_per_tok": 4,
     "head_dim": 64,
     "sliding_window": 128,

@@ -81,6 +81,7 @@ class LlamaForCausalLM(nnx.Module):
             cfg["options"] = {**cfg.get("options", {}), "o_proj_bias": True}
         if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
             cfg["qk_norm"] = True
+            cfg.setdefault("num_key_value_heads", 32)  # Qwen3Config's default
         if cfg.get("model_type") in ("llama", "granite"):
             cfg["sliding_window"] = None  # HF's Llama attends globally, whatever its config says
         if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):

@@ -13,7 +13,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
         cfg = LlamaForCausalLM.normalize_hf_config(cfg)
-        cfg.setdefault("num_local_experts", 8)  # MixtralConfig's defaults
+        cfg.setdefault("num_key_value_heads", 8)  # MixtralConfig's defaults
+        cfg.setdefault("num_local_experts", 8)
         cfg.setdefault("num_experts_per_tok", 2)
         cfg["norm_topk_prob"] = True
         return cfg

@@ -18,6 +18,7 @@ from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM, set_dense_prefix
 
 # Qwen2MoeConfig's defaults, where a config.json does not say.
 _DEFAULTS = {
+    "num_key_value_heads": 16,
     "max_position_embeddings": 32768,
     "num_experts": 60,
     "num_experts_per_tok": 4,

@@ -18,6 +18,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         cfg = LlamaForCausalLM.normalize_hf_config(cfg)
         cfg["qk_norm"] = True
         # Qwen3MoeConfig's defaults; transformers 5 saves the expert count as num_local_experts.
+        cfg.setdefault("num_key_value_heads", 4)
         cfg.setdefault("num_experts", cfg.get("num_local_experts", 128))
         cfg.setdefault("num_experts_per_tok", 8)
         cfg.setdefault("norm_topk_prob", False)

@@ -23,6 +23,7 @@ from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # What StableLmConfig assumes where a config.json says nothing.
 _DEFAULTS = {
+    "num_key_value_heads": 32,
     "hidden_act": "silu",
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,

@@ -14,6 +14,7 @@ from jvllm.models.layer_norm_rotary import LayerNormRotaryForCausalLM, layer_nor
 
 # What Starcoder2Config assumes where a config.json says nothing.
 _DEFAULTS = {
+    "num_key_value_heads": 2,
     "hidden_act": "gelu_pytorch_tanh",
     "max_position_embeddings": 4096,
     "use_bias": True,
