@@ -30,6 +30,14 @@ from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 # Qwen2Config's and Qwen3Config's window where use_sliding_window sets none, and its first layer.
 _QWEN_DEFAULT_WINDOW = 4096
 _QWEN_DEFAULT_WINDOW_START = 28
+# The config classes whose num_key_value_heads defaults to a count of its own, not to the
+# query heads' (LlamaConfig's, Phi3Config's and GraniteConfig's), and their architectures.
+_KV_HEADS_DEFAULTS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+_ARCHITECTURES = {
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # Phi3Config's default context (max_position_embeddings, original_max_position_embeddings),
 # where a config.json does not say.
 _PHI3_DEFAULT_CONTEXT = 4096
@@ -81,7 +89,9 @@ class LlamaForCausalLM(nnx.Module):
             cfg["options"] = {**cfg.get("options", {}), "o_proj_bias": True}
         if architecture == "Qwen3ForCausalLM" or cfg.get("model_type") == "qwen3":
             cfg["qk_norm"] = True
-            cfg.setdefault("num_key_value_heads", 32)  # Qwen3Config's default
+        for model_type, num_kv_heads in _KV_HEADS_DEFAULTS.items():
+            if cfg.get("model_type") == model_type or architecture == _ARCHITECTURES[model_type]:
+                cfg.setdefault("num_key_value_heads", num_kv_heads)
         if cfg.get("model_type") in ("llama", "granite"):
             cfg["sliding_window"] = None  # HF's Llama attends globally, whatever its config says
         if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
@@ -209,6 +219,7 @@ class LlamaForCausalLM(nnx.Module):
 # What GraniteConfig and SmolLM3Config assume where a config.json says nothing.
 _GRANITE_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2}
 _SMOLLM3_DEFAULTS = {
+    "num_key_value_heads": 4,
     "max_position_embeddings": 32768,
     "tie_word_embeddings": True,
     "bos_token_id": 128000,
