@@ -100,6 +100,7 @@ def test_a_streamed_response_sends_the_apis_events_in_order(servers):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens == 4
 
 
 def test_text_format_constrains_the_response(servers):
@@ -199,12 +200,15 @@ def test_a_forced_tool_call_is_a_function_call_item_whole_or_streamed(servers):
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done.arguments == call.arguments
     assert events[-1].response.output[0].arguments == call.arguments
+    assert events[-1].response.usage.output_tokens == response.usage.output_tokens
 
 
 def test_function_call_items_render_as_the_chat_apis_tool_messages(servers):
     arguments = json.dumps({"city": "Paris"})
+    # The turn's text and its call are one assistant message, as the chat API writes it.
     items = [
         {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "Let me check."},
         {
             "type": "function_call",
             "call_id": "call_1",
@@ -225,7 +229,7 @@ def test_function_call_items_render_as_the_chat_apis_tool_messages(servers):
         {"role": "user", "content": QUESTION},
         {
             "role": "assistant",
-            "content": None,
+            "content": "Let me check.",
             "tool_calls": [
                 {
                     "id": "call_1",
@@ -257,3 +261,10 @@ def test_auto_tool_choice_reads_the_calls_out_of_the_reply(servers):
         **args, temperature=0, extra_body=extra, stream=True
     )
     assert [i.type for i in list(events)[-1].response.output] == ["function_call"]
+
+
+def test_tool_choice_auto_without_tools_is_the_apis_default(servers):
+    response = _client(servers["plain"]).responses.create(
+        model=MODEL, input=QUESTION, tool_choice="auto", max_output_tokens=4, temperature=0
+    )
+    assert response.tool_choice == "auto" and response.output[0].type == "message"

@@ -73,6 +73,8 @@ def chat_tools_request(request: ResponsesRequest) -> SimpleNamespace:
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         tools.append({"type": "function", "function": function})
     choice = request.tool_choice
+    if not tools and choice in ("auto", "none"):
+        choice = None  # the API's default, with no tools: nothing to choose from
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise OpenAIError(
@@ -107,15 +109,19 @@ def _message(i: int, item: dict) -> dict:
 
 
 def _add_call(messages: list[dict], i: int, item: dict) -> None:
-    """A function_call item onto the assistant message of the calls just before it, or a new
-    one; its arguments (a JSON string) must parse, as the template writes them as an object."""
+    """A function_call item onto the assistant message just before it (the same turn's text or
+    calls), or a new one; its arguments must be a JSON object's text, as the template writes
+    them as an object."""
     name, arguments = item.get("name"), item.get("arguments", "{}")
     try:
-        json.loads(arguments)
+        is_object = isinstance(json.loads(arguments), dict)
     except (TypeError, ValueError):
+        is_object = False
+    if not is_object:
         raise OpenAIError(
-            f"input[{i}]: a function_call's arguments must be a JSON string", param="input"
-        ) from None
+            f"input[{i}]: a function_call's arguments must be a JSON object as a string",
+            param="input",
+        )
     if not isinstance(name, str) or not isinstance(item.get("call_id"), str):
         raise OpenAIError(f"input[{i}]: a function_call needs a name and a call_id", param="input")
     call = {
@@ -124,7 +130,7 @@ def _add_call(messages: list[dict], i: int, item: dict) -> None:
         "function": {"name": name, "arguments": arguments},
     }
     last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-        last["tool_calls"].append(call)
+    if last is not None and last["role"] == "assistant":  # the turn's text, or calls, before it
+        last["tool_calls"] = [*(last.get("tool_calls") or []), call]
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})

@@ -26,7 +26,6 @@ _CHAT_ONLY_FIELDS = {
     "prompt_logprobs": None,
     "return_token_ids": False,
     "return_tokens_as_token_ids": False,
-    "stream_options": None,
 }
 
 
@@ -96,14 +95,22 @@ class OpenAIServingResponses(OpenAIServing):
         return self._final(view, first[1], first[1].outputs[0].text, start, plan)
 
     def _final(
-        self, view: _ResponseView, result: RequestOutput, text: str, start, plan: ToolPlan
+        self,
+        view: _ResponseView,
+        result: RequestOutput,
+        text: str,
+        start,
+        plan: ToolPlan,
+        num_output: int | None = None,
     ) -> dict:
-        """The response to the whole reply `text`: its reasoning, message and calls."""
+        """The response to the whole reply `text` (of `num_output` tokens; None: the result's):
+        its reasoning, message and calls."""
         reasoning = None
         if self.chat.reasoning_parser is not None:
             reasoning, text = split_reply(self.chat.reasoning_parser, text, *start)
         content, calls = reply(plan, text)
-        return view.response(result, reasoning or None, content, calls, self._count(reasoning))
+        num_reasoning = self._count(reasoning)
+        return view.response(result, reasoning or None, content, calls, num_reasoning, num_output)
 
     def _count(self, reasoning: str | None) -> int:
         """Tokens of the reasoning (usage's reasoning_tokens), re-read from its text."""
@@ -116,11 +123,12 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             yield events.emit("response.created", response=view.shell("in_progress"))
             yield events.emit("response.in_progress", response=view.shell("in_progress"))
-            item, text = first, ""
+            item, text, num_output = first, "", 0
             while item is not None:
                 result, text = item[1], text + item[1].outputs[0].text
+                num_output += len(result.outputs[0].token_ids)
                 item = await anext(outputs, None)
-            final = self._final(view, result, text, start, plan)
+            final = self._final(view, result, text, start, plan, num_output)
             for line in view.replay(events, final["output"]):
                 yield line
             yield events.emit(_closing_event(final), response=final)
@@ -140,10 +148,11 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             yield events.emit("response.created", response=view.shell("in_progress"))
             yield events.emit("response.in_progress", response=view.shell("in_progress"))
-            item, result = first, None
+            item, result, num_output = first, None, 0
             while item is not None:
                 result = item[1]
                 c = result.outputs[0]
+                num_output += len(c.token_ids)
                 new_reasoning, new_text = "", c.text
                 if splitter is not None:
                     new_reasoning, new_text = splitter.feed(c.text)
@@ -174,7 +183,8 @@ class OpenAIServingResponses(OpenAIServing):
                 done = view.reasoning_done if name == "reasoning" else view.message_done
                 for line in done(events, index, reasoning if name == "reasoning" else text):
                     yield line
-            final = view.response(result, reasoning or None, text, [], self._count(reasoning))
+            num_reasoning = self._count(reasoning)
+            final = view.response(result, reasoning or None, text, [], num_reasoning, num_output)
             yield events.emit(_closing_event(final), response=final)
         except OpenAIError as e:
             yield events.emit("error", message=e.message, code=e.code, param=e.param)
@@ -228,7 +238,7 @@ class _ResponseView:
             "temperature": request.temperature,
             "top_p": request.top_p,
             "text": request.text or {"format": {"type": "text"}},
-            "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+            "tool_choice": request.tool_choice or "auto",
             "tools": request.tools or [],
             "truncation": "disabled",
             "user": request.user,
@@ -244,6 +254,7 @@ class _ResponseView:
         text: str | None,
         calls: list[dict],
         num_reasoning: int,
+        num_output: int | None = None,
     ) -> dict:
         """The response to `result`: its reasoning item, its message (unless it only calls
         tools) and a function_call item per call (chat's tool_calls entries)."""
@@ -258,7 +269,8 @@ class _ResponseView:
         body = self.shell("incomplete" if incomplete else "completed", output)
         if incomplete:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
-        num_output = len(completion.token_ids)
+        if num_output is None:  # a streamed result holds only its last tokens: the caller counts
+            num_output = len(completion.token_ids)
         body["usage"] = {
             "input_tokens": self.num_prompt,
             "input_tokens_details": {"cached_tokens": result.num_cached_tokens},
