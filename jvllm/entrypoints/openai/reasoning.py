@@ -82,6 +82,14 @@ class ReasoningSplitter:
         content, self.pending = self.pending, ""
         return reasoning, content
 
+    def feed_delta(self, text: str, is_last: bool) -> tuple[str, str]:
+        """A streamed reply's new text, and what was held back too where it is the last."""
+        reasoning, content = self.feed(text)
+        if is_last:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What was held back, at the reply's end: an unclosed thought's tail is reasoning."""
         held, self.pending = self.pending, ""
@@ -98,6 +106,15 @@ def split_reply(
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return reasoning + more_reasoning, content + more_content
+
+
+def add_reasoning(message: dict, reasoning: str | None, include: bool) -> None:
+    """A reply's reasoning into a chat message or delta under vLLM's two names
+    (`reasoning_content`, and `reasoning`, which newer vLLM writes), or None where the request
+    asked for none (include_reasoning=false)."""
+    value = reasoning if include else None
+    message["reasoning_content"] = value
+    message["reasoning"] = value
 
 
 def _held_back(text: str, tag: str) -> int:

@@ -10,6 +10,7 @@ from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.reasoning import (
     ReasoningParser,
     ReasoningSplitter,
+    add_reasoning,
     prompt_opens_thought,
     split_reply,
 )
@@ -185,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
                 content = None  # a reply that only thought (vLLM's)
             message = {"role": role, "content": echo + content if content is not None else None}
             if self.reasoning_parser is not None:
-                _add_reasoning(message, reasoning or None, request.include_reasoning)
+                add_reasoning(message, reasoning or None, request.include_reasoning)
             if calls:
                 message["tool_calls"] = calls
             choice = {
@@ -319,7 +320,9 @@ class OpenAIServingChat(OpenAIServing):
                     calls = streams[c.index]
                     text, reasoning = c.text, ""
                     if splitters[c.index] is not None:
-                        reasoning, text = _split_delta(splitters[c.index], c)
+                        reasoning, text = splitters[c.index].feed_delta(
+                            c.text, bool(c.finish_reason)
+                        )
                     if calls is None:
                         content = {"content": text} if text or c.token_ids else None
                     else:
@@ -331,7 +334,7 @@ class OpenAIServingChat(OpenAIServing):
                         content = content or {}
                         if not text:
                             content.pop("content", None)
-                        _add_reasoning(content, reasoning, True)
+                        add_reasoning(content, reasoning, True)
                     if content:
                         delta = _choice_delta(c.index, content)
                         if request.logprobs:
@@ -393,21 +396,3 @@ def _choice_delta(index: int, delta: dict) -> dict:
 
 # Tokens of the prompt's end decoded to see whether it opens a thought: enough for any tag.
 _PROMPT_TAIL_TOKENS = 8
-
-
-def _split_delta(splitter: ReasoningSplitter, c: CompletionOutput) -> tuple[str, str]:
-    """A streamed choice's new text -> (reasoning, content), with what the splitter held back
-    released when the choice finishes."""
-    reasoning, content = splitter.feed(c.text)
-    if c.finish_reason:
-        more_reasoning, more_content = splitter.finish()
-        reasoning, content = reasoning + more_reasoning, content + more_content
-    return reasoning, content
-
-
-def _add_reasoning(message: dict, reasoning: str | None, include: bool) -> None:
-    """A reply's reasoning under vLLM's two names (`reasoning_content`, and `reasoning`, which
-    newer vLLM writes), or None where the request asked for none (include_reasoning=false)."""
-    value = reasoning if include else None
-    message["reasoning_content"] = value
-    message["reasoning"] = value

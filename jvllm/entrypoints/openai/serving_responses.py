@@ -155,11 +155,7 @@ class OpenAIServingResponses(OpenAIServing):
                 num_output += len(c.token_ids)
                 new_reasoning, new_text = "", c.text
                 if splitter is not None:
-                    new_reasoning, new_text = splitter.feed(c.text)
-                    if c.finish_reason:
-                        more_reasoning, more_text = splitter.finish()
-                        new_reasoning += more_reasoning
-                        new_text += more_text
+                    new_reasoning, new_text = splitter.feed_delta(c.text, bool(c.finish_reason))
                 if new_reasoning:
                     if "reasoning" not in open_items:
                         open_items.append("reasoning")
