@@ -11,6 +11,7 @@ from jvllm.core.config import SchedulerConfig
 from jvllm.core.decode_window import fits_window, window_limit
 from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.core.request import Request, RequestStatus
+from jvllm.core.scheduling_policy import enqueue, pick_victim
 
 logger = logging.getLogger("jvllm.scheduler")
 
@@ -76,7 +77,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        enqueue(self.waiting, request, self.config.policy)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -211,7 +212,7 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                victim = self._pick_victim()
+                victim = pick_victim(self.running, self.config.policy)
                 if victim.request_id in output.num_scheduled_tokens:  # scheduled this step: undo
                     output.scheduled_requests.remove(victim)
                     token_budget += output.num_scheduled_tokens.pop(victim.request_id)
@@ -287,28 +288,6 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
         return min(num_new_tokens, token_budget)
 
-    def _pick_victim(self) -> Request:
-        """The running request that gives its blocks back: the newest (FCFS), or the last in
-        (priority, arrival time) order, as vLLM picks."""
-        if self.config.policy == "priority":  # of equal keys (n > 1 siblings), the newest
-            return max(reversed(self.running), key=_priority_key)
-        return self.running[-1]
-
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        """Into `waiting`: at the back (a new request) or the front (a preempted one) under
-        FCFS; under the priority policy after every request that sorts before or with it."""
-        if self.config.policy == "priority":
-            # From the back: a new request usually sorts last, so adding n costs O(n), not n^2.
-            key = _priority_key(request)
-            index = len(self.waiting)
-            while index > 0 and _priority_key(self.waiting[index - 1]) > key:
-                index -= 1
-            self.waiting.insert(index, request)
-        elif front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
-
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, requeue (at the front under
         FCFS)."""
@@ -317,7 +296,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._enqueue(request, front=True)
+        enqueue(self.waiting, request, self.config.policy, front=True)
         logger.info(
             "preempted %s (%d tokens, preemption #%d)",
             request.request_id,
@@ -395,7 +374,3 @@ class Scheduler:
     def _free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time
