@@ -17,6 +17,13 @@ import numpy as np
 
 from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor
+from jvllm.model_loader.gguf_moe import (
+    MIXTRAL_EXPERTS,
+    QWEN_EXPERTS,
+    SHARED_EXPERT,
+    read_experts,
+    read_qwen_moe,
+)
 
 # GGUF per-layer tensor names -> HF names (after "blk.{i}." / "model.layers.{i}.").
 _ATTENTION = {
@@ -59,28 +66,11 @@ _PHI3 = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# MoE layers: the router (llama.cpp keeps it in float32) and, for Qwen2-MoE, the shared expert.
+# MoE layers: the router (llama.cpp keeps it in float32); the experts are in gguf_moe.py.
 _QWEN_MOE = {
     **_ATTENTION,
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
-}
-_SHARED_EXPERT = {
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-}
-# A layer's experts: llama.cpp's 3-D tensor [E, out, in] -> HF's name of expert j's [out, in].
-_QWEN_EXPERTS = {
-    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
-}
-_MIXTRAL_EXPERTS = {
-    "ffn_gate_exps.weight": "block_sparse_moe.experts.{}.w1.weight",
-    "ffn_up_exps.weight": "block_sparse_moe.experts.{}.w3.weight",
-    "ffn_down_exps.weight": "block_sparse_moe.experts.{}.w2.weight",
 }
 # Llama's names hold Mixtral's too (llama.cpp writes it as a Llama with experts).
 _LLAMA = {**_PRE_NORM, "ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
@@ -91,7 +81,6 @@ GLOBAL_NAMES = {
 }
 _ROPE_FREQS = ("rope_freqs.weight",)  # Llama 3.1's frequency factors
 _LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's
-_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for softmax over the router's logits
 _GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (llama.cpp's GELU is the tanh one)
 # llama.cpp's Gemma 2 and 3 scale the scores by (D / N)^-1/2 for their 27B models (told apart by
 # their layer count) and by H^-1/2 otherwise, as HF's query_pre_attn_scalar does.
@@ -131,49 +120,11 @@ def _read_llama(gguf: GGUFFile, arch: str, cfg: dict[str, Any]) -> None:
     window = gguf.metadata.get(f"{arch}.attention.sliding_window")
     if gguf.metadata.get(f"{arch}.expert_count"):
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
-        cfg["num_local_experts"], cfg["num_experts_per_tok"] = _read_experts(gguf, arch)
+        cfg["num_local_experts"], cfg["num_experts_per_tok"] = read_experts(gguf, arch)
         cfg["sliding_window"] = window or None
     elif window:
         cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
         cfg["sliding_window"] = window
-
-
-def _read_qwen_moe(gguf: GGUFFile, arch: str, cfg: dict[str, Any]) -> None:
-    """Qwen3-MoE and Qwen2-MoE: experts in every layer (llama.cpp's graphs have no dense
-    layers), each expert_feed_forward_length wide (llama.cpp's default: feed_forward_length /
-    expert_used_count). llama.cpp renormalises the top-k weights for qwen3moe and never for
-    qwen2moe, whatever the HF config said, so norm_topk_prob follows the architecture.
-    Qwen2-MoE's shared expert is expert_shared_feed_forward_length wide (default:
-    feed_forward_length), and its q/k/v biases are there when the file holds them."""
-    meta = gguf.metadata.get
-    cfg["num_experts"], cfg["num_experts_per_tok"] = _read_experts(gguf, arch)
-    default_width = cfg["intermediate_size"] // cfg["num_experts_per_tok"]
-    cfg["moe_intermediate_size"] = meta(f"{arch}.expert_feed_forward_length") or default_width
-    cfg["norm_topk_prob"] = arch == "qwen3moe"
-    if arch == "qwen2moe":
-        shared_width = meta(f"{arch}.expert_shared_feed_forward_length")
-        cfg["shared_expert_intermediate_size"] = shared_width or cfg["intermediate_size"]
-        cfg["qkv_bias"] = "blk.0.attn_q.bias" in gguf.tensors
-
-
-def _read_experts(gguf: GGUFFile, arch: str) -> tuple[int, int]:
-    """(expert_count, expert_used_count), refusing routing that HF's softmax-then-top-k router
-    does not do: another gating function, or the weights scaled."""
-    meta = gguf.metadata.get
-    num_experts, top_k = meta(f"{arch}.expert_count"), meta(f"{arch}.expert_used_count")
-    if not num_experts or not top_k:
-        raise ValueError(
-            f"GGUF {arch}.expert_count={num_experts!r} and {arch}.expert_used_count={top_k!r} "
-            "are not supported; supported: positive counts (a MoE file gives both)"
-        )
-    gating = meta(f"{arch}.expert_gating_func", _SOFTMAX_GATING)
-    scale = meta(f"{arch}.expert_weights_scale", 0.0)
-    if gating != _SOFTMAX_GATING or scale not in (0.0, 1.0):
-        raise ValueError(
-            f"GGUF {arch}.expert_gating_func={gating} and {arch}.expert_weights_scale={scale} "
-            f"are not supported; supported: {_SOFTMAX_GATING} (softmax) and 0 or 1 (unscaled)"
-        )
-    return num_experts, top_k
 
 
 def _read_gemma(gguf: GGUFFile, arch: str, cfg: dict[str, Any]) -> None:
@@ -264,7 +215,7 @@ ARCHITECTURES = {
         _ROPE_FREQS,
         True,
         read_config=_read_llama,
-        expert_names=_MIXTRAL_EXPERTS,
+        expert_names=MIXTRAL_EXPERTS,
     ),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", {**_PRE_NORM, **_QKV_BIASES}),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", {**_PRE_NORM, **_QK_NORMS}, _ROPE_FREQS),
@@ -286,15 +237,15 @@ ARCHITECTURES = {
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
         {**_QWEN_MOE, **_QK_NORMS},
-        read_config=_read_qwen_moe,
-        expert_names=_QWEN_EXPERTS,
+        read_config=read_qwen_moe,
+        expert_names=QWEN_EXPERTS,
     ),
     "qwen2moe": GGUFArchitecture(
         "Qwen2MoeForCausalLM",
         "qwen2_moe",
-        {**_QWEN_MOE, **_SHARED_EXPERT, **_QKV_BIASES},
-        read_config=_read_qwen_moe,
-        expert_names=_QWEN_EXPERTS,
+        {**_QWEN_MOE, **SHARED_EXPERT, **_QKV_BIASES},
+        read_config=read_qwen_moe,
+        expert_names=QWEN_EXPERTS,
     ),
 }
 
