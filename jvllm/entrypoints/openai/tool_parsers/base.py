@@ -118,6 +118,19 @@ class ToolParser:
         if text:
             self._delta_content.append(text)
 
+    def _content_until(self, marker: str, is_final: bool) -> bool:
+        """Sends the content before the next `marker` and moves past the marker (held, as a
+        call's markup); False while the marker has not come, with an end of the text that may
+        begin it held back until the next text tells."""
+        start = self._text.find(marker, self._pos)
+        if start < 0:
+            held = 0 if is_final else partial_marker_len(self._text, self._pos, marker)
+            self._emit_content(len(self._text) - held)
+            return False
+        self._emit_content(start)
+        self._hold(start + len(marker))
+        return True
+
     def _hold(self, end: int) -> None:
         """Moves past text[pos:end], a call's markup, sent as content only if the call fails."""
         self._pos = end
@@ -199,3 +212,12 @@ def _reassemble(deltas: list[dict]) -> tuple[str, list[dict]]:
                 call["id"], call["function"]["name"] = entry["id"], entry["function"]["name"]
             call["function"]["arguments"] += entry["function"]["arguments"]
     return content, [calls[index] for index in sorted(calls)]
+
+
+def partial_marker_len(text: str, pos: int, marker: str) -> int:
+    """Length of the longest end of text[pos:] that begins `marker`, held back as content
+    until the next text tells whether the marker follows."""
+    for length in range(min(len(marker) - 1, len(text) - pos), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0

@@ -32,13 +32,8 @@ class Hermes2ProToolParser(ToolParser):
         text = self._text
         while True:
             if self._state is _State.CONTENT:
-                start = text.find(TOOL_CALL_START, self._pos)
-                if start < 0:
-                    held = 0 if is_final else partial_marker_len(text, self._pos, TOOL_CALL_START)
-                    self._emit_content(len(text) - held)
+                if not self._content_until(TOOL_CALL_START, is_final):
                     return
-                self._emit_content(start)
-                self._hold(start + len(TOOL_CALL_START))
                 self._state = _State.OPEN
             elif self._state is _State.OPEN:
                 pos = skip_whitespace(text, self._pos)
@@ -64,12 +59,3 @@ class Hermes2ProToolParser(ToolParser):
                     return  # may be the start of </tool_call>, or the model stopped there
                 else:
                     raise ValueError(f"text between a tool call's JSON and {TOOL_CALL_END}")
-
-
-def partial_marker_len(text: str, pos: int, marker: str) -> int:
-    """Length of the longest end of text[pos:] that begins `marker`, held back as content
-    until the next text tells whether the marker follows."""
-    for length in range(min(len(marker) - 1, len(text) - pos), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0

@@ -11,7 +11,6 @@ import secrets
 import string
 from enum import Enum
 
-from jvllm.entrypoints.openai.tool_parsers.hermes import partial_marker_len
 from jvllm.entrypoints.openai.tool_parsers.json_calls import JsonCallListParser, ValueReader
 from jvllm.entrypoints.openai.tool_parsers.partial_json import skip_whitespace
 
@@ -49,13 +48,8 @@ class MistralToolParser(JsonCallListParser):
         text = self._text
         while True:
             if self._state is _State.CONTENT:
-                start = text.find(TOOL_CALLS, self._pos)
-                if start < 0:
-                    held = 0 if is_final else partial_marker_len(text, self._pos, TOOL_CALLS)
-                    self._emit_content(len(text) - held)
+                if not self._content_until(TOOL_CALLS, is_final):
                     return
-                self._emit_content(start)
-                self._hold(start + len(TOOL_CALLS))
                 self._state = _State.OPEN
             elif self._state is _State.OPEN:
                 pos = skip_whitespace(text, self._pos)

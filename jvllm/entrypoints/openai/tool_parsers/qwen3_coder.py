@@ -10,7 +10,6 @@ import math
 from enum import Enum
 
 from jvllm.entrypoints.openai.tool_parsers.base import ToolParser
-from jvllm.entrypoints.openai.tool_parsers.hermes import partial_marker_len
 from jvllm.entrypoints.openai.tool_parsers.partial_json import skip_whitespace
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -56,13 +55,8 @@ class Qwen3CoderToolParser(ToolParser):
         while True:
             pos = skip_whitespace(text, self._pos)
             if self._state is _State.CONTENT:
-                start = text.find(TOOL_CALL_START, self._pos)
-                if start < 0:
-                    held = 0 if is_final else partial_marker_len(text, self._pos, TOOL_CALL_START)
-                    self._emit_content(len(text) - held)
+                if not self._content_until(TOOL_CALL_START, is_final):
                     return
-                self._emit_content(start)
-                self._hold(start + len(TOOL_CALL_START))
                 self._state = _State.OPEN
             elif self._state is _State.OPEN:
                 if not self._expect(pos, (FUNCTION_START,), is_final):
