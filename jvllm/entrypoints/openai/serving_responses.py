@@ -143,8 +143,25 @@ class OpenAIServingResponses(OpenAIServing):
         events = _Events()
         parser = self.chat.reasoning_parser
         splitter = ReasoningSplitter(parser, *start) if parser is not None else None
-        reasoning, text = "", ""
+        # Each output item's (started, delta, done) events, and its text so far.
+        kinds = {
+            "reasoning": (view.reasoning_started, view.reasoning_delta, view.reasoning_done),
+            "message": (view.message_started, view.text_delta, view.message_done),
+        }
+        texts = {"reasoning": "", "message": ""}
         open_items: list[str] = []  # "reasoning", then "message", as each starts
+
+        def send(name: str, delta: str | None) -> list[str]:
+            """`name`'s item opened (the first time) and its `delta` sent (None: nothing)."""
+            lines = []
+            if name not in open_items:
+                open_items.append(name)
+                lines += kinds[name][0](events, len(open_items) - 1)
+            if delta:
+                texts[name] += delta
+                lines.append(kinds[name][1](events, open_items.index(name), delta))
+            return lines
+
         try:
             yield events.emit("response.created", response=view.shell("in_progress"))
             yield events.emit("response.in_progress", response=view.shell("in_progress"))
@@ -156,29 +173,16 @@ class OpenAIServingResponses(OpenAIServing):
                 new_reasoning, new_text = "", c.text
                 if splitter is not None:
                     new_reasoning, new_text = splitter.feed_delta(c.text, bool(c.finish_reason))
-                if new_reasoning:
-                    if "reasoning" not in open_items:
-                        open_items.append("reasoning")
-                        for line in view.reasoning_started(events, len(open_items) - 1):
-                            yield line
-                    reasoning += new_reasoning
-                    yield view.reasoning_delta(events, open_items.index("reasoning"), new_reasoning)
-                if new_text:
-                    if "message" not in open_items:
-                        open_items.append("message")
-                        for line in view.message_started(events, len(open_items) - 1):
-                            yield line
-                    text += new_text
-                    yield view.text_delta(events, open_items.index("message"), new_text)
+                for name, delta in (("reasoning", new_reasoning), ("message", new_text)):
+                    for line in send(name, delta) if delta else ():
+                        yield line
                 item = await anext(outputs, None)
-            if "message" not in open_items:  # an empty reply is still a message
-                open_items.append("message")
-                for line in view.message_started(events, len(open_items) - 1):
-                    yield line
+            for line in send("message", None):  # an empty reply is still a message
+                yield line
             for index, name in enumerate(open_items):
-                done = view.reasoning_done if name == "reasoning" else view.message_done
-                for line in done(events, index, reasoning if name == "reasoning" else text):
+                for line in kinds[name][2](events, index, texts[name]):
                     yield line
+            reasoning, text = texts["reasoning"], texts["message"]
             num_reasoning = self._count(reasoning)
             final = view.response(result, reasoning or None, text, [], num_reasoning, num_output)
             yield events.emit(_closing_event(final), response=final)
