@@ -17,7 +17,8 @@ from conftest import SMOLLM2_ENGINE_KWARGS
 from jvllm import LLM, BeamSearchParams, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.entrypoints import cli
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "smol"
 API_KEY = "sekret"

@@ -22,7 +22,8 @@ from jvllm.core.scheduler import Scheduler
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.input_processor import prompt_cache_salt
 from jvllm.entrypoints import cli
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 BLOCK_SIZE = 4
 PREFIX = [1, 2, 3, 4]

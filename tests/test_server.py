@@ -19,7 +19,8 @@ from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
 from jvllm.entrypoints import cli
 from jvllm.entrypoints.openai import api_server
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "tiny"
 API_KEY = "sekret"

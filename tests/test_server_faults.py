@@ -22,7 +22,8 @@ from fastapi.testclient import TestClient
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256

@@ -10,7 +10,8 @@ from conftest import streamed_completion, wait_idle
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "tiny"
 K = 4

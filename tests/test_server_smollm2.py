@@ -7,7 +7,8 @@ from conftest import SMOLLM2_ENGINE_KWARGS
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.async_llm import AsyncLLM
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 from jvllm.model_loader.default_model import DEFAULT_MODEL
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

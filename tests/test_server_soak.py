@@ -20,7 +20,8 @@ from conftest import scrape_metrics, wait_idle
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.metrics import FINISHED_REASONS, ServingMetrics
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128

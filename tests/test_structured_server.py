@@ -13,7 +13,8 @@ from conftest import SMOLLM2_ENGINE_KWARGS
 from jvllm import LLM
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.entrypoints.chat import render_conversation
-from jvllm.entrypoints.openai.api_server import ServerThread, build_app
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "smol"
 WEATHER = {
