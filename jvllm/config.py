@@ -78,6 +78,10 @@ class ModelConfig:
     # that device's share; distributed/tensor_parallel.py), and the row-parallel layers sum
     # their partial outputs over the mesh's "model" axis.
     num_shards: int = 1
+    # LoRA adapter slots of the projections that take adapters (layers/lora.py), each of up to
+    # max_lora_rank; 0: none, and the params hold no adapter weights.
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         check_supported(self.architecture)

@@ -281,7 +281,6 @@ def test_vllm_engine_options_that_change_nothing_here_are_taken():
         ("revision", "main", "no model hub"),
         ("pipeline_parallel_size", 2, "tensor_parallel_size"),
         ("cpu_offload_gb", 4, "on the device"),
-        ("enable_lora", True, "LoRA"),
     ):
         with pytest.raises(ValueError, match=f"{name} must be .*{why}.*; got {value!r}"):
             EngineArgs(**{name: value})

@@ -34,6 +34,9 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # i32[S+1] cumulative query lengths
     logits_indices: jax.Array  # i32[S] flat index of each sequence's last scheduled token
     tiles: tuple[Tiles, ...]
+    # i32[T] the LoRA adapter slot each token reads (-1: none; layers/lora.py); None: the
+    # engine serves no adapters. It rides here because the model's forward takes this object.
+    adapter_slots: jax.Array | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -26,6 +26,8 @@ class SchedulerConfig:
     # vLLM's: "fcfs" serves requests in arrival order; "priority" by (priority, arrival time),
     # lowest first, and preempts the running request that comes last in that order.
     policy: str = "fcfs"
+    # The most LoRA adapters the running requests may use at once (the runner's slots).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:

@@ -173,11 +173,14 @@ class KVCacheManager:
 
     @staticmethod
     def _extra_keys(request: Request, block_index: int) -> ExtraKeys:
-        """What a block's KV depends on beyond its tokens: the salt, on the first block (the
-        chain carries it to the others)."""
-        if block_index == 0 and request.cache_salt is not None:
-            return (request.cache_salt,)
-        return ()
+        """What a block's KV depends on beyond its tokens: the salt and the LoRA adapter, on
+        the first block (the chain carries them to the others)."""
+        if block_index > 0:
+            return ()
+        salt = request.cache_salt
+        if request.lora_request is not None:  # two keys: no salt alone hashes the same
+            return (salt or "", f"lora:{request.lora_request.lora_int_id}")
+        return () if salt is None else (salt,)
 
     def _block_token_ids(self, request: Request, block_index: int) -> list[int]:
         start = block_index * self.block_size

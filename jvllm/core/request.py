@@ -46,6 +46,7 @@ class Request:
     `cache_salt` (vLLM's): the request reuses only prefix-cache blocks computed under the same
     salt, so that users who do not share one cannot learn each other's prompts from hit timing.
     `priority` (vLLM's): under the "priority" scheduling policy, lower values are served first.
+    `lora_request`: the LoRA adapter it runs with (jvllm/lora/), None for the base model.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class Request:
         seed: int | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -71,6 +73,7 @@ class Request:
         self.seed = sampling_params.seed if seed is None else seed
         self.cache_salt = cache_salt
         self.priority = priority
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -233,13 +233,20 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         kv = self.kv_cache_manager
-        # Requests whose grammar is still compiling wait without holding back those behind.
-        compiling: list[Request] = []
+        # Requests whose grammar is still compiling, or whose LoRA adapter would be one more
+        # than max_loras beside the running requests', wait without holding back those behind.
+        set_aside: list[Request] = []
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             grammar = request.structured_output
             if grammar is not None and not grammar.is_ready():
-                compiling.append(self.waiting.popleft())
+                set_aside.append(self.waiting.popleft())
+                continue
+            adapter = request.lora_request.lora_int_id if request.lora_request else None
+            is_new_adapter = adapter is not None and adapter not in adapters
+            if is_new_adapter and len(adapters) >= self.config.max_loras:
+                set_aside.append(self.waiting.popleft())
                 continue
             if grammar is not None and grammar.error:
                 self._finish_failed_grammar(self.waiting.popleft())
@@ -262,6 +269,8 @@ class Scheduler:
             kv.record_prefix_lookup(request, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
+            if adapter is not None:
+                adapters.add(adapter)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -269,7 +278,7 @@ class Scheduler:
             output.scheduled_requests.append(request)
             output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(set_aside))
 
     def _finish_failed_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED

@@ -9,6 +9,7 @@ from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.config import SCHEDULING_POLICIES
 from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
+from jvllm.lora.config import check_lora_args
 from jvllm.model_loader.generation_config import check_generation_overrides
 from jvllm.model_loader.hf import HFOverrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
@@ -98,8 +99,14 @@ class EngineArgs:
     max_seq_len_to_capture: int = 8192
     compilation_config: int | dict | None = None
     served_model_name: str | list[str] | None = None
-    enable_lora: bool = False
     enable_sleep_mode: bool = False
+    # LoRA adapters (vLLM's names; jvllm/lora/): enable_lora gives the model max_loras adapter
+    # slots of rank up to max_lora_rank; max_cpu_loras adapters stay read on the host (None:
+    # max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Decode steps per device call while every running request decodes (vLLM's multi-step
     # scheduling; docs/design.md "Decode windows"); 1 = one step per call.
     num_scheduler_steps: int = 1
@@ -200,6 +207,7 @@ class EngineArgs:
                 f"block), got {self.num_gpu_blocks_override!r}"
             )
         check_neutral_options({name: getattr(self, name) for name in NEUTRAL_OPTIONS})
+        check_lora_args(self)
         check_generation_overrides(self.override_generation_config)
         for name in ("trust_remote_code", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):

@@ -22,7 +22,7 @@ from typing import Any
 
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
-from jvllm.engine.input_processor import PromptType, check_no_lora
+from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
 from jvllm.engine.request_stream import RequestStream
@@ -118,11 +118,10 @@ class AsyncLLM:
         `output_kind` (default: `sampling_params.output_kind`, else CUMULATIVE) picks what each
         output holds: everything so far, only what is new (DELTA), or only the final output.
         Invalid input raises here (ValueError/TypeError) before anything is yielded. Leaving the
-        generator early (break, cancellation, a client gone) aborts the request. `lora_request`
-        is vLLM's, taken at its default only (no adapters); `priority` (vLLM's): lower first,
-        under scheduling_policy="priority".
+        generator early (break, cancellation, a client gone) aborts the request.
+        `lora_request`: the LoRARequest it runs with (enable_lora=True), None for the base
+        model; `priority` (vLLM's): lower first, under scheduling_policy="priority".
         """
-        check_no_lora(lora_request)
         kind = RequestOutputKind(
             output_kind if output_kind is not None else sampling_params.output_kind
         )
@@ -136,7 +135,7 @@ class AsyncLLM:
         )
         shaper = OutputShaper(kind)
         added = concurrent.futures.Future()
-        self._submit(("add", stream, prompt, sampling_params, priority, added))
+        self._submit(("add", stream, prompt, sampling_params, priority, lora_request, added))
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -248,7 +247,7 @@ class AsyncLLM:
             command = self._commands.popleft()
             op = command[0]
             if op == "add":
-                _, stream, prompt, params, priority, added = command
+                _, stream, prompt, params, priority, lora_request, added = command
                 if not added.set_running_or_notify_cancel():
                     continue
                 if self._is_full():
@@ -260,7 +259,13 @@ class AsyncLLM:
                     )
                     continue
                 try:
-                    engine.add_request(stream.request_id, prompt, params, priority=priority)
+                    engine.add_request(
+                        stream.request_id,
+                        prompt,
+                        params,
+                        priority=priority,
+                        lora_request=lora_request,
+                    )
                 except Exception as e:  # noqa: BLE001 - the caller's bad input reaches that caller only
                     added.set_exception(e)
                     continue

@@ -99,12 +99,13 @@ class DataParallelEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> None:
         """LLMEngine.add_request on the least loaded replica."""
         if isinstance(request_id, str) and self.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         replica = min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
-        replica.add_request(request_id, prompt, params, arrival_time, priority)
+        replica.add_request(request_id, prompt, params, arrival_time, priority, lora_request)
         self._replica_of[request_id] = replica
 
     def abort_request(self, request_id: str | list[str]) -> None:

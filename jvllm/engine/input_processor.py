@@ -116,9 +116,9 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
 
 
 def check_no_lora(lora_request) -> None:
-    """vLLM's `lora_request` taken at what jvllm does: no LoRA adapter."""
+    """vLLM's `lora_request` where jvllm takes no adapter (pooling models)."""
     if lora_request is not None:
-        raise ValueError("lora_request must be None: jvllm does not load LoRA adapters")
+        raise ValueError("lora_request must be None: pooling models take no LoRA adapters")
 
 
 def check_priority(priority, scheduling_policy: str) -> None:

@@ -33,11 +33,13 @@ class LeaderEngine(LLMEngine):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
         # Raises before anything is sent.
-        super().add_request(request_id, prompt, params, arrival_time, priority)
-        self._pending.append(("add", request_id, prompt, params, arrival_time, priority))
+        super().add_request(request_id, prompt, params, arrival_time, priority, lora_request)
+        command = ("add", request_id, prompt, params, arrival_time, priority, lora_request)
+        self._pending.append(command)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         super().abort_request(request_id)

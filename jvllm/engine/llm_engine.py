@@ -24,6 +24,7 @@ from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
 from jvllm.engine.start_up import build_kernels_early, compile_up_front
 from jvllm.logger import init_logger
+from jvllm.lora.config import adapter_config, check_adapter
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.outputs import RequestMetrics, RequestOutput
@@ -96,6 +97,7 @@ class LLMEngine:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps,
                 policy=args.scheduling_policy,
+                max_loras=args.max_loras if args.enable_lora else 0,
             ),
             KVCacheManager(
                 num_blocks,
@@ -105,7 +107,7 @@ class LLMEngine:
             ),
         )
         self.model_runner = ModelRunner(
-            config,
+            adapter_config(config, args),
             params,
             num_blocks=num_blocks,
             block_size=args.block_size,
@@ -119,6 +121,7 @@ class LLMEngine:
             num_scheduler_steps=args.num_scheduler_steps,
             async_scheduling=args.async_scheduling,
             mesh=self.mesh,
+            max_cpu_loras=args.max_cpu_loras or args.max_loras,
         )
         if args.compile_all_buckets:
             compile_up_front(
@@ -155,8 +158,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> None:
         """Validate and enqueue a request; raises ValueError/TypeError without side effects.
+        `lora_request`: the LoRARequest it runs with (enable_lora=True), None for the base model.
 
         With `n > 1` the request runs as n child requests that share the prompt's KV blocks
         through the prefix cache; its outputs still carry `request_id`. `priority` (vLLM's):
@@ -172,6 +177,7 @@ class LLMEngine:
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.args.scheduling_policy)
+        check_adapter(lora_request, self.model_runner.adapters)
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         cache_salt = prompt_cache_salt(prompt)
         prompt_token_ids, params = validate_request(
@@ -224,6 +230,7 @@ class LLMEngine:
                 seed=seed,
                 cache_salt=cache_salt,
                 priority=priority,
+                lora_request=lora_request,
             )
             request.bad_words_token_ids = bad_words
             if grammar is not None:

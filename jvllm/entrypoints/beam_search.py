@@ -128,10 +128,16 @@ class BeamSearch:
 
 
 def beam_search(
-    llm, prompts, params: BeamSearchParams, use_tqdm: bool, concurrency_limit: int | None
+    llm,
+    prompts,
+    params: BeamSearchParams,
+    use_tqdm: bool,
+    concurrency_limit: int | None,
+    lora_request=None,
 ) -> list[BeamSearchOutput]:
     """`LLM.beam_search`: the prompts' searches `concurrency_limit` prompts at a time (None:
-    all at once), each step of a group one `generate` call over its live beams."""
+    all at once), each step of a group one `generate` call over its live beams, with the
+    LoRA adapter `lora_request` (None: the base model)."""
     from jvllm.engine.input_processor import check_fits, prompt_cache_salt, tokenize_prompt
 
     if concurrency_limit is not None and (
@@ -167,7 +173,9 @@ def beam_search(
                 if not step_prompts:
                     bar.update(params.max_tokens - step)
                     break
-                outputs = llm.generate(step_prompts, search.step_params, use_tqdm=False)
+                outputs = llm.generate(
+                    step_prompts, search.step_params, use_tqdm=False, lora_request=lora_request
+                )
                 search.advance([out.outputs[0].logprobs[0] for out in outputs])
                 bar.update(1)
             results += search.results(tokenizer)
@@ -181,9 +189,10 @@ async def beam_search_async(
     request_id: str,
     cache_salt: str | None = None,
     priority: int = 0,
+    lora_request=None,
 ) -> BeamSearchOutput:
     """The same search for one prompt through an `AsyncLLM`: each step's beams run at once, as
-    requests `{request_id}-{step}-{beam}` of the search's `priority`."""
+    requests `{request_id}-{step}-{beam}` of the search's `priority` and LoRA adapter."""
     inner = engine.engine
     search = BeamSearch([prompt_token_ids], [cache_salt], params, inner.eos_token_ids, inner.args)
     for step in range(params.max_tokens):
@@ -194,7 +203,11 @@ async def beam_search_async(
             *(
                 _last(
                     engine.generate(
-                        prompt, search.step_params, f"{request_id}-{step}-{i}", priority=priority
+                        prompt,
+                        search.step_params,
+                        f"{request_id}-{step}-{i}",
+                        priority=priority,
+                        lora_request=lora_request,
                     )
                 )
                 for i, prompt in enumerate(step_prompts)

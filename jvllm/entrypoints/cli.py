@@ -16,6 +16,7 @@ from jvllm.engine.arg_utils import EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jvllm.lora.request import LoRARequest, parse_lora_module
 from jvllm.model_loader.loader import LOAD_FORMATS
 from jvllm.quantization import QUANTIZATION_METHODS
 
@@ -118,6 +119,10 @@ _ENGINE_FLAGS = {
         "action": argparse.BooleanOptionalAction,
         "help": "overlap the host's work with the next step",
     },
+    "enable_lora": {"action": "store_true", "help": "serve LoRA adapters (--lora-modules)"},
+    "max_loras": {"type": int, "help": "most LoRA adapters in one step"},
+    "max_lora_rank": {"type": int, "help": "largest LoRA rank served"},
+    "max_cpu_loras": {"type": int, "help": "LoRA adapters kept read in memory (None: max-loras)"},
     "tensor_parallel_size": {"type": int, "help": "devices each replica is cut over"},
     "data_parallel_size": {"type": int, "help": "replicas"},
     "distributed_coordinator_address": {"help": "host:port of process 0 (several hosts)"},
@@ -138,6 +143,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     return {name: getattr(args, name) for name in _ENGINE_FLAGS if name in fields}
+
+
+def _lora_module(value: str) -> LoRARequest:
+    try:
+        return parse_lora_module(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _load_chat_template(value: str | None) -> str | None:
@@ -168,6 +180,8 @@ def _serve(args: argparse.Namespace) -> None:
             "--enable-auto-tool-choice needs --tool-call-parser NAME "
             f"({', '.join(sorted(TOOL_PARSERS))})"
         )
+    if args.lora_modules and not args.enable_lora:
+        sys.exit("--lora-modules needs --enable-lora")
     try:
         from jvllm.entrypoints.openai.api_server import run_server
     except ModuleNotFoundError as e:
@@ -192,6 +206,7 @@ def _serve(args: argparse.Namespace) -> None:
         chat_template=chat_template,
         response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=args.lora_modules,
         **engine_kwargs(args),
     )
 
@@ -315,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="on SIGTERM, seconds the requests in flight get to finish before they are aborted",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        help="LoRA adapters to serve (with --enable-lora), each name=path or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\': a request\'s "model" picks one',
     )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

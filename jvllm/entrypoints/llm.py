@@ -8,9 +8,10 @@ from tqdm.auto import tqdm
 
 from jvllm.core.request import RequestStatus
 from jvllm.engine.data_parallel import make_engine, replicas
-from jvllm.engine.input_processor import PromptType, check_no_lora
+from jvllm.engine.input_processor import PromptType
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, render_conversation
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import BeamSearchOutput, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -50,9 +51,9 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in the order of `prompts`.
-        `lora_request` is vLLM's, taken at what jvllm does: no adapter. `priority` (vLLM's):
-        one int a prompt, lower first, under scheduling_policy="priority" (None: all 0)."""
-        check_no_lora(lora_request)
+        `lora_request` (vLLM's): the LoRARequest every prompt runs with, or one a prompt (None
+        for the base model); the engine needs enable_lora=True. `priority` (vLLM's): one int a
+        prompt, lower first, under scheduling_policy="priority" (None: all 0)."""
         prompts = _as_prompt_list(prompts)
         if priority is None:
             priority = [0] * len(prompts)
@@ -60,11 +61,12 @@ class LLM:
             raise ValueError(
                 f"priority must be a list with one int a prompt ({len(prompts)}), got {priority!r}"
             )
+        adapters = _per_prompt(lora_request, len(prompts))
         with self._lock:
-            return self._generate(prompts, sampling_params, use_tqdm, list(priority))
+            return self._generate(prompts, sampling_params, use_tqdm, list(priority), adapters)
 
     def _generate(
-        self, prompts, sampling_params, use_tqdm: bool, priorities: list[int]
+        self, prompts, sampling_params, use_tqdm: bool, priorities: list[int], adapters=None
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -86,10 +88,15 @@ class LLM:
         ]
         engine = self.llm_engine
         request_ids = []
+        adapters = adapters or [None] * len(prompts)
         try:
-            for prompt, params, priority in zip(prompts, params_list, priorities):
+            for prompt, params, priority, adapter in zip(
+                prompts, params_list, priorities, adapters
+            ):
                 request_id = str(self._request_counter)
-                engine.add_request(request_id, prompt, params, priority=priority)
+                engine.add_request(
+                    request_id, prompt, params, priority=priority, lora_request=adapter
+                )
                 self._request_counter += 1
                 request_ids.append(request_id)
         except Exception:
@@ -114,8 +121,7 @@ class LLM:
         `tools`: OpenAI-style function definitions, written into the prompt by the template;
         the replies are text (constrain them with `structured_outputs` to force a call).
         `chat_template_kwargs`: more variables for the template (e.g. a model's thinking
-        switch)."""
-        check_no_lora(lora_request)
+        switch). `lora_request`: as generate's."""
         tokenizer = self.get_tokenizer()
         prompts = [
             render_conversation(
@@ -129,7 +135,7 @@ class LLM:
             )
             for conversation in as_conversations(messages)
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -140,11 +146,16 @@ class LLM:
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: the `beam_width` best sequences of each prompt, searched
-        `concurrency_limit` prompts at a time (None: all at once)."""
-        check_no_lora(lora_request)
+        `concurrency_limit` prompts at a time (None: all at once); `lora_request`: one
+        LoRARequest for every prompt, or None."""
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest or None in beam_search, got {lora_request!r}"
+            )
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        return beam_search(self, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit)
+        prompts = _as_prompt_list(prompts)
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit, lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -187,6 +198,21 @@ def _raise_on_failure(finished_requests) -> None:
     for request in finished_requests:
         if request.status == RequestStatus.FINISHED_ABORTED and request.status_message:
             raise RuntimeError(f"request {request.request_id} failed: {request.status_message}")
+
+
+def _per_prompt(lora_request, num_prompts: int) -> list | None:
+    """generate's `lora_request` as one LoRARequest or None a prompt; None for no adapters."""
+    if lora_request is None:
+        return None
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    adapters = list(lora_request) if isinstance(lora_request, list | tuple) else None
+    if adapters is None or len(adapters) != num_prompts:
+        raise ValueError(
+            "lora_request must be a LoRARequest, or a list with one (or None) a prompt "
+            f"({num_prompts}), got {lora_request!r}"
+        )
+    return adapters
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -10,6 +10,7 @@ from flax import nnx
 
 from jvllm.config import NO_WINDOW, ModelConfig
 from jvllm.layers.linear import Linear
+from jvllm.layers.lora import lora_shape
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.params import param
 from jvllm.layers.rotary import apply_rope
@@ -54,6 +55,7 @@ class Attention(nnx.Module):
             dtype=dtype,
             bias=config.attention_bias,
             segments=((n, h), (k, h), (k, h)),
+            lora=lora_shape(config, num_pieces=3),
         )
         norm = lambda: RMSNorm(h, config.rms_norm_eps, "head_dim", norm_weight_offset)
         self.q_norm = norm() if config.qk_norm else None
@@ -65,6 +67,7 @@ class Attention(nnx.Module):
             dtype=dtype,
             bias=output_bias,
             num_shards=config.num_shards,
+            lora=lora_shape(config),
         )
         self.rope = rope
         self.is_rope_interleaved = config.is_rope_interleaved

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.layers.dot import dot_rows
+from jvllm.layers.lora import lora_delta
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import Segments, param
 from jvllm.layers.scan import LayerWeight
@@ -32,7 +33,9 @@ class Linear(nnx.Module):
 
     `segments` describes a fused output axis (params.py). With `num_shards` > 1 the layer is
     row-parallel: each device holds a slice of I, and the partial products are summed over the
-    devices before the bias is added."""
+    devices before the bias is added. `lora` (S slots, W' columns a slot; layers/lora.py's
+    lora_shape) gives it adapter slots A [S*W', I] and B [O, S*W'], added to its output for
+    the tokens that read them."""
 
     def __init__(
         self,
@@ -44,11 +47,21 @@ class Linear(nnx.Module):
         bias: bool = False,
         segments: Segments | None = None,
         num_shards: int = 1,
+        lora: tuple[int, int] | None = None,
     ):
         self.weight = param((out_features, in_features), dtype, axes, segments)
         self.bias = param((out_features,), jnp.float32, axes[:1], segments) if bias else None
         self.num_shards = num_shards
+        self.lora_slots = lora[0] if lora else 0
+        if lora:
+            width = lora[0] * lora[1]
+            self.lora_a = param((width, in_features), dtype, ("lora", axes[1]))
+            self.lora_b = param((out_features, width), dtype, (axes[0], "lora"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = sum_over_shards(dense(x, self.weight.get_value()), self.num_shards)
+        if self.lora_slots:
+            a, b = self.lora_a.get_value(), self.lora_b.get_value()
+            delta = lora_delta(x, a, b, self.lora_slots, dense)
+            y = y if delta is None else y + delta
         return y if self.bias is None else y + self.bias[...]

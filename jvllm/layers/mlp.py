@@ -7,6 +7,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.layers.activation import ACTIVATIONS
 from jvllm.layers.linear import Linear
+from jvllm.layers.lora import lora_shape
 
 
 class GatedMLP(nnx.Module):
@@ -30,8 +31,19 @@ class GatedMLP(nnx.Module):
         f = intermediate_size or config.intermediate_size
         num_shards = config.num_shards if sum_shards else 1
         segments = ((f, 1), (f, 1))
-        self.gate_up = Linear(d, 2 * f, ("mlp", "embed"), dtype=dtype, bias=bias, segments=segments)
-        self.down = Linear(f, d, ("embed", "mlp"), dtype=dtype, bias=bias, num_shards=num_shards)
+        lora = lora_shape(config)
+        self.gate_up = Linear(
+            d,
+            2 * f,
+            ("mlp", "embed"),
+            dtype=dtype,
+            bias=bias,
+            segments=segments,
+            lora=lora_shape(config, num_pieces=2),
+        )
+        self.down = Linear(
+            f, d, ("embed", "mlp"), dtype=dtype, bias=bias, num_shards=num_shards, lora=lora
+        )
         self.act = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -44,9 +56,10 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, bias: bool):
         d, f, dtype = config.hidden_size, config.intermediate_size, jnp.dtype(config.dtype)
-        self.up = Linear(d, f, ("mlp", "embed"), dtype=dtype, bias=bias)
+        lora = lora_shape(config)
+        self.up = Linear(d, f, ("mlp", "embed"), dtype=dtype, bias=bias, lora=lora)
         self.down = Linear(
-            f, d, ("embed", "mlp"), dtype=dtype, bias=bias, num_shards=config.num_shards
+            f, d, ("embed", "mlp"), dtype=dtype, bias=bias, num_shards=config.num_shards, lora=lora
         )
         self.act = config.hidden_act
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 # "layers" is the stacked layer axis the layer scan walks (added by layers/scan.py).
 # "positions" is a learned position table's row axis (GPT-2, OPT).
+# "lora" is the adapter slots' columns of a projection (layers/lora.py).
 AXIS_NAMES = (
     "layers",
     "vocab",
@@ -23,6 +24,7 @@ AXIS_NAMES = (
     "mlp",
     "experts",
     "positions",
+    "lora",
 )
 
 

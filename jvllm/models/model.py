@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.lora import adapter_tokens
 from jvllm.layers.scan import is_unstacked
 from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.registry import model_class
@@ -75,7 +76,8 @@ def forward(
     attn,
 ) -> tuple[jax.Array, jax.Array]:
     """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
-    return _module(params, config)(kv_cache, token_ids, positions, metadata, attn)
+    with adapter_tokens(getattr(metadata, "adapter_slots", None)):
+        return _module(params, config)(kv_cache, token_ids, positions, metadata, attn)
 
 
 def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:

@@ -17,6 +17,7 @@ from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers
 from jvllm.logger import init_logger
+from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
 from jvllm.models.model import param_axes
 from jvllm.sample.plan import SamplerPlan, choose_plan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
@@ -56,17 +57,25 @@ class ModelRunner:
         num_scheduler_steps: int = 1,
         async_scheduling: bool = False,
         mesh: Mesh | None = None,
+        max_cpu_loras: int = 0,
     ):
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
-        device. Every array the runner makes lies on the same devices."""
+        device. Every array the runner makes lies on the same devices. A `config` with
+        max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the base model's, and
+        the runner adds the empty slots."""
         self.config = config
+        self.mesh = mesh = mesh or make_mesh()
+        self.adapters = None
+        if config.max_loras:
+            params = with_slot_params(params, config, replicated(mesh))
+            update = jax.jit(update_columns, static_argnums=3)
+            self.adapters = AdapterSlots(config, max_cpu_loras, update)
         # On a GPU the layers' weights as one array per layer (layers/scan.py): the caller's
         # stacked arrays are deleted as they are split.
         self.layers_unstacked = use_unstacked_layers()
         if self.layers_unstacked:
             params = unstack_layers(params, param_axes(config))
         self.params = params
-        self.mesh = mesh = mesh or make_mesh()
         num_shards = mesh.shape[TP_AXIS]
         self.block_size = block_size
         self.buckets = buckets
@@ -185,15 +194,35 @@ class ModelRunner:
 
     def _compile(self, shape: Shape, state) -> jax.stages.Compiled:
         bucket, kind, plan = shape
-        dummy = prepare_step_inputs(
-            [], [], [], bucket, self.block_size, self.max_pages, self.config.vocab_size
-        )
+        dummy = self._padding_step(bucket)
         args = [*state, dummy]
         if kind == "window":
             args.append(prepare_window_inputs([], [], bucket.num_seqs))
         elif kind == "ahead":
             args += [np.zeros(bucket.num_seqs, np.int32), np.zeros(bucket.num_seqs, bool)]
         return self._jitted(kind, plan).lower(*args).compile()
+
+    def _padding_step(self, bucket: Bucket) -> StepInputs:
+        """A step of padding alone in `bucket`, for lowering and warm-up runs."""
+        no_adapters = None if self.adapters is None else np.zeros(0, np.int32)
+        return prepare_step_inputs(
+            [],
+            [],
+            [],
+            bucket,
+            self.block_size,
+            self.max_pages,
+            self.config.vocab_size,
+            adapter_slots=no_adapters,
+        )
+
+    def adapter_slots_for(self, requests) -> np.ndarray | None:
+        """Each request's LoRA slot (-1: none), its adapter put in one first; None where the
+        engine serves no adapters."""
+        if self.adapters is None:
+            return None
+        ids = [r.lora_request.lora_int_id if r.lora_request else None for r in requests]
+        return self.adapters.slots_for(self.params, ids)
 
     def _executable(
         self, bucket: Bucket, kind: str = "step", plan: SamplerPlan = SamplerPlan.DYNAMIC
@@ -299,9 +328,7 @@ class ModelRunner:
         dispatch and compile_all's final wait, i.e. what the runs add to start-up).
         """
         start = time.perf_counter()
-        dummy = prepare_step_inputs(
-            [], [], [], bucket, self.block_size, self.max_pages, self.config.vocab_size
-        )
+        dummy = self._padding_step(bucket)
         for tiles in dummy.attn.tiles:  # padding token 0, in every group: its output is dropped
             tiles.kv_lens[0, 0] = 1
         _, self.kv_cache, self.token_cache = self._executable(bucket)(
@@ -325,6 +352,7 @@ class ModelRunner:
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         is_window = scheduler_output.num_steps > 1
         bias_slots = self.bias_rows.slots_for(requests)
+        adapter_slots = self.adapter_slots_for(requests)
         start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         rows = rows_ahead(ahead, scheduler_output, block_ids, self.bias_rows.num_sends)
@@ -348,6 +376,7 @@ class ModelRunner:
                 self.config.vocab_size,
                 bias_slots,
                 token_bitmask,
+                adapter_slots,
             )
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self._plan(inputs)
             if lent:

@@ -32,11 +32,14 @@ def prepare_step_inputs(
     vocab_size: int,
     bias_slots: np.ndarray | None = None,
     token_bitmask: np.ndarray | None = None,
+    adapter_slots: np.ndarray | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`.
 
     `bias_slots` (i32, one per request) are the requests' rows of the logit-bias table;
-    `token_bitmask` (i32[len(requests), ceil(V / 32)]) their grammar masks, None for none."""
+    `token_bitmask` (i32[len(requests), ceil(V / 32)]) their grammar masks, None for none;
+    `adapter_slots` (i32, one per request, -1 for none) their LoRA slots, None where the
+    engine serves no adapters."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
     num_real = len(requests)
     params = [req.sampling_params for req in requests]
@@ -104,6 +107,7 @@ def prepare_step_inputs(
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
         tiles=build_tiles(query_start_loc, seq_lens, num_real, bucket.tile_groups),
+        adapter_slots=_per_token(adapter_slots, lens, num_tokens),
     )
     sampling = SamplingMetadata(
         temperature=temperature,
@@ -130,6 +134,16 @@ def prepare_step_inputs(
         any_prompt_logprobs=np.bool_(any_prompt_logprobs),
     )
     return StepInputs(token_ids, positions, attn, sampling)
+
+
+def _per_token(values: np.ndarray | None, lens: np.ndarray, num_tokens: int) -> np.ndarray | None:
+    """One value per request -> i32[T]: each real token's request's value, -1 on padding;
+    None stays None."""
+    if values is None:
+        return None
+    out = np.full(num_tokens, -1, np.int32)
+    out[: int(lens.sum())] = np.repeat(np.asarray(values, np.int32), lens)
+    return out
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.admission import Admission, AdmissionMiddleware, unless_disconnected
+from jvllm.entrypoints.openai.lora_routes import add_lora_routes
 from jvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,10 +32,13 @@ from jvllm.entrypoints.openai.protocol import (
 from jvllm.entrypoints.openai.reasoning import get_reasoning_parser
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jvllm.entrypoints.openai.serving_models import ServedModels, runtime_lora_updating
 from jvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jvllm.entrypoints.openai.shutdown import DrainingServer
 from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
+from jvllm.lora.config import adapter_reader
+from jvllm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
 
@@ -101,21 +105,28 @@ def build_app(
     chat_template: str | None = None,
     response_role: str = "assistant",
     reasoning_parser: str | None = None,
+    lora_modules: list[LoRARequest] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name` (or several names, the first in
-    responses; vLLM's --served-model-name). Pass the `ServingMetrics` that the
-    engine records into (its `stat_loggers`) to expose them on /metrics. A request's own
+    responses; vLLM's --served-model-name), and its LoRA adapters `lora_modules` under theirs
+    (an engine with enable_lora; more at run time under VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    Pass the `ServingMetrics` that the engine records into (its `stat_loggers`) to expose them on /metrics. A request's own
     `chat_template` is refused unless `trust_request_chat_template` (vLLM's flag).
     `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls out of replies to
     tool_choice "auto" (vLLM's --enable-auto-tool-choice); None refuses "auto". A body over
     `max_request_body_bytes` is a 413 (admission.py). `reasoning_parser` (a name in
     reasoning.REASONING_PARSERS) splits thinking models' replies into reasoning and content."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
-    completion = OpenAIServingCompletion(engine, model_name)
+    models = ServedModels(model_name, lora_modules)
+    if models.adapters:
+        read = adapter_reader(engine.engine)
+        for adapter in models.adapters.values():
+            read(adapter)  # a bad --lora-modules entry stops the server before it listens
+    completion = OpenAIServingCompletion(engine, models)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     chat = OpenAIServingChat(
         engine,
-        model_name,
+        models,
         trust_request_chat_template,
         parser,
         chat_template,
@@ -189,20 +200,11 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "jvllm",
-                    "root": engine.engine.args.model or completion.model_name,
-                    "max_model_len": engine.max_model_len,
-                }
-                for name in completion.model_names
-            ],
-        }
+        root = engine.engine.args.model or completion.model_name
+        return {"object": "list", "data": models.cards(created, root, engine.max_model_len)}
+
+    if runtime_lora_updating():
+        add_lora_routes(app, engine, models)
 
     @app.post("/invocations")
     async def invocations(raw: Request):
@@ -337,6 +339,7 @@ def run_server(
     chat_template: str | None = None,
     response_role: str = "assistant",
     reasoning_parser: str | None = None,
+    lora_modules: list[LoRARequest] | None = None,
     **engine_kwargs,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down as shutdown.py says."""
@@ -360,6 +363,7 @@ def run_server(
             chat_template,
             response_role,
             reasoning_parser,
+            lora_modules,
         )
         server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level)
         logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)

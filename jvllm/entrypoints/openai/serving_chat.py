@@ -117,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
-        self.check_model(request.model)
+        adapter = self.check_model(request.model)
         self.check_request(request)
         tools = plan_tools(request, self.tool_parser)
         constraint = structured_outputs(request)
@@ -163,7 +163,8 @@ class OpenAIServingChat(OpenAIServing):
             "prompt_token_ids": prompt_token_ids,
             "cache_salt": request.cache_salt,
         }
-        outputs = self.generate_all([prompt], params, request_id, kind, beam, request.priority)
+        options = (beam, request.priority, adapter)
+        outputs = self.generate_all([prompt], params, request_id, kind, *options)
         try:
             first = await anext(outputs)
         except StopAsyncIteration:
@@ -205,7 +206,7 @@ class OpenAIServingChat(OpenAIServing):
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.models.reply_name(request.model),
             "choices": choices,
             "usage": usage(num_prompt, num_completion),
         }
@@ -270,7 +271,7 @@ class OpenAIServingChat(OpenAIServing):
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": self.models.reply_name(request.model),
                 "choices": choices,
                 **extra,
             }

@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, request: CompletionRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
-        self.check_model(request.model)
+        adapter = self.check_model(request.model)
         self.check_request(request)
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n (every sample is returned)", param="best_of")
@@ -68,7 +68,8 @@ class OpenAIServingCompletion(OpenAIServing):
         beam = self.beam_search_params(request, max_tokens)
         request_id = response_id("cmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        outputs = self.generate_all(prompts, params, request_id, kind, beam, request.priority)
+        options = (beam, request.priority, adapter)
+        outputs = self.generate_all(prompts, params, request_id, kind, *options)
         try:
             first = await anext(outputs)  # errors at admission become a 400, not a broken stream
         except StopAsyncIteration:
@@ -101,7 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "id": request_id,
             "object": "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.models.reply_name(request.model),
             "choices": choices,
             "usage": usage(num_prompt, num_completion),
         }
@@ -225,7 +226,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": self.models.reply_name(request.model),
                     "choices": choices,
                 }
                 if include_usage:  # vLLM's continuous_usage_stats: the counts so far
@@ -241,7 +242,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         "id": request_id,
                         "object": "text_completion",
                         "created": created,
-                        "model": self.model_name,
+                        "model": self.models.reply_name(request.model),
                         "choices": [],
                         "usage": usage(total_prompt, num_completion),
                     }

@@ -19,6 +19,8 @@ from jvllm.engine.async_llm import (
 from jvllm.engine.input_processor import check_priority, truncate_prompt
 from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
 from jvllm.entrypoints.openai.protocol import OpenAIError
+from jvllm.entrypoints.openai.serving_models import ServedModels
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -63,11 +65,14 @@ def engine_seed(seed: int | None) -> int | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: str | list[str]):
-        """`model_names`: the names requests may give the model (vLLM's --served-model-name);
-        responses carry the first."""
+    def __init__(self, engine: AsyncLLM, model_names: str | list[str] | ServedModels):
+        """`model_names`: the names requests may give the model (vLLM's --served-model-name),
+        or the server's ServedModels (its LoRA adapters' names too); responses carry the
+        first."""
         self.engine = engine
-        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        is_served = isinstance(model_names, ServedModels)
+        self.models = model_names if is_served else ServedModels(model_names)
+        self.model_names = self.models.names
         self.model_name = self.model_names[0]
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
@@ -80,16 +85,9 @@ class OpenAIServing:
         # The model's generation_config.json defaults, for the fields a request leaves out.
         self.defaults = engine.engine.generation_config.sampling_defaults
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            names = ", ".join(f"`{name}`" for name in self.model_names)
-            raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves {names}.",
-                status_code=404,
-                param="model",
-                type="not_found_error",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model (or a 404)."""
+        return self.models.resolve(model)
 
     def check_request(self, request) -> None:
         """Combinations of fields that vLLM refuses, or that would be silently ignored."""
@@ -255,13 +253,13 @@ class OpenAIServing:
         kind: RequestOutputKind,
         beam: BeamSearchParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all.
         With `beam`, each prompt is one beam search, reported once, at its end."""
+        options = (beam, priority, lora_request)
         if len(prompts) == 1:
-            async for output in self._generate(
-                prompts[0], params, request_id, kind, beam, priority
-            ):
+            async for output in self._generate(prompts[0], params, request_id, kind, *options):
                 yield 0, output
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -269,7 +267,7 @@ class OpenAIServing:
         async def pump(index: int, prompt: dict) -> None:
             rid = f"{request_id}-{index}"
             try:
-                async for output in self._generate(prompt, params, rid, kind, beam, priority):
+                async for output in self._generate(prompt, params, rid, kind, *options):
                     queue.put_nowait((index, output))
             except BaseException as e:
                 queue.put_nowait((index, e))
@@ -300,14 +298,14 @@ class OpenAIServing:
         kind: RequestOutputKind,
         beam: BeamSearchParams | None,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
         try:
             if beam is not None:
-                yield await self._beam_search(prompt, beam, request_id, priority)
+                yield await self._beam_search(prompt, beam, request_id, priority, lora_request)
                 return
-            async for output in self.engine.generate(
-                prompt, params, request_id, output_kind=kind, priority=priority
-            ):
+            options = {"output_kind": kind, "priority": priority, "lora_request": lora_request}
+            async for output in self.engine.generate(prompt, params, request_id, **options):
                 yield output
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from None
@@ -322,13 +320,14 @@ class OpenAIServing:
             ) from None
 
     async def _beam_search(
-        self, prompt: dict, beam: BeamSearchParams, request_id: str, priority: int
+        self, prompt: dict, beam: BeamSearchParams, request_id: str, priority: int, lora_request
     ) -> RequestOutput:
         """One finished output whose completions are the best beams (vLLM's online beam search:
         the text leaves out a final EOS unless include_stop_str_in_output)."""
         prompt_ids = prompt["prompt_token_ids"]
+        salt = prompt.get("cache_salt")
         found = await beam_search_async(
-            self.engine, prompt_ids, beam, request_id, prompt.get("cache_salt"), priority
+            self.engine, prompt_ids, beam, request_id, salt, priority, lora_request
         )
         eos = self.engine.engine.eos_token_ids
         outputs = []

@@ -37,7 +37,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     async def create(self, request: ResponsesRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
-        self.check_model(request.model)
+        adapter = self.check_model(request.model)
         if request.n != 1 or request.use_beam_search:
             raise OpenAIError("/v1/responses gives one reply: n must be 1", param="n")
         for name, unused in _CHAT_ONLY_FIELDS.items():
@@ -79,14 +79,16 @@ class OpenAIServingResponses(OpenAIServing):
             "prompt_token_ids": prompt_token_ids,
             "cache_salt": request.cache_salt,
         }
-        outputs = self.generate_all([prompt], params, response_id, kind, None, request.priority)
+        options = (None, request.priority, adapter)
+        outputs = self.generate_all([prompt], params, response_id, kind, *options)
         try:
             first = await anext(outputs)  # errors at admission become a 400, not a broken stream
         except StopAsyncIteration:
             first = None
         # How the reply starts, for the reasoning parser: inside a thought, under a constraint.
         start = (self.chat.opens_thought(prompt_token_ids), constraint is not None)
-        view = _ResponseView(request, response_id, self.model_name, len(prompt_token_ids))
+        name = self.models.reply_name(request.model)
+        view = _ResponseView(request, response_id, name, len(prompt_token_ids))
         if request.stream and plan.mode == "none":
             return self._stream(view, first, outputs, start)
         if request.stream:  # calls are known once the reply is: its items go out whole
