@@ -22,6 +22,7 @@ from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import param
+from jvllm.quantization import ExpertWeight, is_quantized
 
 
 def route(
@@ -103,8 +104,13 @@ def dense_moe_mlp(
     return jnp.einsum("etd,te->td", out, dense_weights)
 
 
-def grouped_dense(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """rows [M, I] (grouped by expert, group_sizes i32[E]) @ w[e] [I, O] per group -> f32[M, O]."""
+def grouped_dense(
+    rows: jax.Array, w: jax.Array | ExpertWeight, group_sizes: jax.Array
+) -> jax.Array:
+    """rows [M, I] (grouped by expert, group_sizes i32[E]) @ w[e] [I, O] per group -> f32[M, O];
+    int8 / fp8 experts (quantization/expert_weight.py) scale their product in the step."""
+    if is_quantized(w):
+        return w.grouped(rows, group_sizes)
     return jax.lax.ragged_dot(
         rows.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32
     )

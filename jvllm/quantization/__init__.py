@@ -1,17 +1,19 @@
 """Quantized weights: GGUF blocks kept packed on the device (gguf_blocks.py, packed_weight.py)
-and int8 / fp8 weights with per-channel scales (channel_weight.py), chosen at load
-(model_loader/loader.py) and dequantized inside the jitted step."""
+and int8 / fp8 weights with per-channel scales (channel_weight.py; a MoE's routed experts,
+expert_weight.py), chosen at load (model_loader/loader.py) and dequantized inside the jitted
+step."""
 
 import jax
 from gguf.constants import GGMLQuantizationType as Q
 
 from jvllm.quantization.channel_weight import ChannelWeight
+from jvllm.quantization.expert_weight import ExpertWeight
 from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
 # vLLM's `quantization=` names that jvllm accepts.
 QUANTIZATION_METHODS = ("gguf", "int8", "fp8")
-QuantizedWeight = GGUFWeight | MixedGGUFWeight | ChannelWeight
+QuantizedWeight = GGUFWeight | MixedGGUFWeight | ChannelWeight | ExpertWeight
 
 
 def is_quantized(x) -> bool:
@@ -27,7 +29,8 @@ def describe_weights(params, dtype: str) -> str:
     qtypes = {x.qtype for x in leaves if isinstance(x, GGUFWeight)}
     qtypes = qtypes.union(*(x.qtypes for x in leaves if isinstance(x, MixedGGUFWeight)))
     gguf = sorted(Q(q).name for q in qtypes)
-    channel = sorted({x.values.dtype.name for x in leaves if isinstance(x, ChannelWeight)})
+    per_channel = (ChannelWeight, ExpertWeight)
+    channel = sorted({x.values.dtype.name for x in leaves if isinstance(x, per_channel)})
     formats = []
     if gguf:
         formats.append(f"GGUF {'+'.join(gguf)} packed")

@@ -21,7 +21,7 @@ from jvllm.layers.dot import dot_rows
 from jvllm.quantization import cpu_int8
 from jvllm.quantization.rows import quantize_rows
 
-_FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
+FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +92,7 @@ def quantize_channels(w: jax.Array, method: str, dtype: str) -> ChannelWeight:
     """A float weight [..., O, I] -> its ChannelWeight ("int8" or "fp8"), one [O, I] matrix at
     a time: the float32 intermediates then take twice one matrix's bytes, where over a whole
     stacked weight they took several times the stack's (BENCHMARKS.md, "Quantizing at load")."""
-    values_dtype = _FORMATS[method]
+    values_dtype = FORMATS[method]
     if w.ndim < 3:
         return ChannelWeight(*_quantize_weight(w, values_dtype), dtype)
     layers = [quantize_channels(layer, method, dtype) for layer in w]
