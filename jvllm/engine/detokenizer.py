@@ -4,6 +4,11 @@ Decoding a token alone is wrong for byte-level BPE (a character can span tokens)
 SentencePiece (a token's leading space depends on its left neighbour). So each step decodes a short
 window of the previous tokens with and without the new ones, and emits the difference once it no
 longer ends in an incomplete character.
+
+A prompt can end inside a character (byte-level BPE splits one across tokens). Its decoded text
+then ends in U+FFFD, and the output text starts where that character starts: the first output
+token that completes it emits the whole character, so that the prompt's text without its
+incomplete end, followed by the output text, is the decoded text of prompt and output together.
 """
 
 _INITIAL_CONTEXT = 5  # prompt tokens kept as left context for the first output token
@@ -36,6 +41,8 @@ class IncrementalDetokenizer:
         """Append one token; returns the text it completes (possibly empty)."""
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        if not self.text:  # the prefix is the prompt's end: its incomplete character is output's
+            prefix = prefix.rstrip("\ufffd")
         full = self._decode(self.token_ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # nothing printable yet, or a multi-byte character is still incomplete
