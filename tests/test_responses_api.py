@@ -163,6 +163,9 @@ def test_reasoning_is_an_output_item_of_its_own(servers):
         ({"input": ""}, "input"),
         ({"input": QUESTION, "n": 2}, "n"),
         ({"input": QUESTION, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"input": QUESTION, "top_logprobs": 21}, "top_logprobs"),
+        ({"input": QUESTION, "top_logprobs": -1}, "top_logprobs"),
+        ({"input": QUESTION, "include": ["reasoning.encrypted_content"]}, "include"),
     ],
 )
 def test_what_responses_do_not_serve_is_a_400_naming_it(servers, body, param):
@@ -269,3 +272,91 @@ def test_tool_choice_auto_without_tools_is_the_apis_default(servers):
         model=MODEL, input=QUESTION, tool_choice="auto", max_output_tokens=4, temperature=0
     )
     assert response.tool_choice == "auto" and response.output[0].type == "message"
+
+
+# A hermes call of get_weather, for guided_regex.
+CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
+
+
+def _collapsed(kinds) -> list[str]:
+    """Event types with each run of one type as one."""
+    collapsed = []
+    for kind in kinds:
+        if not collapsed or collapsed[-1] != kind:
+            collapsed.append(kind)
+    return collapsed
+
+
+def test_auto_tool_calls_stream_as_function_call_items_as_they_are_parsed(servers):
+    # Text, then two calls: the constraint makes SmolLM2 write them as hermes reads them.
+    extra = {"guided_regex": r"Let me check\.\n" + CALL + r"\n" + CALL}
+    args = {"model": MODEL, "input": QUESTION, "tools": [WEATHER], "max_output_tokens": 80}
+    client = _client(servers["tools"])
+    whole = client.responses.create(**args, temperature=0, extra_body=extra)
+    assert [i.type for i in whole.output] == ["message", "function_call", "function_call"]
+    events = list(client.responses.create(**args, temperature=0, extra_body=extra, stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Each call is added, streamed and done before the next; the message, whose text goes on
+    # between the calls, is done at the end.
+    kinds = [(e.type, e.output_index) for e in events[2:-1]]
+    call_events = [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    for index in (1, 2):
+        at = [i for i, (_, k) in enumerate(kinds) if k == index]
+        assert at == list(range(at[0], at[-1] + 1))  # one run of events
+        assert _collapsed(kinds[i][0] for i in at) == call_events
+    assert _collapsed(kind for kind, index in kinds if index == 0) == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[0] == ("response.output_item.added", 0) and kinds[-1][1] == 0
+    # The arguments stream as the parser reads them, not in one piece at the end.
+    assert sum(kind == call_events[1] for kind, _ in kinds) > 2
+    for index, item in enumerate(final.output):
+        at = [e for e in events if getattr(e, "output_index", None) == index]
+        assert {e.item.id if hasattr(e, "item") else e.item_id for e in at} == {item.id}
+        added = next(e for e in at if e.type == call_events[0])
+        assert added.item.id == item.id
+        if item.type == "function_call":
+            assert added.item.call_id == item.call_id and item.call_id.startswith("call_")
+            deltas = [e.delta for e in at if e.type == call_events[1]]
+            assert "".join(deltas) == item.arguments == whole.output[index].arguments
+            assert item.name == whole.output[index].name == "get_weather"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == whole.output_text == "Let me check.\n\n"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_output_text_logprobs_are_the_chat_apis_whole_and_streamed(servers):
+    client = _client(servers["plain"])
+    args = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4, "temperature": 0}
+    include = ["message.output_text.logprobs"]
+    whole = client.responses.create(**args, include=include, top_logprobs=2)
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = _chat(servers["plain"], messages, 4, logprobs=True, top_logprobs=2)
+    expected = chat["choices"][0]["logprobs"]["content"]
+    [part] = whole.output[0].content
+    assert [lp.model_dump() for lp in part.logprobs] == expected
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = list(client.responses.create(**args, include=include, top_logprobs=2, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp.model_dump() for e in deltas for lp in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert streamed == [lp.model_dump() for lp in done.logprobs] == expected
+    assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == expected
+    # Without include, no logprobs (vLLM's); top_logprobs=0: the chosen tokens' alone.
+    assert client.responses.create(**args, top_logprobs=2).output[0].content[0].logprobs == []
+    chosen = client.responses.create(**args, include=include).output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob, lp.top_logprobs) for lp in chosen] == [
+        (lp["token"], lp["logprob"], []) for lp in expected
+    ]

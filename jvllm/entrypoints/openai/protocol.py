@@ -174,6 +174,10 @@ class ResponsesRequest(_SamplingFields):
     store: bool = True
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the message's logprobs, `top_logprobs` top each, with "message.output_text.logprobs"
+    # in `include` (the only value served).
+    include: list[str] | None = None
+    top_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _text_format_as_response_format(self) -> "ResponsesRequest":

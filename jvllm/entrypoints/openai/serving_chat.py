@@ -193,7 +193,7 @@ class OpenAIServingChat(OpenAIServing):
             choice = {
                 "index": c.index,
                 "message": message,
-                "logprobs": self._logprobs(request, c, top or 0) if request.logprobs else None,
+                "logprobs": self.logprobs_json(request, c, top or 0) if request.logprobs else None,
                 "finish_reason": _finish_reason(c.finish_reason, bool(calls), tools.mode),
                 "stop_reason": c.stop_reason,
             }
@@ -216,7 +216,7 @@ class OpenAIServingChat(OpenAIServing):
             response["prompt_token_ids"] = list(result.prompt_token_ids)
         return response
 
-    def _logprobs(self, request, completion: CompletionOutput, num: int) -> dict:
+    def logprobs_json(self, request, completion: CompletionOutput, num: int) -> dict:
         as_ids = request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(completion.token_ids, completion.logprobs or []):
@@ -339,7 +339,7 @@ class OpenAIServingChat(OpenAIServing):
                     if content:
                         delta = _choice_delta(c.index, content)
                         if request.logprobs:
-                            delta["logprobs"] = self._logprobs(request, c, top)
+                            delta["logprobs"] = self.logprobs_json(request, c, top)
                         if request.return_token_ids:
                             delta["token_ids"] = list(c.token_ids)
                         deltas.append(delta)

@@ -46,9 +46,7 @@ RESPONSES_FIELDS: dict[str, tuple] = {
     "conversation": (),
     "prompt": (),  # a stored prompt template
     "reasoning": (),
-    "include": ([],),
     "background": (False,),
-    "top_logprobs": (0,),
     "max_tool_calls": (),
     "truncation": ("disabled",),
     "service_tier": ("auto", "default"),
