@@ -4,6 +4,9 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.entrypoints.llm import LLM
 from jvllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from jvllm.pooler_config import PoolerConfig
+from jvllm.pooling_outputs import EmbeddingRequestOutput, PoolingRequestOutput
+from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
@@ -16,9 +19,13 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
     "Logprob",
+    "PoolerConfig",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -96,6 +96,9 @@ class Request:
         # The matcher of a request with structured_outputs (a structured_output.GrammarState:
         # is_ready(), error, accept(token_id), is_terminated), set by the engine; else None.
         self.structured_output = None
+        # A pooling request's jvllm.PoolingParams (set by the engine): it computes its prompt and
+        # finishes, sampling nothing; None for a generation request.
+        self.pooling_params = None
 
     @property
     def num_tokens(self) -> int:

@@ -139,6 +139,11 @@ class Scheduler:
             # A mid-prefill chunk samples nothing, whatever the runner returned for it.
             if request.num_computed_tokens < request.num_tokens:
                 continue
+            if request.pooling_params is not None:  # its whole prompt is pooled: done
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped.append(request)
+                self._free_finished(request)
+                continue
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 continue

@@ -13,6 +13,7 @@ from jvllm.lora.config import check_lora_args
 from jvllm.model_loader.generation_config import check_generation_overrides
 from jvllm.model_loader.hf import HFOverrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
+from jvllm.pooler_config import PoolerConfig, as_pooler_config
 from jvllm.quantization import QUANTIZATION_METHODS
 
 
@@ -133,9 +134,18 @@ class EngineArgs:
     distributed_coordinator_address: str | None = None  # host:port of process 0
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None
+    # vLLM's: "generate" (the default for "auto") samples tokens; "pooling" serves the model
+    # as an embedding model (LLM.embed, /v1/embeddings; engine/pooling.py). vLLM's older
+    # `task="embed"` means "pooling". pooler_config: how a pooling engine pools (a
+    # PoolerConfig or a dict of its fields; None: the model directory's, else LAST, normalized).
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: PoolerConfig | dict | None = None
 
     def __post_init__(self):
         self.dtype = normalize_dtype(self.dtype)
+        self.runner = resolve_runner(self.runner, self.task)
+        self._check_pooling()
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATION_METHODS}, "
@@ -243,6 +253,35 @@ class EngineArgs:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+
+    def _check_pooling(self) -> None:
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config is for runner='pooling'; this engine generates")
+            return
+        self.pooler_config = as_pooler_config(self.pooler_config)
+        if self.num_scheduler_steps != 1 or self.async_scheduling:
+            raise ValueError(
+                "runner='pooling' computes prompts only: num_scheduler_steps must be 1 and "
+                "async_scheduling False (they run decode steps ahead)"
+            )
+
+
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older `task` values, and the runner each one means.
+TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def resolve_runner(runner: str, task: str | None) -> str:
+    """The runner, "generate" or "pooling", from vLLM's `runner` and its older `task`."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if task is not None and task not in TASK_RUNNERS:
+        raise ValueError(f"task must be None or one of {tuple(TASK_RUNNERS)}, got {task!r}")
+    implied = TASK_RUNNERS.get(task)
+    if implied is not None and runner not in ("auto", implied):
+        raise ValueError(f"task={task!r} needs runner={implied!r}, got runner={runner!r}")
+    return implied or ("generate" if runner == "auto" else runner)
 
 
 def _check_hf_overrides(overrides) -> None:

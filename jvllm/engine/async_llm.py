@@ -25,10 +25,12 @@ from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
-from jvllm.engine.request_stream import RequestStream
+from jvllm.engine.request_stream import PoolingStream, RequestStream
 from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
+from jvllm.pooling_outputs import PoolingRequestOutput
+from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
@@ -154,6 +156,34 @@ class AsyncLLM:
                 shaped = shaper.shape(header, changed, finished)
                 if shaped is not None:
                     yield shaped
+        finally:
+            if not finished:
+                self._submit(("abort", stream))
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """Pool one prompt (an engine with runner="pooling") -> its output, whose `outputs`
+        is None if the request was aborted. Invalid input raises before anything runs;
+        a caller that stops waiting (cancellation, a client gone) aborts the request."""
+        stream = PoolingStream(request_id, asyncio.get_running_loop(), time.monotonic())
+        added = concurrent.futures.Future()
+        self._submit(("add", stream, prompt, pooling_params, priority, None, added))
+        finished = False
+        try:
+            await asyncio.wrap_future(added)
+            await stream.ready.wait()
+            finished = True  # the engine has let go of it, whatever came
+            if stream.error is not None:
+                raise stream.error
+            if stream.aborted:
+                return PoolingRequestOutput(request_id, None, [], finished=True)
+            return stream.output
         finally:
             if not finished:
                 self._submit(("abort", stream))
@@ -360,8 +390,9 @@ class AsyncLLM:
                 pass
 
     def _on_loop(self, items: list[tuple[RequestStream, RequestOutput]], now: float) -> None:
+        generated = [(s, o) for s, o in items if isinstance(o, RequestOutput)]  # not pooled
         for stat_logger in self.stat_loggers:
-            stat_logger.record(items, now)
+            stat_logger.record(generated, now)
         for stream, output in items:
             stream.put(output)
 

@@ -22,12 +22,15 @@ from jvllm.engine.input_processor import (
 from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
+from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.start_up import build_kernels_early, compile_up_front
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config, check_adapter
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.outputs import RequestMetrics, RequestOutput
+from jvllm.pooling_outputs import PoolingRequestOutput
+from jvllm.pooling_params import PoolingParams
 from jvllm.quantization import describe_weights
 from jvllm.sampling_params import SamplingParams
 from jvllm.structured_output.manager import GrammarState, StructuredOutputManager
@@ -69,6 +72,8 @@ class LLMEngine:
         self.max_model_len = config.checked_max_model_len(args.max_model_len)
         self.model_config = config = config.for_max_model_len(self.max_model_len)
         self.attention_backend = args.attention_backend or default_backend()
+        # runner="pooling": requests pool their prompts (engine/pooling.py); None: generate.
+        self.pooling = make_pooling_processor(args, config, self.max_model_len)
         kv_spec = kv_cache_spec(config.dtype, self.attention_backend, args.kv_cache_dtype)
         kv_size = size_kv_cache(
             args, config, kv_spec, self.max_model_len, probe_memory(), self.mesh.size
@@ -102,7 +107,8 @@ class LLMEngine:
             KVCacheManager(
                 num_blocks,
                 args.block_size,
-                args.enable_prefix_caching,
+                args.enable_prefix_caching
+                and (self.pooling is None or self.pooling.can_cache_prefix),
                 args.prefix_caching_hash_algo,
             ),
         )
@@ -121,13 +127,14 @@ class LLMEngine:
             num_scheduler_steps=args.num_scheduler_steps,
             async_scheduling=args.async_scheduling,
             mesh=self.mesh,
+            pooling_type=self.pooling and self.pooling.pooling_type,
             max_cpu_loras=args.max_cpu_loras or args.max_loras,
         )
         if args.compile_all_buckets:
             compile_up_front(
                 self.model_runner, args.compile_in_background, start, self.load_seconds
             )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = self.pooling or OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer,
             config.vocab_size,
@@ -155,7 +162,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request=None,
@@ -171,13 +178,19 @@ class LLMEngine:
                 "a StepLoop holds this engine's KV cache between its prefill() and finish(): "
                 "finish the loop before adding requests"
             )
-        params = self.get_default_sampling_params() if params is None else params
+        if params is None and self.pooling is None:
+            params = self.get_default_sampling_params()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.args.scheduling_policy)
         check_adapter(lora_request, self.model_runner.adapters)
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters do not serve embeddings: pass lora_request=None")
+            self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
+            return
         prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         cache_salt = prompt_cache_salt(prompt)
         prompt_token_ids, params = validate_request(
@@ -243,6 +256,26 @@ class LLMEngine:
             "added request %s (%d prompt tokens, n=%d)", request_id, len(prompt_token_ids), params.n
         )
 
+    def _add_pooling_request(self, request_id, prompt, params, arrival_time, priority) -> None:
+        """A request whose prompt is pooled into one vector (runner="pooling" only)."""
+        if self.pooling is None:
+            raise ValueError(
+                "PoolingParams need an embedding engine: start it with runner='pooling' "
+                "(LLM(..., runner='pooling'), jvllm serve --runner pooling)"
+            )
+        _, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        request = self.pooling.make_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            time.time() if arrival_time is None else arrival_time,
+            priority,
+            prompt_cache_salt(prompt),
+        )
+        self._requests[request_id] = request
+        self.pooling.add_request(request)
+        self.scheduler.add_request(request)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the defaults of the model's generation_config.json."""
         return SamplingParams(**self.generation_config.sampling_defaults)
@@ -286,7 +319,7 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """schedule -> execute (forward + sample: one jitted call) -> update -> outputs."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.waiting:
@@ -295,11 +328,13 @@ class LLMEngine:
             runner_output = self._execute(scheduler_output)
         except Exception as error:  # noqa: BLE001 - any failure of the step aborts its requests only
             return self._fail_step(scheduler_output, error)
+        if self.pooling is not None:
+            return self._pooling_outputs(scheduler_output, runner_output)
         sampled, finished = self._update(scheduler_output, runner_output)
         return self._process_outputs(scheduler_output, sampled, finished)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the model on the scheduled tokens and sample."""
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | np.ndarray | None:
+        """Run the model on the scheduled tokens and sample (pool: f32[num_reqs, D])."""
         requests = scheduler_output.scheduled_requests
         now = time.time()
         for request in requests:
@@ -308,6 +343,8 @@ class LLMEngine:
         if not requests:
             return None
         block_ids = [scheduler_output.block_ids[r.request_id] for r in requests]
+        if self.pooling is not None:
+            return self.model_runner.execute_pooling(scheduler_output, block_ids)
         bitmask = self.structured_outputs.bitmask(requests, scheduler_output.will_sample)
         return self.model_runner.execute_model(scheduler_output, block_ids, bitmask)
 
@@ -345,6 +382,21 @@ class LLMEngine:
                 scheduler_output, runner_output.logprobs, sampling, num_outputs
             )
         return sampled, finished
+
+    def _pooling_outputs(
+        self, scheduler_output: SchedulerOutput, pooled: np.ndarray | None
+    ) -> list[PoolingRequestOutput]:
+        """Add the step's pooled shares; a request whose prompt is all computed finishes with
+        its vector (the scheduler frees its blocks)."""
+        self.pooling.add_step(scheduler_output, pooled)
+        finished = self.scheduler.update_from_output(scheduler_output, {})
+        self.last_finished_requests = finished
+        outputs = []
+        for request in finished:
+            self._finish(request)
+            del self._requests[request.request_id]
+            outputs.append(self.pooling.make_output(request))
+        return outputs
 
     def _fail_step(
         self, scheduler_output: SchedulerOutput, error: Exception

@@ -53,3 +53,28 @@ class RequestStream:
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.ready.set()
+
+
+class PoolingStream:
+    """A pooling request's mailbox: it gets one output, its last (AsyncLLM.encode)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, arrival: float):
+        self.request_id = request_id
+        self.loop = loop
+        self.arrival_time = arrival
+        self.output = None  # the PoolingRequestOutput
+        self.aborted = False
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output) -> None:
+        self.output = output
+        self.ready.set()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()

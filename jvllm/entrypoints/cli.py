@@ -12,7 +12,7 @@ from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.config import SCHEDULING_POLICIES
-from jvllm.engine.arg_utils import EngineArgs, normalize_dtype
+from jvllm.engine.arg_utils import RUNNERS, EngineArgs, normalize_dtype
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from jvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -118,6 +118,12 @@ _ENGINE_FLAGS = {
     "async_scheduling": {
         "action": argparse.BooleanOptionalAction,
         "help": "overlap the host's work with the next step",
+    },
+    "runner": {"choices": list(RUNNERS), "help": "pooling: an embedding model (/v1/embeddings)"},
+    "task": {"help": "vLLM's older name: embed = --runner pooling"},
+    "pooler_config": {
+        "type": _json_object,
+        "help": 'pooling of --runner pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'',
     },
     "enable_lora": {"action": "store_true", "help": "serve LoRA adapters (--lora-modules)"},
     "max_loras": {"type": int, "help": "most LoRA adapters in one step"},

@@ -8,11 +8,13 @@ from tqdm.auto import tqdm
 
 from jvllm.core.request import RequestStatus
 from jvllm.engine.data_parallel import make_engine, replicas
-from jvllm.engine.input_processor import PromptType
+from jvllm.engine.input_processor import PromptType, check_no_lora
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, render_conversation
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import BeamSearchOutput, RequestOutput
+from jvllm.pooling_outputs import EmbeddingRequestOutput, PoolingRequestOutput
+from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -54,6 +56,7 @@ class LLM:
         `lora_request` (vLLM's): the LoRARequest every prompt runs with, or one a prompt (None
         for the base model); the engine needs enable_lora=True. `priority` (vLLM's): one int a
         prompt, lower first, under scheduling_policy="priority" (None: all 0)."""
+        self._check_runner("generate", "generate")
         prompts = _as_prompt_list(prompts)
         if priority is None:
             priority = [0] * len(prompts)
@@ -86,6 +89,14 @@ class LLM:
             else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             for p in params_list
         ]
+        request_ids = self._add_requests(prompts, params_list, priorities, adapters)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _add_requests(
+        self, prompts, params_list, priorities: list[int], adapters=None
+    ) -> list[str]:
+        """Add every prompt's request, or none: a bad prompt aborts those added before it.
+        `adapters`: one LoRARequest or None a prompt (None: the base model for all)."""
         engine = self.llm_engine
         request_ids = []
         adapters = adapters or [None] * len(prompts)
@@ -102,7 +113,7 @@ class LLM:
         except Exception:
             engine.abort_request(request_ids)  # a bad prompt leaves nothing behind
             raise
-        return self._run_engine(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -122,6 +133,7 @@ class LLM:
         the replies are text (constrain them with `structured_outputs` to force a call).
         `chat_template_kwargs`: more variables for the template (e.g. a model's thinking
         switch). `lora_request`: as generate's."""
+        self._check_runner("generate", "chat")
         tokenizer = self.get_tokenizer()
         prompts = [
             render_conversation(
@@ -152,10 +164,65 @@ class LLM:
             raise ValueError(
                 f"lora_request must be a LoRARequest or None in beam_search, got {lora_request!r}"
             )
+        self._check_runner("generate", "beam_search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
         return beam_search(self, prompts, params, use_tqdm, concurrency_limit, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request=None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (runner="pooling"): the model's final hidden
+        states pooled as the engine's PoolerConfig says, cut to `dimensions` and normalized as
+        each PoolingParams says. `truncate_prompt_tokens` (vLLM's): embed the last k tokens."""
+        check_no_lora(lora_request)
+        outputs = self._pool("embed", prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        pooling_task: str = "embed",
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's pooling call: one `PoolingRequestOutput` per prompt (`.outputs.data`, a
+        NumPy array); `pooling_task` "embed" only."""
+        check_no_lora(lora_request)
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task must be 'embed', got {pooling_task!r}")
+        return self._pool("encode", prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def _pool(
+        self, call: str, prompts, pooling_params, use_tqdm: bool, truncate_prompt_tokens
+    ) -> list[PoolingRequestOutput]:
+        self._check_runner("pooling", call)
+        prompts = _as_prompt_list(prompts)
+        params_list = _pooling_params_list(pooling_params, len(prompts), truncate_prompt_tokens)
+        with self._lock:
+            request_ids = self._add_requests(prompts, params_list, [0] * len(prompts))
+            outputs = self._run_engine(request_ids, use_tqdm)
+        for output in outputs:
+            if output.outputs is None:
+                raise RuntimeError(f"request {output.request_id} finished without an embedding")
+        return outputs
+
+    def _check_runner(self, runner: str, call: str) -> None:
+        """A ValueError when `call` needs the other runner than this engine's."""
+        own = replicas(self.llm_engine)[0].args.runner
+        if own != runner:
+            raise ValueError(
+                f"LLM.{call} needs runner={runner!r}; this LLM was started with runner={own!r}: "
+                f"create it with LLM(model, runner={runner!r})"
+            )
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -178,7 +245,8 @@ class LLM:
                 for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
-                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        if isinstance(output, RequestOutput):
+                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)
                         # The rate leaves out the time steps waited for compiles.
                         compiling = compile_wait() - compile_wait_start
@@ -222,3 +290,24 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _pooling_params_list(
+    pooling_params, num_prompts: int, truncate_prompt_tokens: int | None
+) -> list[PoolingParams]:
+    """One PoolingParams a prompt, `truncate_prompt_tokens` set where given."""
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        params_list = [pooling_params or PoolingParams()] * num_prompts
+    else:
+        params_list = list(pooling_params)
+        if len(params_list) != num_prompts:
+            raise ValueError(
+                f"got {len(params_list)} pooling_params for {num_prompts} prompts; "
+                "pass one PoolingParams or one per prompt"
+            )
+    if truncate_prompt_tokens is not None:
+        params_list = [
+            dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+            for p in params_list
+        ]
+    return params_list

@@ -30,6 +30,7 @@ from jvllm.worker.decode_loop import (
 )
 from jvllm.worker.executables import Executables
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
@@ -57,12 +58,14 @@ class ModelRunner:
         num_scheduler_steps: int = 1,
         async_scheduling: bool = False,
         mesh: Mesh | None = None,
+        pooling_type: str | None = None,
         max_cpu_loras: int = 0,
     ):
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
-        device. Every array the runner makes lies on the same devices. A `config` with
-        max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the base model's, and
-        the runner adds the empty slots."""
+        device. Every array the runner makes lies on the same devices. `pooling_type` (a
+        pooling runner's, pooler_config.py): its steps pool (`execute_pooling`), never sample.
+        A `config` with max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the
+        base model's, and the runner adds the empty slots."""
         self.config = config
         self.mesh = mesh = mesh or make_mesh()
         self.adapters = None
@@ -70,6 +73,7 @@ class ModelRunner:
             params = with_slot_params(params, config, replicated(mesh))
             update = jax.jit(update_columns, static_argnums=3)
             self.adapters = AdapterSlots(config, max_cpu_loras, update)
+        self.pooling_type = pooling_type
         # On a GPU the layers' weights as one array per layer (layers/scan.py): the caller's
         # stacked arrays are deleted as they are split.
         self.layers_unstacked = use_unstacked_layers()
@@ -103,9 +107,10 @@ class ModelRunner:
         )
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
+        self.model = sharded_model(config, mesh, attn, self.layers_unstacked)
         self.step = functools.partial(
             model_step,
-            model=sharded_model(config, mesh, attn, self.layers_unstacked),
+            model=self.model,
             max_logprobs=max_logprobs,
             logprobs_mode=logprobs_mode,
         )
@@ -167,6 +172,8 @@ class ModelRunner:
         window) or "ahead" (the decode step after a step, for async scheduling). The other
         plans' executables compile when a step first asks for them."""
         buckets = self.buckets.all_buckets()
+        if self.pooling_type is not None:
+            return [(b, "pool", SamplerPlan.DYNAMIC) for b in buckets]
         decode = [b for b in buckets if b.is_decode]
         shapes = [(b, "step") for b in buckets]
         if self.num_scheduler_steps > 1:
@@ -177,6 +184,9 @@ class ModelRunner:
 
     def _jitted(self, kind: str, plan: SamplerPlan):
         """The jitted entry point of a kind of executable, its sampler plan bound."""
+        if kind == "pool":
+            pool = functools.partial(pool_step, forward=self.model.forward)
+            return jax.jit(pool, donate_argnums=1)
         step = functools.partial(self.step, plan=plan)
         if kind == "window":
             fn = functools.partial(
@@ -196,7 +206,9 @@ class ModelRunner:
         bucket, kind, plan = shape
         dummy = self._padding_step(bucket)
         args = [*state, dummy]
-        if kind == "window":
+        if kind == "pool":
+            args = [*state[:2], prepare_pool_inputs(dummy, [], [], self.pooling_type)]
+        elif kind == "window":
             args.append(prepare_window_inputs([], [], bucket.num_seqs))
         elif kind == "ahead":
             args += [np.zeros(bucket.num_seqs, np.int32), np.zeros(bucket.num_seqs, bool)]
@@ -267,7 +279,7 @@ class ModelRunner:
         Nothing warms these up (see _warm_up): the threads must not touch the donated arrays,
         and with the layer scan a first call costs at most a few tenths of a second more."""
         self._compile_set_bias_row()
-        kind_order = {"step": 0, "window": 1, "ahead": 2}
+        kind_order = {"step": 0, "pool": 0, "window": 1, "ahead": 2}
         self._compiled.compile_in_background(
             sorted(
                 self.all_shapes(), key=lambda s: (s[0].num_tokens, s[0].tile_q, kind_order[s[1]])
@@ -301,7 +313,8 @@ class ModelRunner:
         exact = self.buckets.select(num_tokens, num_seqs)
         if self._compiled.get((exact, kind, dynamic)) is not None:
             return exact, False
-        for bucket in self.buckets.fitting(num_tokens, num_seqs, decode_only=kind != "step"):
+        decode_only = kind in ("window", "ahead")
+        for bucket in self.buckets.fitting(num_tokens, num_seqs, decode_only=decode_only):
             if self._compiled.get((bucket, kind, dynamic)) is not None:
                 self._compiled.compile_in_background([(exact, kind, dynamic)])
                 return bucket, True
@@ -404,6 +417,21 @@ class ModelRunner:
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result
+
+    def execute_pooling(
+        self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
+    ) -> np.ndarray:
+        """Run one scheduled step of a pooling runner: f32[num_reqs, D], row i request i's
+        chunk's share of its pooled vector (worker/pooler.py)."""
+        requests = scheduler_output.scheduled_requests
+        counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
+        bucket, _ = self._select_bucket(sum(counts), len(requests), "pool")
+        layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
+        step = prepare_step_inputs(requests, counts, block_ids, *layout)
+        inputs = prepare_pool_inputs(step, requests, counts, self.pooling_type)
+        exe = self._executable(bucket, "pool")
+        pooled, self.kv_cache = exe(self.params, self.kv_cache, inputs)
+        return np.asarray(pooled)[: len(requests)]
 
     def _run_ahead(
         self,

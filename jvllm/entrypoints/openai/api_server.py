@@ -32,6 +32,11 @@ from jvllm.entrypoints.openai.protocol import (
 from jvllm.entrypoints.openai.reasoning import get_reasoning_parser
 from jvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jvllm.entrypoints.openai.serving_embedding import (
+    EmbeddingRequest,
+    OpenAIServingEmbedding,
+    RunnerRoutes,
+)
 from jvllm.entrypoints.openai.serving_models import ServedModels, runtime_lora_updating
 from jvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jvllm.entrypoints.openai.shutdown import DrainingServer
@@ -134,12 +139,14 @@ def build_app(
         get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
     )
     responses = OpenAIServingResponses(chat)
+    embedding = OpenAIServingEmbedding(engine, models)
     tokenizer = engine.get_tokenizer()
     created = int(time.time())
     admission = Admission(max_request_body_bytes)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.admission = admission
+    app.add_middleware(RunnerRoutes, runner=engine.engine.args.runner)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AdmissionMiddleware, admission=admission)  # outermost: first to refuse
@@ -197,6 +204,10 @@ def build_app(
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw: Request):
         return _respond(await unless_disconnected(raw, responses.create(request)))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw: Request):
+        return _respond(await unless_disconnected(raw, embedding.create(request)))
 
     @app.get("/v1/models")
     async def list_models():

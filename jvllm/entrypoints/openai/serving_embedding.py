@@ -1,0 +1,171 @@
+"""/v1/embeddings (OpenAI's body and response, vLLM's extras) over an engine started with
+runner="pooling", and the guard that answers each runner's routes on the other's server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+from fastapi.responses import JSONResponse
+
+from jvllm.engine.async_llm import EngineDeadError, EngineOverloadedError
+from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
+from jvllm.entrypoints.openai.serving_engine import RETRY_AFTER_SECONDS, OpenAIServing
+from jvllm.pooling_params import PoolingParams
+
+# The routes that generate, refused on a pooling server.
+_GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+_EMBEDDING_ROUTES = ("/v1/embeddings",)
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: Any  # str | list[str] | list[int] | list[list[int]], checked in `prompts`
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras.
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+
+
+def prompts(value) -> list[str | list[int]]:
+    """OpenAI's `input` as a list of prompts (texts or token id lists); OpenAIError naming
+    `input` for anything else."""
+    is_one_token_list = isinstance(value, list) and value and all(map(_is_token, value))
+    if isinstance(value, str) or is_one_token_list:
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise OpenAIError(
+            "input must be a non-empty string, a list of strings, a list of token ids or a "
+            "list of token id lists",
+            param="input",
+        )
+    for i, item in enumerate(value):
+        is_tokens = isinstance(item, list) and all(_is_token(t) for t in item)
+        if not (isinstance(item, str) or is_tokens) or not item:
+            raise OpenAIError(
+                f"input[{i}] must be a non-empty string or list of token ids, got {item!r}"[:200],
+                param="input",
+            )
+    return value
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _encode(data: np.ndarray, encoding_format: str) -> list[float] | str:
+    """float: a JSON list; base64: the little-endian float32 bytes (what OpenAI's client
+    decodes)."""
+    if encoding_format == "base64":
+        return base64.b64encode(data.astype("<f4").tobytes()).decode("ascii")
+    return data.tolist()
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    async def create(self, request: EmbeddingRequest) -> dict:
+        if self.check_model(request.model) is not None:
+            raise OpenAIError("LoRA adapters do not serve embeddings", param="model")
+        inputs = prompts(request.input)
+        try:
+            params = PoolingParams(
+                request.dimensions, request.normalize, request.truncate_prompt_tokens
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), param=_param_of(str(e))) from None
+        request_id = f"embd-{uuid.uuid4().hex}"
+        outputs = await self._encode_all(inputs, params, request_id)
+        data = [
+            {
+                "object": "embedding",
+                "embedding": _encode(output.outputs.data, request.encoding_format),
+                "index": i,
+            }
+            for i, output in enumerate(outputs)
+        ]
+        num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "data": data,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
+        }
+
+    async def _encode_all(self, inputs, params: PoolingParams, request_id: str) -> list:
+        """Every prompt as its own engine request, side by side; the first failure cancels
+        the others (which aborts them)."""
+        tasks = [
+            asyncio.ensure_future(self.engine.encode(p, params, f"{request_id}-{i}"))
+            for i, p in enumerate(inputs)
+        ]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(str(e), param=_param_of(str(e))) from None
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), status_code=500, type="internal_server_error") from None
+        except EngineOverloadedError as e:
+            raise OpenAIError(
+                f"the server is overloaded: {e}",
+                status_code=503,
+                type="service_unavailable_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        finally:
+            for task in tasks:
+                task.cancel()
+        for output in outputs:
+            if output.outputs is None:
+                raise OpenAIError(
+                    f"request {output.request_id} was aborted",
+                    status_code=500,
+                    type="internal_server_error",
+                )
+        return outputs
+
+
+def _param_of(message: str) -> str:
+    """The request field an engine's error is about."""
+    for field in ("dimensions", "truncate_prompt_tokens", "normalize"):
+        if field in message:
+            return field
+    return "input"
+
+
+class RunnerRoutes:
+    """ASGI middleware: on a pooling server the generating routes answer 400, on a generating
+    server /v1/embeddings does, each saying what the server is and how to start the other."""
+
+    def __init__(self, app, runner: str):
+        self.app = app
+        self.runner = runner
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            message = _wrong_runner(scope["path"], self.runner)
+            if message is not None:
+                body = OpenAIError(message).body()
+                await JSONResponse(body, status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _wrong_runner(path: str, runner: str) -> str | None:
+    if runner == "pooling" and path in _GENERATE_ROUTES:
+        return (
+            f"{path} generates text, and this server's model is an embedding model (started "
+            "with --runner pooling): use /v1/embeddings"
+        )
+    if runner != "pooling" and path in _EMBEDDING_ROUTES:
+        return (
+            f"{path} needs an embedding model: start the server with --runner pooling "
+            "(this one generates)"
+        )
+    return None
