@@ -6,9 +6,8 @@ import time
 import numpy as np
 
 from jvllm.attention.backends import default_backend
-from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
-from jvllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jvllm.core.scheduler import SchedulerOutput
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.engine.arg_utils import EngineArgs
@@ -17,28 +16,29 @@ from jvllm.engine.input_processor import (
     check_priority,
     prompt_cache_salt,
     tokenize_prompt,
-    validate_request,
 )
 from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
-from jvllm.engine.parallel_sampling import ParentRequest, child_params
 from jvllm.engine.pooling import make_pooling_processor
-from jvllm.engine.start_up import build_kernels_early, compile_up_front
+from jvllm.engine.request_factory import RequestFactory
+from jvllm.engine.start_up import (
+    build_kernels_early,
+    compile_up_front,
+    make_runner,
+    make_scheduler,
+)
 from jvllm.logger import init_logger
-from jvllm.lora.config import adapter_config, check_adapter
+from jvllm.lora.config import check_adapter
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
-from jvllm.outputs import RequestMetrics, RequestOutput
+from jvllm.outputs import RequestOutput
 from jvllm.pooling_outputs import PoolingRequestOutput
 from jvllm.pooling_params import PoolingParams
 from jvllm.quantization import describe_weights
 from jvllm.sampling_params import SamplingParams
-from jvllm.structured_output.manager import GrammarState, StructuredOutputManager
-from jvllm.worker.bias_rows import bad_words_token_ids
-from jvllm.worker.buckets import BucketSpec
+from jvllm.structured_output.manager import StructuredOutputManager
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.kv_layout import kv_cache_spec
-from jvllm.worker.model_runner import ModelRunner
 from jvllm.worker.runner_output import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -93,42 +93,17 @@ class LLMEngine:
                 "(generation_config='vllm' ignores them)",
                 self.generation_config.sampling_defaults,
             )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=self.max_model_len,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                num_scheduler_steps=args.num_scheduler_steps,
-                policy=args.scheduling_policy,
-                max_loras=args.max_loras if args.enable_lora else 0,
-            ),
-            KVCacheManager(
-                num_blocks,
-                args.block_size,
-                args.enable_prefix_caching
-                and (self.pooling is None or self.pooling.can_cache_prefix),
-                args.prefix_caching_hash_algo,
-            ),
-        )
-        self.model_runner = ModelRunner(
-            adapter_config(config, args),
+        can_cache_prefix = self.pooling is None or self.pooling.can_cache_prefix
+        self.scheduler = make_scheduler(args, num_blocks, self.max_model_len, can_cache_prefix)
+        self.model_runner = make_runner(
+            args,
+            config,
             params,
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            max_model_len=self.max_model_len,
-            buckets=BucketSpec(args.max_num_batched_tokens, args.max_num_seqs),
-            attention_backend=self.attention_backend,
-            kv_cache_dtype=args.kv_cache_dtype,
-            max_logprobs=args.max_logprobs,
-            logprobs_mode=args.logprobs_mode,
-            max_num_seqs=args.max_num_seqs,
-            num_scheduler_steps=args.num_scheduler_steps,
-            async_scheduling=args.async_scheduling,
-            mesh=self.mesh,
-            pooling_type=self.pooling and self.pooling.pooling_type,
-            max_cpu_loras=args.max_cpu_loras or args.max_loras,
+            num_blocks,
+            self.max_model_len,
+            self.attention_backend,
+            self.mesh,
+            self.pooling and self.pooling.pooling_type,
         )
         if args.compile_all_buckets:
             compile_up_front(
@@ -141,7 +116,15 @@ class LLMEngine:
             self.eos_token_ids,
             synchronous=self.model_runner.lockstep,
         )
-        self._seed_rng = np.random.default_rng(args.seed)
+        self._request_factory = RequestFactory(
+            self.tokenizer,
+            config,
+            self.max_model_len,
+            args.max_logprobs,
+            self.eos_token_ids,
+            self.structured_outputs,
+            args.seed,
+        )
         self._requests: dict[str, Request] = {}
         # n > 1: parent request id -> child ids, and each live child's parent.
         self._children: dict[str, list[str]] = {}
@@ -191,69 +174,23 @@ class LLMEngine:
                 raise ValueError("LoRA adapters do not serve embeddings: pass lora_request=None")
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
             return
-        prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
-        cache_salt = prompt_cache_salt(prompt)
-        prompt_token_ids, params = validate_request(
-            prompt_token_ids,
-            params,
-            self.model_config.vocab_size,
-            self.max_model_len,
-            has_tokenizer=self.tokenizer is not None,
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        in_use = lambda i: i in self._requests or i in self._children
+        parent, requests = self._request_factory.make(
+            request_id, prompt, params, arrival_time, priority, lora_request, in_use
         )
-        params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
-        eos_ids = self.eos_token_ids
-        extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
-        if extra_eos and not params.ignore_eos:
-            # The other EOS ids stop the request like the first (and min_tokens holds them back).
-            params = dataclasses.replace(
-                params, stop_token_ids=[*params.stop_token_ids, *extra_eos]
-            )
-        grammar = None  # the compiled constraint, shared by the n samples
-        if params.structured_outputs is not None:
-            grammar = self.structured_outputs.compile(params.structured_outputs)
-        bad_words = []
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer; this model ships none")
-            bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
-        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
-        if params.n == 1:
-            children = [(request_id, params)]
-            parent = None
-        else:
-            parent = ParentRequest(request_id, params)
-            taken = [c for c in parent.child_ids if c in self._requests or c in self._children]
-            if taken:
-                raise ValueError(
-                    f"request_id {request_id!r} with n={params.n} needs the ids {taken}, "
-                    "which are already in use"
-                )
-            children = [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
+        if parent is not None:
             self._children[request_id] = parent.child_ids
             self._parent_of.update((c, request_id) for c in parent.child_ids)
-        for index, (child_id, child) in enumerate(children):
-            seed = child.seed if child.seed is not None else int(self._seed_rng.integers(2**31))
-            request = Request(
-                request_id=child_id,
-                prompt_token_ids=prompt_token_ids,
-                sampling_params=child,
-                eos_token_id=eos_ids[0] if eos_ids else None,
-                arrival_time=metrics.arrival_time,
-                prompt=prompt_text,
-                seed=seed,
-                cache_salt=cache_salt,
-                priority=priority,
-                lora_request=lora_request,
-            )
-            request.bad_words_token_ids = bad_words
-            if grammar is not None:
-                request.structured_output = GrammarState(grammar)
-            request.metrics = metrics  # shared by the n samples: the parent's milestones
-            self._requests[child_id] = request
+        for index, request in enumerate(requests):
+            self._requests[request.request_id] = request
             self.output_processor.add_request(request, parent, index)
             self.scheduler.add_request(request)
         logger.debug(
-            "added request %s (%d prompt tokens, n=%d)", request_id, len(prompt_token_ids), params.n
+            "added request %s (%d prompt tokens, n=%d)",
+            request_id,
+            requests[0].num_prompt_tokens,
+            len(requests),
         )
 
     def _add_pooling_request(self, request_id, prompt, params, arrival_time, priority) -> None:

@@ -1,14 +1,21 @@
-"""Start-up: the native CPU kernels the engine will run, built while the model loads, and
-compiling every bucket (EngineArgs.compile_all_buckets), up front or in the background, saying
-so in the log."""
+"""Start-up: the native CPU kernels the engine will run, built while the model loads; the
+scheduler and the model runner made from the engine's arguments; and compiling every bucket
+(EngineArgs.compile_all_buckets), up front or in the background, saying so in the log."""
 
 import time
 
+from jax.sharding import Mesh
+
 from jvllm.attention.backends import default_backend, prepare_backend
+from jvllm.config import ModelConfig
+from jvllm.core.kv_cache_manager import KVCacheManager
+from jvllm.core.scheduler import Scheduler, SchedulerConfig
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.layers import cpu_dense
 from jvllm.logger import init_logger
+from jvllm.lora.config import adapter_config
 from jvllm.model_loader.loader import expected_dtype
+from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -43,4 +50,61 @@ def compile_up_front(
         compile_seconds,
         runner.num_compilations,
         runner.warmup_seconds,
+    )
+
+
+def make_scheduler(
+    args: EngineArgs, num_blocks: int, max_model_len: int, can_cache_prefix: bool
+) -> Scheduler:
+    """The engine's scheduler over a KV cache of `num_blocks`; `can_cache_prefix`: whether the
+    engine's requests may reuse prefix-cache blocks at all (a pooling runner's may not all)."""
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            num_scheduler_steps=args.num_scheduler_steps,
+            policy=args.scheduling_policy,
+            max_loras=args.max_loras if args.enable_lora else 0,
+        ),
+        KVCacheManager(
+            num_blocks,
+            args.block_size,
+            args.enable_prefix_caching and can_cache_prefix,
+            args.prefix_caching_hash_algo,
+        ),
+    )
+
+
+def make_runner(
+    args: EngineArgs,
+    config: ModelConfig,
+    params,
+    num_blocks: int,
+    max_model_len: int,
+    attention_backend: str,
+    mesh: Mesh,
+    pooling_type: str | None,
+) -> ModelRunner:
+    """The engine's model runner over the loaded `params` (with LoRA slots where
+    enable_lora)."""
+    return ModelRunner(
+        adapter_config(config, args),
+        params,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        buckets=BucketSpec(args.max_num_batched_tokens, args.max_num_seqs),
+        attention_backend=attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
+        max_num_seqs=args.max_num_seqs,
+        num_scheduler_steps=args.num_scheduler_steps,
+        async_scheduling=args.async_scheduling,
+        mesh=mesh,
+        pooling_type=pooling_type,
+        max_cpu_loras=args.max_cpu_loras or args.max_loras,
     )

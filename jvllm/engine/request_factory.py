@@ -1,0 +1,119 @@
+"""A generation request's prompt and sampling parameters, checked at the edge, made into the
+engine's Request objects: one, or the n samples of a prompt that share its KV blocks through
+the prefix cache. Nothing here is registered anywhere: LLMEngine.add_request does that once the
+whole request is known to be good, so a bad one leaves no trace."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from jvllm.config import ModelConfig
+from jvllm.core.request import Request
+from jvllm.engine.input_processor import (
+    PromptType,
+    prompt_cache_salt,
+    tokenize_prompt,
+    validate_request,
+)
+from jvllm.engine.parallel_sampling import ParentRequest, child_params
+from jvllm.outputs import RequestMetrics
+from jvllm.sampling_params import SamplingParams
+from jvllm.structured_output.manager import GrammarState, StructuredOutputManager
+from jvllm.worker.bias_rows import bad_words_token_ids
+
+
+class RequestFactory:
+    """`seed` seeds the seeds of requests that bring none (EngineArgs.seed)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        model_config: ModelConfig,
+        max_model_len: int,
+        max_logprobs: int,
+        eos_token_ids: tuple[int, ...],
+        structured_outputs: StructuredOutputManager,
+        seed: int,
+    ):
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_ids = eos_token_ids
+        self.structured_outputs = structured_outputs
+        self._seed_rng = np.random.default_rng(seed)
+
+    def make(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int,
+        lora_request,
+        is_in_use: Callable[[str], bool],
+    ) -> tuple[ParentRequest | None, list[Request]]:
+        """(the parent of n > 1 samples or None, the requests to run); raises ValueError or
+        TypeError naming what is wrong, e.g. a sample's id for which `is_in_use`."""
+        prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        vocab_size = self.model_config.vocab_size
+        prompt_token_ids, params = validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size,
+            self.max_model_len,
+            has_tokenizer=self.tokenizer is not None,
+        )
+        params.verify_for_model(vocab_size, self.max_logprobs)
+        eos_ids = self.eos_token_ids
+        extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            # The other EOS ids stop the request like the first (and min_tokens holds them back).
+            params = dataclasses.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *extra_eos]
+            )
+        grammar = None  # the compiled constraint, shared by the n samples
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs.compile(params.structured_outputs)
+        bad_words = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer; this model ships none")
+            bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        parent = None if params.n == 1 else ParentRequest(request_id, params)
+        taken = [c for c in parent.child_ids if is_in_use(c)] if parent else []
+        if taken:
+            raise ValueError(
+                f"request_id {request_id!r} with n={params.n} needs the ids {taken}, "
+                "which are already in use"
+            )
+        children = (
+            [(request_id, params)]
+            if parent is None
+            else [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
+        )
+        metrics = RequestMetrics(arrival_time=arrival_time)  # the n samples share milestones
+        requests = []
+        for child_id, child in children:
+            seed = child.seed if child.seed is not None else int(self._seed_rng.integers(2**31))
+            request = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=child,
+                eos_token_id=eos_ids[0] if eos_ids else None,
+                arrival_time=arrival_time,
+                prompt=prompt_text,
+                seed=seed,
+                cache_salt=prompt_cache_salt(prompt),
+                priority=priority,
+                lora_request=lora_request,
+            )
+            request.bad_words_token_ids = bad_words
+            if grammar is not None:
+                request.structured_output = GrammarState(grammar)
+            request.metrics = metrics
+            requests.append(request)
+        return parent, requests
