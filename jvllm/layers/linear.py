@@ -56,12 +56,15 @@ class Linear(nnx.Module):
         if lora:
             width = lora[0] * lora[1]
             self.lora_a = param((width, in_features), dtype, ("lora", axes[1]))
-            self.lora_b = param((out_features, width), dtype, (axes[0], "lora"))
+            self.lora_b = param((out_features, width), dtype, (axes[0], "lora"), segments)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = sum_over_shards(dense(x, self.weight.get_value()), self.num_shards)
+        y = dense(x, self.weight.get_value())
         if self.lora_slots:
+            # Row-parallel, A is cut on I like the weight: each device's term is a partial
+            # sum too (the slot mask and B act on the rank axis), summed with the weight's.
             a, b = self.lora_a.get_value(), self.lora_b.get_value()
             delta = lora_delta(x, a, b, self.lora_slots, dense)
             y = y if delta is None else y + delta
+        y = sum_over_shards(y, self.num_shards)
         return y if self.bias is None else y + self.bias[...]

@@ -28,11 +28,6 @@ def check_lora_args(args) -> None:
         )
     if not args.enable_lora:
         return
-    if args.tensor_parallel_size > 1:
-        raise ValueError(
-            "enable_lora=True runs on one device per replica; tensor_parallel_size="
-            f"{args.tensor_parallel_size} is not supported with LoRA adapters yet"
-        )
     if args.runner == "pooling":
         raise ValueError("enable_lora=True serves generating models; runner='pooling' is not")
 

@@ -14,24 +14,32 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.tensor_parallel import ParamPlacer, shard_layout
 from jvllm.layers.scan import Unstacked, is_unstacked
 from jvllm.logger import init_logger
 from jvllm.lora.module_map import module_map
 from jvllm.lora.peft_adapter import HostAdapter, read_adapter
 from jvllm.lora.request import LoRARequest
-from jvllm.models.model import param_shapes
+from jvllm.models.model import param_axes, param_segments, param_shapes
 
 logger = init_logger(__name__)
 
 
 class AdapterSlots:
-    """`update`: update_columns jitted (the runner holds every jit entry point)."""
+    """`update`: update_columns jitted (the runner holds every jit entry point); `num_shards`:
+    the tensor-parallel devices the slots are cut over, as the weights they sit beside."""
 
-    def __init__(self, config: ModelConfig, max_cpu_loras: int, update: Callable):
+    def __init__(
+        self, config: ModelConfig, max_cpu_loras: int, update: Callable, num_shards: int = 1
+    ):
         self.config = config
         self._update = update
+        self._num_shards = num_shards
+        self._axes = param_axes(config)
+        self._segments = param_segments(config)
         self.num_slots = config.max_loras
         self.modules = module_map(config)
         self._max_cpu_loras = max_cpu_loras
@@ -115,8 +123,19 @@ class AdapterSlots:
                 np.zeros((num_layers, num_rows, width), dtype),
             )
             node = _node(params, path)
-            node["lora_a"] = self._write_columns(node["lora_a"], a, slot * width, axis=1)
-            node["lora_b"] = self._write_columns(node["lora_b"], b, slot * width, axis=2)
+            for name, value, axis in (("lora_a", a, 1), ("lora_b", b, 2)):
+                value = self._mesh_layout(f"{path}.{name}", value, node[name], axis)
+                node[name] = self._write_columns(node[name], value, slot * width, axis)
+
+    def _mesh_layout(self, path: str, value: np.ndarray, stack, lora_axis: int) -> np.ndarray:
+        """One slot's [L, ...] in the checkpoint's layout -> the layout of `stack` on the
+        mesh (tensor_parallel.shard_layout: fused pieces shard-major, KV heads repeated)."""
+        if self._num_shards == 1:
+            return value
+        shape = (len(stack.layers), *stack.layers[0].shape) if is_unstacked(stack) else stack.shape
+        shape = (*shape[:lora_axis], value.shape[lora_axis], *shape[lora_axis + 1 :])
+        axes, segments = _node(self._axes, path), _node(self._segments, path)
+        return shard_layout(value, axes, segments, self._num_shards, shape)
 
     def _write_columns(self, stack, value: np.ndarray, start: int, axis: int):
         """`stack` [L, ...] (or its layers, split by layers/scan.py) with `value` [L, ...]
@@ -138,17 +157,19 @@ def update_columns(stack: jax.Array, value: jax.Array, start: int, axis: int) ->
     return jax.lax.dynamic_update_slice_in_dim(stack, value.astype(stack.dtype), start, axis)
 
 
-def with_slot_params(params: dict, config: ModelConfig, sharding) -> dict:
+def with_slot_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     """A base model's params (loaded for `config` without adapters) with `config`'s empty
-    adapter slots added: the zero A and B of every projection that takes adapters."""
+    adapter slots added: the zero A and B of every projection that takes adapters, placed on
+    `mesh` as the weights are."""
+    place = ParamPlacer(config, mesh)
 
-    def add(tree: dict, shapes: dict) -> dict:
+    def add(tree: dict, shapes: dict, prefix: str) -> dict:
         out = dict(tree)
         for key, shape in shapes.items():
             if isinstance(shape, dict):
-                out[key] = add(tree.get(key, {}), shape)
+                out[key] = add(tree.get(key, {}), shape, f"{prefix}{key}.")
             elif key not in tree:
-                out[key] = jax.numpy.zeros(shape.shape, shape.dtype, device=sharding)
+                out[key] = place(prefix + key, np.zeros(shape.shape, shape.dtype))
         return out
 
-    return add(params, param_shapes(config))
+    return add(params, param_shapes(config), "")

@@ -71,9 +71,9 @@ class ModelRunner(StepCompiles):
         self.mesh = mesh = mesh or make_mesh()
         self.adapters = None
         if config.max_loras:
-            params = with_slot_params(params, config, replicated(mesh))
+            params = with_slot_params(params, config, mesh)
             update = jax.jit(update_columns, static_argnums=3)
-            self.adapters = AdapterSlots(config, max_cpu_loras, update)
+            self.adapters = AdapterSlots(config, max_cpu_loras, update, mesh.shape[TP_AXIS])
         self.pooling_type = pooling_type
         # On a GPU the layers' weights as one array per layer (layers/scan.py): the caller's
         # stacked arrays are deleted as they are split.
