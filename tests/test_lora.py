@@ -212,6 +212,7 @@ def test_server_serves_adapters_by_model_name(adapters, tiny_llama_dir, monkeypa
     parent); more load and unload at run time under VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
     httpx = pytest.importorskip("httpx")
     from jvllm.engine.async_llm import AsyncLLM
+    from jvllm.engine.metrics import ServingMetrics
     from jvllm.entrypoints.openai.api_server import build_app
     from jvllm.entrypoints.openai.server_thread import ServerThread
 
@@ -219,7 +220,10 @@ def test_server_serves_adapters_by_model_name(adapters, tiny_llama_dir, monkeypa
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     engine = AsyncLLM(LLM(tiny_llama_dir, **ENGINE).llm_engine)
     modules = [parse_lora_module(f"all={root / 'all'}")]
-    server = ServerThread(build_app(engine, "tiny", lora_modules=modules)).start()
+    metrics = ServingMetrics(engine, "tiny")
+    engine.stat_loggers.append(metrics)
+    app = build_app(engine, "tiny", metrics=metrics, lora_modules=modules)
+    server = ServerThread(app).start()
     try:
         client = httpx.Client(base_url=server.url, timeout=60)
         cards = client.get("/v1/models").json()["data"]
@@ -242,6 +246,8 @@ def test_server_serves_adapters_by_model_name(adapters, tiny_llama_dir, monkeypa
             "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}
         )
         assert bad.status_code == 400 and "no adapter_config.json" in bad.text
+        scrape = client.get("/metrics").text  # vLLM's gauge of the adapters in play
+        assert 'lora_requests_info{max_lora="2",running_lora_adapters="",waiting' in scrape
         unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
         assert unload.status_code == 200
         assert complete("qv").status_code == 404

@@ -26,7 +26,7 @@ from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
 from jvllm.engine.request_stream import PoolingStream, RequestStream
-from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats
+from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats, adapter_names
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
 from jvllm.pooling_outputs import PoolingRequestOutput
@@ -376,6 +376,8 @@ class AsyncLLM:
             num_preemptions=sum(s.num_preemptions_total for s in schedulers),
             num_prompt_tokens=sum(s.num_prompt_tokens_total for s in schedulers),
             num_generation_tokens=sum(s.num_generation_tokens_total for s in schedulers),
+            running_lora_adapters=adapter_names(r for s in schedulers for r in s.running),
+            waiting_lora_adapters=adapter_names(r for s in schedulers for r in s.waiting),
         )
 
     def _deliver_many(self, pairs: list[tuple[RequestStream, RequestOutput]], now: float) -> None:

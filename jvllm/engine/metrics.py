@@ -10,6 +10,7 @@ the event loop from each step's outputs; tokens per step and aborts on the engin
 from __future__ import annotations
 
 import re
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -97,6 +98,16 @@ class _SchedulerCollector:
         yield self._family(
             c, "num_preemptions", "Preemptions (by recompute).", stats.num_preemptions
         )
+        args = self._async_llm.engine.args
+        if args.enable_lora:  # vLLM's: the state in the labels, the value the time
+            labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+            info = g(f"{self._prefix}:lora_requests_info", "Running stats on LoRA requests.",
+                     labels=labels)  # fmt: skip
+            waiting, running = stats.waiting_lora_adapters, stats.running_lora_adapters
+            info.add_metric(
+                [str(args.max_loras), ",".join(waiting), ",".join(running)], time.time()
+            )
+            yield info
 
 
 class ServingMetrics:

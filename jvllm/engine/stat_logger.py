@@ -25,6 +25,14 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # computed so far (prefix-cache hits excluded)
     num_generation_tokens: int = 0  # sampled so far
+    # The LoRA adapters of the running and of the waiting requests, by name, each once.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+
+
+def adapter_names(requests) -> tuple[str, ...]:
+    """The LoRA adapters `requests` run with, by name, each once, in order."""
+    return tuple(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request))
 
 
 class LoggingStatLogger:
