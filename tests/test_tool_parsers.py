@@ -78,10 +78,11 @@ def test_get_tool_parser_names_the_allowed_parsers():
         "hermes",
         "llama3_json",
         "mistral",
+        "openai",
         "pythonic",
         "qwen3_coder",
     }
-    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral, pythonic, qwen"):
+    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral, openai, pythonic"):
         get_tool_parser("nope")
 
 

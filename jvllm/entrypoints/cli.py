@@ -291,14 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (Qwen2.5/3, <tool_call> JSON), "
         "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]), pythonic (Llama 3.2/4 "
-        "[f(x=1)]), granite (Granite 3.x JSON list), qwen3_coder (Qwen3-Coder XML)",
+        "[f(x=1)]), granite (Granite 3.x JSON list), qwen3_coder (Qwen3-Coder XML), openai "
+        "(gpt-oss harmony)",
     )
     serve.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
         help="split a thinking model's <think> reasoning into the reply's reasoning_content: "
-        "deepseek_r1 (R1 and its distills: always thinks), qwen3 (Qwen3, thinking switchable)",
+        "deepseek_r1 (R1 and its distills: always thinks), qwen3 (Qwen3, thinking switchable), "
+        "openai_gptoss (gpt-oss: harmony's analysis channel)",
     )
     serve.add_argument(
         "--disable-log-stats",

@@ -13,11 +13,17 @@ still be the start of a tag.
 Under an output constraint (a JSON schema, a regex, a forced tool call) the grammar holds from
 the first token, so a reply thinks only where it opens the thought itself: a constrained JSON
 reply to a thinking model is content, not an unclosed thought.
+
+gpt-oss does not think in tags: "openai_gptoss" splits its harmony channels instead
+(harmony_reasoning.py), through the same splitter interface (`ReasoningParser.splitter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
+
+from jvllm.entrypoints.openai.harmony_reasoning import HarmonySplitter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +31,31 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
     thinks_by_default: bool = False  # whether a reply with no start tag anywhere thinks
+    # Whether the format's markers are special tokens, which the reply's text must keep.
+    reads_special_tokens: ClassVar[bool] = False
+
+    def splitter(self, prompt_opened: bool, constrained: bool = False) -> ReasoningSplitter:
+        """The splitter of one reply (see ReasoningSplitter)."""
+        return ReasoningSplitter(self, prompt_opened, constrained)
+
+
+@dataclasses.dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony channels (harmony_reasoning.py); `start` opens an analysis message,
+    for `prompt_opens_thought`."""
+
+    start: str = "<|channel|>analysis<|message|>"
+    end: str = "<|end|>"
+    reads_special_tokens: ClassVar[bool] = True
+
+    def splitter(self, prompt_opened: bool, constrained: bool = False) -> HarmonySplitter:
+        return HarmonySplitter(prompt_opened, constrained)
 
 
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser(thinks_by_default=True),
     "qwen3": ReasoningParser(),
+    "openai_gptoss": HarmonyReasoningParser(),
 }
 
 
@@ -102,7 +128,7 @@ def split_reply(
     parser: ReasoningParser, text: str, prompt_opened: bool, constrained: bool = False
 ) -> tuple[str, str]:
     """A whole reply -> (reasoning, content)."""
-    splitter = ReasoningSplitter(parser, prompt_opened, constrained)
+    splitter = parser.splitter(prompt_opened, constrained)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return reasoning + more_reasoning, content + more_content

@@ -9,18 +9,11 @@ from jvllm.entrypoints.chat import render_conversation, text_content
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.reasoning import (
     ReasoningParser,
-    ReasoningSplitter,
     add_reasoning,
     prompt_opens_thought,
     split_reply,
 )
-from jvllm.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    now,
-    response_id,
-    sse,
-    usage,
-)
+from jvllm.entrypoints.openai.serving_engine import OpenAIServing, now, response_id, sse, usage
 from jvllm.entrypoints.openai.structured import structured_outputs
 from jvllm.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, reply
 from jvllm.entrypoints.openai.tool_parsers import ToolParser
@@ -46,6 +39,8 @@ class OpenAIServingChat(OpenAIServing):
         a thinking model's reasoning from its content (reasoning.py)."""
         super().__init__(engine, model_names)
         self.reasoning_parser = reasoning_parser
+        parsers = (reasoning_parser, tool_parser)  # harmony's read its special tokens (vLLM's)
+        self.reads_special_tokens = any(p and p.reads_special_tokens for p in parsers)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser
         self.chat_template = chat_template
@@ -310,7 +305,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         streams = [ToolCallStream(tools) if tools.mode != "none" else None for _ in range(n)]
         parser = self.reasoning_parser
-        splitters = [ReasoningSplitter(parser, *start) if parser else None for _ in range(n)]
+        splitters = [parser.splitter(*start) if parser else None for _ in range(n)]
         item = first
         try:
             while item is not None:

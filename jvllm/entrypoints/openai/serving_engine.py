@@ -65,6 +65,8 @@ def engine_seed(seed: int | None) -> int | None:
 
 
 class OpenAIServing:
+    reads_special_tokens = False  # the replies' parsers read special tokens (serving_chat.py)
+
     def __init__(self, engine: AsyncLLM, model_names: str | list[str] | ServedModels):
         """`model_names`: the names requests may give the model (vLLM's --served-model-name),
         or the server's ServedModels (its LoRA adapters' names too); responses carry the
@@ -163,7 +165,7 @@ class OpenAIServing:
             "max_tokens": max_tokens,
             "min_tokens": request.min_tokens,
             "ignore_eos": request.ignore_eos,
-            "skip_special_tokens": request.skip_special_tokens,
+            "skip_special_tokens": request.skip_special_tokens and not self.reads_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "spaces_between_special_tokens": request.spaces_between_special_tokens,
             "allowed_token_ids": request.allowed_token_ids,

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from jvllm.entrypoints.openai.protocol import OpenAIError, ResponsesRequest
-from jvllm.entrypoints.openai.reasoning import ReasoningSplitter, split_reply
+from jvllm.entrypoints.openai.reasoning import split_reply
 from jvllm.entrypoints.openai.responses_input import chat_messages, chat_tools_request
 from jvllm.entrypoints.openai.responses_items import Events, ResponseView, reply_items
 from jvllm.entrypoints.openai.responses_stream import ResponseStream
@@ -42,6 +42,7 @@ class OpenAIServingResponses(OpenAIServing):
         """Renders through `chat` (its template, trust, tool and reasoning parsers)."""
         super().__init__(chat.engine, chat.model_names)
         self.chat = chat
+        self.reads_special_tokens = chat.reads_special_tokens
 
     async def create(self, request: ResponsesRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
@@ -155,7 +156,7 @@ class OpenAIServingResponses(OpenAIServing):
         self, request: ResponsesRequest, start, plan: ToolPlan, num_logprobs: int | None
     ) -> ResponseStream:
         parser = self.chat.reasoning_parser
-        splitter = ReasoningSplitter(parser, *start) if parser is not None else None
+        splitter = parser.splitter(*start) if parser is not None else None
         calls = ToolCallStream(plan) if plan.mode != "none" else None
         logprobs = None
         if num_logprobs is not None:

@@ -1,6 +1,7 @@
 """Tool call parsers for the chat API, by vLLM's `--tool-call-parser` names."""
 
 from jvllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolParser
+from jvllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
 from jvllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from jvllm.entrypoints.openai.tool_parsers.hermes import Hermes2ProToolParser
 from jvllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -15,6 +16,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "granite": GraniteToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
+    "openai": OpenAIToolParser,
 }
 
 
@@ -33,6 +35,7 @@ __all__ = [
     "Hermes2ProToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
+    "OpenAIToolParser",
     "PythonicToolParser",
     "Qwen3CoderToolParser",
     "ToolParser",

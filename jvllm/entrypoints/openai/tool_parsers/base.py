@@ -37,6 +37,8 @@ class ToolParser:
     """
 
     require_arguments = False  # whether a call object without an arguments key is malformed
+    # Whether the format's markers are special tokens, which the reply's text must keep.
+    reads_special_tokens = False
 
     def __init__(self, tokenizer=None, tools: dict[str, dict] | None = None):
         self.tokenizer = tokenizer  # vLLM's parsers take it; the JSON formats need only text
@@ -110,6 +112,11 @@ class ToolParser:
         """Sends text[pos:end] as content."""
         text = self._text[self._pos : end]
         self._pos = self._held_from = end
+        self._send_content(text)
+
+    def _send_content(self, text: str) -> None:
+        """Sends `text` as content; a format may send text that is not in the output (the
+        newline that joins harmony's messages)."""
         if not self._has_content:  # blank content is None in a whole response, so hold it
             self._blank_content += text
             if not self._blank_content.strip():
