@@ -5,7 +5,12 @@ from jvllm.engine.llm_engine import LLMEngine
 from jvllm.entrypoints.llm import LLM
 from jvllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
 from jvllm.pooler_config import PoolerConfig
-from jvllm.pooling_outputs import EmbeddingRequestOutput, PoolingRequestOutput
+from jvllm.pooling_outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import (
     BeamSearchParams,
@@ -29,6 +34,8 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

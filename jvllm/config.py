@@ -82,6 +82,10 @@ class ModelConfig:
     # max_lora_rank; 0: none, and the params hold no adapter weights.
     max_loras: int = 0
     max_lora_rank: int = 0
+    # False: the checkpoint is a base model saved without its LM head (an embedding model's;
+    # model_loader/base_model.py). It pools and never computes logits; tie_word_embeddings is
+    # then set so that no family builds or reads a head.
+    has_lm_head: bool = True
 
     def __post_init__(self) -> None:
         check_supported(self.architecture)

@@ -1,4 +1,4 @@
-"""What a pooling engine returns: vLLM's `PoolingRequestOutput` and its embedding view."""
+"""What a pooling engine returns: vLLM's `PoolingRequestOutput`, its embedding view, a score."""
 
 import dataclasses
 
@@ -40,3 +40,18 @@ class EmbeddingRequestOutput:
         """vLLM's conversion: the pooled array as a list of floats."""
         embedding = EmbeddingOutput(output.outputs.data.tolist())
         return cls(output.request_id, embedding, output.prompt_token_ids, output.finished)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """vLLM's output of LLM.score: one pair's score; its prompt tokens are both texts'."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

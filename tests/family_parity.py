@@ -21,12 +21,14 @@ TINY_SHAPES = {
 }
 
 
-def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15):
+def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15, auto_class=None):
     """An HF model of `hf_config` with O(1) random weights everywhere (biases and norms too),
     so that greedy choices are far from ties and a wrong bias, norm or permutation shows.
+    `auto_class`: AutoModelForCausalLM unless given (AutoModel: the base model alone).
     Returns the HF model (float32, eval)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    auto_class = auto_class or transformers.AutoModelForCausalLM
+    model = auto_class.from_config(hf_config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln" in name.split(".")[-2:][0]:

@@ -334,6 +334,8 @@ def test_prompt_longer_than_max_model_len_is_400_with_both_counts(setup):
 def test_api_key_is_required_on_v1(setup):
     url = setup["secured_url"]
     assert _error(httpx.get(url + "/v1/models"), 401)["code"] == "invalid_api_key"
+    for path in ("/score", "/rerank", "/v2/rerank"):  # /v1's work on other paths: keyed too
+        _error(httpx.post(url + path, json={}), 401)
     wrong = {"Authorization": "Bearer nope"}
     _error(httpx.get(url + "/v1/models", headers=wrong), 401)
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)

@@ -14,6 +14,7 @@ from jvllm.core.scheduler import SchedulerOutput
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import truncate_prompt
 from jvllm.logger import init_logger
+from jvllm.model_loader.base_model import check_can_generate
 from jvllm.model_loader.hf import read_config_json
 from jvllm.outputs import RequestMetrics
 from jvllm.pooler_config import PoolerConfig, resolve_pooler_config
@@ -46,9 +47,11 @@ class Matryoshka:
 def make_pooling_processor(
     args: EngineArgs, config: ModelConfig, max_model_len: int
 ) -> "PoolingOutputProcessor | None":
-    """A pooling engine's processor (None for a generating engine), its PoolerConfig
-    resolved against the model directory and its matryoshka sizes read from config.json."""
+    """A pooling engine's processor (None for a generating engine, once its model is checked
+    to have an LM head), its PoolerConfig resolved against the model directory and its
+    matryoshka sizes read from config.json."""
     if args.runner != "pooling":
+        check_can_generate(config)
         return None
     pooler_config = resolve_pooler_config(args.pooler_config, args.model)
     is_hf_dir = args.model is not None and os.path.isfile(os.path.join(args.model, "config.json"))

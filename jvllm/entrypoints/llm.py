@@ -11,9 +11,14 @@ from jvllm.engine.data_parallel import make_engine, replicas
 from jvllm.engine.input_processor import PromptType, check_no_lora
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, render_conversation
+from jvllm.entrypoints.score_utils import cosine_scores, score_sides
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import BeamSearchOutput, RequestOutput
-from jvllm.pooling_outputs import EmbeddingRequestOutput, PoolingRequestOutput
+from jvllm.pooling_outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -200,6 +205,29 @@ class LLM:
         if pooling_task != "embed":
             raise ValueError(f"pooling_task must be 'embed', got {pooling_task!r}")
         return self._pool("encode", prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request=None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's score for an embedding model (runner="pooling"): the cosine similarity of
+        text_1's and text_2's embeddings, 1:1, 1:N (text_1 one text) or N:N (pairwise), one
+        output per text of text_2. Each text is embedded once."""
+        check_no_lora(lora_request)
+        texts_1, texts_2 = score_sides(text_1, text_2)
+        embeds = self._pool(
+            "score", [*texts_1, *texts_2], pooling_params, use_tqdm, truncate_prompt_tokens
+        )
+        tokenizer = self.get_tokenizer()
+        pad_token_id = None if tokenizer is None else tokenizer.pad_token_id
+        return cosine_scores(embeds[: len(texts_1)], embeds[len(texts_1) :], pad_token_id)
 
     def _pool(
         self, call: str, prompts, pooling_params, use_tqdm: bool, truncate_prompt_tokens

@@ -15,6 +15,7 @@ import numpy as np
 from jvllm.config import DTYPE_CHOICES, ModelConfig
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.logger import init_logger
+from jvllm.model_loader.base_model import stored_name, without_missing_head
 from jvllm.model_loader.mxfp4 import packed_names, read_packed
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
@@ -93,7 +94,8 @@ def load_hf_dir(
     path: str, dtype: str = "auto", mesh=None, overrides: HFOverrides = None
 ) -> tuple[ModelConfig, dict]:
     """Load `path/config.json` (with `overrides` applied) and all `path/*.safetensors` (sharded
-    or not), placed on `mesh` (None: JAX's default device)."""
+    or not), placed on `mesh` (None: JAX's default device). A base model's checkpoint (no
+    wrapper prefix, no LM head) loads too (base_model.py)."""
     config = read_hf_config(path, dtype, overrides)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -101,9 +103,11 @@ def load_hf_dir(
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         tensors.update(read_safetensors(file))
+    config = without_missing_head(config, tensors)
     read: set[str] = set()
 
     def get(name: str) -> np.ndarray:
+        name = stored_name(name, tensors)
         packed = None if name in tensors else read_packed(tensors, name)
         if packed is not None:  # MXFP4 (gpt-oss's experts), dequantized here
             read.update(packed_names(name))

@@ -43,6 +43,40 @@ _MODELS = {
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# HF's base models (no LM head), as embedding checkpoints ship them (Qwen3-Embedding,
+# e5-mistral): each runs as its causal LM's family, whose tensor names lose their first
+# component in such a checkpoint (model_loader/base_model.py). Not Phi's or GPT-J's (their LM
+# head has a bias, which a headless load does not drop) nor those not checked against HF.
+BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Phi3Model": "Phi3ForCausalLM",
+    "GraniteModel": "GraniteForCausalLM",
+    "SmolLM3Model": "SmolLM3ForCausalLM",
+    "Olmo2Model": "Olmo2ForCausalLM",
+    "Olmo3Model": "Olmo3ForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
+    "Qwen2MoeModel": "Qwen2MoeForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
+    "GemmaModel": "GemmaForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM",
+    "GPTNeoXModel": "GPTNeoXForCausalLM",
+    "Starcoder2Model": "Starcoder2ForCausalLM",
+    "StableLmModel": "StableLmForCausalLM",
+    "CohereModel": "CohereForCausalLM",
+    "Cohere2Model": "Cohere2ForCausalLM",
+    "GlmModel": "GlmForCausalLM",
+    "Glm4Model": "Glm4ForCausalLM",
+    "OlmoeModel": "OlmoeForCausalLM",
+    "GraniteMoeModel": "GraniteMoeForCausalLM",
+    "GraniteMoeSharedModel": "GraniteMoeSharedForCausalLM",
+    "FalconModel": "FalconForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",
+    "GPT2Model": "GPT2LMHeadModel",
+    "OPTModel": "OPTForCausalLM",
+}
 # A config built in code (not read from a checkpoint) may have no `architectures`.
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -83,10 +117,11 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 
 
 def architecture_of(hf_config: dict) -> str | None:
-    """The architecture an HF config.json dict names (its first), else its model_type's."""
+    """The architecture an HF config.json dict names (its first; for a base model, its causal
+    LM's), else its model_type's."""
     architectures = hf_config.get("architectures") or []
     if architectures:
-        return architectures[0]
+        return BASE_MODELS.get(architectures[0], architectures[0])
     return _ARCHITECTURE_BY_MODEL_TYPE.get(hf_config.get("model_type"))
 
 
@@ -112,4 +147,7 @@ def normalize_hf_config(architecture: str, hf_config: dict) -> dict:
     """The family's reading of its config.json: its checks, its defaults, its field names put
     in the layout ModelConfig.from_hf_config reads (Llama's), and its own settings under
     "options"."""
-    return model_class(architecture).normalize_hf_config(dict(hf_config))
+    cfg = dict(hf_config)
+    if (cfg.get("architectures") or [None])[0] in BASE_MODELS:  # families read the causal LM's
+        cfg["architectures"] = [architecture, *cfg["architectures"][1:]]
+    return model_class(architecture).normalize_hf_config(cfg)

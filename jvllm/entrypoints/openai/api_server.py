@@ -39,6 +39,7 @@ from jvllm.entrypoints.openai.serving_embedding import (
 )
 from jvllm.entrypoints.openai.serving_models import ServedModels, runtime_lora_updating
 from jvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from jvllm.entrypoints.openai.serving_score import add_score_routes
 from jvllm.entrypoints.openai.shutdown import DrainingServer
 from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
@@ -48,9 +49,9 @@ from jvllm.lora.request import LoRARequest
 logger = init_logger(__name__)
 
 
-# Paths that need the API key when the server has one. vLLM leaves /invocations open; here it
-# runs the same generations as /v1, so it is closed the same way.
-_KEYED_PATHS = ("/v1", "/invocations")
+# Paths that need the API key when the server has one. vLLM leaves /invocations, /score and
+# /rerank open; here they run the same work as their /v1 routes, so they are closed the same way.
+_KEYED_PATHS = ("/v1", "/v2", "/invocations", "/score", "/rerank")
 # The routes that generate: a 400 on one of them counts as a rejected request in the metrics.
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 # Refusals counted by jvllm:num_requests_rejected_total, by status: bad input, a full queue.
@@ -208,6 +209,8 @@ def build_app(
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw: Request):
         return _respond(await unless_disconnected(raw, embedding.create(request)))
+
+    add_score_routes(app, embedding)
 
     @app.get("/v1/models")
     async def list_models():

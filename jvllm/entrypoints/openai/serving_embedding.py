@@ -15,11 +15,13 @@ from fastapi.responses import JSONResponse
 from jvllm.engine.async_llm import EngineDeadError, EngineOverloadedError
 from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
 from jvllm.entrypoints.openai.serving_engine import RETRY_AFTER_SECONDS, OpenAIServing
+from jvllm.entrypoints.openai.serving_score import RERANK_ROUTES, SCORE_ROUTES
 from jvllm.pooling_params import PoolingParams
 
-# The routes that generate, refused on a pooling server.
+# The routes that generate, refused on a pooling server, and those that pool, refused on a
+# generating one.
 _GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
-_EMBEDDING_ROUTES = ("/v1/embeddings",)
+_EMBEDDING_ROUTES = ("/v1/embeddings", *SCORE_ROUTES, *RERANK_ROUTES)
 
 
 class EmbeddingRequest(_Request):
@@ -79,7 +81,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e), param=_param_of(str(e))) from None
         request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await self._encode_all(inputs, params, request_id)
+        outputs = await self.encode_all(inputs, params, request_id)
         data = [
             {
                 "object": "embedding",
@@ -98,7 +100,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
         }
 
-    async def _encode_all(self, inputs, params: PoolingParams, request_id: str) -> list:
+    async def encode_all(self, inputs, params: PoolingParams, request_id: str) -> list:
         """Every prompt as its own engine request, side by side; the first failure cancels
         the others (which aborts them)."""
         tasks = [
@@ -132,16 +134,18 @@ class OpenAIServingEmbedding(OpenAIServing):
 
 
 def _param_of(message: str) -> str:
-    """The request field an engine's error is about."""
+    """The request field an engine's error is about: the one it starts with (a prompt's error
+    may name truncate_prompt_tokens as a remedy), else the input."""
     for field in ("dimensions", "truncate_prompt_tokens", "normalize"):
-        if field in message:
+        if message.startswith(field):
             return field
     return "input"
 
 
 class RunnerRoutes:
     """ASGI middleware: on a pooling server the generating routes answer 400, on a generating
-    server /v1/embeddings does, each saying what the server is and how to start the other."""
+    server /v1/embeddings, /v1/score and /v1/rerank do, each saying what the server is and
+    how to start the other."""
 
     def __init__(self, app, runner: str):
         self.app = app
@@ -161,7 +165,7 @@ def _wrong_runner(path: str, runner: str) -> str | None:
     if runner == "pooling" and path in _GENERATE_ROUTES:
         return (
             f"{path} generates text, and this server's model is an embedding model (started "
-            "with --runner pooling): use /v1/embeddings"
+            "with --runner pooling): use /v1/embeddings, /v1/score or /v1/rerank"
         )
     if runner != "pooling" and path in _EMBEDDING_ROUTES:
         return (
