@@ -100,6 +100,8 @@ class EngineArgs:
     max_seq_len_to_capture: int = 8192
     compilation_config: int | dict | None = None
     served_model_name: str | list[str] | None = None
+    # vLLM's: LLM.sleep() may free the weights and the KV cache between RL steps
+    # (engine/sleep.py).
     enable_sleep_mode: bool = False
     # LoRA adapters (vLLM's names; jvllm/lora/): enable_lora gives the model max_loras adapter
     # slots of rank up to max_lora_rank; max_cpu_loras adapters stay read on the host (None:
@@ -191,6 +193,7 @@ class EngineArgs:
             "compile_all_buckets",
             "compile_in_background",
             "skip_tokenizer_init",
+            "enable_sleep_mode",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError (vLLM)

@@ -198,6 +198,13 @@ class AsyncLLM:
         for i in ids:
             self._submit(("abort_id", i))
 
+    async def call_engine(self, fn):
+        """fn(engine) run on the engine thread between steps -> its result (vLLM's
+        collective_rpc, in one process): how the server sleeps and wakes the engine."""
+        done = concurrent.futures.Future()
+        self._submit(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
     def abort_all(self) -> None:
         """Abort every unfinished request (a server's shutdown once its drain time is over)."""
         self._submit(("abort_all",))
@@ -219,14 +226,14 @@ class AsyncLLM:
 
     def _submit(self, command: tuple) -> None:
         if self._dead is not None or self._shutdown:
-            if command[0] == "add":
+            if command[0] in ("add", "call"):
                 command[-1].set_exception(
                     EngineDeadError(f"the engine is not running: {self._dead}")
                 )
             return
         self._commands.append(command)
         self._wakeup.set()
-        if self._dead is not None and command[0] == "add":
+        if self._dead is not None and command[0] in ("add", "call"):
             # The loop stopped while we queued: fail this future here (the engine thread owns
             # the rest of the state and fails everything else on its way out).
             try:
@@ -313,6 +320,14 @@ class AsyncLLM:
                     engine.abort_request(command[1])
                     self._record_aborted(stream)
                     _tell_aborted(stream)
+            elif op == "call":
+                _, fn, done = command
+                if not done.set_running_or_notify_cancel():
+                    continue
+                try:
+                    done.set_result(fn(engine))
+                except Exception as e:  # noqa: BLE001 - the caller's refusal reaches that caller only
+                    done.set_exception(e)
             elif op == "abort_all":
                 engine.abort_request(list(self._live))
                 for stream in self._live.values():

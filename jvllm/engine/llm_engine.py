@@ -21,6 +21,7 @@ from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.request_factory import RequestFactory
+from jvllm.engine.sleep import SleepMode
 from jvllm.engine.start_up import (
     build_kernels_early,
     compile_up_front,
@@ -133,6 +134,7 @@ class LLMEngine:
         self.last_finished_requests: list[Request] = []
         # Set while a jvllm.step_loop.StepLoop holds the KV arrays (between prefill and finish).
         self.held_by_step_loop = False
+        self.sleep_mode = SleepMode(self)  # sleep, wake_up and load_weights (engine/sleep.py)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -161,6 +163,7 @@ class LLMEngine:
                 "a StepLoop holds this engine's KV cache between its prefill() and finish(): "
                 "finish the loop before adding requests"
             )
+        self.sleep_mode.check_awake()
         if params is None and self.pooling is None:
             params = self.get_default_sampling_params()
         if not isinstance(request_id, str):
@@ -245,6 +248,28 @@ class LLMEngine:
             c in self._parent_of for c in self._children[parent_id]
         ):
             del self._children[parent_id]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache block (vLLM's), so that no later request reuses KV computed
+        before; False, changing nothing, while running requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device (vLLM's; enable_sleep_mode=True, no request unfinished): level 1
+        keeps the weights in host memory, level 2 discards them too (engine/sleep.py)."""
+        self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep freed: `tags` among "weights", "kv_cache" (None: both)."""
+        self.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode.is_sleeping
+
+    def load_weights(self, weights) -> set[str]:
+        """New weights from (HF name, array) pairs, as vLLM's model.load_weights takes them
+        (a subset is fine); the prefix cache is reset. -> the paths of the params replaced."""
+        return self.sleep_mode.load_weights(weights)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -65,7 +65,6 @@ NEUTRAL_OPTIONS: dict[str, NeutralOption] = {
         lambda v: v is None or isinstance(v, str | list),
         "None, a name or a list of names (what `jvllm serve` answers to)",
     ),
-    "enable_sleep_mode": NeutralOption(lambda v: v is False, "False: jvllm has no sleep mode"),
 }
 
 

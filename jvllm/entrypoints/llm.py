@@ -49,6 +49,37 @@ class LLM:
         defaults of the model's generation_config.json (see EngineArgs.generation_config)."""
         return self.llm_engine.get_default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's); False while requests hold blocks."""
+        with self._lock:
+            reset = [e.reset_prefix_cache() for e in replicas(self.llm_engine)]  # every one
+            return all(reset)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device between RL steps (vLLM's; needs enable_sleep_mode=True): level 1
+        moves the weights to host memory and discards the KV cache, level 2 discards both
+        (load_weights brings weights back). Generating raises until wake_up()."""
+        with self._lock:
+            for engine in replicas(self.llm_engine):
+                engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep freed: `tags` among "weights" and "kv_cache" (None: both)."""
+        with self._lock:
+            for engine in replicas(self.llm_engine):
+                engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return any(e.is_sleeping() for e in replicas(self.llm_engine))
+
+    def load_weights(self, weights) -> set[str]:
+        """Replace the weights with (HF tensor name, array) pairs, as vLLM's model.load_weights
+        takes them (e.g. a trained model's state_dict().items(); a subset is fine, but each
+        param's tensors together); resets the prefix cache. -> the params replaced."""
+        weights = list(weights)  # every replica reads them
+        with self._lock:
+            return set().union(*[e.load_weights(weights) for e in replicas(self.llm_engine)])
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -41,6 +41,7 @@ from jvllm.entrypoints.openai.serving_models import ServedModels, runtime_lora_u
 from jvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jvllm.entrypoints.openai.serving_score import add_score_routes
 from jvllm.entrypoints.openai.shutdown import DrainingServer
+from jvllm.entrypoints.openai.sleep_routes import add_sleep_routes, server_dev_mode
 from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_reader
@@ -219,6 +220,8 @@ def build_app(
 
     if runtime_lora_updating():
         add_lora_routes(app, engine, models)
+    if server_dev_mode():
+        add_sleep_routes(app, engine)
 
     @app.post("/invocations")
     async def invocations(raw: Request):

@@ -1,0 +1,122 @@
+"""Freeing and refilling a model runner's device buffers (its params, its KV cache and the
+token ids beside it) while its executables stay compiled: every refilled array takes the
+shape, dtype and sharding the executables were lowered for (the runner's `_state_spec`), so
+nothing compiles again. engine/sleep.py drives these between RL training steps.
+
+A param here is a leaf of the params tree as the model takes it: an array, a quantized weight
+of several arrays, or a stacked weight split by layers (layers/scan.py's `Unstacked`); it is
+named by its dotted path ("layers.attn.qkv.weight").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.layers.scan import Unstacked, is_unstacked
+
+HostParams = dict[str, Any]  # param path -> its arrays as NumPy, in the runner's layout
+
+
+def param_specs(runner) -> dict[str, Any]:
+    """Each param's ShapeDtypeStruct(s), by path: what it must be when put back."""
+    return dict(_flatten(runner._state_spec[0]))
+
+
+def release_kv_cache(runner) -> None:
+    """Delete the KV cache and the token ids of its pages (their contents are lost)."""
+    runner._ahead = None  # a step run ahead reads them
+    _delete((runner.kv_cache, runner.token_cache))
+    runner.kv_cache = runner.token_cache = None
+
+
+def restore_kv_cache(runner) -> None:
+    """A zero KV cache and zero token ids, laid out as before release_kv_cache."""
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding)
+    _, kv_spec, token_spec, _ = runner._state_spec
+    runner.kv_cache = jax.tree.map(zeros, kv_spec)
+    runner.token_cache = zeros(token_spec)
+
+
+def release_params(runner, keep_on_host) -> HostParams:
+    """Delete every param from the device; -> host copies of those whose path `keep_on_host`
+    accepts (the others are lost)."""
+    host = {
+        path: jax.tree.map(lambda a: np.array(a, copy=True), param)  # not a view of the buffer
+        for path, param in _flatten(runner.params)
+        if keep_on_host(path)
+    }
+    _delete(runner.params)
+    runner.params = None
+    return host
+
+
+def restore_params(runner, host: HostParams) -> None:
+    """Put `host` (every param) back on the device as the runner's params."""
+    specs = param_specs(runner)
+    runner.params = _unflatten({path: _put(host[path], specs[path], path) for path in specs})
+
+
+def replace_params(runner, host: HostParams) -> None:
+    """Swap the params in `host` (some of them) for the runner's, each old one deleted once its
+    new one is on the device, so that the device never holds two copies of the model."""
+    specs = param_specs(runner)
+    for path, value in host.items():
+        *parents, leaf = path.split(".")
+        node = runner.params
+        for key in parents:
+            node = node[key]
+        new = _put(value, specs[path], path)
+        _delete(node[leaf])
+        node[leaf] = new
+
+
+def in_runner_layout(runner, path: str, value: np.ndarray) -> Any:
+    """A stacked param [L, ...] from the loaders as the runner holds it: split into its layers
+    where the runner runs them unstacked."""
+    if is_unstacked(param_specs(runner)[path]):
+        return Unstacked(tuple(value[i] for i in range(value.shape[0])))
+    return value
+
+
+def _put(value: Any, spec: Any, path: str) -> Any:
+    """`value`'s arrays on the device, each laid out as its ShapeDtypeStruct in `spec`."""
+
+    def put(array: np.ndarray, s: jax.ShapeDtypeStruct) -> jax.Array:
+        if (array.shape, array.dtype) != (s.shape, s.dtype):
+            raise ValueError(
+                f"param {path!r}: got {array.dtype}{list(array.shape)}, the compiled model "
+                f"takes {s.dtype}{list(s.shape)}"
+            )
+        return jax.device_put(array, s.sharding)
+
+    return jax.tree.map(put, value, spec)
+
+
+def _delete(tree: Any) -> None:
+    for array in jax.tree.leaves(tree):
+        if isinstance(array, jax.Array) and not array.is_deleted():
+            array.delete()
+
+
+def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
