@@ -172,3 +172,25 @@ def test_dev_routes_sleep_and_wake_the_server(models, monkeypatch):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_a_request_reaching_a_sleeping_engine_is_a_503(models):
+    """A request that passed the dev routes' middleware before the engine slept (or any
+    request, where the engine is put to sleep in-process) is the server's 503, not a 500."""
+    httpx = pytest.importorskip("httpx")
+    import asyncio
+
+    from jvllm.engine.async_llm import AsyncLLM
+    from jvllm.entrypoints.openai.api_server import build_app
+    from jvllm.entrypoints.openai.server_thread import ServerThread
+
+    engine = AsyncLLM(LLM(models[0][0], **ENGINE).llm_engine)
+    server = ServerThread(build_app(engine, "tiny")).start()  # no dev routes: no middleware
+    try:
+        asyncio.run(engine.call_engine(lambda e: e.sleep(1)))
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 503 and "call wake_up()" in reply.text
+    finally:
+        server.stop()
+        engine.shutdown()

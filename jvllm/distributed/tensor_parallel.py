@@ -152,15 +152,19 @@ class ParamPlacer:
         self._shapes = sharded_param_shapes(config, self._num_shards)
 
     def __call__(self, path: str, x: np.ndarray) -> jax.Array:
-        keys = path.split(".")
-        axes, segments, spec, shape = (
-            _lookup(tree, keys) for tree in (self._axes, self._segments, self._specs, self._shapes)
-        )
-        sharding = NamedSharding(self._mesh, spec)
+        sharding = NamedSharding(self._mesh, _lookup(self._specs, path.split(".")))
         if self._mesh.size == 1:  # on CPU the device array may alias the loader's buffer
             return jax.device_put(x, sharding, may_alias=True)
-        host = shard_layout(x, axes, segments, self._num_shards, shape.shape)
+        host = self.host_layout(path, x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def host_layout(self, path: str, x: np.ndarray) -> np.ndarray:
+        """A checkpoint-layout param -> its mesh layout, still on the host (shard_layout)."""
+        keys = path.split(".")
+        axes, segments, shape = (
+            _lookup(t, keys) for t in (self._axes, self._segments, self._shapes)
+        )
+        return shard_layout(x, axes, segments, self._num_shards, shape.shape)
 
 
 def placer(config: ModelConfig, mesh: Mesh | None) -> ParamPlacer | None:

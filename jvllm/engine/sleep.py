@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
+from jvllm.distributed.tensor_parallel import ParamPlacer
 from jvllm.logger import init_logger
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.quantization import is_quantized
@@ -120,7 +121,8 @@ class SleepMode:
                 "float tensors into float params; start the engine without quantization"
             )
         runner = self._engine.model_runner
-        loaded = read_weight_update(self._engine.model_config, weights)
+        layout = ParamPlacer(runner.config, runner.mesh).host_layout  # shard-major, as loaded
+        loaded = read_weight_update(self._engine.model_config, weights, layout)
         host = {p: device_buffers.in_runner_layout(runner, p, x) for p, x in loaded.items()}
         if "weights" in self._asleep:
             self._host.update(host)

@@ -8,7 +8,7 @@ q|k|v): a subset of the model is taken, param by param, but never part of a para
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -22,11 +22,14 @@ from jvllm.models.registry import model_class
 _ROTARY_TABLE = "rotary_emb.inv_freq"
 
 
-def read_weight_update(config: ModelConfig, weights: Iterable[tuple[str, object]]) -> dict:
+def read_weight_update(
+    config: ModelConfig, weights: Iterable[tuple[str, object]], layout: Callable | None = None
+) -> dict:
     """(HF name, array) pairs -> {param path: host array} for every param they make whole; a
     ValueError naming the tensors missing from a param given in part, or names no param of
     `config`'s family is made of. Arrays may be NumPy or anything np.asarray reads (torch CPU
-    tensors, jax arrays)."""
+    tensors, jax arrays). `layout(path, array)`: each param's host array in the layout the
+    engine holds it in (tensor_parallel.ParamPlacer.host_layout under tensor parallelism)."""
     given = {name: value for name, value in weights if not _ignored(config, name)}
     plan = _param_names(config, given)
     used = {name for names in plan.values() for name in names}
@@ -48,7 +51,7 @@ def read_weight_update(config: ModelConfig, weights: Iterable[tuple[str, object]
         )
     complete = {path for path, names in plan.items() if all(n in given for n in names)}
     get = lambda name: _as_numpy(given[name])
-    loader = _SomeParams(get, param_shapes(config), config.num_layers, complete)
+    loader = _SomeParams(get, param_shapes(config), config.num_layers, complete, layout)
     model_class(config.architecture).load_weights(config, loader)
     return loader.loaded
 
@@ -113,8 +116,8 @@ class _NameRecorder(CheckpointWeights):
 class _SomeParams(CheckpointWeights):
     """CheckpointWeights that builds only the params `paths`, on the host."""
 
-    def __init__(self, get, shapes, num_layers, paths: set[str]) -> None:
-        super().__init__(get, shapes, num_layers, place=lambda path, x: x)
+    def __init__(self, get, shapes, num_layers, paths: set[str], layout=None) -> None:
+        super().__init__(get, shapes, num_layers, place=layout or (lambda path, x: x))
         self._paths = paths
         self.loaded: dict[str, np.ndarray] = {}
 

@@ -5,6 +5,7 @@ layout implies, and D replicas sharing the requests."""
 
 import asyncio
 import functools
+import glob
 import re
 
 import jax
@@ -24,6 +25,7 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV, _split_array
+from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.step_loop import StepLoop
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -365,3 +367,13 @@ def test_a_replicas_failure_fails_only_the_generate_it_happened_in(kv2_dir, monk
     # request of the last step is not this call's.
     out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_load_weights_lays_params_out_as_the_loader_does(kv2_dir, one_device):
+    """load_weights at T = 4 (fused q|k|v shard-major, KV heads repeated, the vocabulary
+    padded): the checkpoint's own weights loaded again leave the tokens one device gives."""
+    (path,) = glob.glob(f"{kv2_dir}/*.safetensors")
+    sharded = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS)
+    sharded.load_weights(read_safetensors(path).items())
+    prompts = PROMPTS[:2]
+    assert _summary(sharded, GREEDY, prompts) == _summary(one_device(kv2_dir), GREEDY, prompts)

@@ -17,6 +17,7 @@ from jvllm.engine.async_llm import (
     RequestOutputKind,
 )
 from jvllm.engine.input_processor import check_priority, truncate_prompt
+from jvllm.engine.sleep import EngineSleepingError
 from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.entrypoints.openai.serving_models import ServedModels
@@ -313,6 +314,8 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from None
         except EngineDeadError as e:
             raise OpenAIError(str(e), status_code=500, type="internal_server_error") from None
+        except EngineSleepingError as e:  # slept after the request passed the 503 middleware
+            raise OpenAIError(str(e), status_code=503, type="service_unavailable_error") from None
         except EngineOverloadedError as e:
             raise OpenAIError(
                 f"the server is overloaded: {e}",
