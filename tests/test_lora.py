@@ -162,9 +162,12 @@ def _rewrite_config(src, dst, **changes) -> str:
 def test_bad_adapters_and_requests_are_refused_clearly(adapters, tiny_llama_dir, tmp_path):
     requests, _, root = adapters
     save_adapter(tiny_llama_dir, str(tmp_path / "r16"), 5, r=16, target_modules=["o_proj"])
+    cut = _rewrite_config(root / "qv", tmp_path / "cut")
+    os.truncate(os.path.join(cut, "adapter_model.safetensors"), 4)  # a copy cut short
     llm = LLM(tiny_llama_dir, **ENGINE)
     engine = llm.llm_engine
     refusals = [
+        (LoRARequest("cut", 6, cut), "adapter_model.safetensors is not a readable safetensors"),
         (LoRARequest("r16", 9, str(tmp_path / "r16")), "rank 16 .* above max_lora_rank=8"),
         (LoRARequest("gone", 7, str(tmp_path / "missing")), "no adapter_config.json"),
         (

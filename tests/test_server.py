@@ -456,3 +456,17 @@ def test_serve_passes_the_metrics_prefix_to_the_server(monkeypatch):
     cli.main(["serve", "--metrics-prefix", "vllm"])
     cli.main(["serve"])
     assert [kw["metrics_prefix"] for kw in calls] == ["vllm", "jvllm"]
+
+
+def test_serve_refuses_flags_that_need_another(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: calls.append(kw))
+    harmony = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "openai"]
+    with pytest.raises(SystemExit, match="pass --reasoning-parser openai_gptoss too"):
+        cli.main(harmony)
+    with pytest.raises(SystemExit, match="--lora-modules needs --enable-lora"):
+        cli.main(["serve", "--lora-modules", "sql=/a"])
+    cli.main([*harmony, "--reasoning-parser", "openai_gptoss"])
+    cli.main(["serve", "--enable-lora", "--lora-modules", "sql=/a"])
+    assert [kw["reasoning_parser"] for kw in calls] == ["openai_gptoss", None]
+    assert calls[1]["lora_modules"][0].lora_path == "/a"

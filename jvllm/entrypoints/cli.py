@@ -188,6 +188,11 @@ def _serve(args: argparse.Namespace) -> None:
         )
     if args.lora_modules and not args.enable_lora:
         sys.exit("--lora-modules needs --enable-lora")
+    if args.tool_call_parser == "openai" and args.reasoning_parser != "openai_gptoss":
+        sys.exit(  # else a reply without tools would be harmony markup, channels and all
+            "--tool-call-parser openai reads gpt-oss's harmony format: pass "
+            "--reasoning-parser openai_gptoss too, which splits its channels"
+        )
     try:
         from jvllm.entrypoints.openai.api_server import run_server
     except ModuleNotFoundError as e:

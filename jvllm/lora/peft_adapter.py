@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import struct
 
 import numpy as np
 
@@ -40,6 +41,8 @@ _MUST_BE_EMPTY = (
     "layer_replication",
     "alora_invocation_tokens",
 )
+# What reading a truncated or malformed safetensors file raises.
+_MALFORMED = (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +109,15 @@ def _read_config(path: str, where: str) -> dict:
     config_path = os.path.join(path, _CONFIG)
     if not os.path.isfile(config_path):
         raise ValueError(f"{where}: no {_CONFIG} there; a PEFT LoRA adapter directory has one")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{where}: {_CONFIG} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(  # noqa: TRY004 - a bad adapter is a ValueError, as every refusal here
+            f"{where}: {_CONFIG} must hold a JSON object"
+        )
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"{where}: peft_type {peft_type!r} is not supported; allowed: 'LORA'")
@@ -132,7 +142,12 @@ def _read_tensors(path: str, where: str) -> dict[str, np.ndarray]:
             f"{where}: no {_WEIGHTS} there (a .bin adapter must be saved as safetensors first: "
             "PeftModel.save_pretrained(..., safe_serialization=True))"
         )
-    return read_safetensors(weights_path)
+    try:
+        return read_safetensors(weights_path)
+    except _MALFORMED as e:
+        raise ValueError(
+            f"{where}: {_WEIGHTS} is not a readable safetensors file ({e!r})"
+        ) from None
 
 
 def _module_tensors(tensors: dict, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:

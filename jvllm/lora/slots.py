@@ -62,13 +62,6 @@ class AdapterSlots:
             self._host_adapter(request)
             self._requests[request.lora_int_id] = request
 
-    def remove(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its slot is reused when needed); False if it was not known."""
-        self._host.pop(lora_int_id, None)
-        if lora_int_id in self._holder:
-            self._holder[self._holder.index(lora_int_id)] = None
-        return self._requests.pop(lora_int_id, None) is not None
-
     def slots_for(self, params: dict, ids: list[int | None]) -> np.ndarray:
         """i32[len(ids)]: the slot of each of `ids` (the step's requests' lora_int_id, None for
         the base model), -1 for none; adapters not in a slot yet are written into `params`
