@@ -229,3 +229,14 @@ def test_serve_benchmark_loads_what_model_names_unless_a_path_is_given():
     assert serve.model_path("/my/model", None) == "/my/model"
     assert serve.model_path("served-name", "/my/model") == "/my/model"
     assert serve.model_path(serve.DEFAULT_MODEL, None) is None  # the default model
+
+
+def test_lora_benchmark_times_adapters_against_the_base_model(tiny_llama_dir, capsys):
+    from jvllm.benchmarks import lora
+
+    lora.main(["--model", tiny_llama_dir, "--num-prompts", "2", "--input-len", "8",
+               "--output-len", "4", "--num-iters", "1", "--lora-rank", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[-2:] for line in out.splitlines()[3:5]}
+    assert list(rows) == ["base", "LoRA"] and all(float(v) > 0 for r in rows.values() for v in r)
+    assert "LoRA / base: batch-1 " in out
