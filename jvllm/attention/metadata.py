@@ -72,11 +72,17 @@ def build_tiles(
     seq_lens: np.ndarray,
     num_seqs: int,
     groups: tuple[tuple[int, int], ...],
+    max_split_queries: int = 1,
 ) -> tuple[Tiles, ...]:
     """Tile the queries that read pages into `groups` of (tile_q, num_tiles), packed first
     (longest read first) and padded. A sequence with one query goes to the group of one-query
     tiles when there is one, the others to the first group of larger tiles. A single group of
     tile_q 1 is a decode step.
+
+    A sequence of up to `max_split_queries` queries goes to one-query tiles too, one a query,
+    while that group has room: speculative decoding's drafts (a few queries) then read the pages
+    through the CPU decode kernel, where a 16-query tile's page walk cost a batch-1 step twice
+    a decode step.
     """
     is_decode = len(groups) == 1 and groups[0][0] == 1
     kv_lens = paged_kv_lens(query_start_loc, seq_lens, num_seqs, is_decode)
@@ -97,6 +103,10 @@ def build_tiles(
         if reads.size == 0:
             continue
         g = _group_for(end - start, groups)
+        if groups[0][0] == 1 and end - start <= max_split_queries:
+            # Room for its queries, and a tile kept for each sequence after it.
+            num_needed = end - start - int(reads[0]) + num_seqs - s - 1
+            g = 0 if used[0] + num_needed <= groups[0][1] else g
         tiles, tile_q = out[g], groups[g][0]
         for t0 in range(start + int(reads[0]), end, tile_q):
             n, tile = min(tile_q, end - t0), used[g]

@@ -12,6 +12,7 @@ from jvllm.core.decode_window import fits_window, window_limit
 from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduling_policy import enqueue, pick_victim
+from jvllm.core.spec_decode import DraftProposer
 
 logger = logging.getLogger("jvllm.scheduler")
 
@@ -35,6 +36,9 @@ class SchedulerOutput:
     # already cover them.
     num_steps: int = 1
     window_limits: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (core/spec_decode.py): the drafts each decoding request computes
+    # after its last token, counted in its num_scheduled_tokens but not in its all_token_ids.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -52,8 +56,13 @@ class SchedulerOutput:
     def will_sample(self, request: Request) -> bool:
         """True when this step's tokens catch the request up, so its last logits are sampled.
         Valid between `schedule()` and `update_from_output()`."""
-        num_computed = request.num_computed_tokens + self.num_scheduled_tokens[request.request_id]
+        num_computed = request.num_computed_tokens + self.num_known_tokens(request)
         return num_computed == request.num_tokens
+
+    def num_known_tokens(self, request: Request) -> int:
+        """The request's scheduled tokens that are in its all_token_ids (all but its drafts)."""
+        num_drafts = len(self.spec_token_ids.get(request.request_id, ()))
+        return self.num_scheduled_tokens[request.request_id] - num_drafts
 
 
 class Scheduler:
@@ -62,9 +71,16 @@ class Scheduler:
     re-entering at its front (FCFS), or in (priority, arrival time) order under the "priority"
     policy; either way nobody overtakes its head."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        drafter: DraftProposer | None = None,
+    ) -> None:
+        """`drafter`: speculative decoding's draft proposer (None: no drafts)."""
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
+        self.drafter = drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -121,9 +137,10 @@ class Scheduler:
     ) -> list[Request]:
         """Advance the counters, append the tokens of requests that caught up, check stops.
 
-        A request's sampled tokens are an int, or a list of them from a decode window: each
-        token after the first was computed in the window (its KV is in the cache), and tokens
-        after one that stops the request are dropped. Returns every request finished in this
+        A request's sampled tokens are an int, or a list of them from a decode window or a
+        verification of drafts: each token after the first was computed in the step (its KV is
+        in the cache: a window's sampled token, an accepted draft), and tokens after one that
+        stops the request are dropped. Returns every request finished in this
         step: the IGNORED ones from `schedule()`, then those that stopped now. They have left
         `running` and their blocks are freed.
         """
@@ -132,7 +149,8 @@ class Scheduler:
             if request.is_finished:  # aborted between schedule() and now
                 continue
             computed = request.num_computed_tokens
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            # Drafts are not counted here: the accepted ones are, as their tokens are appended.
+            request.num_computed_tokens += scheduler_output.num_known_tokens(request)
             self.num_prompt_tokens_total += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - computed
             )
@@ -147,6 +165,9 @@ class Scheduler:
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 continue
+            drafts = scheduler_output.spec_token_ids.get(request.request_id)
+            if drafts:
+                self.drafter.stats.observe(len(drafts), len(token_ids) - 1)
             for i, token_id in enumerate([token_ids] if isinstance(token_ids, int) else token_ids):
                 request.num_computed_tokens += i > 0
                 request.append_output_token_ids(token_id)
@@ -216,11 +237,18 @@ class Scheduler:
             if num_new_tokens == 0:  # caught up, but the runner returned no token for it
                 index += 1
                 continue
-            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            drafts = self._drafts(request, num_new_tokens, token_budget)
+            while (
+                self.kv_cache_manager.allocate_slots(request, num_new_tokens + len(drafts)) is None
+            ):
+                if drafts:  # short of blocks: decode without drafts before preempting anyone
+                    drafts = []
+                    continue
                 victim = pick_victim(self.running, self.config.policy)
                 if victim.request_id in output.num_scheduled_tokens:  # scheduled this step: undo
                     output.scheduled_requests.remove(victim)
                     token_budget += output.num_scheduled_tokens.pop(victim.request_id)
+                    output.spec_token_ids.pop(victim.request_id, None)
                     # Its blocks were entered in the prefix cache for KV this step never writes.
                     self.kv_cache_manager.uncache_uncomputed_blocks(victim)
                 if self.running.index(victim) < index:  # the requests after it move up one
@@ -230,11 +258,21 @@ class Scheduler:
                 output.preempted_requests.append(victim)
                 if victim is request:
                     return token_budget
+            if drafts:
+                output.spec_token_ids[request.request_id] = drafts
+                num_new_tokens += len(drafts)
             output.scheduled_requests.append(request)
             output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             index += 1
         return token_budget
+
+    def _drafts(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+        """Speculative drafts for a request that decodes (computes its last token) this step."""
+        is_decoding = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        if self.drafter is None or num_new_tokens != 1 or not is_decoding:
+            return []
+        return self.drafter.drafts_for(request, token_budget)
 
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         kv = self.kv_cache_manager

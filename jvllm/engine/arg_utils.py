@@ -15,6 +15,11 @@ from jvllm.model_loader.hf import HFOverrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.pooler_config import PoolerConfig, as_pooler_config
 from jvllm.quantization import QUANTIZATION_METHODS
+from jvllm.spec_decode.config import (
+    SpeculativeConfig,
+    as_speculative_config,
+    check_speculation_args,
+)
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -143,11 +148,17 @@ class EngineArgs:
     runner: str = "auto"
     task: str | None = None
     pooler_config: PoolerConfig | dict | None = None
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+    # "prompt_lookup_min": 1} drafts greedy requests' next k tokens from their own earlier
+    # tokens and verifies them in one step (core/spec_decode.py); None: no speculation.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         self.dtype = normalize_dtype(self.dtype)
         self.runner = resolve_runner(self.runner, self.task)
         self._check_pooling()
+        self.speculative_config = as_speculative_config(self.speculative_config)
+        check_speculation_args(self)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATION_METHODS}, "

@@ -271,6 +271,14 @@ class LLMEngine:
         (a subset is fine); the prefix cache is reset. -> the paths of the params replaced."""
         return self.sleep_mode.load_weights(weights)
 
+    @property
+    def spec_decoding_stats(self):
+        """Speculative decoding's counters (a core.spec_decode.SpecDecodingStats: vLLM's
+        num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos) since
+        start-up; None without a speculative_config."""
+        drafter = self.scheduler.drafter
+        return None if drafter is None else drafter.stats
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -324,7 +332,7 @@ class LLMEngine:
         sampling = [r for r in requests if scheduler_output.will_sample(r)]
         num_outputs = {r.request_id: r.num_output_tokens for r in sampling}
         tokens = runner_output.sampled_token_ids
-        if scheduler_output.num_steps > 1:
+        if scheduler_output.num_steps > 1 or scheduler_output.spec_token_ids:  # lists
             sampled = {r.request_id: t for r, t in zip(requests, tokens)}
         else:
             sampled = {r.request_id: int(t) for r, t in zip(requests, tokens)}

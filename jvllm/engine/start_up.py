@@ -10,12 +10,13 @@ from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.config import ModelConfig
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.scheduler import Scheduler, SchedulerConfig
+from jvllm.core.spec_decode import DraftProposer
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.layers import cpu_dense
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
 from jvllm.model_loader.loader import expected_dtype
-from jvllm.worker.buckets import BucketSpec
+from jvllm.worker.buckets import SPECULATIVE_MIN_TOKENS, BucketSpec
 from jvllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -58,6 +59,7 @@ def make_scheduler(
 ) -> Scheduler:
     """The engine's scheduler over a KV cache of `num_blocks`; `can_cache_prefix`: whether the
     engine's requests may reuse prefix-cache blocks at all (a pooling runner's may not all)."""
+    spec = args.speculative_config
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -75,6 +77,7 @@ def make_scheduler(
             args.enable_prefix_caching and can_cache_prefix,
             args.prefix_caching_hash_algo,
         ),
+        spec and DraftProposer(spec, max_model_len),
     )
 
 
@@ -90,13 +93,18 @@ def make_runner(
 ) -> ModelRunner:
     """The engine's model runner over the loaded `params` (with LoRA slots where
     enable_lora)."""
+    spec = args.speculative_config
     return ModelRunner(
         adapter_config(config, args),
         params,
         num_blocks=num_blocks,
         block_size=args.block_size,
         max_model_len=max_model_len,
-        buckets=BucketSpec(args.max_num_batched_tokens, args.max_num_seqs),
+        buckets=BucketSpec(
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            **({"min_mixed_tokens": SPECULATIVE_MIN_TOKENS} if spec else {}),
+        ),
         attention_backend=attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         max_logprobs=args.max_logprobs,
@@ -107,4 +115,5 @@ def make_runner(
         mesh=mesh,
         pooling_type=pooling_type,
         max_cpu_loras=args.max_cpu_loras or args.max_loras,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
     )

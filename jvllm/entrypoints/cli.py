@@ -125,6 +125,11 @@ _ENGINE_FLAGS = {
         "type": _json_object,
         "help": 'pooling of --runner pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'',
     },
+    "speculative_config": {
+        "type": _json_object,
+        "help": 'n-gram drafts for greedy requests, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+    },
     "enable_lora": {"action": "store_true", "help": "serve LoRA adapters (--lora-modules)"},
     "max_loras": {"type": int, "help": "most LoRA adapters in one step"},
     "max_lora_rank": {"type": int, "help": "largest LoRA rank served"},

@@ -48,3 +48,6 @@ class SamplerOutput:
     prompt_topk_logprobs: jax.Array  # f32[T, K]
     prompt_target_logprobs: jax.Array  # f32[T] logprob of prompt_target_ids
     prompt_target_ranks: jax.Array  # i32[T]
+    # Speculative decoding: the greedy token after each draft-verifying position
+    # (worker/draft_scoring.py), i32[NP]; None (no output) when speculation is off.
+    draft_target_ids: jax.Array | None = None

@@ -3,6 +3,10 @@
 import dataclasses
 
 _MIN_TOKENS = 16
+# With speculative decoding, mixed buckets from 2 tokens: a few requests' last tokens and
+# drafts (k + 1 tokens each) then run in as few rows as a decode step, which on CPU costs about
+# what one row does (up to 8 rows, layers/cpu_dense.py), where 16 rows cost far more.
+SPECULATIVE_MIN_TOKENS = 2
 _MIN_SEQS = 8
 # Queries per attention tile in mixed steps; decode-only steps use tiles of one query.
 MIXED_TILE_Q = 16
@@ -40,10 +44,11 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 class BucketSpec:
     max_num_batched_tokens: int
     max_num_seqs: int
+    min_mixed_tokens: int = _MIN_TOKENS  # the smallest mixed bucket's T
 
     def token_sizes(self) -> list[int]:
         return _powers_of_two(
-            min(_MIN_TOKENS, self.max_num_batched_tokens), self.max_num_batched_tokens
+            min(self.min_mixed_tokens, self.max_num_batched_tokens), self.max_num_batched_tokens
         )
 
     def seq_sizes(self) -> list[int]:

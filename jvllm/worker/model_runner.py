@@ -30,6 +30,7 @@ from jvllm.worker.decode_loop import (
     run_window,
     window_steps_per_check,
 )
+from jvllm.worker.draft_scoring import accepted_token_ids
 from jvllm.worker.executables import Executables
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
@@ -61,12 +62,14 @@ class ModelRunner(StepCompiles):
         mesh: Mesh | None = None,
         pooling_type: str | None = None,
         max_cpu_loras: int = 0,
+        num_speculative_tokens: int = 0,
     ):
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
         device. Every array the runner makes lies on the same devices. `pooling_type` (a
         pooling runner's, pooler_config.py): its steps pool (`execute_pooling`), never sample.
         A `config` with max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the
-        base model's, and the runner adds the empty slots."""
+        base model's, and the runner adds the empty slots. `num_speculative_tokens` > 0: every
+        "step" executable also scores the drafts' positions (worker/draft_scoring.py)."""
         self.config = config
         self.mesh = mesh = mesh or make_mesh()
         self.adapters = None
@@ -120,6 +123,7 @@ class ModelRunner(StepCompiles):
         self.window_steps_per_check = window_steps_per_check()
         # Async scheduling: one more executable per decode bucket, the step after a step.
         self.async_scheduling = async_scheduling
+        self.num_speculative_tokens = num_speculative_tokens
         # On a GPU, a step runs the executable of its sampler plan once that is compiled (in
         # the background, on the plan's first step) and the DYNAMIC one until then.
         self.sampler_plans = use_sampler_plans()
@@ -199,6 +203,7 @@ class ModelRunner(StepCompiles):
             rows = list(range(num_reqs))
             kind = "window" if is_window else "step"
             bucket, lent = self._select_bucket(sum(counts), num_reqs, kind)
+            drafts = scheduler_output.spec_token_ids
             inputs = prepare_step_inputs(
                 requests,
                 counts,
@@ -210,6 +215,8 @@ class ModelRunner(StepCompiles):
                 bias_slots,
                 token_bitmask,
                 adapter_slots,
+                [drafts.get(r.request_id, []) for r in requests] if drafts else None,
+                self.num_speculative_tokens,
             )
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self._plan(inputs)
             if lent:
@@ -234,6 +241,12 @@ class ModelRunner(StepCompiles):
             inputs.sampling.any_prompt_logprobs
         )
         result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
+        if scheduler_output.spec_token_ids:  # each request's accepted run, a list
+            result.sampled_token_ids = accepted_token_ids(
+                result.sampled_token_ids,
+                np.asarray(out.draft_target_ids),
+                [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests],
+            )
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result

@@ -20,7 +20,8 @@ Shape = tuple[Bucket, str, SamplerPlan]  # (bucket, kind of executable, sampler 
 class StepCompiles:
     """The compile side of ModelRunner, over its attributes: `_compiled` (an Executables),
     `buckets`, `params`, `kv_cache`, `token_cache`, `bias_rows`, `adapters`, `pooling_type`,
-    `num_scheduler_steps`, `async_scheduling`, `sampler_plans` and `_jitted(kind, plan)`."""
+    `num_scheduler_steps`, `async_scheduling`, `num_speculative_tokens`, `sampler_plans` and
+    `_jitted(kind, plan)`."""
 
     @property
     def lockstep(self) -> bool:
@@ -88,6 +89,7 @@ class StepCompiles:
             self.max_pages,
             self.config.vocab_size,
             adapter_slots=no_adapters,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def _executable(

@@ -4,9 +4,12 @@ ModelRunner binds its statics and jits it; the decode windows, the step run ahea
 jvllm.step_loop chain it.
 """
 
+import dataclasses
+
 from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step
+from jvllm.worker.draft_scoring import score_drafts
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -26,7 +29,9 @@ def model_step(
 
     `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it); `logits:
     f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
-    engine's executables drop them); `plan`: the sampler's stages (sample/plan.py)."""
+    engine's executables drop them); `plan`: the sampler's stages (sample/plan.py). With
+    speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions.
+    """
     md = inputs.attn
     hidden, kv_cache = model.forward(params, kv_cache, inputs.token_ids, inputs.positions, md)
     num_pages, block_size = token_cache.shape
@@ -50,6 +55,15 @@ def model_step(
         logprobs_mode=logprobs_mode,
         plan=plan,
     )
+    if inputs.drafts is not None:  # speculative decoding: verify the drafts
+        # A sampler plan holds no conditional (on a GPU one waits for the host): score always.
+        targets = score_drafts(
+            hidden,
+            inputs.drafts,
+            lambda h: model.logits(params, h),
+            branch_free=plan is not SamplerPlan.DYNAMIC,
+        )
+        out = dataclasses.replace(out, draft_target_ids=targets)
     return out, logits, kv_cache, token_cache
 
 

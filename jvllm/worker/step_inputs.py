@@ -11,6 +11,7 @@ from jvllm.core.request import Request
 from jvllm.sample.metadata import SamplingMetadata
 from jvllm.sampling_params import GREEDY_TEMPERATURE
 from jvllm.worker.buckets import Bucket
+from jvllm.worker.draft_scoring import DraftScoring, prepare_draft_scoring
 
 
 @jax.tree_util.register_dataclass
@@ -20,6 +21,8 @@ class StepInputs:
     positions: jax.Array  # i32[T]
     attn: AttentionMetadata
     sampling: SamplingMetadata
+    # Speculative decoding's positions to score; None (nothing compiled for it) when off.
+    drafts: DraftScoring | None = None
 
 
 def prepare_step_inputs(
@@ -33,13 +36,17 @@ def prepare_step_inputs(
     bias_slots: np.ndarray | None = None,
     token_bitmask: np.ndarray | None = None,
     adapter_slots: np.ndarray | None = None,
+    draft_token_ids: list[list[int]] | None = None,
+    num_speculative_tokens: int = 0,
 ) -> StepInputs:
     """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`.
 
     `bias_slots` (i32, one per request) are the requests' rows of the logit-bias table;
     `token_bitmask` (i32[len(requests), ceil(V / 32)]) their grammar masks, None for none;
     `adapter_slots` (i32, one per request, -1 for none) their LoRA slots, None where the
-    engine serves no adapters."""
+    engine serves no adapters. With speculation on (`num_speculative_tokens` > 0),
+    `draft_token_ids` holds each request's drafts (None: none), the last of its scheduled
+    tokens."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
     num_real = len(requests)
     params = [req.sampling_params for req in requests]
@@ -68,7 +75,10 @@ def prepare_step_inputs(
         zip(requests, block_ids, query_start_loc.tolist(), first, num_scheduled)
     ):
         block_tables[s, : len(blocks)] = blocks
-        token_ids[t : t + n] = req.all_token_ids[start : start + n]
+        known = req.all_token_ids[start : start + n]  # all but the drafts
+        token_ids[t : t + len(known)] = known
+        if draft_token_ids:
+            token_ids[t + len(known) : t + n] = draft_token_ids[s]
     positions[:num_real_tokens] = pos
     page = block_tables[seq_of, pos // block_size]
     slot_mapping[:num_real_tokens] = page * block_size + pos % block_size
@@ -106,7 +116,13 @@ def prepare_step_inputs(
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
-        tiles=build_tiles(query_start_loc, seq_lens, num_real, bucket.tile_groups),
+        tiles=build_tiles(
+            query_start_loc,
+            seq_lens,
+            num_real,
+            bucket.tile_groups,
+            max_split_queries=1 + num_speculative_tokens,  # a request's last token and drafts
+        ),
         adapter_slots=_per_token(adapter_slots, lens, num_tokens),
     )
     sampling = SamplingMetadata(
@@ -133,7 +149,12 @@ def prepare_step_inputs(
         any_logprobs=np.bool_(any_logprobs),
         any_prompt_logprobs=np.bool_(any_prompt_logprobs),
     )
-    return StepInputs(token_ids, positions, attn, sampling)
+    drafts = None
+    if num_speculative_tokens:
+        drafts = prepare_draft_scoring(
+            query_start_loc, draft_token_ids or [], bucket, num_speculative_tokens
+        )
+    return StepInputs(token_ids, positions, attn, sampling, drafts)
 
 
 def _per_token(values: np.ndarray | None, lens: np.ndarray, num_tokens: int) -> np.ndarray | None:

@@ -1,0 +1,92 @@
+"""Speculative decoding with n-gram drafts against plain decoding, at batch 1: one greedy
+request at a time, on a prompt whose answer repeats it (editing code) and on one whose answer
+does not (a story).
+
+    python -m jvllm.benchmarks.spec_decode                    # the default model, bfloat16
+    python -m jvllm.benchmarks.spec_decode -k 5 --max-tokens 256
+
+Prints, for each prompt, the output tok/s without and with speculation (the same engine
+options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens are the
+same. Each engine runs the prompt once untimed first, so that compiles are not counted.
+"""
+
+import argparse
+import time
+
+from jvllm import LLM, SamplingParams
+from jvllm.benchmarks.startup import cpu_name
+
+_CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+"""
+PROMPTS = {
+    "repetitive": (
+        "Rename the variable `subtotal` to `net` in this Python code and print the whole "
+        f"code again.\n\n```python\n{_CODE}```\n\nHere is the code with `net`:\n\n```python\n"
+    ),
+    "non-repetitive": "Write a short story about a lighthouse keeper who finds a map.\n\n",
+}
+
+
+def timed_generate(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], float]:
+    """(output token ids, seconds) of one generate."""
+    start = time.perf_counter()
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    return list(output.outputs[0].token_ids), time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="None: the default model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    args = parser.parse_args(argv)
+    engine_kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": 8}
+    speculative_config = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+    }
+    plain = LLM(args.model, **engine_kwargs)
+    speculative = LLM(args.model, speculative_config=speculative_config, **engine_kwargs)
+    stats = speculative.llm_engine.spec_decoding_stats
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    print(f"CPU: {cpu_name()}; {args.model or 'the default model'} in {args.dtype}, batch 1")
+    print(f"speculative_config: {speculative_config}, {args.max_tokens} tokens a prompt")
+    print(
+        f"{'prompt':<16} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+        f"{'accepted':>9} {'same tokens':>11}"
+    )
+    for name, prompt in PROMPTS.items():
+        for llm in (plain, speculative):
+            timed_generate(llm, prompt, params)  # compiles
+        want, plain_seconds = timed_generate(plain, prompt, params)
+        drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+        got, spec_seconds = timed_generate(speculative, prompt, params)
+        num_drafts = stats.num_draft_tokens - drafts
+        rate = (stats.num_accepted_tokens - accepted) / num_drafts if num_drafts else 0.0
+        print(
+            f"{name:<16} {len(want) / plain_seconds:>11.1f} {len(got) / spec_seconds:>10.1f} "
+            f"{plain_seconds / spec_seconds:>5.2f}x {rate:>8.0%} {got == want!s:>11}"
+        )
+
+
+if __name__ == "__main__":
+    main()

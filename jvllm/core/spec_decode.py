@@ -1,0 +1,103 @@
+"""Speculative decoding on the host: which requests get drafts, how many, and what the target
+model's tokens accept of them. The drafts themselves come from spec_decode/ngram.py.
+
+A decoding request with drafts d1..dk computes its last token and the drafts in one step; the
+target's greedy token at each of those positions is t0..tk. d(i) is accepted while it equals
+t(i-1), and the token after the accepted run is the target's (the first disagreement's, or the
+bonus tk): with greedy sampling exactly the tokens that decoding one at a time gives.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from jvllm.core.request import Request
+from jvllm.sampling_params import GREEDY_TEMPERATURE
+from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.ngram import propose_ngram_drafts
+
+
+def can_draft(request: Request) -> bool:
+    """Whether verification keeps the request's tokens exact: the target's token must be the
+    plain argmax of its raw logits. So greedy only, and nothing that changes the logits or
+    reads each sampled token (logit bias, allowed ids, bad words, min_tokens below its
+    count, penalties, structured outputs) or returns per-token data (logprobs); such
+    requests decode one token a step beside the others."""
+    params = request.sampling_params
+    return (
+        params.temperature < GREEDY_TEMPERATURE
+        and params.logprobs is None
+        and not params.has_penalties
+        and not params.logit_bias
+        and params.allowed_token_ids is None
+        and not request.bad_words_token_ids
+        and request.num_output_tokens >= params.min_tokens
+        and request.structured_output is None
+        and request.pooling_params is None
+    )
+
+
+def accept_drafts(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
+    """The tokens a step gives a request: its drafts while each equals the target's token
+    before it, then the target's next token. `target_token_ids` has len(drafts) + 1 entries
+    (t0..tk); the result 1..k+1 tokens."""
+    for i, draft in enumerate(draft_token_ids):
+        if draft != target_token_ids[i]:
+            return [*draft_token_ids[:i], target_token_ids[i]]
+    return [*draft_token_ids, target_token_ids[len(draft_token_ids)]]
+
+
+@dataclasses.dataclass
+class SpecDecodingStats:
+    """vLLM's spec-decode counters: requests-steps that carried drafts, the drafts, the accepted
+    drafts, and the accepted ones at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed ones (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class DraftProposer:
+    """Proposes each decoding request's drafts before it is scheduled, and counts what the
+    verification accepted."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
+        )
+
+    def drafts_for(self, request: Request, token_budget: int) -> list[int]:
+        """Up to num_speculative_tokens drafts for a request that decodes this step, within
+        what it may still output (max_tokens, max_model_len: every draft and the token after
+        them must be able to stand) and the step's `token_budget` (its last token and drafts).
+        """
+        params = request.sampling_params
+        num_drafts = min(
+            self.config.num_speculative_tokens,
+            params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+            token_budget - 1,
+        )
+        if num_drafts < 1 or not can_draft(request):
+            return []
+        return propose_ngram_drafts(
+            np.asarray(request.all_token_ids, np.int64),
+            self.config.prompt_lookup_min,
+            self.config.prompt_lookup_max,
+            num_drafts,
+        )

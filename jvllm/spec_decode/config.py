@@ -1,0 +1,89 @@
+"""`speculative_config`, vLLM's option, validated where the engine's arguments are."""
+
+import dataclasses
+from collections.abc import Mapping
+
+# The drafting methods served; vLLM's others ("eagle", "medusa", "mtp", a draft model) need a
+# second model.
+SPECULATIVE_METHODS = ("ngram",)
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# vLLM's lookup window when neither bound is given.
+_DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram drafting: each decoding request's last n tokens (n from `prompt_lookup_max` down
+    to `prompt_lookup_min`) are looked up earlier in its prompt and output, and the (up to)
+    `num_speculative_tokens` tokens that followed them are its drafts."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                "speculative_config prompt_lookup_max must be >= prompt_lookup_min, got "
+                f"{self.prompt_lookup_max} < {self.prompt_lookup_min}"
+            )
+
+
+def as_speculative_config(value) -> SpeculativeConfig | None:
+    """vLLM's dict (or a SpeculativeConfig, or None: no speculation) -> a SpeculativeConfig.
+
+    As in vLLM, a missing lookup bound takes the other's value, and both missing are 5."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError, as in vLLM
+            f"speculative_config must be a dict (e.g. {{'method': 'ngram', "
+            f"'num_speculative_tokens': 3}}) or None, got {value!r}"
+        )
+    unknown = sorted(set(value) - set(_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config keys {unknown} are not supported; the keys allowed are {_FIELDS}"
+        )
+    if "method" not in value:
+        raise ValueError(f"speculative_config needs a method, one of {SPECULATIVE_METHODS}")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config needs num_speculative_tokens (an int >= 1)")
+    lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+    if lookup_max is None and lookup_min is None:
+        lookup_max = lookup_min = _DEFAULT_PROMPT_LOOKUP
+    return SpeculativeConfig(
+        method=value["method"],
+        num_speculative_tokens=value["num_speculative_tokens"],
+        prompt_lookup_max=lookup_min if lookup_max is None else lookup_max,
+        prompt_lookup_min=lookup_max if lookup_min is None else lookup_min,
+    )
+
+
+def check_speculation_args(args) -> None:
+    """Refuse the engine options speculation does not run with (`args`: EngineArgs with its
+    speculative_config normalized)."""
+    if args.speculative_config is None:
+        return
+    refused = {
+        "num_scheduler_steps > 1": args.num_scheduler_steps > 1,
+        "async_scheduling=True": args.async_scheduling,
+        "runner='pooling'": args.runner == "pooling",
+    }
+    found = [name for name, is_set in refused.items() if is_set]
+    if found:
+        raise ValueError(
+            f"speculative_config does not run with {', '.join(found)}: verifying drafts needs "
+            "single generation steps (num_scheduler_steps=1, async_scheduling=False, "
+            "runner='generate')"
+        )

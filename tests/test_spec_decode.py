@@ -1,0 +1,225 @@
+"""Speculative decoding with n-gram drafts (speculative_config): greedy requests get exactly
+the tokens they get without speculation, while verified drafts give several tokens a step."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import SMOLLM2_ENGINE_KWARGS
+from family_parity import TINY_SHAPES, save_random_model
+
+from jvllm import LLM, SamplingParams
+from jvllm.core import (
+    KVCacheManager,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from jvllm.core.spec_decode import DraftProposer, accept_drafts
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.ngram import propose_ngram_drafts
+
+ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 8}
+EOS = 2
+PROMPTS = [
+    [5, 90, 77, 120, 3, 5, 90, 77],
+    list(range(100, 116)),
+    [17],
+    [(i * 79) % 500 + 3 for i in range(45)],
+]
+
+
+def ngram(k: int) -> dict:
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def looping_model_dir(tmp_path_factory, smollm2_dir) -> str:
+    """A tiny random Llama whose attention output is scaled down to a tenth: its greedy
+    continuations fall into loops (drafts get accepted) that the context still breaks now
+    and then (drafts get rejected), and it says EOS (id 2) after some prompts."""
+    path = str(tmp_path_factory.mktemp("looping_llama"))
+    config = transformers.LlamaConfig(
+        **TINY_SHAPES, bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False
+    )
+    model = save_random_model(path, config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # for the stop string's text
+        shutil.copy(os.path.join(smollm2_dir, name), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_llm(looping_model_dir) -> LLM:
+    return LLM(looping_model_dir, **ENGINE_KWARGS)
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _step_runs(llm: LLM, prompt: list[int], max_tokens: int) -> list[list[int]]:
+    """The tokens each step gave one greedy request, stepping the engine by hand."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request("runs", {"prompt_token_ids": prompt}, params)
+    runs, seen = [], 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            token_ids = output.outputs[0].token_ids
+            if len(token_ids) > seen:
+                runs.append(list(token_ids[seen:]))
+                seen = len(token_ids)
+    return runs
+
+
+def _inside_a_run(runs: list[list[int]]) -> tuple[int, int]:
+    """(output index, token) of a token that a step gave before another one (an accepted
+    draft, not the run's last token), at its first occurrence in the output."""
+    output = [t for run in runs for t in run]
+    at = 0
+    for run in runs:
+        for j, token in enumerate(run[:-1]):
+            if output.index(token) == at + j:
+                return at + j, token
+        at += len(run)
+    raise AssertionError(f"no accepted draft stands first in {runs}")
+
+
+def test_ngram_drafts_follow_the_longest_earliest_match():
+    tokens = np.array([1, 2, 3, 4, 1, 2, 3, 5, 6, 1, 2, 3])
+    assert propose_ngram_drafts(tokens, 1, 4, 3) == [4, 1, 2]  # 3-gram [1 2 3], first at 0
+    assert propose_ngram_drafts(tokens, 4, 4, 3) == []  # [6 1 2 3] never came before
+    assert propose_ngram_drafts(tokens, 1, 1, 2) == [4, 1]  # 1-gram [3], first at 2
+    assert propose_ngram_drafts(np.array([7, 8, 9, 7]), 1, 4, 5) == [8, 9, 7]
+    assert propose_ngram_drafts(np.array([7, 8]), 1, 4, 5) == []
+
+
+def test_drafts_accepted_while_they_equal_the_targets():
+    assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all, then the bonus
+    assert accept_drafts([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first disagreement's
+    assert accept_drafts([5], [4, 8]) == [4]  # all rejected
+
+
+def _scheduler_with_drafts(k: int) -> Scheduler:
+    config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=2, prompt_lookup_min=1)
+    return Scheduler(
+        SchedulerConfig(max_model_len=256, max_num_batched_tokens=64),
+        KVCacheManager(num_blocks=32, block_size=4),
+        DraftProposer(config, max_model_len=256),
+    )
+
+
+def _decoding_request(eos_token_id: int | None) -> tuple[Scheduler, Request, SchedulerOutput]:
+    """A request [1 2 3 1] that sampled 2, scheduled with its drafts [3 1 2] (after [1 2])."""
+    scheduler = _scheduler_with_drafts(3)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    request = Request("r", [1, 2, 3, 1], params, eos_token_id=eos_token_id)
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {"r": 2})
+    output = scheduler.schedule()
+    assert output.spec_token_ids == {"r": [3, 1, 2]}
+    assert output.num_scheduled_tokens == {"r": 4}  # the last token and the drafts
+    assert output.will_sample(request)
+    return scheduler, request, output
+
+
+def test_accepted_drafts_join_the_tokens_and_their_kv_counts():
+    scheduler, request, output = _decoding_request(eos_token_id=None)
+    scheduler.update_from_output(output, {"r": [3, 1, 2, 7]})  # all accepted, then 7
+    assert request.output_token_ids == [2, 3, 1, 2, 7]
+    assert request.num_computed_tokens == request.num_tokens - 1  # all but the bonus
+    stats = scheduler.drafter.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 3)
+
+
+def test_eos_inside_an_accepted_run_stops_there():
+    scheduler, request, output = _decoding_request(eos_token_id=3)
+    scheduler.update_from_output(output, {"r": [3, 1, 5]})  # drafts 3 and 1 accepted
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.output_token_ids == [2, 3]  # what followed EOS is dropped
+
+
+def test_speculative_config_is_checked():
+    assert EngineArgs(speculative_config=ngram(2)).speculative_config.num_speculative_tokens == 2
+    defaults = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    assert defaults.speculative_config.prompt_lookup_max == 5
+    bad = {
+        "method must be one of \\('ngram',\\)": {**ngram(2), "method": "eagle"},
+        "num_speculative_tokens must be an int >= 1": ngram(0),
+        "prompt_lookup_max must be >= prompt_lookup_min": {**ngram(2), "prompt_lookup_min": 5},
+        "keys \\['model'\\] are not supported": {**ngram(2), "model": "x"},
+    }
+    for message, value in bad.items():
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(speculative_config=value)
+    for other in ({"num_scheduler_steps": 4}, {"async_scheduling": True}, {"runner": "pooling"}):
+        with pytest.raises(ValueError, match="speculative_config does not run with"):
+            EngineArgs(speculative_config=ngram(2), **other)
+
+
+# k = 5 runs in a KV cache too small for the batch: requests with drafts get preempted.
+@pytest.mark.parametrize(("k", "num_blocks"), [(1, None), (3, None), (5, 14)])
+def test_greedy_tokens_equal_those_without_speculation(k, num_blocks, looping_model_dir, plain_llm):
+    """A batch mixing requests with drafts and requests without (seeded sampling, logprobs,
+    penalties), over chunked prefill; then again, on prefix-cache hits. A stop token id,
+    max_tokens and a stop string are chosen inside an accepted run of their request run alone
+    (in the batch the token budget may cut its drafts); another request meets EOS."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=ngram(k),
+        num_gpu_blocks_override=num_blocks,
+        **ENGINE_KWARGS,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # A prompt that holds the loop its continuation runs in: a draft copied from the prompt
+    # can be a token's first occurrence in the output, where a stop on it must cut.
+    looping = PROMPTS[1] + _tokens(plain_llm, [PROMPTS[1]], greedy)[0]
+    index, token = _inside_a_run(_step_runs(llm, looping, 40))
+    text = llm.get_tokenizer().decode([token])
+    assert text.strip()
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [greedy] * len(PROMPTS) + [
+        SamplingParams(temperature=0, max_tokens=40),  # meets EOS
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[token], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=index + 1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop=[text], ignore_eos=True),
+        SamplingParams(temperature=1.5, top_k=40, seed=7, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    prompts = [*PROMPTS, PROMPTS[1]] + [looping] * 6  # the last 3 would get drafts
+    want = _tokens(plain_llm, prompts, params)
+    assert want[len(PROMPTS)][-1] == EOS
+    for _ in range(2):  # the second time on prefix-cache hits
+        assert _tokens(llm, prompts, params) == want
+    stats = llm.llm_engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens_per_pos[0] < stats.num_drafts  # some all rejected
+    assert (llm.llm_engine.scheduler.num_preemptions_total > 0) == (num_blocks is not None)
+
+
+def test_default_model_repeating_text_matches_and_accepts(smollm2_llm):
+    prompt = (
+        "Repeat the list exactly.\nList: apple, pear, plum, fig, kiwi, lime, date.\n"
+        "List: apple, pear, plum, fig, kiwi, lime, date.\nList:"
+    )
+    params = SamplingParams(temperature=0, max_tokens=32)
+    llm = LLM(**SMOLLM2_ENGINE_KWARGS, speculative_config=ngram(3))
+    assert _tokens(llm, [prompt], params) == _tokens(smollm2_llm, [prompt], params)
+    assert llm.llm_engine.spec_decoding_stats.acceptance_rate > 0.5
