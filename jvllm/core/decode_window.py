@@ -8,6 +8,8 @@ sampled) makes the step a single one. Stop strings need the text: the host check
 tokens past a stop.
 """
 
+from jvllm.core.config import SchedulerConfig
+from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.core.request import Request
 
 # Stop token ids a row carries into the window (the request's own plus the model's other EOS
@@ -56,3 +58,27 @@ def window_stop_token_ids(request: Request) -> list[int]:
     if not params.ignore_eos and request.eos_token_id is not None:
         ids.append(request.eos_token_id)
     return ids
+
+
+def decode_window_limits(
+    config: SchedulerConfig, running: list[Request], has_newcomers: bool, kv: KVCacheManager
+) -> list[int] | None:
+    """Each running request's limit when this step can be a decode window of
+    k = num_scheduler_steps, else None: every running request decodes and fits a window, no
+    waiting request could be admitted now (`has_newcomers`), and the free blocks cover every
+    request's window without preempting."""
+    num_steps = config.num_scheduler_steps
+    if num_steps == 1 or not running:
+        return None
+    if has_newcomers:
+        return None  # prefill the newcomers now rather than after a window
+    if len(running) > config.max_num_batched_tokens:
+        return None
+    limits, num_blocks = [], 0
+    for request in running:
+        if request.num_computed_tokens != request.num_tokens - 1 or not fits_window(request):
+            return None
+        limits.append(window_limit(request, num_steps, config.max_model_len))
+        num_tokens = request.num_computed_tokens + limits[-1]
+        num_blocks += cdiv(num_tokens, kv.block_size) - len(kv.get_block_ids(request.request_id))
+    return limits if num_blocks <= kv.num_free_blocks else None

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jvllm.core.config import SchedulerConfig
-from jvllm.core.decode_window import fits_window, window_limit
+from jvllm.core.decode_window import decode_window_limits
 from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduling_policy import enqueue, pick_victim
@@ -106,7 +106,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        window_limits = self._window_limits()
+        has_newcomers = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        window_limits = decode_window_limits(
+            self.config, self.running, has_newcomers, self.kv_cache_manager
+        )
         if window_limits is not None:
             self._schedule_window(output, window_limits)
         else:
@@ -197,33 +200,10 @@ class Scheduler:
             request.status = status
             self._free_finished(request)
 
-    def _window_limits(self) -> list[int] | None:
-        """Each running request's limit when this step can be a decode window of
-        k = num_scheduler_steps, else None: every running request decodes and fits a window, no
-        waiting request could be admitted now, and the free blocks cover every request's window
-        without preempting."""
-        num_steps, kv = self.config.num_scheduler_steps, self.kv_cache_manager
-        if num_steps == 1 or not self.running:
-            return None
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return None  # prefill the newcomers now rather than after a window
-        if len(self.running) > self.config.max_num_batched_tokens:
-            return None
-        limits, num_blocks = [], 0
-        for request in self.running:
-            if request.num_computed_tokens != request.num_tokens - 1 or not fits_window(request):
-                return None
-            limits.append(window_limit(request, num_steps, self.config.max_model_len))
-            num_tokens = request.num_computed_tokens + limits[-1]
-            num_blocks += cdiv(num_tokens, kv.block_size) - len(
-                kv.get_block_ids(request.request_id)
-            )
-        return limits if num_blocks <= kv.num_free_blocks else None
-
     def _schedule_window(self, output: SchedulerOutput, limits: list[int]) -> None:
         output.num_steps = self.config.num_scheduler_steps
         for request, limit in zip(self.running, limits, strict=True):
-            # Blocks for every token the window may compute: _window_limits counted them.
+            # Blocks for every token the window may compute: decode_window_limits counted them.
             self.kv_cache_manager.allocate_slots(request, limit)
             output.scheduled_requests.append(request)
             output.num_scheduled_tokens[request.request_id] = 1
