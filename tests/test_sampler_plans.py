@@ -13,7 +13,7 @@ from test_sampler import _metadata
 from jvllm import LLM, SamplingParams
 from jvllm.sample.plan import SAMPLER_PLANS_ENV, SamplerPlan, choose_plan, use_sampler_plans
 from jvllm.sample.sampler import sample, sample_step
-from jvllm.worker import model_runner
+from jvllm.worker import step_compiles
 
 _PLANNED = [SamplerPlan.GREEDY, SamplerPlan.RANDOM, SamplerPlan.FILTERED]
 
@@ -132,7 +132,7 @@ def test_the_engine_runs_each_plans_executable_once_compiled(tiny_llama_dir, mon
         assert not isinstance(md.all_greedy, jax.Array)
         return choose_plan(md)
 
-    monkeypatch.setattr(model_runner, "choose_plan", from_the_host)
+    monkeypatch.setattr(step_compiles, "choose_plan", from_the_host)
     llm = LLM(tiny_llama_dir, **_ENGINE_KWARGS, **setting)
     runner = llm.llm_engine.model_runner
     waited = []  # a step that runs a DYNAMIC executable gets it through `wait`
