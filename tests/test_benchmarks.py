@@ -183,6 +183,7 @@ def _startup_rows(out: str) -> dict[str, list[str]]:
     return {row[0]: row[2:] for row in rows}
 
 
+@pytest.mark.slow  # four processes, each importing jax and compiling: half a minute on 2 cores
 def test_startup_benchmark_times_cold_and_warm_processes(tiny_llama_dir, capsys):
     # Four processes (first token and the README example, cold and warm), each importing jax
     # and compiling; one token keeps the README example to one bucket.

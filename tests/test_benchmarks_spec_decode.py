@@ -4,7 +4,9 @@ from jvllm.benchmarks import spec_decode
 
 
 def test_spec_decode_benchmark_compares_speculation_with_plain_decoding(tiny_llama_dir, capsys):
-    spec_decode.main(["--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "6"])
+    spec_decode.main(
+        ["--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "6", "--num-iters", "1"]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("CPU: ")
     rows = {line.split()[0]: line.split() for line in lines[3:]}

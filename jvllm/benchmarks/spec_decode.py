@@ -7,10 +7,12 @@ does not (a story).
 
 Prints, for each prompt, the output tok/s without and with speculation (the same engine
 options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens are the
-same. Each engine runs the prompt once untimed first, so that compiles are not counted.
+same. Each engine runs the prompt once untimed first, so that compiles are not counted, then
+--num-iters times, alternating with the other; the figures are medians.
 """
 
 import argparse
+import statistics
 import time
 
 from jvllm import LLM, SamplingParams
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--num-iters", type=int, default=3, help="timed runs; medians")
     args = parser.parse_args(argv)
     engine_kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": 8}
     speculative_config = {
@@ -77,9 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     for name, prompt in PROMPTS.items():
         for llm in (plain, speculative):
             timed_generate(llm, prompt, params)  # compiles
-        want, plain_seconds = timed_generate(plain, prompt, params)
         drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-        got, spec_seconds = timed_generate(speculative, prompt, params)
+        plain_times, spec_times = [], []
+        for _ in range(args.num_iters):  # alternating, so that both see the machine's drift
+            want, seconds = timed_generate(plain, prompt, params)
+            plain_times.append(seconds)
+            got, seconds = timed_generate(speculative, prompt, params)
+            spec_times.append(seconds)
+        plain_seconds, spec_seconds = statistics.median(plain_times), statistics.median(spec_times)
         num_drafts = stats.num_draft_tokens - drafts
         rate = (stats.num_accepted_tokens - accepted) / num_drafts if num_drafts else 0.0
         print(
