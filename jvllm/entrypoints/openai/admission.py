@@ -10,8 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jvllm.entrypoints.openai.engine_errors import RETRY_AFTER_SECONDS
 from jvllm.entrypoints.openai.protocol import OpenAIError
-from jvllm.entrypoints.openai.serving_engine import RETRY_AFTER_SECONDS
 
 # The API a draining server refuses (health says 503 too; metrics and the rest still answer).
 _REFUSED_WHILE_DRAINING = ("/v1/", "/invocations")

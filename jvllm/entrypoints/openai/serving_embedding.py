@@ -12,10 +12,9 @@ from typing import Any, Literal
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from jvllm.engine.async_llm import EngineDeadError, EngineOverloadedError
-from jvllm.engine.sleep import EngineSleepingError
+from jvllm.entrypoints.openai.engine_errors import engine_errors
 from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
-from jvllm.entrypoints.openai.serving_engine import RETRY_AFTER_SECONDS, OpenAIServing
+from jvllm.entrypoints.openai.serving_engine import OpenAIServing
 from jvllm.entrypoints.openai.serving_score import RERANK_ROUTES, SCORE_ROUTES
 from jvllm.pooling_params import PoolingParams
 
@@ -109,20 +108,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             for i, p in enumerate(inputs)
         ]
         try:
-            outputs = await asyncio.gather(*tasks)
-        except (ValueError, TypeError) as e:
-            raise OpenAIError(str(e), param=_param_of(str(e))) from None
-        except EngineDeadError as e:
-            raise OpenAIError(str(e), status_code=500, type="internal_server_error") from None
-        except EngineSleepingError as e:  # slept after the request passed the 503 middleware
-            raise OpenAIError(str(e), status_code=503, type="service_unavailable_error") from None
-        except EngineOverloadedError as e:
-            raise OpenAIError(
-                f"the server is overloaded: {e}",
-                status_code=503,
-                type="service_unavailable_error",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            ) from None
+            with engine_errors(_param_of):
+                outputs = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()

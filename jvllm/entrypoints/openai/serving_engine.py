@@ -12,13 +12,11 @@ from collections.abc import AsyncIterator
 
 from jvllm.engine.async_llm import (
     AsyncLLM,
-    EngineDeadError,
-    EngineOverloadedError,
     RequestOutputKind,
 )
 from jvllm.engine.input_processor import check_priority, truncate_prompt
-from jvllm.engine.sleep import EngineSleepingError
 from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
+from jvllm.entrypoints.openai.engine_errors import engine_errors
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.entrypoints.openai.serving_models import ServedModels
 from jvllm.lora.request import LoRARequest
@@ -28,7 +26,6 @@ from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOu
 _ENGINE_SEEDS = 2**32  # the engine's seeds are u32 (a PRNG key each)
 _INT64 = 2**63
 # What a 503 for a full waiting queue tells the client to wait: about a few steps' worth.
-RETRY_AFTER_SECONDS = 1
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -303,26 +300,13 @@ class OpenAIServing:
         priority: int,
         lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
-        try:
+        with engine_errors():
             if beam is not None:
                 yield await self._beam_search(prompt, beam, request_id, priority, lora_request)
                 return
             options = {"output_kind": kind, "priority": priority, "lora_request": lora_request}
             async for output in self.engine.generate(prompt, params, request_id, **options):
                 yield output
-        except (ValueError, TypeError) as e:
-            raise OpenAIError(str(e)) from None
-        except EngineDeadError as e:
-            raise OpenAIError(str(e), status_code=500, type="internal_server_error") from None
-        except EngineSleepingError as e:  # slept after the request passed the 503 middleware
-            raise OpenAIError(str(e), status_code=503, type="service_unavailable_error") from None
-        except EngineOverloadedError as e:
-            raise OpenAIError(
-                f"the server is overloaded: {e}",
-                status_code=503,
-                type="service_unavailable_error",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            ) from None
 
     async def _beam_search(
         self, prompt: dict, beam: BeamSearchParams, request_id: str, priority: int, lora_request
