@@ -223,3 +223,26 @@ def test_default_model_repeating_text_matches_and_accepts(smollm2_llm):
     llm = LLM(**SMOLLM2_ENGINE_KWARGS, speculative_config=ngram(3))
     assert _tokens(llm, [prompt], params) == _tokens(smollm2_llm, [prompt], params)
     assert llm.llm_engine.spec_decoding_stats.acceptance_rate > 0.5
+
+
+def test_spec_decode_counters_reach_the_metrics(looping_model_dir):
+    """vLLM's spec_decode_* counters on /metrics: the engine's, summed over its replicas."""
+    from prometheus_client import generate_latest
+
+    from jvllm.engine.async_llm import AsyncLLM
+    from jvllm.engine.metrics import ServingMetrics
+
+    llm = LLM(looping_model_dir, speculative_config=ngram(3), **ENGINE_KWARGS)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    stats = llm.llm_engine.spec_decoding_stats
+    engine = AsyncLLM(llm.llm_engine)  # its first snapshot holds the counters so far
+    try:
+        scrape = generate_latest(ServingMetrics(engine, "m").registry).decode()
+    finally:
+        engine.shutdown()
+    assert stats.num_accepted_tokens > 0
+    drafts = f'jvllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {stats.num_draft_tokens}'
+    assert drafts + ".0" in scrape
+    first = stats.num_accepted_tokens_per_pos[0]
+    assert f'per_pos_total{{model_name="m",position="0"}} {first}.0' in scrape

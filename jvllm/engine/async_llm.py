@@ -26,7 +26,12 @@ from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.output_shaper import OutputShaper
 from jvllm.engine.request_stream import PoolingStream, RequestStream
-from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats, adapter_names
+from jvllm.engine.stat_logger import (
+    LoggingStatLogger,
+    SchedulerStats,
+    adapter_names,
+    spec_decoding_counts,
+)
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
 from jvllm.pooling_outputs import PoolingRequestOutput
@@ -393,6 +398,7 @@ class AsyncLLM:
             num_generation_tokens=sum(s.num_generation_tokens_total for s in schedulers),
             running_lora_adapters=adapter_names(r for s in schedulers for r in s.running),
             waiting_lora_adapters=adapter_names(r for s in schedulers for r in s.waiting),
+            **spec_decoding_counts(schedulers),
         )
 
     def _deliver_many(self, pairs: list[tuple[RequestStream, RequestOutput]], now: float) -> None:

@@ -99,6 +99,8 @@ class _SchedulerCollector:
             c, "num_preemptions", "Preemptions (by recompute).", stats.num_preemptions
         )
         args = self._async_llm.engine.args
+        if args.speculative_config is not None:  # vLLM's spec_decode_* counters
+            yield from self._spec_decoding(stats)
         if args.enable_lora:  # vLLM's: the state in the labels, the value the time
             labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
             info = g(f"{self._prefix}:lora_requests_info", "Running stats on LoRA requests.",
@@ -108,6 +110,27 @@ class _SchedulerCollector:
                 [str(args.max_loras), ",".join(waiting), ",".join(running)], time.time()
             )
             yield info
+
+    def _spec_decoding(self, stats):
+        c = CounterMetricFamily
+        yield self._family(c, "spec_decode_num_drafts", "Drafts proposed.", stats.spec_num_drafts)
+        yield self._family(
+            c, "spec_decode_num_draft_tokens", "Draft tokens.", stats.spec_num_draft_tokens
+        )
+        yield self._family(
+            c,
+            "spec_decode_num_accepted_tokens",
+            "Accepted draft tokens.",
+            stats.spec_num_accepted_tokens,
+        )
+        per_pos = c(
+            f"{self._prefix}:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens at each draft position.",
+            labels=[*self._labels, "position"],
+        )
+        for position, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self._labels.values(), str(position)], count)
+        yield per_pos
 
 
 class ServingMetrics:

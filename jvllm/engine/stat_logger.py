@@ -28,6 +28,26 @@ class SchedulerStats:
     # The LoRA adapters of the running and of the waiting requests, by name, each once.
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Speculative decoding's counters (core/spec_decode.py's SpecDecodingStats), summed.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+
+def spec_decoding_counts(schedulers) -> dict:
+    """SchedulerStats' speculative-decoding fields, summed over `schedulers` (none without
+    drafts)."""
+    stats = [s.drafter.stats for s in schedulers if s.drafter is not None]
+    if not stats:
+        return {}
+    per_pos = [sum(counts) for counts in zip(*(s.num_accepted_tokens_per_pos for s in stats))]
+    return {
+        "spec_num_drafts": sum(s.num_drafts for s in stats),
+        "spec_num_draft_tokens": sum(s.num_draft_tokens for s in stats),
+        "spec_num_accepted_tokens": sum(s.num_accepted_tokens for s in stats),
+        "spec_num_accepted_tokens_per_pos": tuple(per_pos),
+    }
 
 
 def adapter_names(requests) -> tuple[str, ...]:
