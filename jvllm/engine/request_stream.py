@@ -8,7 +8,28 @@ from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import SamplingParams
 
 
-class RequestStream:
+class _Mailbox:
+    """What every request's mailbox has: its identity and arrival, the event its consumer waits
+    on, and the engine thread's ways of ending it early."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, arrival: float):
+        self.request_id = request_id
+        self.loop = loop
+        self.arrival_time = arrival
+        self.aborted = False
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+
+class RequestStream(_Mailbox):
     """One request's mailbox on its event loop. Outputs the consumer has not taken yet are merged
     (per completion index, the latest cumulative one wins), so a slow consumer skips outputs,
     never completions or tokens."""
@@ -20,16 +41,11 @@ class RequestStream:
         arrival: float,
         sampling_params: SamplingParams,
     ):
-        self.request_id = request_id
-        self.loop = loop
-        self.arrival_time = arrival
+        super().__init__(request_id, loop, arrival)
         self.sampling_params = sampling_params  # for the metrics (n, max_tokens)
         self.header: RequestOutput | None = None  # the latest output, for its request fields
         self.pending: dict[int, CompletionOutput] = {}
         self.finished = False
-        self.aborted = False
-        self.error: BaseException | None = None
-        self.ready = asyncio.Event()
         # Metrics bookkeeping (event loop side): tokens seen per completion index.
         self.num_tokens_seen: dict[int, int] = {}
         self.last_token_time: float | None = None
@@ -46,35 +62,14 @@ class RequestStream:
         self.pending = {}
         return self.header, changed
 
-    def abort(self) -> None:
-        self.aborted = True
-        self.ready.set()
 
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.ready.set()
-
-
-class PoolingStream:
+class PoolingStream(_Mailbox):
     """A pooling request's mailbox: it gets one output, its last (AsyncLLM.encode)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, arrival: float):
-        self.request_id = request_id
-        self.loop = loop
-        self.arrival_time = arrival
+        super().__init__(request_id, loop, arrival)
         self.output = None  # the PoolingRequestOutput
-        self.aborted = False
-        self.error: BaseException | None = None
-        self.ready = asyncio.Event()
 
     def put(self, output) -> None:
         self.output = output
-        self.ready.set()
-
-    def abort(self) -> None:
-        self.aborted = True
-        self.ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
         self.ready.set()
