@@ -24,20 +24,12 @@ from jvllm.quantization.rows import quantize_rows
 FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ChannelWeight:
-    """values: [..., O, I] int8 or float8_e4m3fn; scale: f32[..., O]; dtype: the model dtype
-    the values are used in; layer: None, or i32[] when values and scale are stacked [L, ...]
-    and the weight is layer `layer` of them."""
+class ScaledValues:
+    """What a weight of 1-byte `values` and float32 `scale`, stacked [L, ...] or not (`layer`),
+    answers as a param: its own layer, shape and bytes (ChannelWeight's and ExpertWeight's)."""
 
-    values: jax.Array
-    scale: jax.Array
-    dtype: str = dataclasses.field(metadata={"static": True})
-    layer: jax.Array | None = None
-
-    def at_layer(self, layer: jax.Array) -> ChannelWeight:
-        """Layer i32[] of a weight stacked [L, O, I], without slicing its values."""
+    def at_layer(self, layer: jax.Array):
+        """Layer i32[] of a stacked weight, without slicing its values."""
         return dataclasses.replace(self, layer=layer)
 
     @property
@@ -47,6 +39,19 @@ class ChannelWeight:
     @property
     def nbytes(self) -> int:
         return self.values.nbytes + self.scale.nbytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChannelWeight(ScaledValues):
+    """values: [..., O, I] int8 or float8_e4m3fn; scale: f32[..., O]; dtype: the model dtype
+    the values are used in; layer: None, or i32[] when values and scale are stacked [L, ...]
+    and the weight is layer `layer` of them."""
+
+    values: jax.Array
+    scale: jax.Array
+    dtype: str = dataclasses.field(metadata={"static": True})
+    layer: jax.Array | None = None
 
     def __getitem__(self, key):
         """`param[...]` (how the layers read a weight) gives the weight itself."""

@@ -17,13 +17,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jvllm.quantization.channel_weight import FORMATS
+from jvllm.quantization.channel_weight import FORMATS, ScaledValues
 from jvllm.quantization.rows import quantize_rows
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ExpertWeight:
+class ExpertWeight(ScaledValues):
     """values: [..., E, I, O] int8 or float8_e4m3fn; scale: f32[..., E, O]; dtype: the model
     dtype the values are used in; layer: None, or i32[] when values and scale are stacked
     [L, ...] and the weight is layer `layer` of them (the layer scan's at_layer)."""
@@ -32,18 +32,6 @@ class ExpertWeight:
     scale: jax.Array
     dtype: str = dataclasses.field(metadata={"static": True})
     layer: jax.Array | None = None
-
-    def at_layer(self, layer: jax.Array) -> ExpertWeight:
-        """Layer i32[] of a stack [L, E, I, O], sliced only where it is used (`grouped`)."""
-        return dataclasses.replace(self, layer=layer)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape if self.layer is None else self.values.shape[1:]
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.scale.nbytes
 
     def __getitem__(self, key):
         """`param[...]` (how the layers read a weight) gives the weight itself."""
