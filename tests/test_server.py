@@ -6,6 +6,7 @@ One in-process server per module (so a test can look at the engine's block pool)
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -411,6 +412,49 @@ def test_metrics_parse_and_counters_move(setup, client):
     kv = setup["engine"].engine.scheduler.kv_cache_manager
     assert dict(info)["num_gpu_blocks"] == str(kv.num_blocks)
     assert dict(info)["block_size"] == str(kv.block_size)
+
+
+def test_iteration_tokens_observe_each_step_with_the_tokens_it_computed(setup, client, monkeypatch):
+    """vLLM's iteration_tokens_total: one observation per engine step that scheduled tokens, of
+    the prompt tokens it computed (prefix-cache hits excluded) plus the tokens it generated."""
+    engine = setup["engine"]
+    scheduler = engine.engine.scheduler
+    schedule = scheduler.schedule
+    num_steps = 0
+
+    def counting_schedule():
+        nonlocal num_steps
+        output = schedule()
+        num_steps += output.total_num_scheduled_tokens > 0
+        return output
+
+    def prefix_cache_hits() -> int:
+        # Read on the engine thread between steps: every earlier step has been recorded by then.
+        kv = scheduler.kv_cache_manager
+        return asyncio.run(engine.call_engine(lambda _: kv.prefix_cache_hits))
+
+    def complete(job):
+        prompt, max_tokens = job
+        return client.completions.create(prompt=prompt, **_greedy(max_tokens=max_tokens)).usage
+
+    wait_idle(engine)
+    hits_before = prefix_cache_hits()
+    before = scrape_metrics(setup["url"])
+    monkeypatch.setattr(scheduler, "schedule", counting_schedule)
+    jobs = [(PROMPTS[8], 3), (PROMPTS[9] * 2, 6), (PROMPTS[10] * 3, 9)]  # prefills and decodes mix
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        usages = list(pool.map(complete, jobs))
+    wait_idle(engine)
+    num_hits = prefix_cache_hits() - hits_before
+    after = scrape_metrics(setup["url"])
+
+    def moved(name: str) -> float:
+        return after[(name, LABEL)] - before[(name, LABEL)]
+
+    assert [u.completion_tokens for u in usages] == [max_tokens for _, max_tokens in jobs]
+    num_tokens = sum(u.prompt_tokens + u.completion_tokens for u in usages) - num_hits
+    assert moved("jvllm:iteration_tokens_total_count") == num_steps > 0
+    assert moved("jvllm:iteration_tokens_total_sum") == num_tokens
 
 
 # The series vLLM's Grafana dashboard reads (examples/observability/prometheus_grafana).
