@@ -64,7 +64,7 @@ def wait_idle(async_llm, timeout: float = 10.0) -> None:
 
 
 def join_native_builds() -> None:
-    """Wait for the native kernels' background builds (jvllm/native.py) to end."""
+    """Wait for the native kernels' background builds (jvllm/native/) to end."""
     for thread in threading.enumerate():
         if thread.name == "jvllm-native-build":
             thread.join()

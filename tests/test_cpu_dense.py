@@ -1,4 +1,4 @@
-"""The native CPU kernel for rows times a bfloat16 or float32 weight (layers/cpu_dense.cc): its
+"""The native CPU kernel for rows times a bfloat16 or float32 weight (native/cpu_dense.cc): its
 products are float32 sums, taken from the layer asked for of a stack, the same for a row whatever
 shares its batch (streamed up to STREAM_ROWS rows, in tiles past it); dot_rows / dot_layer give
 XLA's products without it; and a model's scan reads its layers' weights in place through it."""

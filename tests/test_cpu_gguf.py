@@ -1,4 +1,4 @@
-"""The native CPU kernel for rows times a packed GGUF weight (jvllm/quantization/cpu_gguf.cc):
+"""The native CPU kernel for rows times a packed GGUF weight (jvllm/native/cpu_gguf.cc):
 its values are gguf's bit for bit, in its own products of up to MAX_ROWS rows and in the layer
 it dequantizes for XLA's matmul of more; its products are those of the dequantized weight, and
 the pure-JAX path it replaces gives the same products when it is off or cannot be built."""

@@ -1,5 +1,5 @@
 """The native CPU kernel for bfloat16 rows times int8 weight values with per-row scales
-(jvllm/quantization/cpu_int8.cc): up to MAX_ROWS rows its products are those of the exact values,
+(jvllm/native/cpu_int8.cc): up to MAX_ROWS rows its products are those of the exact values,
 scaled; past them XLA multiplies by values * scales that the kernel's loop rounds to bfloat16;
 both read the layer asked for, and the pure-JAX path gives the same with the kernel off."""
 

@@ -1,4 +1,4 @@
-"""Native CPU kernels (jvllm/native.py) on a machine that cannot build them: each keeps its
+"""Native CPU kernels (jvllm/native/) on a machine that cannot build them: each keeps its
 pure-JAX path and says how to fix it."""
 
 import logging

@@ -6,13 +6,12 @@ kernel reads each KV head's rows once for its query heads, in float32 from a bfl
 float32 cache, on XLA's intra-op threads, for decode steps and for the decodes of steps with
 prefills.
 
-It is built on first use (jvllm/native.py); a machine without a compiler, or
+It is built on first use (jvllm/native/); a machine without a compiler, or
 JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the same attention.
 """
 
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from jvllm import native
 from jvllm.attention.metadata import Tiles
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cc")
+_KERNEL = "cpu_decode"  # native.SOURCES' key of jvllm/native/cpu_decode.cc
 _WHAT, _FLAGS = "CPU decode attention", ["-ffast-math"]
 # The cache's storage dtype -> its kernel (kv_quant.py keeps bfloat16 as uint16 bits on CPU).
 _TARGETS = {
@@ -71,9 +70,9 @@ def build_early() -> None:
     """Start building the kernel where it will be used (see supports), so that tracing the
     first step finds it built rather than waiting seconds for the compiler."""
     if jax.default_backend() == "cpu" and os.environ.get("JVLLM_CPU_DECODE_KERNEL", "1") != "0":
-        native.build_in_background(_SOURCE, _WHAT, _FLAGS)
+        native.build_in_background(_KERNEL, _WHAT, _FLAGS)
 
 
 @functools.cache
 def _register() -> bool:
-    return native.register_targets(_SOURCE, tuple(_TARGETS.values()), _WHAT, _FLAGS)
+    return native.register_targets(_KERNEL, tuple(_TARGETS.values()), _WHAT, _FLAGS)

@@ -11,20 +11,19 @@ the rows, which beats XLA's copy and matmul up to MAX_ROWS rows ("The CPU dense 
 rows"). A weight of its own (the LM head) goes to the kernel only up to STREAM_ROWS rows:
 with nothing to copy, XLA's matmul of more rows is the faster.
 
-It is built on first use (jvllm/native.py); a CPU without AVX-512 (BF16 for bfloat16), a
+It is built on first use (jvllm/native/); a CPU without AVX-512 (BF16 for bfloat16), a
 machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (layers/dot.py).
 """
 
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jvllm import native
 
-_SOURCE = Path(__file__).with_name("cpu_dense.cc")
+_KERNEL = "cpu_dense"  # native.SOURCES' key of jvllm/native/cpu_dense.cc
 _WHAT = "CPU dense matmul"
 STREAM_ROWS = 8  # cpu_dense.cc's kStreamRows
 MAX_ROWS = 64  # cpu_dense.cc's kMaxRows: past it XLA's copy and matmul were as fast on the EPYC
@@ -63,7 +62,7 @@ def build_early(dtype: str) -> None:
     """Start building the kernel for a model of `dtype` that will use it, so that tracing the
     first step finds it built rather than waiting seconds for the compiler."""
     if jnp.dtype(dtype) in _runnable():
-        native.build_in_background(_SOURCE, _WHAT, _flags())
+        native.build_in_background(_KERNEL, _WHAT, _flags())
 
 
 def _runnable() -> tuple[jnp.dtype, ...]:
@@ -86,4 +85,4 @@ def _register() -> bool:
     targets = tuple(
         target for target, flag, _ in _KERNELS.values() if has_bf16 or flag != "avx512_bf16"
     )
-    return native.register_targets(_SOURCE, targets, _WHAT, _flags())
+    return native.register_targets(_KERNEL, targets, _WHAT, _flags())

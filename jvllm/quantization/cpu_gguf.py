@@ -11,13 +11,12 @@ llama.cpp's speed on the same file on the Xeon, about 1.0x on the EPYC; BENCHMAR
 
 More rows go to XLA's matmul of the layer dequantized by the kernel's loop, at memory speed
 (XLA's own dequantization of a Q4_1 [3072, 576] layer took 1.5 ms, 4.4 in bfloat16, against
-the 64-row matmul's 1.2). It is built on first use (jvllm/native.py); a machine without a
+the 64-row matmul's 1.2). It is built on first use (jvllm/native/); a machine without a
 compiler, or JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes the same products.
 """
 
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from jvllm import native
 from jvllm.layers.dot import dot_rows
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
-_SOURCE = Path(__file__).with_name("cpu_gguf.cc")
+_KERNEL = "cpu_gguf"  # native.SOURCES' key of jvllm/native/cpu_gguf.cc
 MAX_ROWS = 32  # cpu_gguf.cc's kMaxRows: past it, dequantizing for XLA's matmul is faster
 _DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -76,4 +75,4 @@ def _register() -> bool:
     )
     # No contraction of a product and a sum into one rounding: the dequantized values must be
     # gguf's bit for bit.
-    return native.register_targets(_SOURCE, targets, "CPU GGUF matmul", ["-ffp-contract=off"])
+    return native.register_targets(_KERNEL, targets, "CPU GGUF matmul", ["-ffp-contract=off"])

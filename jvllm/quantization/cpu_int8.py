@@ -10,14 +10,13 @@ kernel's loop converts the layer's values times their scales to bfloat16 for it:
 matmul's float32 result took a pass of its own over it, which made int8 prefills 1.3x slower
 than bfloat16 ones.
 
-It is built on first use (jvllm/native.py); a CPU without AVX-512 BF16, a machine without a
+It is built on first use (jvllm/native/); a CPU without AVX-512 BF16, a machine without a
 compiler, or JVLLM_CPU_INT8_KERNEL=0 keeps the pure-JAX path, which computes the same products
 (past 128 rows, but for the kernel's rounding of values times scales to bfloat16).
 """
 
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from jvllm import native
 from jvllm.layers.dot import dot_rows
 
-_SOURCE = Path(__file__).with_name("cpu_int8.cc")
+_KERNEL = "cpu_int8"  # native.SOURCES' key of jvllm/native/cpu_int8.cc
 _TARGETS = ("Int8DenseBF16", "Int8ToBF16")
 # cpu_int8.cc's kMaxRows: past it (a prefill), XLA's matmul of the values converted once is the
 # faster (SmolLM2's [3072, 576] at 256 rows: 3.6 against 2.6 ms).
@@ -65,4 +64,4 @@ def dense(x: jax.Array, values: jax.Array, scale: jax.Array, layer: jax.Array) -
 
 @functools.cache
 def _register() -> bool:
-    return native.register_targets(_SOURCE, _TARGETS, "CPU int8 matmul", [])
+    return native.register_targets(_KERNEL, _TARGETS, "CPU int8 matmul", [])

@@ -1,5 +1,5 @@
-// Splitting a native kernel's work among XLA:CPU's intra-op threads (jvllm/native.py builds
-// the kernels that include it).
+// Splitting a native kernel's work among XLA:CPU's intra-op threads (jvllm/native/__init__.py
+// builds the kernels that include it).
 
 #pragma once
 

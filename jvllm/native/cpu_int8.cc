@@ -1,6 +1,6 @@
 // (x @ V.T) * s for int8 weight values V [O, I] with a scale s per row and bfloat16 rows
-// x [R, I], on XLA:CPU through the XLA FFI (cpu_int8.py builds it), and V * s converted to
-// bfloat16 for XLA's matmul of more rows.
+// x [R, I], on XLA:CPU through the XLA FFI (quantization/cpu_int8.py builds it), and V * s
+// converted to bfloat16 for XLA's matmul of more rows.
 //
 // The values are exact in bfloat16, so the products are those of XLA's matmul of x with the
 // values converted to bfloat16, summed in float32 in another order. A panel of kPanel weight

@@ -1,5 +1,5 @@
 // x @ W.T for a weight W [O, I] kept as GGUF blocks, on XLA:CPU through the XLA FFI
-// (cpu_gguf.py builds it).
+// (quantization/cpu_gguf.py builds it).
 //
 // Each block of a row of W is split into its integers and its scales (once for each group of up
 // to 8 rows of x); its values are made from them with gguf.quants' operations in its order

@@ -1,4 +1,5 @@
-// Paged decode attention for XLA:CPU, called through the XLA FFI (cpu_decode.py builds it).
+// Paged decode attention for XLA:CPU, called through the XLA FFI (attention/cpu_decode.py
+// builds it).
 //
 // One query per tile: tile t is token token_idx[t] of sequence seq[t], which reads the first
 // kv_lens[t] positions of its pages block_tables[seq[t], :]. Each KV head's row of keys is read

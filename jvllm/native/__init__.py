@@ -1,6 +1,10 @@
 """Native CPU kernels through the XLA FFI: built with the system C++ compiler on first use and
 registered as XLA:CPU custom-call targets.
 
+The sources live beside this builder, and a wrapper names its kernel by its key in SOURCES, so
+what the builder can load is one table that the wheel is tested to hold (an editable install
+would hide a file missing from pyproject's package-data).
+
 A kernel's source is compiled into ~/.cache/jvllm/native (or $JVLLM_NATIVE_CACHE_DIR), keyed
 by the source, the flags, jax's version and the CPU (it is built with -march=native). A machine
 without a compiler, a directory that cannot be written or a library that does not load gets
@@ -25,19 +29,24 @@ from jvllm.logger import init_logger
 logger = init_logger(__name__)
 
 NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
-_HEADERS = (Path(__file__).with_name("parallel_for.h"),)  # what every kernel may include
+_DIR = Path(__file__).parent
+# Each kernel's source by the name its wrapper passes, and what every kernel may include.
+SOURCES = {
+    name: _DIR / f"{name}.cc" for name in ("cpu_decode", "cpu_dense", "cpu_gguf", "cpu_int8")
+}
+HEADERS = (_DIR / "parallel_for.h",)
 # One build of a source at a time: the engine's background build and the thread tracing a step
 # may both reach a kernel first, and the second then finds the library built. Different
 # kernels build side by side (each a compiler process of its own).
-_BUILD_LOCKS: dict[Path, threading.Lock] = defaultdict(threading.Lock)
+_BUILD_LOCKS: dict[str, threading.Lock] = defaultdict(threading.Lock)
 _LOCKS_LOCK = threading.Lock()
 
 
-def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: list[str]) -> bool:
-    """Build `source` (once per key) and register its handler symbols `targets` for XLA:CPU;
-    False (logged, naming `what` the kernel does) where that cannot be done."""
-    with _build_lock(source):
-        library = _build(source, what, flags)
+def register_targets(kernel: str, targets: tuple[str, ...], what: str, flags: list[str]) -> bool:
+    """Build `kernel`'s source (once per key) and register its handler symbols `targets` for
+    XLA:CPU; False (logged, naming `what` the kernel does) where that cannot be done."""
+    with _build_lock(kernel):
+        library = _build(SOURCES[kernel], what, flags)
     if library is None:
         return False
     try:
@@ -53,21 +62,21 @@ def register_targets(source: Path, targets: tuple[str, ...], what: str, flags: l
     return True
 
 
-def build_in_background(source: Path, what: str, flags: list[str]) -> None:
-    """Start building `source` in a thread (the compiler runs as a process of its own), so that
-    the first register_targets finds it built: the engine overlaps it with loading the model. A
-    build that fails here says nothing; register_targets tries again and says why."""
+def build_in_background(kernel: str, what: str, flags: list[str]) -> None:
+    """Start building `kernel`'s source in a thread (the compiler runs as a process of its own),
+    so that the first register_targets finds it built: the engine overlaps it with loading the
+    model. A build that fails here says nothing; register_targets tries again and says why."""
 
     def build():
-        with _build_lock(source):
-            _build(source, what, flags, warn=False)
+        with _build_lock(kernel):
+            _build(SOURCES[kernel], what, flags, warn=False)
 
     threading.Thread(target=build, name="jvllm-native-build", daemon=True).start()
 
 
-def _build_lock(source: Path) -> threading.Lock:
+def _build_lock(kernel: str) -> threading.Lock:
     with _LOCKS_LOCK:
-        return _BUILD_LOCKS[source]
+        return _BUILD_LOCKS[kernel]
 
 
 def cpu_has(flag: str) -> bool:
@@ -90,10 +99,10 @@ def _build(source: Path, what: str, extra_flags: list[str], warn: bool = True) -
     None (logged where `warn`) when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
     flags = ["-O3", "-march=native", *extra_flags, "-fPIC", "-std=c++17", "-w"]
-    flags += [f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parent}"]
+    flags += [f"-I{jax.ffi.include_dir()}", f"-I{_DIR}"]
     # -march=native builds for this CPU, so what the OS says of it is part of the key.
     key = f"{compiler} {flags} -shared {jax.__version__} {_cpu()}".encode()
-    key += b"".join(path.read_bytes() for path in (source, *_HEADERS))
+    key += b"".join(path.read_bytes() for path in (source, *HEADERS))
     root = os.environ.get(NATIVE_CACHE_DIR_ENV) or Path.home() / ".cache" / "jvllm" / "native"
     library = Path(root) / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if library.exists():
