@@ -29,14 +29,14 @@ def _engine_holding_back(model_dir, held: Bucket):
     llm = LLM(model_dir, **_KWARGS)
     runner = llm.llm_engine.model_runner
     release = threading.Event()
-    compile_fn = runner._compiled._compile_fn
+    compile_fn = runner.compiler.executables._compile_fn
 
     def held_back(shape):
         if shape == (held, "step", SamplerPlan.DYNAMIC):
             assert release.wait(120)
         return compile_fn(shape)
 
-    runner._compiled._compile_fn = held_back
+    runner.compiler.executables._compile_fn = held_back
     runner.compile_in_background()
     return llm, runner, release
 
@@ -48,7 +48,7 @@ def test_a_request_is_answered_while_a_bucket_it_does_not_need_compiles(
     llm, runner, release = _engine_holding_back(tiny_llama_weights_dir, held)
     try:
         short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
-        assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is None  # still compiling
+        assert not runner.compiler.is_ready(held, "step")  # still compiling
         assert short == expected[0]
         # A prompt that only the held bucket holds waits for that compile alone.
         threading.Timer(0.5, release.set).start()
@@ -68,12 +68,12 @@ def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
     try:
         # Every decode step of the lone sequence runs in a larger bucket meanwhile.
         short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
-        assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is None
+        assert not runner.compiler.is_ready(held, "step")
         assert short == expected[0]
     finally:
         release.set()
     runner.wait_for_compiles()
-    assert runner._compiled.get((held, "step", SamplerPlan.DYNAMIC)) is not None
+    assert runner.compiler.is_ready(held, "step")
 
 
 def test_a_bucket_lent_to_a_step_gets_no_sampler_plan(
@@ -87,7 +87,7 @@ def test_a_bucket_lent_to_a_step_gets_no_sampler_plan(
     try:
         # Every other shape compiled first, so that the decode steps run in a lent bucket.
         deadline = time.monotonic() + 120
-        while len(runner._compiled) < len(runner.all_shapes()) - 1:
+        while len(runner.compiler.executables) < len(runner.all_shapes()) - 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
@@ -95,7 +95,7 @@ def test_a_bucket_lent_to_a_step_gets_no_sampler_plan(
     finally:
         release.set()
     runner.wait_for_compiles()
-    planned = [s for s in runner._compiled._ready if s[2] is not SamplerPlan.DYNAMIC]
+    planned = [s for s in runner.compiler.executables._ready if s[2] is not SamplerPlan.DYNAMIC]
     assert planned and all(not b.is_decode for b, _, _ in planned)
 
 

@@ -264,9 +264,7 @@ def test_activation_reserve_bounds_the_compiled_steps_temporaries(
     largest_decode = max(b for b in buckets if b.is_decode)
     reserve = activation_reserve_bytes(config, num_tokens, num_seqs)
     for bucket in (largest_decode, buckets[-1]):
-        analysis = runner._compile(
-            (bucket, "step", SamplerPlan.DYNAMIC), runner._abstract_state()
-        ).memory_analysis()
+        analysis = runner.compiler.compile((bucket, "step", SamplerPlan.DYNAMIC)).memory_analysis()
         if analysis is None:
             pytest.skip(f"XLA gives no memory analysis on {jax.default_backend()}")
         assert analysis.temp_size_in_bytes <= reserve, bucket

@@ -162,9 +162,9 @@ def test_stops_checked_every_few_steps_match_single_steps(engines, tiny_llama_di
             assert _generate(checked, params) == _generate(engines(1), params)
     # The runs of 3 steps are loops XLA knows the trip count of, which read no predicate.
     runner = checked.llm_engine.model_runner
-    used = [s for s in runner._compiled._ready if s[1] == "window"]
+    used = [s for s in runner.compiler.executables._ready if s[1] == "window"]
     assert used and all(
-        '"known_trip_count":{"n":"3"}' in runner._compiled.get(s).as_text() for s in used
+        '"known_trip_count":{"n":"3"}' in runner.compiler.executables.get(s).as_text() for s in used
     )
 
 

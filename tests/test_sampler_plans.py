@@ -13,7 +13,7 @@ from test_sampler import _metadata
 from jvllm import LLM, SamplingParams
 from jvllm.sample.plan import SAMPLER_PLANS_ENV, SamplerPlan, choose_plan, use_sampler_plans
 from jvllm.sample.sampler import sample, sample_step
-from jvllm.worker import step_compiles
+from jvllm.worker import step_compiler
 
 _PLANNED = [SamplerPlan.GREEDY, SamplerPlan.RANDOM, SamplerPlan.FILTERED]
 
@@ -132,12 +132,14 @@ def test_the_engine_runs_each_plans_executable_once_compiled(tiny_llama_dir, mon
         assert not isinstance(md.all_greedy, jax.Array)
         return choose_plan(md)
 
-    monkeypatch.setattr(step_compiles, "choose_plan", from_the_host)
+    monkeypatch.setattr(step_compiler, "choose_plan", from_the_host)
     llm = LLM(tiny_llama_dir, **_ENGINE_KWARGS, **setting)
     runner = llm.llm_engine.model_runner
     waited = []  # a step that runs a DYNAMIC executable gets it through `wait`
-    wait = runner._compiled.wait
-    monkeypatch.setattr(runner._compiled, "wait", lambda shape: waited.append(shape) or wait(shape))
+    wait = runner.compiler.executables.wait
+    monkeypatch.setattr(
+        runner.compiler.executables, "wait", lambda shape: waited.append(shape) or wait(shape)
+    )
     for plan, params in _PARAMS.items():
         first = llm.generate(PROMPTS, params, use_tqdm=False)  # the plan's first steps
         runner.wait_for_compiles()
@@ -156,10 +158,10 @@ def test_a_step_compiles_its_plans_executable_itself_in_lockstep(tiny_llama_dir,
     monkeypatch.setenv(SAMPLER_PLANS_ENV, "1")
     llm = LLM(tiny_llama_dir, **_ENGINE_KWARGS)
     runner = llm.llm_engine.model_runner
-    runner._compiled.lockstep = True  # what jax.process_count() > 1 sets
+    runner.compiler.executables.lockstep = True  # what jax.process_count() > 1 sets
     params = _PARAMS[SamplerPlan.GREEDY]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    plans = {plan for _, _, plan in runner._compiled._ready}
+    plans = {plan for _, _, plan in runner.compiler.executables._ready}
     assert plans == {SamplerPlan.GREEDY}
     monkeypatch.setenv(SAMPLER_PLANS_ENV, "0")
     switched = LLM(tiny_llama_dir, **_ENGINE_KWARGS).generate(PROMPTS, params, use_tqdm=False)

@@ -1,6 +1,6 @@
 """The runner's compiled executables: compiled on first use, up front, or in background threads.
 
-A shape is a (Bucket, kind, sampler plan) triple (see model_runner.Shape). `get` returns a
+A shape is a (Bucket, kind, sampler plan) triple (see step_compiler.Shape). `get` returns a
 shape's executable if it is ready; `wait` returns it, compiling it in the caller unless a
 compile of it is already running, which it then waits for (a queued one is taken out of the
 queue and compiled at once: a step waits for its own shape, never for the shapes queued before
@@ -27,7 +27,7 @@ logger = init_logger(__name__)
 # persistent cache: 24 s one at a time, 16 s two at a time).
 _COMPILE_THREADS = 2
 
-Shape = Any  # model_runner.Shape: (Bucket, kind, sampler plan)
+Shape = Any  # step_compiler.Shape: (Bucket, kind, sampler plan)
 
 
 class Executables:

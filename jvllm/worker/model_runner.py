@@ -1,6 +1,6 @@
 """The model runner: owns the parameters, the paged KV array and every `jax.jit` entry point
 (`_jitted`'s steps, the bias table's and the LoRA slots' updates), and runs the steps; which
-executables exist and when each compiles is step_compiles.py's, whose methods it takes."""
+executables exist and when each compiles is its StepCompiler's (step_compiler.py)."""
 
 import functools
 import math
@@ -31,18 +31,17 @@ from jvllm.worker.decode_loop import (
     window_steps_per_check,
 )
 from jvllm.worker.draft_scoring import accepted_token_ids
-from jvllm.worker.executables import Executables
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
-from jvllm.worker.step_compiles import StepCompiles, describe_shape
+from jvllm.worker.step_compiler import Shape, StepCompiler, StepLayout, abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = init_logger(__name__)
 
 
-class ModelRunner(StepCompiles):
+class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
@@ -131,10 +130,24 @@ class ModelRunner(StepCompiles):
         self.num_steps_ahead_used = 0
         self.num_steps_ahead_dropped = 0
         # What every executable is lowered for, fixed once the arrays exist.
-        self._state_spec = self._abstract_state()
-        self._compiled = Executables(
-            lambda shape: self._compile(shape, self._state_spec),
-            lambda shape: describe_shape(*shape, num_scheduler_steps),
+        self._state_spec = abstract_state(
+            (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows)
+        )
+        self.compiler = StepCompiler(
+            buckets,
+            self._state_spec,
+            self._jitted,
+            StepLayout(
+                block_size,
+                self.max_pages,
+                config.vocab_size,
+                has_adapters=self.adapters is not None,
+                num_speculative_tokens=num_speculative_tokens,
+            ),
+            pooling_type=pooling_type,
+            num_scheduler_steps=num_scheduler_steps,
+            async_scheduling=async_scheduling,
+            sampler_plans=self.sampler_plans,
             lockstep=jax.process_count() > 1,  # every process's steps must be the same
         )
         self.warmup_seconds = 0.0
@@ -165,6 +178,79 @@ class ModelRunner(StepCompiles):
             fn = functools.partial(single_step, step=step)
         return jax.jit(fn, donate_argnums=(1, 2))
 
+    # The compiler's figures and controls that the engine and the benchmarks read here.
+    @property
+    def lockstep(self) -> bool:
+        """Whether this runner is one of several processes' (compiles never in background)."""
+        return self.compiler.lockstep
+
+    @property
+    def num_compilations(self) -> int:
+        return self.compiler.num_compilations
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.compiler.compile_seconds
+
+    @property
+    def compile_wait_seconds(self) -> float:
+        return self.compiler.compile_wait_seconds
+
+    def all_shapes(self) -> list[Shape]:
+        return self.compiler.all_shapes()
+
+    def wait_for_compiles(self) -> None:
+        self.compiler.wait_for_compiles()
+
+    def cancel_compiles(self) -> None:
+        self.compiler.cancel_compiles()
+
+    def compile_all(self, progress: bool = True) -> float:
+        """Compile every shape up front so that nothing compiles while serving but sampler
+        plans' executables (sample/plan.py), two at a time;
+        -> the seconds spent compiling. Each bucket's warm-up run is dispatched as soon as it
+        is ready and executes alongside the compiles (`warmup_seconds` counts the dispatches
+        and the wait for the last runs)."""
+        start = time.perf_counter()
+        self.compiler.compile_all(progress, self._warm_up)
+        self._compile_set_bias_row()
+        compiled = time.perf_counter()
+        jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
+        self.warmup_seconds += time.perf_counter() - compiled
+        return compiled - start
+
+    def compile_in_background(self) -> None:
+        """Queue every shape, cheapest first, to compile in background threads (see
+        StepCompiler.compile_in_background). Nothing warms these up (see _warm_up): the threads
+        must not touch the donated arrays, and with the layer scan a first call costs at most a
+        few tenths of a second more."""
+        self._compile_set_bias_row()
+        self.compiler.compile_in_background()
+
+    def _compile_set_bias_row(self) -> None:
+        rows = self.bias_rows.rows
+        self._set_bias_row.lower(rows, np.int32(0), np.zeros(rows.shape[1], np.float32)).compile()
+
+    def _warm_up(self, bucket: Bucket) -> None:
+        """Run `bucket` once on an all-padding step, which writes only the null page.
+
+        XLA:CPU sets up each fused kernel of an executable on its first call, with a persistent
+        cache too: 0.4-0.9 s a SmolLM2 bucket with the layers unrolled, up to 0.3 s with the
+        layer scan, that the first real step of each shape would otherwise add to a request.
+        One padding query of each tile group reads the null page's first position, so that the
+        page loops run too. The run is only dispatched: it executes while other buckets compile
+        (`warmup_seconds` counts the dispatch and compile_all's final wait, i.e. what the runs
+        add to start-up).
+        """
+        start = time.perf_counter()
+        dummy = self.compiler.padding_step(bucket)
+        for tiles in dummy.attn.tiles:  # padding token 0, in every group: its output is dropped
+            tiles.kv_lens[0, 0] = 1
+        _, self.kv_cache, self.token_cache = self.compiler.executable(bucket)(
+            self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, dummy
+        )
+        self.warmup_seconds += time.perf_counter() - start
+
     def adapter_slots_for(self, requests) -> np.ndarray | None:
         """Each request's LoRA slot (-1: none), its adapter put in one first; None where the
         engine serves no adapters."""
@@ -184,7 +270,7 @@ class ModelRunner(StepCompiles):
         `token_bitmask`: the requests' grammar masks (structured outputs), None for none."""
         # The decode steps that follow this one: their compiles start now, beside this step's.
         requests = scheduler_output.scheduled_requests
-        self._compiled.compile_in_background(self._decode_shapes(len(requests)))
+        self.compiler.queue_decode_shapes(len(requests))
         num_reqs = len(requests)
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         is_window = scheduler_output.num_steps > 1
@@ -202,7 +288,7 @@ class ModelRunner(StepCompiles):
             self.num_steps_ahead_dropped += ahead is not None
             rows = list(range(num_reqs))
             kind = "window" if is_window else "step"
-            bucket, lent = self._select_bucket(sum(counts), num_reqs, kind)
+            bucket, lent = self.compiler.select_bucket(sum(counts), num_reqs, kind)
             drafts = scheduler_output.spec_token_ids
             inputs = prepare_step_inputs(
                 requests,
@@ -218,19 +304,19 @@ class ModelRunner(StepCompiles):
                 [drafts.get(r.request_id, []) for r in requests] if drafts else None,
                 self.num_speculative_tokens,
             )
-            any_logprobs, plan = bool(inputs.sampling.any_logprobs), self._plan(inputs)
+            any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
             if lent:
                 plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent
             args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
-            exe = self._executable(bucket, kind, plan)
+            exe = self.compiler.executable(bucket, kind, plan)
             out, self.kv_cache, self.token_cache = exe(*args)
         if (
             self.async_scheduling
             and can_run_ahead(scheduler_output, block_ids, self.block_size)
-            and self._compiled.get((bucket, "ahead", SamplerPlan.DYNAMIC)) is not None
+            and self.compiler.is_ready(bucket, "ahead")
         ):
             self._run_ahead(
                 scheduler_output, block_ids, rows, bucket, any_logprobs, plan, out, inputs
@@ -258,11 +344,11 @@ class ModelRunner(StepCompiles):
         chunk's share of its pooled vector (worker/pooler.py)."""
         requests = scheduler_output.scheduled_requests
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
-        bucket, _ = self._select_bucket(sum(counts), len(requests), "pool")
+        bucket, _ = self.compiler.select_bucket(sum(counts), len(requests), "pool")
         layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
         step = prepare_step_inputs(requests, counts, block_ids, *layout)
         inputs = prepare_pool_inputs(step, requests, counts, self.pooling_type)
-        exe = self._executable(bucket, "pool")
+        exe = self.compiler.executable(bucket, "pool")
         pooled, self.kv_cache = exe(self.params, self.kv_cache, inputs)
         return np.asarray(pooled)[: len(requests)]
 
@@ -282,7 +368,7 @@ class ModelRunner(StepCompiles):
         active = np.zeros(bucket.num_seqs, bool)
         active[rows] = True
         # The step's sampling metadata but for its output index: this step's plan.
-        exe = self._executable(bucket, "ahead", plan)
+        exe = self.compiler.executable(bucket, "ahead", plan)
         out, next_inputs, self.kv_cache, self.token_cache = exe(
             self.params,
             self.kv_cache,
