@@ -6,12 +6,10 @@ Hashable so that it can be a static argument of `jax.jit` (see docs/design.md, m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from jvllm.layers.activation import ACTIVATIONS
-from jvllm.models.registry import architecture_of, check_supported, normalize_hf_config
-from jvllm.rope_config import RopeScaling, parse_rope
+from jvllm.rope_config import RopeScaling
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what a user passes: "auto" follows the checkpoint
@@ -32,6 +30,8 @@ class ModelConfig:
     reads travels in `options` (see `option`).
     """
 
+    # A registry name (models/registry.py), checked where config.json is read
+    # (model_loader/hf_config.py) and where the model is built (registry.model_class).
     architecture: str
     vocab_size: int  # V
     hidden_size: int  # D
@@ -88,7 +88,6 @@ class ModelConfig:
     has_lm_head: bool = True
 
     def __post_init__(self) -> None:
-        check_supported(self.architecture)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {SUPPORTED_DTYPES}")
         for name in (
@@ -205,62 +204,6 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return self.eos_token_id
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Mapping[str, Any] | Any, dtype: str) -> ModelConfig:
-        """Build from an HF `config.json` dict or a `transformers.PretrainedConfig`.
-
-        Reads both the transformers 4 layout (`rope_theta`, `rope_scaling` at the top level) and
-        the transformers 5 one (`rope_parameters` holding theta and scaling).
-        """
-        cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        architecture = architecture_of(cfg)
-        check_supported(architecture, cfg.get("model_type"))
-        # The family's checks, its defaults and its names in the layout read below.
-        cfg = normalize_hf_config(architecture, cfg)
-        rope = parse_rope(cfg)
-
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        layer_types = cfg.get("layer_types")
-        max_len = cfg.get("max_position_embeddings", 2048)
-        if rope.scaling is not None:
-            max_len = rope.scaling.context_length(max_len)
-        return cls(
-            architecture=architecture,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope.theta,
-            rope_scaling=rope.scaling,
-            max_position_embeddings=max_len,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias")),
-            qk_norm=bool(cfg.get("qk_norm")),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            dtype=dtype,
-            hidden_act=cfg.get("hidden_act", "silu"),
-            sliding_window=cfg.get("sliding_window"),
-            layer_types=tuple(layer_types) if layer_types else None,
-            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
-            final_logit_softcap=cfg.get("final_logit_softcapping"),
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
-            local_rope_theta=rope.local_theta,
-            partial_rotary_factor=rope.rotary_fraction,
-            is_rope_interleaved=bool(cfg.get("is_rope_interleaved")),
-            num_experts=cfg.get("num_local_experts") or cfg.get("num_experts") or 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-            options=tuple(sorted(cfg.get("options", {}).items())),
-        )
 
 
 def _rope_scaling_hint(config: ModelConfig) -> str:

@@ -22,6 +22,7 @@ from transformers.models.gptj import modeling_gptj
 from jvllm.config import ModelConfig
 from jvllm.layers.rotary import apply_rope, rope_cos_sin
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 VOCAB_SIZE = TINY_SHAPES["vocab_size"]
 # Past a page, past the Cohere2 window below and past a 32-token prefill chunk.
@@ -75,7 +76,7 @@ def test_logits_match_hf(tmp_path, name):
 
 
 def _read(hf_json: dict) -> ModelConfig:
-    return ModelConfig.from_hf_config(hf_json, "float32")
+    return model_config_from_hf(hf_json, "float32")
 
 
 def _ours(config: ModelConfig, x: torch.Tensor, positions: np.ndarray) -> np.ndarray:

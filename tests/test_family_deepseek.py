@@ -10,9 +10,9 @@ import torch
 import transformers
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model
 
-from jvllm.config import ModelConfig
 from jvllm.layers.deepseek_moe import deepseek_route
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 # 1 dense layer then MoE layers; the value head (16) is narrower than the key's 16 + 8.
 TINY = {
@@ -173,15 +173,15 @@ def test_router_picks_hf_experts_with_hf_weights(routing):
 )
 def test_unsupported_deepseek_config_is_refused_naming_the_field(make_config, fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        ModelConfig.from_hf_config({**make_config().to_dict(), **fields}, "float32")
+        model_config_from_hf({**make_config().to_dict(), **fields}, "float32")
 
 
 def test_deepseek_config_reads_hf_semantics():
     """The cache's head dim is the key's (16 + 8, wider than the value's 16); the softmax scale
     is 24^-1/2 times mscale(4, 0.8)^2; V3's dense layers come first."""
-    config = ModelConfig.from_hf_config(v3_like(num_hidden_layers=3).to_dict(), "float32")
+    config = model_config_from_hf(v3_like(num_hidden_layers=3).to_dict(), "float32")
     assert (config.head_dim, config.num_kv_heads) == (24, 4)
     assert config.sm_scale == pytest.approx(24**-0.5 * (0.1 * 0.8 * np.log(4) + 1) ** 2)
     assert config.option("first_k_dense_replace") == 1 and config.num_experts == 8
-    dense = ModelConfig.from_hf_config(v3_like(first_k_dense_replace=5).to_dict(), "float32")
+    dense = model_config_from_hf(v3_like(first_k_dense_replace=5).to_dict(), "float32")
     assert dense.num_experts == 0  # every layer dense: no routing settings are read

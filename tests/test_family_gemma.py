@@ -13,7 +13,7 @@ from family_parity import (
 )
 
 from jvllm import LLM, SamplingParams
-from jvllm.config import ModelConfig
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
     "num_hidden_layers": 2,
@@ -176,27 +176,27 @@ GEMMA_3_4B = {
 
 
 def test_gemma_config_reads_its_defaults_and_tanh_gelu():
-    config = ModelConfig.from_hf_config(GEMMA_2B, "float32")
+    config = model_config_from_hf(GEMMA_2B, "float32")
     assert config.tie_word_embeddings and config.hidden_act == "gelu_pytorch_tanh"
     assert config.head_dim == 256 and config.sm_scale == 256**-0.5
     assert config.layer_windows == (None,) * 18 and config.final_logit_softcap is None
-    exact = ModelConfig.from_hf_config({**GEMMA_2B, "hidden_activation": "gelu"}, "float32")
+    exact = model_config_from_hf({**GEMMA_2B, "hidden_activation": "gelu"}, "float32")
     assert exact.hidden_act == "gelu"  # vLLM's rule: hidden_activation decides
 
 
 def test_gemma2_config_alternates_windows_and_caps_by_default():
-    config = ModelConfig.from_hf_config(GEMMA_2_9B, "float32")
+    config = model_config_from_hf(GEMMA_2_9B, "float32")
     assert config.layer_windows[:3] == (4096, None, 4096) and len(config.layer_windows) == 42
     assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
     assert config.tie_word_embeddings and config.head_dim == 256 and config.vocab_size == 256000
     assert config.option("post_norms") and not config.qk_norm
     uncapped = {**GEMMA_2_9B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
-    config = ModelConfig.from_hf_config(uncapped, "float32")
+    config = model_config_from_hf(uncapped, "float32")
     assert (config.attn_logit_softcap, config.final_logit_softcap) == (None, None)
 
 
 def test_gemma3_config_reads_the_window_pattern_and_both_rope_bases():
-    config = ModelConfig.from_hf_config(GEMMA_3_1B, "float32")
+    config = model_config_from_hf(GEMMA_3_1B, "float32")
     windows = config.layer_windows
     assert windows[:6] == (512,) * 5 + (None,) and windows[24:] == (512, 512)
     assert (config.rope_theta, config.local_rope_theta, config.rope_scaling) == (1e6, 1e4, None)
@@ -209,7 +209,7 @@ def test_gemma3_multimodal_config_reads_its_text_config(layout):
     if layout == "transformers 5":
         hf_config = transformers.Gemma3Config(text_config=GEMMA_3_4B["text_config"]).to_dict()
         hf_config["architectures"] = GEMMA_3_4B["architectures"]
-    config = ModelConfig.from_hf_config(hf_config, "bfloat16")
+    config = model_config_from_hf(hf_config, "bfloat16")
     assert config.architecture == "Gemma3ForConditionalGeneration"
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (34, 2560, 262208)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (8, 4, 256)
@@ -222,4 +222,4 @@ def test_gemma3_multimodal_config_reads_its_text_config(layout):
 
 def test_bidirectional_gemma3_is_rejected():
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
-        ModelConfig.from_hf_config({**GEMMA_3_1B, "use_bidirectional_attention": True}, "float32")
+        model_config_from_hf({**GEMMA_3_1B, "use_bidirectional_attention": True}, "float32")

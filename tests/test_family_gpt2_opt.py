@@ -12,8 +12,8 @@ from conftest import dense_logits
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model
 from safetensors.numpy import load_file, save_file
 
-from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 VOCAB_SIZE = 512
 TINY_GPT2 = {
@@ -126,4 +126,4 @@ def test_transposed_checkpoint_tensor_that_does_not_match_is_named(tmp_path):
 def test_unsupported_gpt2_settings_are_named(field, value):
     hf_config = transformers.GPT2Config(**TINY_GPT2, **{field: value}).to_dict()
     with pytest.raises(ValueError, match=field):
-        ModelConfig.from_hf_config({**hf_config, "architectures": ["GPT2LMHeadModel"]}, "float32")
+        model_config_from_hf({**hf_config, "architectures": ["GPT2LMHeadModel"]}, "float32")

@@ -18,10 +18,10 @@ from safetensors.numpy import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-from jvllm.config import ModelConfig
 from jvllm.layers.gpt_oss_moe import split_interleaved
 from jvllm.layers.rotary import inverse_frequencies
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.model_loader.mxfp4 import dequantize_mxfp4
 
 _EXPERTS = "model.layers.{}.mlp.experts."
@@ -117,7 +117,7 @@ def test_gpt_oss_rope_is_hfs_yarn_untruncated():
     parity prompts are too short to tell from the truncated ones."""
     hf_config = _gpt_oss()
     hf_rope = GptOssRotaryEmbedding(hf_config)
-    config = ModelConfig.from_hf_config(hf_config.to_dict(), "float32")
+    config = model_config_from_hf(hf_config.to_dict(), "float32")
     np.testing.assert_allclose(inverse_frequencies(config), hf_rope.inv_freq.numpy(), rtol=1e-6)
     assert config.rope_scaling.attention_factor == pytest.approx(hf_rope.attention_scaling)
 
@@ -126,12 +126,10 @@ def test_gpt_oss_config_reads_hf_defaults_and_refuses_other_quantization():
     fields = {**_gpt_oss().to_dict(), "num_hidden_layers": 3}
     for key in ("layer_types", "rope_parameters", "swiglu_limit", "sliding_window"):
         del fields[key]
-    config = ModelConfig.from_hf_config(fields, "float32")
+    config = model_config_from_hf(fields, "float32")
     assert config.layer_windows == (128, None, 128)
     assert config.rope_theta == 150000.0
     assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
     assert config.option("swiglu_limit") == 7.0
     with pytest.raises(ValueError, match="quant_method='gptq'"):
-        ModelConfig.from_hf_config(
-            {**fields, "quantization_config": {"quant_method": "gptq"}}, "float32"
-        )
+        model_config_from_hf({**fields, "quantization_config": {"quant_method": "gptq"}}, "float32")

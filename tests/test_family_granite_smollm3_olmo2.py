@@ -15,8 +15,8 @@ from family_parity import (
     save_random_model,
 )
 
-from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
     **TINY_SHAPES,
@@ -125,7 +125,7 @@ OLMO_3_7B = {
 
 
 def test_granite_config_reads_its_four_scalings():
-    config = ModelConfig.from_hf_config(GRANITE_3_2B, "bfloat16")
+    config = model_config_from_hf(GRANITE_3_2B, "bfloat16")
     assert config.sm_scale == 0.015625  # in place of 64^-1/2
     assert config.option("embedding_multiplier") == 12.0
     assert config.option("residual_multiplier") == 0.22
@@ -133,11 +133,11 @@ def test_granite_config_reads_its_four_scalings():
     assert config.tie_word_embeddings and config.eos_token_ids == (2,)
     # GraniteConfig's default attention_multiplier is 1.0, not H^-1/2.
     bare = {k: v for k, v in GRANITE_3_2B.items() if k != "attention_multiplier"}
-    assert ModelConfig.from_hf_config(bare, "float32").sm_scale == 1.0
+    assert model_config_from_hf(bare, "float32").sm_scale == 1.0
 
 
 def test_smollm3_config_reads_its_no_rope_layers_and_defaults():
-    config = ModelConfig.from_hf_config(SMOLLM3_3B, "bfloat16")
+    config = model_config_from_hf(SMOLLM3_3B, "bfloat16")
     rope_layers = config.option("rope_layers")
     assert rope_layers[:4] == (True, True, True, False) and sum(rope_layers) == 27
     assert config.layer_windows == (None,) * 36 and config.tie_word_embeddings
@@ -145,21 +145,21 @@ def test_smollm3_config_reads_its_no_rope_layers_and_defaults():
     # Without no_rope_layers, the interval gives them; use_sliding_window windows those layers.
     derived = {k: v for k, v in SMOLLM3_3B.items() if k not in ("no_rope_layers", "rope_theta")}
     derived.update(no_rope_layer_interval=3, use_sliding_window=True, sliding_window=512)
-    config = ModelConfig.from_hf_config(derived, "float32")
+    config = model_config_from_hf(derived, "float32")
     assert config.option("rope_layers")[:6] == (True, True, False) * 2
     assert config.layer_windows[:6] == (None, None, 512) * 2
     assert config.rope_theta == 2e6  # SmolLM3Config's default
 
 
 def test_olmo3_config_windows_three_layers_of_four_and_scales_only_global_rope():
-    config = ModelConfig.from_hf_config(OLMO_3_7B, "bfloat16")
+    config = model_config_from_hf(OLMO_3_7B, "bfloat16")
     assert config.layer_windows[:4] == (4096, 4096, 4096, None)
     assert config.rope_scaling.rope_type == "yarn" and config.rope_theta == 500000
     assert config.local_rope_theta == 500000  # the windowed layers' rope, unscaled
     assert config.rms_norm_eps == 1e-6 and not config.tie_word_embeddings
     olmo2 = {**OLMO_3_7B, "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
     del olmo2["rms_norm_eps"]
-    config = ModelConfig.from_hf_config(olmo2, "float32")
+    config = model_config_from_hf(olmo2, "float32")
     assert config.layer_windows == (None,) * 32 and config.rms_norm_eps == 1e-5
 
 
@@ -177,4 +177,4 @@ def test_olmo3_config_windows_three_layers_of_four_and_scales_only_global_rope()
 )
 def test_configs_refuse_what_they_cannot_run(hf_config, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config(hf_config, "float32")
+        model_config_from_hf(hf_config, "float32")

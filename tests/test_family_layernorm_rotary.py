@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_axes
 
 VOCAB_SIZE = TINY_SHAPES["vocab_size"]
@@ -91,7 +92,7 @@ def test_config_variant_logits_match_hf(tmp_path, name):
 
 
 def _read(hf_json: dict) -> ModelConfig:
-    return ModelConfig.from_hf_config(hf_json, "float32")
+    return model_config_from_hf(hf_json, "float32")
 
 
 def test_pythia_config_json_reads_its_old_rotary_names():

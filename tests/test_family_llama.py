@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from jvllm.config import ModelConfig
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = TINY_SHAPES
 CONFIGS = {
@@ -51,7 +51,7 @@ def test_qwen_windows_of_a_config_without_the_keys_are_hf_defaults(model_type):
     """use_sliding_window with no sliding_window nor max_window_layers: HF's 4096 from layer 28."""
     fields = {"model_type": model_type, "use_sliding_window": True, "num_hidden_layers": 30}
     hf = transformers.AutoConfig.for_model(**fields)
-    config = ModelConfig.from_hf_config({**TINY, **fields}, "float32")
+    config = model_config_from_hf({**TINY, **fields}, "float32")
     expected = [4096 if t == "sliding_attention" else None for t in hf.layer_types]
     assert hf.sliding_window == 4096 and list(config.layer_windows) == expected
 

@@ -16,9 +16,9 @@ from family_parity import (
     save_random_model,
 )
 
-from jvllm.config import ModelConfig
 from jvllm.layers.moe import route
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
     "num_hidden_layers": 2,
@@ -138,7 +138,7 @@ def test_qwen2_moe_windows_the_layers_hf_derives_without_layer_types(
     )
     fields = {**hf.to_dict(), "sliding_window": 8}  # HF's config holds 0 when it is unused
     del fields["layer_types"]
-    config = ModelConfig.from_hf_config(fields, "float32")
+    config = model_config_from_hf(fields, "float32")
     windowed = use_sliding_window and hf.sliding_window
     expected = [8 if windowed and t == "sliding_attention" else None for t in hf.layer_types]
     assert list(config.layer_windows) == expected
@@ -155,7 +155,7 @@ def test_qwen2_moe_windows_the_layers_hf_derives_without_layer_types(
 def test_qwen2_moe_with_dense_mlp_layers_is_refused_naming_them(fields, dense_layers):
     hf = {**_qwen2_moe().to_dict(), **fields}
     with pytest.raises(ValueError, match=re.escape(f"make layers {dense_layers} dense MLPs")):
-        ModelConfig.from_hf_config(hf, "float32")
+        model_config_from_hf(hf, "float32")
 
 
 def test_qwen_moe_dense_layers_before_the_sparse_ones_decode_like_hf(tmp_path):
@@ -172,27 +172,27 @@ def test_qwen_moe_dense_layers_before_the_sparse_ones_decode_like_hf(tmp_path):
 )
 def test_qwen_moe_dense_prefix_is_read_from_either_rule(config):
     fields = {**config.to_dict(), "num_hidden_layers": 2}
-    assert ModelConfig.from_hf_config(fields, "float32").option("num_dense_layers") == 1
+    assert model_config_from_hf(fields, "float32").option("num_dense_layers") == 1
 
 
 def test_qwen3_moe_all_dense_config_is_refused_with_its_own_expert_count():
     # transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
     fields = {**_qwen3_moe(mlp_only_layers=[0, 1]).to_dict(), "num_hidden_layers": 2}
     with pytest.raises(ValueError, match=r"num_experts=8 make layers \[0, 1\] dense"):
-        ModelConfig.from_hf_config(fields, "float32")
+        model_config_from_hf(fields, "float32")
     no_experts = {**_qwen3_moe().to_dict(), "num_hidden_layers": 2, "num_local_experts": 0}
     with pytest.raises(ValueError, match=r"num_experts=0 make layers \[0, 1\] dense"):
-        ModelConfig.from_hf_config(no_experts, "float32")
+        model_config_from_hf(no_experts, "float32")
 
 
 def test_qwen2_moe_mlp_only_layers_past_the_last_layer_leave_every_layer_sparse():
     hf = {**_qwen2_moe().to_dict(), "mlp_only_layers": [2, 7]}
-    assert ModelConfig.from_hf_config(hf, "float32").num_experts == 8  # not refused
+    assert model_config_from_hf(hf, "float32").num_experts == 8  # not refused
 
 
 def test_qwen2_moe_config_json_without_moe_fields_takes_hf_defaults():
     fields = {**TINY, "architectures": ["Qwen2MoeForCausalLM"], "attention_bias": True}
-    config = ModelConfig.from_hf_config(fields, "float32")
+    config = model_config_from_hf(fields, "float32")
     hf = transformers.Qwen2MoeConfig(**TINY)
     assert config.num_experts == hf.num_experts
     assert config.num_experts_per_tok == hf.num_experts_per_tok

@@ -10,6 +10,7 @@ from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_r
 
 from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 VOCAB_SIZE = TINY_SHAPES["vocab_size"]
 # Fewer and shorter than the default (HF's greedy decoding is most of a parity check's time),
@@ -100,7 +101,7 @@ def _assert_logits_match_hf(path, hf_model) -> None:
 
 
 def _read(hf_json: dict) -> ModelConfig:
-    return ModelConfig.from_hf_config(hf_json, "float32")
+    return model_config_from_hf(hf_json, "float32")
 
 
 # tiiuae/falcon-7b's and tiiuae/falcon-40b's config.json, fields trimmed to what is read.

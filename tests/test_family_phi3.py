@@ -13,8 +13,8 @@ import transformers
 from conftest import dense_logits
 from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_random_model
 
-from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
     **TINY_SHAPES,
@@ -90,7 +90,7 @@ def _phi3_json(**overrides) -> dict:
 
 
 def test_phi3_config_reads_as_hf_reads_it():
-    config = ModelConfig.from_hf_config(_phi3_json(), "float32")
+    config = model_config_from_hf(_phi3_json(), "float32")
     scaling = config.rope_scaling
     assert scaling.rope_type == "longrope"  # "su" is its old name
     assert scaling.original_max_position_embeddings == 4096  # the top-level field wins
@@ -101,7 +101,7 @@ def test_phi3_config_reads_as_hf_reads_it():
     assert config.for_max_model_len(4097).rope_scaling.use_long_factor
     # A window longer than any sequence never cuts: dropped. Phi-3-mini-4k's 2047 cuts.
     assert config.sliding_window is None
-    mini_4k = ModelConfig.from_hf_config(
+    mini_4k = model_config_from_hf(
         _phi3_json(max_position_embeddings=4096, rope_scaling=None, sliding_window=2047),
         "float32",
     )
@@ -122,4 +122,4 @@ def test_phi3_config_reads_as_hf_reads_it():
 )
 def test_phi3_config_rejects_what_it_cannot_run(overrides, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config(_phi3_json(**overrides), "float32")
+        model_config_from_hf(_phi3_json(**overrides), "float32")

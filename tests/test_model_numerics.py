@@ -11,8 +11,8 @@ import torch
 import transformers
 from conftest import dense_logits
 
-from jvllm.config import ModelConfig
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_shapes
 
 TINY = {
@@ -100,11 +100,11 @@ def test_param_shapes_describe_what_the_loader_builds(tmp_path, name, dtype):
 
 def test_config_flags_follow_architecture():
     configs = _configs()
-    qwen2 = ModelConfig.from_hf_config(configs["qwen2_bias"], "float32")
+    qwen2 = model_config_from_hf(configs["qwen2_bias"], "float32")
     assert qwen2.attention_bias and not qwen2.qk_norm
-    llama3 = ModelConfig.from_hf_config(configs["llama3_rope"], "float32")
+    llama3 = model_config_from_hf(configs["llama3_rope"], "float32")
     assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 8.0
-    assert ModelConfig.from_hf_config(configs["llama_tied"], "float32").tie_word_embeddings
+    assert model_config_from_hf(configs["llama_tied"], "float32").tie_word_embeddings
     hash(llama3)  # static argument of jax.jit
 
 
@@ -122,7 +122,7 @@ def test_sharded_bfloat16_checkpoint_loads_in_bfloat16(tmp_path):
 
 def test_unsupported_architecture_and_bad_fields_are_named():
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        ModelConfig.from_hf_config({"architectures": ["BloomForCausalLM"]}, "float32")
+        model_config_from_hf({"architectures": ["BloomForCausalLM"]}, "float32")
     bad_heads = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="num_kv_heads"):
-        ModelConfig.from_hf_config(bad_heads, "float32")
+        model_config_from_hf(bad_heads, "float32")

@@ -9,9 +9,9 @@ from test_model_numerics import TINY, _save_random_model
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from jvllm import LLM
-from jvllm.config import ModelConfig
 from jvllm.layers.params import AXIS_NAMES
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_axes, param_shapes
 from jvllm.models.registry import SUPPORTED_ARCHITECTURES
 
@@ -70,7 +70,7 @@ _HF_CONFIG_CLASSES = {
 def test_every_param_names_each_of_its_axes(architecture):
     hf = _HF_CONFIG_CLASSES.get(architecture, dict)(**TINY)
     fields = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
-    config = ModelConfig.from_hf_config({**fields, "architectures": [architecture]}, "float32")
+    config = model_config_from_hf({**fields, "architectures": [architecture]}, "float32")
     shapes, axes = param_shapes(config), param_axes(config)
     is_axes = lambda x: isinstance(x, tuple)
     assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=is_axes)
@@ -116,7 +116,7 @@ def test_a_config_json_without_num_key_value_heads_takes_hfs_default(architectur
     # and differs from them, so that a config read as "KV heads = query heads" shows.
     num_heads = 2 * max(expected, hf["num_attention_heads"])
     hf.update(num_attention_heads=num_heads, head_dim=16, hidden_size=16 * num_heads)
-    config = ModelConfig.from_hf_config({**hf, "architectures": [architecture]}, "float32")
+    config = model_config_from_hf({**hf, "architectures": [architecture]}, "float32")
     assert config.num_kv_heads == config_class(**hf).num_key_value_heads
 
 

@@ -15,9 +15,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from jvllm import LLM
-from jvllm.config import ModelConfig
 from jvllm.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
 from jvllm.model_loader.hf import load_hf_dir
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.rope_config import SUPPORTED_ROPE_TYPES
 
 TINY = {
@@ -86,7 +86,7 @@ def test_yarn_frequencies_and_attention_factor_are_hfs(variant, theta):
     hf_inv_freq, hf_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](
         transformers.LlamaConfig(**TINY, rope_theta=theta, rope_scaling=dict(rope))
     )
-    config = ModelConfig.from_hf_config(
+    config = model_config_from_hf(
         _config_json(rope_theta=theta, rope_scaling=dict(rope)), "float32"
     )
     assert config.rope_scaling.attention_factor == pytest.approx(hf_attention_factor, rel=1e-12)
@@ -123,7 +123,7 @@ def test_yarn_config_is_read_from_either_layout_and_extends_the_context():
         rope_theta=1e6,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
     )
-    config = ModelConfig.from_hf_config(qwen25, "float32")
+    config = model_config_from_hf(qwen25, "float32")
     assert (config.rope_theta, config.rope_scaling.rope_type) == (1e6, "yarn")
     assert config.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
     assert config.max_position_embeddings == 131072  # vLLM's default max_model_len for it
@@ -137,11 +137,11 @@ def test_yarn_config_is_read_from_either_layout_and_extends_the_context():
             "original_max_position_embeddings": 32768,
         },
     )
-    config = ModelConfig.from_hf_config(qwen3, "float32")
+    config = model_config_from_hf(qwen3, "float32")
     assert (config.rope_theta, config.max_position_embeddings) == (1e6, 131072)
     # No original context in the rope dict: HF takes max_position_embeddings (a top-level
     # original_max_position_embeddings is not read for Llama, as HF does not read it).
-    config = ModelConfig.from_hf_config(
+    config = model_config_from_hf(
         _config_json(
             original_max_position_embeddings=8, rope_scaling={"type": "yarn", "factor": 2}
         ),
@@ -160,7 +160,7 @@ def test_yarn_config_is_read_from_either_layout_and_extends_the_context():
             "original_max_position_embeddings": 32768,
         },
     }
-    config = ModelConfig.from_hf_config(overridden, "float32")
+    config = model_config_from_hf(overridden, "float32")
     assert (config.rope_theta, config.rope_scaling.rope_type) == (1e6, "yarn")
 
 
@@ -174,7 +174,7 @@ def test_yarn_config_is_read_from_either_layout_and_extends_the_context():
 )
 def test_an_unknown_or_bad_rope_scaling_is_a_clear_error(rope, message):
     with pytest.raises(ValueError, match=message) as error:
-        ModelConfig.from_hf_config(_config_json(rope_scaling=rope), "float32")
+        model_config_from_hf(_config_json(rope_scaling=rope), "float32")
     if "not supported" in message:  # the message lists what is
         assert str(SUPPORTED_ROPE_TYPES) in str(error.value)
 
@@ -212,7 +212,7 @@ LONG_FACTOR = [1.5 + 1.5 * i for i in range(NUM_PAIRS)]
 
 
 def test_apply_rope_rotates_the_first_rotary_dims_as_hf_and_passes_the_rest():
-    config = ModelConfig.from_hf_config(
+    config = model_config_from_hf(
         {**PHI3_TINY, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": PARTIAL},
         "float32",
     )
@@ -288,20 +288,20 @@ def _phi4_mini_json(**overrides) -> dict:
 
 
 def test_phi4_mini_config_rotates_three_quarters_of_each_head():
-    config = ModelConfig.from_hf_config(_phi4_mini_json(), "float32")
+    config = model_config_from_hf(_phi4_mini_json(), "float32")
     assert (config.head_dim, config.rotary_dim, config.partial_rotary_factor) == (128, 96, 0.75)
     assert config.rope_scaling.rope_type == "longrope"
     assert inverse_frequencies(config).shape == (48,)
     # transformers 5 keeps the factor in the rope dict, which wins over the top level's.
     rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     layout5 = _phi4_mini_json(rope_parameters=rope, rope_scaling=None)
-    config = ModelConfig.from_hf_config(layout5, "float32")
+    config = model_config_from_hf(layout5, "float32")
     assert config.rotary_dim == 64
     with pytest.raises(ValueError, match=r"one factor per pair of rotated head dims \(48\)"):
         rope = {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64}
-        ModelConfig.from_hf_config(_phi4_mini_json(rope_scaling=rope), "float32")
+        model_config_from_hf(_phi4_mini_json(rope_scaling=rope), "float32")
     with pytest.raises(ValueError, match="must rotate an even number"):
-        ModelConfig.from_hf_config(
+        model_config_from_hf(
             _phi4_mini_json(partial_rotary_factor=0.7, rope_scaling=None), "float32"
         )
 
@@ -341,5 +341,5 @@ def test_each_familys_saved_rope_base_is_read_over_its_defaults(config_class):
     defaults (written at the top level) must not win over it."""
     tiny = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
     hf = getattr(transformers, config_class)(**tiny, num_key_value_heads=2, rope_theta=123456.0)
-    config = ModelConfig.from_hf_config(hf.to_dict(), "float32")
+    config = model_config_from_hf(hf.to_dict(), "float32")
     assert config.rope_theta == 123456.0

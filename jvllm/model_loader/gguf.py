@@ -20,6 +20,7 @@ from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_arch import GLOBAL_NAMES, architecture_of, hf_config_of
 from jvllm.model_loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jvllm.model_loader.hf import HFOverrides, apply_hf_overrides, resolve_dtype
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import load_checkpoint_weights
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
@@ -168,7 +169,7 @@ def load_gguf(
         raise ValueError(f"GGUF file {path} does not exist")
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     hf_config = apply_hf_overrides(hf_config, hf_overrides)
-    config = ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+    config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
     if keep_packed and mesh is not None and mesh.size > 1:
         raise ValueError(
             "quantization='gguf' keeps weights packed on one device; tensor parallelism over "

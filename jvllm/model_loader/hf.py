@@ -16,6 +16,7 @@ from jvllm.config import DTYPE_CHOICES, ModelConfig
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.logger import init_logger
 from jvllm.model_loader.base_model import stored_name, without_missing_head
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.model_loader.mxfp4 import packed_names, read_packed
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
@@ -78,7 +79,7 @@ def apply_hf_overrides(hf_config: dict[str, Any], overrides: HFOverrides) -> dic
 def read_hf_config(path: str, dtype: str = "auto", overrides: HFOverrides = None) -> ModelConfig:
     """The ModelConfig of `path/config.json`, with `overrides` applied."""
     hf_config = read_config_json(path, overrides)
-    return ModelConfig.from_hf_config(hf_config, resolve_dtype(dtype, hf_config))
+    return model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
 
 
 def read_config_json(path: str, overrides: HFOverrides = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ LAYER_NORM_EPS = 1e-5
 
 
 def layer_norm_rotary_config(cfg: dict, *, eps_key: str, options: dict) -> dict:
-    """Fields every family reads alike put in the layout ModelConfig.from_hf_config reads: the
+    """Fields every family reads alike put in the layout model_config_from_hf reads: the
     LayerNorms' epsilon (under `eps_key`) as rms_norm_eps, the activation checked, no Qwen3 q/k
     RMSNorm, and the family's `options` (decoder_options)."""
     cfg["rms_norm_eps"] = cfg.get(eps_key, LAYER_NORM_EPS)

@@ -141,13 +141,3 @@ def model_class(architecture: str) -> type:
     check_supported(architecture)
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(f"jvllm.models.{module}"), name)
-
-
-def normalize_hf_config(architecture: str, hf_config: dict) -> dict:
-    """The family's reading of its config.json: its checks, its defaults, its field names put
-    in the layout ModelConfig.from_hf_config reads (Llama's), and its own settings under
-    "options"."""
-    cfg = dict(hf_config)
-    if (cfg.get("architectures") or [None])[0] in BASE_MODELS:  # families read the causal LM's
-        cfg["architectures"] = [architecture, *cfg["architectures"][1:]]
-    return model_class(architecture).normalize_hf_config(cfg)
