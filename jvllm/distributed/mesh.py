@@ -7,8 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-DP_AXIS = "data"
-TP_AXIS = "model"
+from jvllm.layers.params import DP_AXIS, TP_AXIS
 
 _CPU_HINT = (
     "; on CPU, more devices come from XLA_FLAGS=--xla_force_host_platform_device_count=N, "

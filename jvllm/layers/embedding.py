@@ -5,10 +5,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.distributed.mesh import TP_AXIS
 from jvllm.layers.linear import dense
 from jvllm.layers.parallel import sum_over_shards
-from jvllm.layers.params import param
+from jvllm.layers.params import TP_AXIS, param
 from jvllm.quantization.packed_weight import GGUFWeight
 
 

@@ -5,7 +5,7 @@ with one shard it runs as it is, with no collective."""
 
 import jax
 
-from jvllm.distributed.mesh import TP_AXIS
+from jvllm.layers.params import TP_AXIS
 
 
 def sum_over_shards(x: jax.Array, num_shards: int) -> jax.Array:

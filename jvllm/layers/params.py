@@ -26,6 +26,12 @@ AXIS_NAMES = (
     "positions",
     "lora",
 )
+# The device mesh's axes (distributed/mesh.py): data-parallel replicas, and the tensor-parallel
+# group that the names above are cut over (distributed/tensor_parallel.py's AXIS_RULES). Here,
+# beside the names, so that the layers that sum or gather over a mesh axis import no
+# distributed code.
+DP_AXIS = "data"
+TP_AXIS = "model"
 
 
 # A fused axis's pieces, in order, as (count, unit) each: q|k|v is ((N, H), (K, H), (K, H)),
