@@ -15,9 +15,11 @@ from fastapi.responses import JSONResponse
 from jvllm.entrypoints.openai.engine_errors import engine_errors
 from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
 from jvllm.entrypoints.openai.serving_engine import OpenAIServing
-from jvllm.entrypoints.openai.serving_score import RERANK_ROUTES, SCORE_ROUTES
 from jvllm.pooling_params import PoolingParams
 
+# Score's and rerank's (serving_score.py, which embeds through this module's engine calls).
+SCORE_ROUTES = ("/score", "/v1/score")
+RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
 # The routes that generate, refused on a pooling server, and those that pool, refused on a
 # generating one.
 _GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")

@@ -8,22 +8,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from jvllm.entrypoints.openai.admission import unless_disconnected
 from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
+from jvllm.entrypoints.openai.serving_embedding import (
+    RERANK_ROUTES,
+    SCORE_ROUTES,
+    OpenAIServingEmbedding,
+)
 from jvllm.entrypoints.score_utils import cosine_scores, score_sides
 from jvllm.pooling_outputs import ScoringRequestOutput
 from jvllm.pooling_params import PoolingParams
-
-if TYPE_CHECKING:
-    from jvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-
-SCORE_ROUTES = ("/score", "/v1/score")
-RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
 
 
 class ScoreRequest(_Request):
