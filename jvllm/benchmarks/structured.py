@@ -2,11 +2,12 @@
 
     python -m jvllm.benchmarks.throughput --structured json
 
-The throughput benchmark's `--structured` runs this. Both runs stop at EOS (or the grammar's
-end) and at the same max_tokens, so their output lengths may differ: the figures count the
-tokens the requests returned. A step's host time is split as the engine spends it: filling the
-masks (StructuredOutputManager.mask_seconds), calling the model, waiting for the device, and
-the rest of the engine (scheduling, detokenizing, advancing the matchers).
+The throughput benchmark's `--structured` runs this, with its flags for the model and the
+engine. Both runs stop at EOS (or the grammar's end) and at the same max_tokens, so their output
+lengths may differ: the figures count the tokens the requests returned. A step's host time is
+split as the engine spends it: filling the masks (StructuredOutputManager.mask_seconds), calling
+the model, waiting for the device, and the rest of the engine (scheduling, detokenizing,
+advancing the matchers).
 """
 
 import dataclasses
@@ -145,11 +146,3 @@ def print_structured(results: dict[str, _Totals]) -> None:
         f"(goal >= 0.85x); mask fill {1e3 * constrained.mask / constrained.num_steps:.2f} ms "
         "a step"
     )
-
-
-if __name__ == "__main__":  # the throughput benchmark's --structured json, its flags passed on
-    import sys
-
-    from jvllm.benchmarks import throughput
-
-    throughput.main(["--structured", "json", *sys.argv[1:]])
