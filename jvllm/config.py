@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jvllm.layers.activation import ACTIVATIONS
 from jvllm.rope_config import RopeScaling
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -16,7 +15,8 @@ DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what a user passes: "auto" follow
 # vLLM's: what logprobs and prompt_logprobs hold. Raw: the model's logits; processed: what the
 # sampler drew from (after logit processors, penalties, temperature and top-k/top-p/min-p).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)
+# HF's hidden_act names of the activations layers/activation.py computes, one function each.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu", "relu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The window a global layer passes to attention in a model that mixes both kinds: never cuts.
 NO_WINDOW = 2**30

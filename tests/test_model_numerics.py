@@ -11,6 +11,8 @@ import torch
 import transformers
 from conftest import dense_logits
 
+from jvllm.config import SUPPORTED_ACTIVATIONS
+from jvllm.layers.activation import ACTIVATIONS
 from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_shapes
@@ -126,3 +128,7 @@ def test_unsupported_architecture_and_bad_fields_are_named():
     bad_heads = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="num_kv_heads"):
         model_config_from_hf(bad_heads, "float32")
+
+
+def test_each_activation_a_config_accepts_has_its_function():
+    assert tuple(ACTIVATIONS) == SUPPORTED_ACTIVATIONS
