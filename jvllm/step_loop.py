@@ -127,10 +127,11 @@ class StepLoop:
             )
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or token id lists)")
-        if len(prompts) > engine.args.max_num_seqs:
+        max_num_seqs = engine.engine_config.scheduler_config.max_num_seqs
+        if len(prompts) > max_num_seqs:
             raise ValueError(
                 f"{len(prompts)} prompts, but the engine runs at most max_num_seqs="
-                f"{engine.args.max_num_seqs} at once; pass fewer or raise max_num_seqs"
+                f"{max_num_seqs} at once; pass fewer or raise max_num_seqs"
             )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or engine.get_default_sampling_params()] * len(
@@ -225,24 +226,20 @@ class StepLoop:
         """Take the requests still running out of the scheduler and give each the blocks for
         every token it may sample: the loop never comes back to the host for them."""
         engine, runner = self.engine, self._runner
-        scheduler, kv = engine.scheduler, engine.scheduler.kv_cache_manager
         self._rows = [r for r in self._requests if not r.is_finished]
         # A window as long as the requests may run (min_tokens is refused in prefill).
         limits = [window_limit(r, engine.max_model_len, engine.max_model_len) for r in self._rows]
-        for request, limit in zip(self._rows, limits):
-            if kv.allocate_slots(request, limit) is None:
-                self._abort_all()
-                raise ValueError(
-                    "the KV cache is too small to hold every token of the loop's requests; "
-                    "pass fewer prompts or a lower max_tokens, or raise kv_cache_memory_bytes"
-                )
-            scheduler.running.remove(request)  # the loop decodes it, not engine.step()
+        try:
+            block_ids = engine.lend_to_step_loop(self._rows, limits)
+        except ValueError:
+            self._abort_all()
+            raise
         num_rows = len(self._rows)
         bucket = runner.buckets.select(num_rows, num_rows)
         inputs = prepare_step_inputs(
             self._rows,
             [1] * num_rows,
-            [kv.get_block_ids(r.request_id) for r in self._rows],
+            block_ids,
             bucket,
             runner.block_size,
             runner.max_pages,
@@ -261,7 +258,6 @@ class StepLoop:
             on_mesh(np.asarray(stops.limits) > 0),
         )
         state = DecodeState(runner.params, runner.bias_rows.rows, stops, carry)
-        engine.held_by_step_loop = True
         self._shardings = jax.tree.map(
             lambda x: x.sharding, dataclasses.replace(state, params=None)
         )
@@ -269,10 +265,7 @@ class StepLoop:
 
     def _abort_all(self) -> None:
         """End the loop's requests through the engine (their blocks go back to the pool)."""
-        self.engine.held_by_step_loop = False
-        running = self.engine.scheduler.running
-        running.extend(r for r in self._rows if not r.is_finished and r not in running)
-        self.engine.abort_request([r.request_id for r in self._requests])
+        self.engine.end_step_loop([r.request_id for r in self._requests])
         self._requests, self._rows = [], []
 
 

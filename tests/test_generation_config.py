@@ -82,7 +82,7 @@ def test_server_fills_left_out_fields_and_caps_max_tokens():
         get_tokenizer=lambda: None,
         max_model_len=100,
         engine=types.SimpleNamespace(
-            args=types.SimpleNamespace(max_logprobs=5),
+            engine_config=types.SimpleNamespace(load_config=types.SimpleNamespace(max_logprobs=5)),
             generation_config=GenerationConfig((), {"temperature": 0.25, "max_tokens": 20}),
         ),
     )

@@ -8,7 +8,11 @@ import pytest
 from jvllm import LLM
 from jvllm.attention.backends import default_backend
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.engine.kv_budget import (
+from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.model_loader.hf import read_hf_config
+from jvllm.model_loader.loader import load_model
+from jvllm.sample.plan import SamplerPlan
+from jvllm.worker.kv_budget import (
     CPU_KV_CACHE_CAP_BYTES,
     MemoryProbe,
     activation_reserve_bytes,
@@ -18,11 +22,6 @@ from jvllm.engine.kv_budget import (
     meminfo_available_bytes,
     size_kv_cache,
 )
-from jvllm.entrypoints.cli import build_parser, engine_kwargs
-from jvllm.model_loader.hf import read_hf_config
-from jvllm.model_loader.loader import load_model
-from jvllm.sample.plan import SamplerPlan
-from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
 
@@ -34,6 +33,12 @@ MemFree:         1000000 kB
 MemAvailable:   {available} kB
 Buffers:           10000 kB
 """
+
+
+def _size_kv_cache(args: EngineArgs, *rest):
+    """size_kv_cache over the configs that `args` make."""
+    engine_config = args.create_engine_config()
+    return size_kv_cache(engine_config.cache_config, engine_config.runner_config, *rest)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,7 @@ def test_a_device_without_memory_stats_asks_for_an_explicit_size(stats):
 def test_gpu_blocks_fill_the_budget(config):
     args = EngineArgs(max_num_seqs=8, max_num_batched_tokens=256)
     max_model_len = 1 << 20  # long enough that 8 of them need more than the device has
-    size = size_kv_cache(args, config, F32, max_model_len, _gpu(GIB, GIB // 8))
+    size = _size_kv_cache(args, config, F32, max_model_len, _gpu(GIB, GIB // 8))
     reserve = activation_reserve_bytes(config, 256, 8)
     per_block = kv_bytes_per_block(config, 16, F32)
     assert size.num_blocks == (int(0.9 * GIB) - GIB // 8 - reserve) // per_block
@@ -77,18 +82,18 @@ def test_override_beats_the_byte_option_which_beats_the_device(config):
     no_stats = MemoryProbe("gpu", None, "")
     per_block = kv_bytes_per_block(config, 16, F32)
     both = EngineArgs(num_gpu_blocks_override=7, kv_cache_memory_bytes=100 * per_block)
-    size = size_kv_cache(both, config, F32, 512, no_stats)
+    size = _size_kv_cache(both, config, F32, 512, no_stats)
     assert (size.num_blocks, size.source) == (7, "num_gpu_blocks_override=7")
     given = EngineArgs(kv_cache_memory_bytes=100 * per_block + 5)
-    size = size_kv_cache(given, config, F32, 512, no_stats)
+    size = _size_kv_cache(given, config, F32, 512, no_stats)
     assert size.num_blocks == 100
     assert size.source == f"kv_cache_memory_bytes={100 * per_block + 5}"
     with pytest.raises(ValueError, match="no memory stats"):
-        size_kv_cache(EngineArgs(), config, F32, 512, no_stats)
+        _size_kv_cache(EngineArgs(), config, F32, 512, no_stats)
 
 
 def test_an_exact_block_count_may_be_smaller_than_one_request(config):
-    size = size_kv_cache(EngineArgs(num_gpu_blocks_override=2), config, F32, 512, _cpu(GIB))
+    size = _size_kv_cache(EngineArgs(num_gpu_blocks_override=2), config, F32, 512, _cpu(GIB))
     assert size.num_blocks == 2
 
 
@@ -97,20 +102,20 @@ def test_a_budget_below_one_max_model_len_request_says_what_is_needed_and_what_t
     # 512 tokens = 32 blocks, and the null block.
     args = EngineArgs(kv_cache_memory_bytes=20 * per_block)
     with pytest.raises(ValueError) as error:
-        size_kv_cache(args, config, F32, 512, _cpu(GIB))
+        _size_kv_cache(args, config, F32, 512, _cpu(GIB))
     message = str(error.value)
     assert "max_model_len=512" in message and "33 blocks of 16 tokens" in message
     assert "the largest max_model_len is 304" in message  # 19 blocks besides the null block
     assert "increasing kv_cache_memory_bytes or decreasing max_model_len" in message
     full = _gpu(GIB, GIB)  # the weights take the whole device
     with pytest.raises(ValueError, match="increasing gpu_memory_utilization") as error:
-        size_kv_cache(EngineArgs(), config, F32, 512, full)
+        _size_kv_cache(EngineArgs(), config, F32, 512, full)
     assert "the largest max_model_len" not in str(error.value)
 
 
 def test_a_budget_beyond_every_sequence_at_full_length_is_capped(config):
     args = EngineArgs(max_num_seqs=4)
-    size = size_kv_cache(args, config, F32, 512, _gpu(80 * GIB, 0))
+    size = _size_kv_cache(args, config, F32, 512, _gpu(80 * GIB, 0))
     assert size.num_blocks == 4 * 32 + 1
     assert "capped at max_num_seqs=4 requests of max_model_len=512" in size.source
 
@@ -143,7 +148,7 @@ def test_cpu_budget_grows_to_one_request_where_free_memory_holds_it():
 
 def test_cpu_with_too_little_free_memory_refuses_to_start(config):
     with pytest.raises(ValueError, match="freeing host memory or decreasing max_model_len"):
-        size_kv_cache(
+        _size_kv_cache(
             EngineArgs(), config, F32, 512, _cpu(activation_reserve_bytes(config, 2048, 128))
         )
 
@@ -164,7 +169,7 @@ def test_engine_sizes_its_cache_from_kv_cache_memory_bytes(tiny_llama_weights_di
     records = []  # jvllm's loggers do not propagate to the root
     handler = logging.Handler()
     handler.emit = records.append
-    monkeypatch.setattr(logging.getLogger("jvllm.engine.llm_engine"), "handlers", [handler])
+    monkeypatch.setattr(logging.getLogger("jvllm.worker.worker"), "handlers", [handler])
 
     def kv_line() -> str:
         (line,) = [r.getMessage() for r in records if "KV cache:" in r.getMessage()]
@@ -213,7 +218,7 @@ def test_a_one_byte_cache_holds_about_twice_the_blocks_of_bfloat16(
     config = read_hf_config("jvllm/benchmarks/model_configs/smollm2-135m", model_dtype)
     args = EngineArgs(kv_cache_memory_bytes=GIB, max_num_seqs=1024)
     auto, quantized = (
-        size_kv_cache(args, config, kv_cache_spec(model_dtype, "pallas", kind), 512, _cpu(GIB))
+        _size_kv_cache(args, config, kv_cache_spec(model_dtype, "pallas", kind), 512, _cpu(GIB))
         for kind in ("auto", kv_cache_dtype)
     )
     # L * (K, V) * K heads * B * (H one-byte values + a bfloat16 scale)
@@ -250,16 +255,9 @@ def test_activation_reserve_bounds_the_compiled_steps_temporaries(
 ):
     """The reserve is a formula: it must stay above what XLA says the largest buckets need."""
     config, params, _ = load_model(model, dtype, "dummy")
-    runner = ModelRunner(
-        config,
-        params,
-        num_blocks=8,
-        block_size=16,
-        max_model_len=num_tokens,
-        buckets=BucketSpec(num_tokens, num_seqs),
-        attention_backend=default_backend(),
-        max_num_seqs=num_seqs,
-    )
+    args = EngineArgs(max_num_batched_tokens=num_tokens, max_num_seqs=num_seqs)
+    engine_config = args.create_engine_config().resolved(num_tokens, default_backend())
+    runner = ModelRunner(config, params, engine_config.runner_config, num_blocks=8)
     buckets = runner.buckets.all_buckets()
     largest_decode = max(b for b in buckets if b.is_decode)
     reserve = activation_reserve_bytes(config, num_tokens, num_seqs)

@@ -139,7 +139,11 @@ def test_a_quantized_cache_keeps_the_default_models_greedy_tokens(
     """Tokens equal to auto's before the first difference, of 16, as measured: reference fp8
     16 16 16 3 9 16 16 4, int8 16 16 16 3 16 16 16 1; pallas fp8 16 16 16 8 9 16 4 1, int8 all
     16. Every first difference came where auto's two best were 0.02-0.13 nats apart."""
-    auto_llm = smollm2_llm if smollm2_llm.llm_engine.attention_backend == backend else None
+    auto_llm = (
+        smollm2_llm
+        if smollm2_llm.llm_engine.engine_config.runner_config.attention_backend == backend
+        else None
+    )
     auto, quantized = _greedy(backend, "auto", auto_llm), _greedy(backend, kv_cache_dtype)
     assert quantized[0].text.startswith(" Paris")
     num_agreeing = []

@@ -87,7 +87,7 @@ def _first_token_child(args) -> dict:
     return {
         "load": load,
         "first_token": first_token,
-        "weights": engine.load_seconds,  # and tokenizer (and converting a GGUF)
+        "weights": engine.worker.load_seconds,  # and tokenizer (and converting a GGUF)
         # What the step waited for compiles (the decode bucket compiles beside it, unwaited).
         "compile": engine.model_runner.compile_wait_seconds,
     }

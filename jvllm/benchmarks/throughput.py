@@ -131,7 +131,7 @@ def bench_jvllm(args, prompt_sets, setting: dict) -> dict:
         "tok_s": args.num_prompts * args.output_len / elapsed,
         "elapsed": elapsed,
         "startup": startup,
-        "load": sum(replica.load_seconds for replica in replicas(engine)),
+        "load": sum(replica.worker.load_seconds for replica in replicas(engine)),
         "compile": sum(r.compile_seconds for r in runners),
         "warmup": sum(r.warmup_seconds for r in runners),
         "num_compilations": sum(r.num_compilations for r in runners),

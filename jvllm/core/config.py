@@ -2,10 +2,12 @@
 
 from dataclasses import dataclass
 
+from jvllm.core.checks import check_bool, check_choice, check_int
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduling step.
 
@@ -15,7 +17,7 @@ class SchedulerConfig:
     scheduled whole or not at all, so the budget must hold the longest prompt.
     """
 
-    max_model_len: int
+    max_model_len: int | None  # None only in an EngineConfig before the model is loaded
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
@@ -30,37 +32,23 @@ class SchedulerConfig:
     max_loras: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
-            )
-        for name in (
-            "max_model_len",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "num_scheduler_steps",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        threshold = self.long_prefill_token_threshold
-        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be an int >= 0 (0 = off), got {threshold!r}"
-            )
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError, as in vLLM
-                f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
-            )
+        check_choice("scheduling_policy", self.policy, SCHEDULING_POLICIES)
+        check_int("max_model_len", self.max_model_len, optional=True)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("num_scheduler_steps", self.num_scheduler_steps)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        check_int("max_loras", self.max_loras, 0)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if not self.enable_chunked_prefill:
-            if self.max_num_batched_tokens < self.max_model_len:
+            if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
                     "max_num_batched_tokens must be >= max_model_len "
                     f"({self.max_model_len}) when chunked prefill is disabled, "
                     f"got {self.max_num_batched_tokens}"
                 )
-            if threshold > 0:
+            if self.long_prefill_token_threshold > 0:
                 raise ValueError(
                     "long_prefill_token_threshold must be 0 when chunked prefill is disabled, "
-                    f"got {threshold}"
+                    f"got {self.long_prefill_token_threshold}"
                 )

@@ -1,25 +1,22 @@
-"""Engine options (vLLM's names), validated on construction."""
+"""Engine options (vLLM's names): checked on construction (engine/arg_checks.py), and made
+into the components' configs once by `create_engine_config` (core/engine_config.py)."""
 
 import dataclasses
-from collections.abc import Mapping
 
-from jvllm.attention.backends import ATTENTION_BACKENDS
-from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
-from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
-from jvllm.core.config import SCHEDULING_POLICIES
-from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
-from jvllm.lora.config import check_lora_args
-from jvllm.model_loader.generation_config import check_generation_overrides
-from jvllm.model_loader.hf import HFOverrides
-from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
-from jvllm.pooler_config import PoolerConfig, as_pooler_config
-from jvllm.quantization import QUANTIZATION_METHODS
-from jvllm.spec_decode.config import (
-    SpeculativeConfig,
-    as_speculative_config,
-    check_speculation_args,
+from jvllm.config import DTYPE_CHOICES
+from jvllm.core.config import SchedulerConfig
+from jvllm.core.engine_config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    LoRAConfig,
+    ParallelConfig,
+    RunnerConfig,
 )
+from jvllm.engine.arg_checks import check_engine_args
+from jvllm.model_loader.hf import HFOverrides
+from jvllm.pooler_config import PoolerConfig, as_pooler_config, resolve_pooler_config
+from jvllm.spec_decode.config import SpeculativeConfig, as_speculative_config
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -55,7 +52,7 @@ class EngineArgs:
     hf_overrides: HFOverrides = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
-    # The KV cache's size (engine/kv_budget.py): num_gpu_blocks_override, an exact block count
+    # The KV cache's size (worker/kv_budget.py): num_gpu_blocks_override, an exact block count
     # (null block included); else kv_cache_memory_bytes; else gpu_memory_utilization of the
     # device's memory less the weights and activations (on CPU: up to 1 GiB of free memory).
     kv_cache_memory_bytes: int | None = None
@@ -156,129 +153,89 @@ class EngineArgs:
     def __post_init__(self):
         self.dtype = normalize_dtype(self.dtype)
         self.runner = resolve_runner(self.runner, self.task)
-        self._check_pooling()
+        if self.runner == "pooling":
+            self.pooler_config = as_pooler_config(self.pooler_config)
         self.speculative_config = as_speculative_config(self.speculative_config)
-        check_speculation_args(self)
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"quantization must be None or one of {QUANTIZATION_METHODS}, "
-                f"got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.quantization == "gguf" and self.load_format == "dummy":
-            raise ValueError(
-                "quantization='gguf' keeps a GGUF file's blocks packed; load_format='dummy' "
-                "draws float weights of the model's shapes: use one or the other"
-            )
-        if self.quantization in ("int8", "fp8") and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"quantization={self.quantization!r} runs on one device; tensor_parallel_size="
-                f"{self.tensor_parallel_size} is not supported with it yet"
-            )
-        _positive("block_size", self.block_size)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("num_scheduler_steps", self.num_scheduler_steps)
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
-        _positive("data_parallel_size", self.data_parallel_size)
-        rank = self.data_parallel_rank
-        if rank is not None and (
-            not isinstance(rank, int)
-            or isinstance(rank, bool)
-            or not 0 <= rank < self.data_parallel_size
-        ):
-            raise ValueError(
-                f"data_parallel_rank must be an int in [0, data_parallel_size={self.data_parallel_size}), "
-                f"got {rank!r}"
-            )
-        if self.tokenizer is not None:
-            check_tokenizer_path(self.tokenizer)
-        _check_hf_overrides(self.hf_overrides)
-        for name in (
-            "async_scheduling",
-            "compile_all_buckets",
-            "compile_in_background",
-            "skip_tokenizer_init",
-            "enable_sleep_mode",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(  # noqa: TRY004 - every bad engine option is a ValueError (vLLM)
-                    f"{name} must be a bool, got {getattr(self, name)!r}"
-                )
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-        if self.kv_cache_memory_bytes is not None:
-            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        utilization = self.gpu_memory_utilization
-        if (
-            isinstance(utilization, bool)
-            or not isinstance(utilization, int | float)
-            or not 0 < utilization <= 1
-        ):
-            raise ValueError(
-                f"gpu_memory_utilization must be a float in (0, 1], got {utilization!r}"
-            )
-        if self.num_gpu_blocks_override is not None and (
-            not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 2
-        ):
-            raise ValueError(
-                "num_gpu_blocks_override must be an int >= 2 (block 0 is the reserved null "
-                f"block), got {self.num_gpu_blocks_override!r}"
-            )
-        check_neutral_options({name: getattr(self, name) for name in NEUTRAL_OPTIONS})
-        check_lora_args(self)
-        check_generation_overrides(self.override_generation_config)
-        for name in ("trust_remote_code", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(
-                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
-            )
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0 (0 = off), "
-                f"got {self.long_prefill_token_threshold}"
-            )
-        if not isinstance(self.generation_config, str) or not self.generation_config:
-            raise ValueError(
-                "generation_config must be 'auto', 'vllm' or a directory holding "
-                f"generation_config.json, got {self.generation_config!r}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
-            raise ValueError(
-                f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, "
-                f"got {self.prefix_caching_hash_algo!r}"
-            )
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
+        check_engine_args(self)
 
-    def _check_pooling(self) -> None:
-        if self.runner != "pooling":
-            if self.pooler_config is not None:
-                raise ValueError("pooler_config is for runner='pooling'; this engine generates")
-            return
-        self.pooler_config = as_pooler_config(self.pooler_config)
-        if self.num_scheduler_steps != 1 or self.async_scheduling:
-            raise ValueError(
-                "runner='pooling' computes prompts only: num_scheduler_steps must be 1 and "
-                "async_scheduling False (they run decode steps ahead)"
+    def create_engine_config(self) -> EngineConfig:
+        """Each component's config, once (vLLM's). What comes from the model directory's files
+        alone (a pooling model's settings) is resolved here; what needs the loaded model or
+        the devices (max_model_len, the attention backend), by the worker (Worker.config)."""
+        check_engine_args(self)
+        spec, lora, pooler = self.speculative_config, None, None
+        if self.enable_lora:
+            lora = LoRAConfig(
+                self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras
             )
+        if self.runner == "pooling":
+            pooler = resolve_pooler_config(self.pooler_config, self.model)
+        return EngineConfig(
+            load_config=LoadConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                dtype=self.dtype,
+                quantization=self.quantization,
+                load_format=self.load_format,
+                hf_overrides=self.hf_overrides,
+                max_model_len=self.max_model_len,
+                generation_config=self.generation_config,
+                override_generation_config=self.override_generation_config,
+                runner=self.runner,
+                seed=self.seed,
+                max_logprobs=self.max_logprobs,
+                logprobs_mode=self.logprobs_mode,
+                enable_sleep_mode=self.enable_sleep_mode,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                num_scheduler_steps=self.num_scheduler_steps,
+                policy=self.scheduling_policy,
+                max_loras=lora.max_loras if lora else 0,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_rank=self.data_parallel_rank,
+                distributed_coordinator_address=self.distributed_coordinator_address,
+                distributed_num_processes=self.distributed_num_processes,
+                distributed_process_id=self.distributed_process_id,
+            ),
+            runner_config=RunnerConfig(
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                attention_backend=self.attention_backend,
+                kv_cache_dtype=self.kv_cache_dtype,
+                max_logprobs=self.max_logprobs,
+                logprobs_mode=self.logprobs_mode,
+                num_scheduler_steps=self.num_scheduler_steps,
+                async_scheduling=self.async_scheduling,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                pooling_type=pooler.pooling_type if pooler else None,
+                max_cpu_loras=lora.max_cpu_loras if lora else 0,
+                compile_all_buckets=self.compile_all_buckets,
+                compile_in_background=self.compile_in_background,
+            ),
+            lora_config=lora,
+            speculative_config=spec,
+            pooler_config=pooler,
+        )
 
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -296,20 +253,3 @@ def resolve_runner(runner: str, task: str | None) -> str:
     if implied is not None and runner not in ("auto", implied):
         raise ValueError(f"task={task!r} needs runner={implied!r}, got runner={runner!r}")
     return implied or ("generate" if runner == "auto" else runner)
-
-
-def _check_hf_overrides(overrides) -> None:
-    if overrides is None or callable(overrides):
-        return
-    if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
-        raise ValueError(
-            "hf_overrides must be a dict of config.json keys to their values (e.g. "
-            '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
-            '"original_max_position_embeddings": 32768}}) or a function of the config dict, '
-            f"got {overrides!r}"
-        )
-
-
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

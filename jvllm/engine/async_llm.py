@@ -77,7 +77,7 @@ class AsyncLLM:
         # Requests the engine holds before one more must wait past the bound (DP: all replicas).
         self._max_admitted = None
         if max_waiting_requests is not None:
-            num_slots = sum(r.args.max_num_seqs for r in replicas(engine))
+            num_slots = sum(r.engine_config.scheduler_config.max_num_seqs for r in replicas(engine))
             self._max_admitted = num_slots + max_waiting_requests
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len

@@ -62,17 +62,18 @@ class DataParallelEngine:
     """LLMEngine's request API over `data_parallel_size` replicas."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.args = EngineArgs(model=model, **kwargs)
-        if self.args.data_parallel_rank is not None:
+        args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_rank is not None:
             raise ValueError(
                 "data_parallel_rank picks the one replica an LLMEngine runs; the "
                 "data-parallel front end runs them all, so leave it unset"
             )
-        size = self.args.data_parallel_size
+        size = args.data_parallel_size
         kwargs.pop("data_parallel_rank", None)  # None here (from_engine_args passes every field)
         self.replicas = [LLMEngine(model, **kwargs, data_parallel_rank=r) for r in range(size)]
         first = self.replicas[0]
         # What every replica shares: the model, its tokenizer and limits.
+        self.engine_config = first.engine_config  # replica 0's; the others' differ in rank
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
         self.generation_config = first.generation_config

@@ -5,11 +5,8 @@ import time
 
 import numpy as np
 
-from jvllm.attention.backends import default_backend
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import SchedulerOutput
-from jvllm.cpu_malloc import keep_freed_memory
-from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import (
     PromptType,
@@ -17,114 +14,65 @@ from jvllm.engine.input_processor import (
     prompt_cache_salt,
     tokenize_prompt,
 )
-from jvllm.engine.kv_budget import probe_memory, size_kv_cache
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.request_factory import RequestFactory
+from jvllm.engine.scheduler_factory import make_scheduler
 from jvllm.engine.sleep import SleepMode
-from jvllm.engine.start_up import (
-    build_kernels_early,
-    compile_up_front,
-    make_runner,
-    make_scheduler,
-)
 from jvllm.logger import init_logger
 from jvllm.lora.config import check_adapter
-from jvllm.model_loader import load_model
-from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.outputs import RequestOutput
 from jvllm.pooling_outputs import PoolingRequestOutput
 from jvllm.pooling_params import PoolingParams
-from jvllm.quantization import describe_weights
 from jvllm.sampling_params import SamplingParams
 from jvllm.structured_output.manager import StructuredOutputManager
-from jvllm.worker.compilation_cache import enable_compilation_cache
-from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.runner_output import ModelRunnerOutput
+from jvllm.worker.worker import Worker
 
 logger = init_logger(__name__)
 
 
 class LLMEngine:
+    """vLLM's EngineCore and LLMEngine in one: the scheduler, the structured-output manager,
+    the requests and their outputs, over a Worker that owns the device (worker/worker.py)."""
+
     def __init__(self, model: str | None = None, **kwargs):
-        self.args = args = EngineArgs(model=model, **kwargs)
-        keep_freed_memory()  # before anything starts JAX's threads
-        self.generation_config = load_generation_config(
-            args.generation_config, args.model, args.override_generation_config
-        )
-        enable_compilation_cache()  # before loading: its small jits are cached too
-        start = time.perf_counter()
-        build_kernels_early(args)
-        self.mesh = engine_mesh(
-            args.tensor_parallel_size, args.data_parallel_size, args.data_parallel_rank
-        )
-        self.model_config, params, self.tokenizer = load_model(
-            args.model,
-            args.dtype,
-            args.load_format,
-            self.mesh,
-            args.quantization,
-            args.tokenizer,
-            args.skip_tokenizer_init,
-            args.hf_overrides,
-        )
-        self.load_seconds = time.perf_counter() - start
-        config = self.model_config
-        self.max_model_len = config.checked_max_model_len(args.max_model_len)
-        self.model_config = config = config.for_max_model_len(self.max_model_len)
-        self.attention_backend = args.attention_backend or default_backend()
-        # runner="pooling": requests pool their prompts (engine/pooling.py); None: generate.
-        self.pooling = make_pooling_processor(args, config, self.max_model_len)
-        kv_spec = kv_cache_spec(config.dtype, self.attention_backend, args.kv_cache_dtype)
-        kv_size = size_kv_cache(
-            args, config, kv_spec, self.max_model_len, probe_memory(), self.mesh.size
-        )
-        num_blocks = kv_size.num_blocks
-        logger.info(
-            "loaded %s (%s) in %.1fs%s; KV cache: %s",
-            args.model or "the default model",
-            describe_weights(params, config.dtype),
-            self.load_seconds,
-            describe_placement(self.mesh, params),
-            kv_size.describe(args.block_size, per_device=self.mesh.size > 1),
-        )
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        self.worker = worker = Worker(config)
+        # The config resolved against the model (max_model_len, the attention backend).
+        self.engine_config = config = worker.config
+        self.model_config = worker.model_config  # the loaded model's architecture
+        self.tokenizer = worker.tokenizer
+        self.generation_config = worker.generation_config
+        self.max_model_len = config.max_model_len
         if self.generation_config.sampling_defaults:
             logger.info(
                 "default sampling parameters from the model's generation_config.json: %s "
                 "(generation_config='vllm' ignores them)",
                 self.generation_config.sampling_defaults,
             )
+        # runner="pooling": requests pool their prompts (engine/pooling.py); None: generate.
+        self.pooling = make_pooling_processor(config, self.model_config, worker.hf_config)
+        num_blocks = worker.determine_num_blocks()
         can_cache_prefix = self.pooling is None or self.pooling.can_cache_prefix
-        self.scheduler = make_scheduler(args, num_blocks, self.max_model_len, can_cache_prefix)
-        self.model_runner = make_runner(
-            args,
-            config,
-            params,
-            num_blocks,
-            self.max_model_len,
-            self.attention_backend,
-            self.mesh,
-            self.pooling and self.pooling.pooling_type,
-        )
-        if args.compile_all_buckets:
-            compile_up_front(
-                self.model_runner, args.compile_in_background, start, self.load_seconds
-            )
+        self.scheduler = make_scheduler(config, num_blocks, can_cache_prefix)
+        worker.initialize_runner(num_blocks)
+        worker.compile_or_warm_up_model()
         self.output_processor = self.pooling or OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer,
-            config.vocab_size,
+            self.model_config.vocab_size,
             self.eos_token_ids,
             synchronous=self.model_runner.lockstep,
         )
         self._request_factory = RequestFactory(
             self.tokenizer,
-            config,
+            self.model_config,
             self.max_model_len,
-            args.max_logprobs,
+            config.load_config.max_logprobs,
             self.eos_token_ids,
             self.structured_outputs,
-            args.seed,
+            config.load_config.seed,
         )
         self._requests: dict[str, Request] = {}
         # n > 1: parent request id -> child ids, and each live child's parent.
@@ -132,9 +80,18 @@ class LLMEngine:
         self._parent_of: dict[str, str] = {}
         # Requests that finished in the last step, for observers such as jvllm.tracing.
         self.last_finished_requests: list[Request] = []
-        # Set while a jvllm.step_loop.StepLoop holds the KV arrays (between prefill and finish).
+        # The requests a jvllm.step_loop.StepLoop decodes, between its prefill and finish:
+        # out of the scheduler, their KV arrays held by the loop (lend_to_step_loop).
+        self._lent_to_step_loop: list[Request] = []
         self.held_by_step_loop = False
-        self.sleep_mode = SleepMode(self)  # sleep, wake_up and load_weights (engine/sleep.py)
+        # sleep, wake_up and load_weights (engine/sleep.py; the device half is the worker's)
+        load = config.load_config
+        self.sleep_mode = SleepMode(self, load.enable_sleep_mode, load.quantization)
+
+    @property
+    def model_runner(self):
+        """The worker's model runner (its params, KV cache and compiled steps)."""
+        return self.worker.model_runner
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -170,7 +127,7 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        check_priority(priority, self.args.scheduling_policy)
+        check_priority(priority, self.engine_config.scheduler_config.policy)
         check_adapter(lora_request, self.model_runner.adapters)
         if self.pooling is not None or isinstance(params, PoolingParams):
             if lora_request is not None:
@@ -278,6 +235,33 @@ class LLMEngine:
         start-up; None without a speculative_config."""
         drafter = self.scheduler.drafter
         return None if drafter is None else drafter.stats
+
+    def lend_to_step_loop(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """Take running `requests` out of the scheduler for a jvllm.step_loop.StepLoop, each
+        given the KV blocks for `limits[i]` tokens in all: the loop decodes them on the device,
+        and the engine takes no request until `end_step_loop`. -> each one's block ids.
+        ValueError where the cache cannot hold them (end_step_loop then frees what they got)."""
+        kv = self.scheduler.kv_cache_manager
+        self._lent_to_step_loop = list(requests)
+        for request, limit in zip(requests, limits):
+            if kv.allocate_slots(request, limit) is None:
+                raise ValueError(
+                    "the KV cache is too small to hold every token of the loop's requests; "
+                    "pass fewer prompts or a lower max_tokens, or raise kv_cache_memory_bytes"
+                )
+        for request in requests:
+            self.scheduler.running.remove(request)  # the loop decodes it, not step()
+        self.held_by_step_loop = True
+        return [kv.get_block_ids(r.request_id) for r in requests]
+
+    def end_step_loop(self, request_ids: list[str]) -> None:
+        """Take back what lend_to_step_loop lent and abort the loop's requests, whose blocks go
+        back to the pool."""
+        self.held_by_step_loop = False
+        running = self.scheduler.running
+        lent, self._lent_to_step_loop = self._lent_to_step_loop, []
+        running.extend(r for r in lent if not r.is_finished and r not in running)
+        self.abort_request(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -98,16 +98,17 @@ class _SchedulerCollector:
         yield self._family(
             c, "num_preemptions", "Preemptions (by recompute).", stats.num_preemptions
         )
-        args = self._async_llm.engine.args
-        if args.speculative_config is not None:  # vLLM's spec_decode_* counters
+        config = self._async_llm.engine.engine_config
+        if config.speculative_config is not None:  # vLLM's spec_decode_* counters
             yield from self._spec_decoding(stats)
-        if args.enable_lora:  # vLLM's: the state in the labels, the value the time
+        if config.lora_config is not None:  # vLLM's: the state in the labels, the value the time
             labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
             info = g(f"{self._prefix}:lora_requests_info", "Running stats on LoRA requests.",
                      labels=labels)  # fmt: skip
             waiting, running = stats.waiting_lora_adapters, stats.running_lora_adapters
             info.add_metric(
-                [str(args.max_loras), ",".join(waiting), ",".join(running)], time.time()
+                [str(config.lora_config.max_loras), ",".join(waiting), ",".join(running)],
+                time.time(),
             )
             yield info
 
@@ -308,12 +309,12 @@ class ServingMetrics:
 def _cache_config(engine) -> dict[str, str]:
     """vLLM's cache_config_info labels that jvllm has, per data-parallel replica (the replicas'
     pools are alike). num_gpu_blocks counts the null block, as vLLM's does."""
-    args = engine.args
+    cache = engine.engine_config.cache_config
     return {
-        "block_size": str(args.block_size),
-        "cache_dtype": str(args.kv_cache_dtype),  # vLLM's: the setting, "auto" the model's
-        "enable_prefix_caching": str(args.enable_prefix_caching),
-        "gpu_memory_utilization": str(args.gpu_memory_utilization),
+        "block_size": str(cache.block_size),
+        "cache_dtype": str(cache.kv_cache_dtype),  # vLLM's: the setting, "auto" the model's
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
         "num_gpu_blocks": str(replicas(engine)[0].scheduler.kv_cache_manager.num_blocks),
-        "num_gpu_blocks_override": str(args.num_gpu_blocks_override),
+        "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
     }

@@ -4,20 +4,17 @@ normalized into a `PoolingRequestOutput`. It stands where a generating engine's
 OutputProcessor stands (`add_request`, `make_output`, `discard`)."""
 
 import dataclasses
-import os
 
 import numpy as np
 
 from jvllm.config import ModelConfig
+from jvllm.core.engine_config import EngineConfig
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler import SchedulerOutput
-from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import truncate_prompt
 from jvllm.logger import init_logger
-from jvllm.model_loader.base_model import check_can_generate
-from jvllm.model_loader.hf import read_config_json
 from jvllm.outputs import RequestMetrics
-from jvllm.pooler_config import PoolerConfig, resolve_pooler_config
+from jvllm.pooler_config import PoolerConfig
 from jvllm.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import SamplingParams
@@ -45,29 +42,25 @@ class Matryoshka:
 
 
 def make_pooling_processor(
-    args: EngineArgs, config: ModelConfig, max_model_len: int
+    config: EngineConfig, model_config: ModelConfig, hf_config: dict | None
 ) -> "PoolingOutputProcessor | None":
-    """A pooling engine's processor (None for a generating engine, once its model is checked
-    to have an LM head), its PoolerConfig resolved against the model directory and its
-    matryoshka sizes read from config.json."""
-    if args.runner != "pooling":
-        check_can_generate(config)
+    """A pooling engine's processor (None for a generating engine) over its resolved
+    PoolerConfig, its matryoshka sizes read from config.json (`hf_config`)."""
+    pooler_config = config.pooler_config
+    if pooler_config is None:
         return None
-    pooler_config = resolve_pooler_config(args.pooler_config, args.model)
-    is_hf_dir = args.model is not None and os.path.isfile(os.path.join(args.model, "config.json"))
-    hf_config = read_config_json(args.model, args.hf_overrides) if is_hf_dir else None
     processor = PoolingOutputProcessor(
         pooler_config,
         Matryoshka.from_hf_config(hf_config),
-        config.hidden_size,
-        config.vocab_size,
-        max_model_len,
+        model_config.hidden_size,
+        model_config.vocab_size,
+        config.max_model_len,
     )
     logger.info(
         "pooling runner: %s pooling, normalize=%s; prefix caching %s",
         pooler_config.pooling_type,
         pooler_config.normalize,
-        "on" if processor.can_cache_prefix and args.enable_prefix_caching else "off",
+        "on" if processor.can_cache_prefix and config.cache_config.enable_prefix_caching else "off",
     )
     return processor
 

@@ -5,7 +5,8 @@ prefix cache, whose KV the old weights computed.
 Level 1 sleep keeps the weights in host memory and drops the KV cache; level 2 drops both, the
 weights then coming back only through load_weights (vLLM: "reload the weights"). Every buffer
 comes back with the layout the executables were compiled for, so waking compiles nothing
-(worker/device_buffers.py).
+(worker/device_buffers.py). This is the engine's half (the state, what it requires of the
+engine, the prefix cache); the Worker frees and refills the device.
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
-from jvllm.distributed.tensor_parallel import ParamPlacer
 from jvllm.logger import init_logger
-from jvllm.model_loader.weight_update import read_weight_update
-from jvllm.quantization import is_quantized
-from jvllm.worker import device_buffers
 
 logger = init_logger(__name__)
 
@@ -31,16 +28,16 @@ class EngineSleepingError(RuntimeError):
 
 
 class SleepMode:
-    """An LLMEngine's sleep state, and its weight updates (which go to the host copy while
-    the weights sleep)."""
+    """An LLMEngine's sleep state, and its weight updates (which go to the worker's host copy
+    while the weights sleep)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, enabled: bool, quantization: str | None) -> None:
         self._engine = engine
+        self._worker = engine.worker
+        self._enabled = enabled  # enable_sleep_mode
+        self._quantization = f"quantization={quantization!r}"
         self._asleep: set[str] = set()  # SLEEP_TAGS now released
         self._level: int | None = None
-        # While the weights sleep: param path -> host copy (level 2: only what load_weights
-        # gave since, and the LoRA slots, which are adapters, not the model's weights).
-        self._host: device_buffers.HostParams = {}
 
     @property
     def is_sleeping(self) -> bool:
@@ -55,7 +52,7 @@ class SleepMode:
             )
 
     def sleep(self, level: int = 1) -> None:
-        if not self._engine.args.enable_sleep_mode:
+        if not self._enabled:
             raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True")
         if level not in SLEEP_LEVELS:
             raise ValueError(
@@ -66,17 +63,13 @@ class SleepMode:
             logger.warning("sleep(level=%d): the engine is already asleep", level)
             return
         self._check_idle("sleep")
-        runner = self._engine.model_runner
-        if level == 2 and self._has_quantized_weights():
+        if level == 2 and self._worker.has_quantized_weights():
             raise ValueError(
                 "sleep(level=2) discards the weights, which only load_weights brings back, and "
                 f"load_weights does not take quantized weights ({self._quantization}): use "
                 "sleep(level=1)"
             )
-        self._host = device_buffers.release_params(
-            runner, keep_on_host=lambda path: level == 1 or _is_adapter_slot(path)
-        )
-        device_buffers.release_kv_cache(runner)
+        self._worker.sleep(level)
         self._engine.scheduler.kv_cache_manager.reset_prefix_cache()
         self._asleep, self._level = set(SLEEP_TAGS), level
         kept = "kept in host memory" if level == 1 else "discarded"
@@ -92,20 +85,18 @@ class SleepMode:
         if not self._asleep:
             logger.warning("wake_up(): the engine is not asleep")
             return
-        runner = self._engine.model_runner
         if "weights" in tags and "weights" in self._asleep:
-            missing = [p for p in device_buffers.param_specs(runner) if p not in self._host]
+            missing = self._worker.missing_params()
             if missing:
                 raise ValueError(
                     f"wake_up: sleep(level=2) discarded the weights, and load_weights has not "
                     f"given {len(missing)} params since ({', '.join(missing[:4])}"
                     f"{', ...' if len(missing) > 4 else ''}): load the weights first"
                 )
-            device_buffers.restore_params(runner, self._host)
-            self._host = {}
+            self._worker.wake_up_weights()
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
-            device_buffers.restore_kv_cache(runner)
+            self._worker.wake_up_kv_cache()
             self._engine.scheduler.kv_cache_manager.reset_prefix_cache()
             self._asleep.discard("kv_cache")
         if not self._asleep:
@@ -115,21 +106,14 @@ class SleepMode:
         """Replace the params that `weights` (HF name, array) pairs make (a subset is fine;
         model_loader/weight_update.py) and reset the prefix cache; -> the params' paths."""
         self._check_idle("load_weights")
-        if self._has_quantized_weights():
+        if self._worker.has_quantized_weights():
             raise ValueError(
                 f"load_weights does not take quantized weights ({self._quantization}): it reads "
                 "float tensors into float params; start the engine without quantization"
             )
-        runner = self._engine.model_runner
-        layout = ParamPlacer(runner.config, runner.mesh).host_layout  # shard-major, as loaded
-        loaded = read_weight_update(self._engine.model_config, weights, layout)
-        host = {p: device_buffers.in_runner_layout(runner, p, x) for p, x in loaded.items()}
-        if "weights" in self._asleep:
-            self._host.update(host)
-        else:
-            device_buffers.replace_params(runner, host)
+        replaced = self._worker.load_weights(weights)
         self._engine.scheduler.kv_cache_manager.reset_prefix_cache()
-        return set(host)
+        return replaced
 
     def _check_idle(self, call: str) -> None:
         engine = self._engine
@@ -143,16 +127,3 @@ class SleepMode:
                 f"{call} needs an idle engine, and {num_unfinished} requests are unfinished: "
                 "let them finish or abort them first"
             )
-
-    def _has_quantized_weights(self) -> bool:
-        specs = device_buffers.param_specs(self._engine.model_runner)
-        return any(is_quantized(s) for s in jax.tree.leaves(specs, is_leaf=is_quantized))
-
-    @property
-    def _quantization(self) -> str:
-        return f"quantization={self._engine.args.quantization!r}"
-
-
-def _is_adapter_slot(path: str) -> bool:
-    """Whether a param is a LoRA slot (jvllm/lora/), which holds adapters, not the model."""
-    return path.rsplit(".", 1)[-1] in ("lora_a", "lora_b")

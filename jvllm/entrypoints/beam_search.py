@@ -11,6 +11,7 @@ import dataclasses
 
 from tqdm.auto import tqdm
 
+from jvllm.core.engine_config import LoadConfig
 from jvllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -26,14 +27,14 @@ def beam_score(
     return cum_logprob / (seq_len**length_penalty)
 
 
-def check_beam_search(width: int, engine_args) -> None:
+def check_beam_search(width: int, load_config: LoadConfig) -> None:
     """What the engine must allow for a search of `width` beams: their candidates' logprobs."""
-    if engine_args.logprobs_mode.endswith("_logits"):
+    if load_config.logprobs_mode.endswith("_logits"):
         raise ValueError(
             f"beam search ranks beams by logprobs, and this engine's logprobs_mode is "
-            f"{engine_args.logprobs_mode!r}; start it with a *_logprobs mode"
+            f"{load_config.logprobs_mode!r}; start it with a *_logprobs mode"
         )
-    max_logprobs = engine_args.max_logprobs
+    max_logprobs = load_config.max_logprobs
     if 2 * width > max_logprobs:
         raise ValueError(
             f"beam_width must be at most max_logprobs / 2 = {max_logprobs // 2} "
@@ -59,9 +60,9 @@ class BeamSearch:
         cache_salts: list[str | None],
         params: BeamSearchParams,
         eos_token_ids: tuple[int, ...],
-        engine_args,
+        load_config: LoadConfig,
     ):
-        check_beam_search(params.beam_width, engine_args)
+        check_beam_search(params.beam_width, load_config)
         width = params.beam_width
         self.params = params
         self.eos_token_ids = eos_token_ids
@@ -166,7 +167,7 @@ def beam_search(
                 salts[start : start + group],
                 params,
                 engine.eos_token_ids,
-                engine.args,
+                engine.engine_config.load_config,
             )
             for step in range(params.max_tokens):
                 step_prompts = search.live_prompts()
@@ -194,7 +195,8 @@ async def beam_search_async(
     """The same search for one prompt through an `AsyncLLM`: each step's beams run at once, as
     requests `{request_id}-{step}-{beam}` of the search's `priority` and LoRA adapter."""
     inner = engine.engine
-    search = BeamSearch([prompt_token_ids], [cache_salt], params, inner.eos_token_ids, inner.args)
+    load_config = inner.engine_config.load_config
+    search = BeamSearch([prompt_token_ids], [cache_salt], params, inner.eos_token_ids, load_config)
     for step in range(params.max_tokens):
         step_prompts = search.live_prompts()
         if not step_prompts:

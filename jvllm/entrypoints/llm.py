@@ -276,7 +276,7 @@ class LLM:
 
     def _check_runner(self, runner: str, call: str) -> None:
         """A ValueError when `call` needs the other runner than this engine's."""
-        own = replicas(self.llm_engine)[0].args.runner
+        own = self.llm_engine.engine_config.load_config.runner
         if own != runner:
             raise ValueError(
                 f"LLM.{call} needs runner={runner!r}; this LLM was started with runner={own!r}: "

@@ -1,6 +1,6 @@
 """New weights for a running engine from HF-named tensors (vLLM's `model.load_weights`): which
 params they make, read through the family's own loader (models/*.py `load_weights`) into host
-arrays in the params' layout, for the engine to place where the old ones lie (engine/sleep.py).
+arrays in the params' layout, for the worker to place where the old ones lie (worker/worker.py).
 
 A stacked param is made of every layer's tensors, and a fused one of several (q, k, v into
 q|k|v): a subset of the model is taken, param by param, but never part of a param.

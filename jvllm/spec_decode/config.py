@@ -68,22 +68,3 @@ def as_speculative_config(value) -> SpeculativeConfig | None:
         prompt_lookup_max=lookup_min if lookup_max is None else lookup_max,
         prompt_lookup_min=lookup_max if lookup_min is None else lookup_min,
     )
-
-
-def check_speculation_args(args) -> None:
-    """Refuse the engine options speculation does not run with (`args`: EngineArgs with its
-    speculative_config normalized)."""
-    if args.speculative_config is None:
-        return
-    refused = {
-        "num_scheduler_steps > 1": args.num_scheduler_steps > 1,
-        "async_scheduling=True": args.async_scheduling,
-        "runner='pooling'": args.runner == "pooling",
-    }
-    found = [name for name, is_set in refused.items() if is_set]
-    if found:
-        raise ValueError(
-            f"speculative_config does not run with {', '.join(found)}: verifying drafts needs "
-            "single generation steps (num_scheduler_steps=1, async_scheduling=False, "
-            "runner='generate')"
-        )

@@ -1,7 +1,7 @@
 """Freeing and refilling a model runner's device buffers (its params, its KV cache and the
 token ids beside it) while its executables stay compiled: every refilled array takes the
 shape, dtype and sharding the executables were lowered for (the runner's `_state_spec`), so
-nothing compiles again. engine/sleep.py drives these between RL training steps.
+nothing compiles again. The Worker (worker/worker.py) drives these between RL training steps.
 
 A param here is a leaf of the params tree as the model takes it: an array, a quantized weight
 of several arrays, or a stacked weight split by layers (layers/scan.py's `Unstacked`); it is

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jvllm.attention.backends import get_attention
 from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
+from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.scheduler import SchedulerOutput
 from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
@@ -24,7 +25,7 @@ from jvllm.models.model import param_axes
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
-from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
+from jvllm.worker.buckets import MIXED_TILE_Q, SPECULATIVE_MIN_TOKENS, Bucket, BucketSpec
 from jvllm.worker.decode_loop import (
     prepare_window_inputs,
     run_window,
@@ -46,36 +47,39 @@ class ModelRunner:
         self,
         config: ModelConfig,
         params,
+        runner_config: RunnerConfig,
         *,
         num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        buckets: BucketSpec,
-        attention_backend: str,
-        kv_cache_dtype: str = "auto",
-        max_logprobs: int = 20,
-        logprobs_mode: str = "raw_logprobs",
-        max_num_seqs: int = 128,
-        num_scheduler_steps: int = 1,
-        async_scheduling: bool = False,
         mesh: Mesh | None = None,
-        pooling_type: str | None = None,
-        max_cpu_loras: int = 0,
-        num_speculative_tokens: int = 0,
     ):
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
-        device. Every array the runner makes lies on the same devices. `pooling_type` (a
-        pooling runner's, pooler_config.py): its steps pool (`execute_pooling`), never sample.
+        device. Every array the runner makes lies on the same devices. A `runner_config` with
+        a `pooling_type` (pooler_config.py): its steps pool (`execute_pooling`), never sample.
         A `config` with max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the
         base model's, and the runner adds the empty slots. `num_speculative_tokens` > 0: every
         "step" executable also scores the drafts' positions (worker/draft_scoring.py)."""
+        if runner_config.max_model_len is None or runner_config.attention_backend is None:
+            raise ValueError("the runner takes a config the worker resolved (Worker.config)")
+        self.runner_config = runner_config
+        block_size = runner_config.block_size
+        max_num_seqs = runner_config.max_num_seqs
+        attention_backend = runner_config.attention_backend
+        num_speculative_tokens = runner_config.num_speculative_tokens
+        pooling_type = runner_config.pooling_type
+        buckets = BucketSpec(
+            runner_config.max_num_batched_tokens,
+            max_num_seqs,
+            **({"min_mixed_tokens": SPECULATIVE_MIN_TOKENS} if num_speculative_tokens else {}),
+        )
         self.config = config
         self.mesh = mesh = mesh or make_mesh()
         self.adapters = None
         if config.max_loras:
             params = with_slot_params(params, config, mesh)
             update = jax.jit(update_columns, static_argnums=3)
-            self.adapters = AdapterSlots(config, max_cpu_loras, update, mesh.shape[TP_AXIS])
+            self.adapters = AdapterSlots(
+                config, runner_config.max_cpu_loras, update, mesh.shape[TP_AXIS]
+            )
         self.pooling_type = pooling_type
         # On a GPU the layers' weights as one array per layer (layers/scan.py): the caller's
         # stacked arrays are deleted as they are split.
@@ -90,9 +94,10 @@ class ModelRunner:
         # Block tables are padded so that the reference backend's page chunks (decode and mixed)
         # tile them exactly: a chunk that ran past the end would be clamped back onto other pages.
         chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
-        self.max_pages = math.ceil(math.ceil(max_model_len / block_size) / chunk) * chunk
+        max_blocks = math.ceil(runner_config.max_model_len / block_size)
+        self.max_pages = math.ceil(max_blocks / chunk) * chunk
         self.kv_cache = allocate_kv_cache(
-            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
+            kv_cache_spec(config.dtype, attention_backend, runner_config.kv_cache_dtype),
             kv_cache_shape(config, num_blocks, block_size, num_shards),
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
@@ -104,7 +109,7 @@ class ModelRunner:
         self.bias_rows = BiasRows(
             max_num_seqs + 1, config.vocab_size, self._set_bias_row, replicated(mesh)
         )
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = max_logprobs = runner_config.max_logprobs
         attn = get_attention(
             attention_backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap
         )
@@ -115,13 +120,13 @@ class ModelRunner:
             model_step,
             model=self.model,
             max_logprobs=max_logprobs,
-            logprobs_mode=logprobs_mode,
+            logprobs_mode=runner_config.logprobs_mode,
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
-        self.num_scheduler_steps = num_scheduler_steps
+        self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
         self.window_steps_per_check = window_steps_per_check()
         # Async scheduling: one more executable per decode bucket, the step after a step.
-        self.async_scheduling = async_scheduling
+        self.async_scheduling = async_scheduling = runner_config.async_scheduling
         self.num_speculative_tokens = num_speculative_tokens
         # On a GPU, a step runs the executable of its sampler plan once that is compiled (in
         # the background, on the plan's first step) and the DYNAMIC one until then.

@@ -194,7 +194,7 @@ def test_shard_layout_puts_each_devices_heads_together():
             {"tensor_parallel_size": 4, "data_parallel_size": 4},
             r"data_parallel_size \(4\) x tensor_parallel_size \(4\) needs 16 devices",
         ),
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an int >= 1"),
         (
             {"data_parallel_size": 2, "data_parallel_rank": 1},
             "the data-parallel front end runs them all, so leave it unset",
@@ -227,7 +227,7 @@ def test_data_parallel_replicas_share_requests_and_match_one_device(kv2_dir, one
     for prompts in (PROMPTS, SHARED):
         assert _summary(llm, GREEDY, prompts) == _summary(one_device(kv2_dir), GREEDY, prompts)
     engines = llm.llm_engine.replicas
-    assert [r.mesh.devices.flatten().tolist() for r in engines] == [
+    assert [r.worker.mesh.devices.flatten().tolist() for r in engines] == [
         jax.devices()[0:2],
         jax.devices()[2:4],
     ]

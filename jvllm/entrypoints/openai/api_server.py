@@ -20,7 +20,7 @@ from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.admission import Admission, AdmissionMiddleware, unless_disconnected
-from jvllm.entrypoints.openai.lora_routes import add_lora_routes
+from jvllm.entrypoints.openai.lora_routes import adapter_reader, add_lora_routes
 from jvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,7 +44,6 @@ from jvllm.entrypoints.openai.shutdown import DrainingServer
 from jvllm.entrypoints.openai.sleep_routes import add_sleep_routes, server_dev_mode
 from jvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from jvllm.logger import init_logger
-from jvllm.lora.config import adapter_reader
 from jvllm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
@@ -148,7 +147,7 @@ def build_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.admission = admission
-    app.add_middleware(RunnerRoutes, runner=engine.engine.args.runner)
+    app.add_middleware(RunnerRoutes, runner=engine.engine.engine_config.load_config.runner)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AdmissionMiddleware, admission=admission)  # outermost: first to refuse
@@ -215,7 +214,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models():
-        root = engine.engine.args.model or completion.model_name
+        root = engine.engine.engine_config.load_config.model or completion.model_name
         return {"object": "list", "data": models.cards(created, root, engine.max_model_len)}
 
     if runtime_lora_updating():

@@ -5,15 +5,17 @@ otherwise make it read any directory)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.data_parallel import replicas
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.entrypoints.openai.serving_models import ServedModels
-from jvllm.lora.config import adapter_reader
+from jvllm.lora.request import LoRARequest
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -24,6 +26,15 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_int_id: int | None = None
+
+
+def adapter_reader(engine) -> Callable[[LoRARequest], object]:
+    """A check of an adapter against `engine`'s model (an LLMEngine or its data-parallel front
+    end) that reads it as the engine will and keeps nothing, safe off the engine's thread."""
+    slots = replicas(engine)[0].model_runner.adapters
+    if slots is None:
+        raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+    return slots.read
 
 
 def add_lora_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels) -> None:

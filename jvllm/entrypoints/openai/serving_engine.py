@@ -81,7 +81,7 @@ class OpenAIServing:
         self.max_prompt_chars = None
         if chars_per_token is not None:
             self.max_prompt_chars = self.max_model_len * chars_per_token
-        self.max_logprobs = engine.engine.args.max_logprobs
+        self.max_logprobs = engine.engine.engine_config.load_config.max_logprobs
         # The model's generation_config.json defaults, for the fields a request leaves out.
         self.defaults = engine.engine.generation_config.sampling_defaults
 
@@ -92,7 +92,9 @@ class OpenAIServing:
     def check_request(self, request) -> None:
         """Combinations of fields that vLLM refuses, or that would be silently ignored."""
         try:
-            check_priority(request.priority, self.engine.engine.args.scheduling_policy)
+            check_priority(
+                request.priority, self.engine.engine.engine_config.scheduler_config.policy
+            )
         except ValueError as e:
             raise OpenAIError(str(e), param="priority") from None
         if request.stream_options is not None and not request.stream:
@@ -124,7 +126,7 @@ class OpenAIServing:
         if temperature is None:
             temperature = self.defaults.get("temperature", 0.0)
         try:
-            check_beam_search(request.n, self.engine.engine.args)
+            check_beam_search(request.n, self.engine.engine.engine_config.load_config)
             return BeamSearchParams(
                 beam_width=request.n,
                 max_tokens=max_tokens,

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import jax
 
 from jvllm.config import ModelConfig
+from jvllm.core.engine_config import CacheConfig, RunnerConfig
 from jvllm.distributed.tensor_parallel import shard_config
-from jvllm.engine.arg_utils import EngineArgs
 from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
 from jvllm.worker.kv_layout import KVCacheSpec
 
@@ -79,7 +79,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, spec: KVCacheSpec) 
 
 
 def size_kv_cache(
-    args: EngineArgs,
+    cache: CacheConfig,
+    limits: RunnerConfig,
     config: ModelConfig,
     spec: KVCacheSpec,
     max_model_len: int,
@@ -89,24 +90,25 @@ def size_kv_cache(
     """The pool's block count (null block included) for a cache stored as `spec` says, and
     where it came from. With `num_shards` tensor-parallel devices the bytes are one device's
     (its 1/T of the KV heads); a CPU's host memory is shared by its devices, so each gets 1/T
-    of the host's budget.
+    of the host's budget. `limits`: the step's (max_num_batched_tokens, max_num_seqs).
 
     Raises ValueError when the budget holds less than one request of max_model_len tokens (an
     exact `num_gpu_blocks_override` is taken as given: tests use tiny pools on purpose)."""
-    bytes_per_block = kv_bytes_per_block(shard_config(config, num_shards), args.block_size, spec)
-    if args.num_gpu_blocks_override is not None:
-        num_blocks = args.num_gpu_blocks_override
+    block_size = cache.block_size
+    bytes_per_block = kv_bytes_per_block(shard_config(config, num_shards), block_size, spec)
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks = cache.num_gpu_blocks_override
         return KVCacheSize(
             num_blocks,
             num_blocks * bytes_per_block,
             f"num_gpu_blocks_override={num_blocks}",
             spec.name,
         )
-    pages_per_request = -(-max_model_len // args.block_size)
+    pages_per_request = -(-max_model_len // block_size)
     needed = (pages_per_request + 1) * bytes_per_block  # one full request and the null block
-    reserve = activation_reserve_bytes(config, args.max_num_batched_tokens, args.max_num_seqs)
-    budget = _budget(args, probe, reserve, needed * num_shards)
-    if probe.backend == "cpu" and args.kv_cache_memory_bytes is None and num_shards > 1:
+    reserve = activation_reserve_bytes(config, limits.max_num_batched_tokens, limits.max_num_seqs)
+    budget = _budget(cache, probe, reserve, needed * num_shards)
+    if probe.backend == "cpu" and cache.kv_cache_memory_bytes is None and num_shards > 1:
         budget = dataclasses.replace(
             budget,
             num_bytes=budget.num_bytes // num_shards,
@@ -114,34 +116,34 @@ def size_kv_cache(
         )
     if budget.num_bytes < needed:
         raise ValueError(
-            _too_small_message(budget, needed, bytes_per_block, args.block_size, max_model_len)
+            _too_small_message(budget, needed, bytes_per_block, block_size, max_model_len)
         )
     source = budget.source
     num_blocks = budget.num_bytes // bytes_per_block
     # More than every sequence at full length could ever use is wasted memory.
-    useful = args.max_num_seqs * pages_per_request + 1
+    useful = limits.max_num_seqs * pages_per_request + 1
     if num_blocks > useful:
         num_blocks = useful
         source += (
-            f"; capped at max_num_seqs={args.max_num_seqs} requests of "
+            f"; capped at max_num_seqs={limits.max_num_seqs} requests of "
             f"max_model_len={max_model_len}"
         )
     return KVCacheSize(num_blocks, num_blocks * bytes_per_block, source, spec.name)
 
 
 def _budget(
-    args: EngineArgs, probe: MemoryProbe, reserve_bytes: int, needed_bytes: int
+    cache: CacheConfig, probe: MemoryProbe, reserve_bytes: int, needed_bytes: int
 ) -> KVBudget:
     """The KV cache's bytes: the option when given, else the device's or the host's share."""
-    if args.kv_cache_memory_bytes is not None:
+    if cache.kv_cache_memory_bytes is not None:
         return KVBudget(
-            args.kv_cache_memory_bytes,
-            f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}",
+            cache.kv_cache_memory_bytes,
+            f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}",
             "increasing kv_cache_memory_bytes",
         )
     if probe.backend == "cpu":
         return host_budget(probe.meminfo, reserve_bytes, needed_bytes)
-    return device_budget(probe.device_stats, args.gpu_memory_utilization, reserve_bytes)
+    return device_budget(probe.device_stats, cache.gpu_memory_utilization, reserve_bytes)
 
 
 def device_budget(

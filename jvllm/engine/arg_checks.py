@@ -1,0 +1,143 @@
+"""Every refusal of the engine's options, one field's and between fields', in one step that
+runs before anything loads (EngineArgs checks itself on construction, and
+create_engine_config again). Messages name the option, its value and what is allowed."""
+
+from collections.abc import Mapping
+
+from jvllm.attention.backends import ATTENTION_BACKENDS
+from jvllm.attention.kv_quant import KV_CACHE_DTYPES
+from jvllm.config import LOGPROBS_MODES
+from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
+from jvllm.core.checks import check_bool, check_choice, check_int
+from jvllm.core.config import SCHEDULING_POLICIES
+from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
+from jvllm.model_loader.generation_config import check_generation_overrides
+from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
+from jvllm.quantization import QUANTIZATION_METHODS
+
+_BOOLS = (
+    "async_scheduling",
+    "compile_all_buckets",
+    "compile_in_background",
+    "skip_tokenizer_init",
+    "enable_sleep_mode",
+    "enable_prefix_caching",
+    "enable_lora",
+)
+_POSITIVE_INTS = (
+    "block_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "num_scheduler_steps",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "max_loras",
+    "max_lora_rank",
+)
+
+
+def check_engine_args(args) -> None:
+    """ValueError (TypeError for vLLM's no-op bools) naming the first option of `args` (an
+    EngineArgs, its dtype, runner and speculative_config already normalized) that jvllm
+    cannot run."""
+    _check_fields(args)
+    _check_combinations(args)
+
+
+def _check_fields(args) -> None:
+    for name in _BOOLS:
+        check_bool(name, getattr(args, name))
+    for name in _POSITIVE_INTS:
+        check_int(name, getattr(args, name))
+    check_int("max_model_len", args.max_model_len, optional=True)
+    check_int("kv_cache_memory_bytes", args.kv_cache_memory_bytes, optional=True)
+    check_int("max_cpu_loras", args.max_cpu_loras, args.max_loras, optional=True)
+    check_int("max_logprobs", args.max_logprobs, 0)
+    check_int("long_prefill_token_threshold", args.long_prefill_token_threshold, 0)
+    # Block 0 is the reserved null block.
+    check_int("num_gpu_blocks_override", args.num_gpu_blocks_override, 2, optional=True)
+    check_choice("quantization", args.quantization, QUANTIZATION_METHODS, optional=True)
+    check_choice("kv_cache_dtype", args.kv_cache_dtype, KV_CACHE_DTYPES)
+    check_choice("load_format", args.load_format, LOAD_FORMATS)
+    check_choice("logprobs_mode", args.logprobs_mode, LOGPROBS_MODES)
+    check_choice("scheduling_policy", args.scheduling_policy, SCHEDULING_POLICIES)
+    check_choice(
+        "prefix_caching_hash_algo", args.prefix_caching_hash_algo, PREFIX_CACHING_HASH_ALGOS
+    )
+    check_choice("attention_backend", args.attention_backend, ATTENTION_BACKENDS, optional=True)
+    utilization = args.gpu_memory_utilization
+    if (
+        isinstance(utilization, bool)
+        or not isinstance(utilization, int | float)
+        or not 0 < utilization <= 1
+    ):
+        raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {utilization!r}")
+    if not isinstance(args.generation_config, str) or not args.generation_config:
+        raise ValueError(
+            "generation_config must be 'auto', 'vllm' or a directory holding "
+            f"generation_config.json, got {args.generation_config!r}"
+        )
+    if args.tokenizer is not None:
+        check_tokenizer_path(args.tokenizer)
+    _check_hf_overrides(args.hf_overrides)
+    check_neutral_options({name: getattr(args, name) for name in NEUTRAL_OPTIONS})
+    check_generation_overrides(args.override_generation_config)
+    for name in ("trust_remote_code", "enforce_eager"):
+        if not isinstance(getattr(args, name), bool):
+            raise TypeError(f"{name} must be a bool, got {getattr(args, name)!r}")
+
+
+def _check_combinations(args) -> None:
+    """The options that each is fine alone and not together."""
+    rank = args.data_parallel_rank
+    if rank is not None:
+        check_int("data_parallel_rank", rank, 0)
+        if rank >= args.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be an int in [0, data_parallel_size="
+                f"{args.data_parallel_size}), got {rank!r}"
+            )
+    if args.quantization == "gguf" and args.load_format == "dummy":
+        raise ValueError(
+            "quantization='gguf' keeps a GGUF file's blocks packed; load_format='dummy' "
+            "draws float weights of the model's shapes: use one or the other"
+        )
+    if args.quantization in ("int8", "fp8") and args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"quantization={args.quantization!r} runs on one device; tensor_parallel_size="
+            f"{args.tensor_parallel_size} is not supported with it yet"
+        )
+    if args.runner != "pooling" and args.pooler_config is not None:
+        raise ValueError("pooler_config is for runner='pooling'; this engine generates")
+    if args.runner == "pooling" and (args.num_scheduler_steps != 1 or args.async_scheduling):
+        raise ValueError(
+            "runner='pooling' computes prompts only: num_scheduler_steps must be 1 and "
+            "async_scheduling False (they run decode steps ahead)"
+        )
+    if args.enable_lora and args.runner == "pooling":
+        raise ValueError("enable_lora=True serves generating models; runner='pooling' is not")
+    if args.speculative_config is not None:
+        refused = {
+            "num_scheduler_steps > 1": args.num_scheduler_steps > 1,
+            "async_scheduling=True": args.async_scheduling,
+            "runner='pooling'": args.runner == "pooling",
+        }
+        found = [name for name, is_set in refused.items() if is_set]
+        if found:
+            raise ValueError(
+                f"speculative_config does not run with {', '.join(found)}: verifying drafts "
+                "needs single generation steps (num_scheduler_steps=1, async_scheduling=False, "
+                "runner='generate')"
+            )
+
+
+def _check_hf_overrides(overrides) -> None:
+    if overrides is None or callable(overrides):
+        return
+    if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
+        raise ValueError(
+            "hf_overrides must be a dict of config.json keys to their values (e.g. "
+            '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+            '"original_max_position_embeddings": 32768}}) or a function of the config dict, '
+            f"got {overrides!r}"
+        )

@@ -1,0 +1,207 @@
+"""The Worker (vLLM's): everything on the device side of one engine. It loads the model (and
+new weights into it), builds the mesh, sizes the KV cache, starts the native kernels' build,
+turns on the compilation cache, makes the model runner, compiles its steps up front or in the
+background, and frees and refills the device for sleep mode. LLMEngine keeps the host side
+(scheduler, outputs) and reaches the device only through this.
+
+Start-up runs in vLLM's order: `Worker(config)` loads the model, `determine_num_blocks()`
+sizes the cache from what is left, `initialize_runner(num_blocks)` allocates it beside the
+params, and `compile_or_warm_up_model()` compiles."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+import jax
+
+from jvllm.attention.backends import default_backend, prepare_backend
+from jvllm.core.engine_config import EngineConfig
+from jvllm.cpu_malloc import keep_freed_memory
+from jvllm.distributed.mesh import describe_placement, engine_mesh
+from jvllm.distributed.tensor_parallel import ParamPlacer
+from jvllm.layers import cpu_dense
+from jvllm.logger import init_logger
+from jvllm.lora.config import adapter_config
+from jvllm.model_loader import load_model
+from jvllm.model_loader.base_model import check_can_generate
+from jvllm.model_loader.generation_config import load_generation_config
+from jvllm.model_loader.hf import read_config_json
+from jvllm.model_loader.loader import expected_dtype
+from jvllm.model_loader.weight_update import read_weight_update
+from jvllm.quantization import describe_weights, is_quantized
+from jvllm.worker import device_buffers
+from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.kv_budget import probe_memory, size_kv_cache
+from jvllm.worker.kv_layout import kv_cache_spec
+from jvllm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        """Load the model that `config` names onto this engine's devices. `self.config` is
+        `config` resolved against the model (its max_model_len, the attention backend)."""
+        keep_freed_memory()  # before anything starts JAX's threads
+        load = config.load_config
+        self.generation_config = load_generation_config(
+            load.generation_config, load.model, load.override_generation_config
+        )
+        enable_compilation_cache()  # before loading: its small jits are cached too
+        self._start = time.perf_counter()
+        runner = config.runner_config
+        backend = runner.attention_backend or default_backend()
+        self._build_kernels_early(config, backend)
+        parallel = config.parallel_config
+        self.mesh = engine_mesh(
+            parallel.tensor_parallel_size,
+            parallel.data_parallel_size,
+            parallel.data_parallel_rank,
+        )
+        self.model_config, self.params, self.tokenizer = load_model(
+            load.model,
+            load.dtype,
+            load.load_format,
+            self.mesh,
+            load.quantization,
+            load.tokenizer,
+            load.skip_tokenizer_init,
+            load.hf_overrides,
+        )
+        self.load_seconds = time.perf_counter() - self._start
+        model_config = self.model_config
+        max_model_len = model_config.checked_max_model_len(load.max_model_len)
+        self.model_config = model_config.for_max_model_len(max_model_len)
+        if load.runner != "pooling":
+            check_can_generate(self.model_config)
+        self.config = config.resolved(max_model_len, backend)
+        # config.json as a dict (vLLM's hf_config), for what the engine reads from it beside
+        # the model (a pooling model's matryoshka sizes); None for a GGUF or the default model.
+        is_hf_dir = load.model is not None and os.path.isfile(
+            os.path.join(load.model, "config.json")
+        )
+        self.hf_config = read_config_json(load.model, load.hf_overrides) if is_hf_dir else None
+        self.model_runner: ModelRunner | None = None
+        # While the weights sleep: param path -> host copy (sleep level 2: only what
+        # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
+        self._sleeping_params: device_buffers.HostParams | None = None
+
+    @staticmethod
+    def _build_kernels_early(config: EngineConfig, backend: str) -> None:
+        """Start building, in the background, the native kernels that the attention backend
+        and the model dtype will use, so that tracing the first step finds them built."""
+        load = config.load_config
+        prepare_backend(backend, config.cache_config.kv_cache_dtype, config.cache_config.block_size)
+        cpu_dense.build_early(expected_dtype(load.model, load.dtype, load.hf_overrides))
+
+    def determine_num_blocks(self) -> int:
+        """The KV cache's block count (null block included) from the memory the loaded
+        weights left (worker/kv_budget.py); logs what was loaded and the cache's size."""
+        config, runner = self.config, self.config.runner_config
+        spec = kv_cache_spec(
+            self.model_config.dtype, runner.attention_backend, runner.kv_cache_dtype
+        )
+        size = size_kv_cache(
+            config.cache_config,
+            runner,
+            self.model_config,
+            spec,
+            config.max_model_len,
+            probe_memory(),
+            self.mesh.size,
+        )
+        logger.info(
+            "loaded %s (%s) in %.1fs%s; KV cache: %s",
+            config.load_config.model or "the default model",
+            describe_weights(self.params, self.model_config.dtype),
+            self.load_seconds,
+            describe_placement(self.mesh, self.params),
+            size.describe(config.cache_config.block_size, per_device=self.mesh.size > 1),
+        )
+        return size.num_blocks
+
+    def initialize_runner(self, num_blocks: int) -> ModelRunner:
+        """The model runner over the loaded params (with LoRA slots where enabled) and a KV
+        cache of `num_blocks`; the worker hands its params over to it."""
+        params, self.params = self.params, None
+        self.model_runner = ModelRunner(
+            adapter_config(self.model_config, self.config.lora_config),
+            params,
+            self.config.runner_config,
+            num_blocks=num_blocks,
+            mesh=self.mesh,
+        )
+        return self.model_runner
+
+    def compile_or_warm_up_model(self) -> None:
+        """Compile every step shape where `compile_all_buckets` (in background threads where
+        `compile_in_background`, but never in lockstep with other processes, which compile in
+        the same order), saying so in the log; otherwise each compiles on first use."""
+        runner_config, runner = self.config.runner_config, self.model_runner
+        if not runner_config.compile_all_buckets:
+            return
+        if runner_config.compile_in_background and not runner.lockstep:
+            runner.compile_in_background()
+            logger.info(
+                "ready after %.1fs of loading; compiling %d executables in the background",
+                self.load_seconds,
+                len(runner.all_shapes()),
+            )
+            return
+        compile_seconds = runner.compile_all()
+        logger.info(
+            "ready in %.1fs: load %.1fs, compile %.1fs (%d executables), warm-up %.1fs",
+            time.perf_counter() - self._start,
+            self.load_seconds,
+            compile_seconds,
+            runner.num_compilations,
+            runner.warmup_seconds,
+        )
+
+    # The device half of sleep mode (engine/sleep.py keeps the engine's half).
+
+    def has_quantized_weights(self) -> bool:
+        specs = device_buffers.param_specs(self.model_runner)
+        return any(is_quantized(s) for s in jax.tree.leaves(specs, is_leaf=is_quantized))
+
+    def sleep(self, level: int) -> None:
+        """Free the weights (level 1: kept in host memory; 2: discarded but the LoRA slots)
+        and the KV cache."""
+        keep = lambda path: level == 1 or _is_adapter_slot(path)
+        self._sleeping_params = device_buffers.release_params(self.model_runner, keep)
+        device_buffers.release_kv_cache(self.model_runner)
+
+    def missing_params(self) -> list[str]:
+        """The params that waking the weights would lack (a level-2 sleep discarded them, and
+        load_weights has not given them since)."""
+        host = self._sleeping_params or {}
+        return [p for p in device_buffers.param_specs(self.model_runner) if p not in host]
+
+    def wake_up_weights(self) -> None:
+        device_buffers.restore_params(self.model_runner, self._sleeping_params)
+        self._sleeping_params = None
+
+    def wake_up_kv_cache(self) -> None:
+        """A zero KV cache, laid out as before sleep."""
+        device_buffers.restore_kv_cache(self.model_runner)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Replace the params that `weights` (HF name, array) pairs make (a subset is fine;
+        model_loader/weight_update.py): on the device, or into the host copy while the weights
+        sleep; -> the params' paths."""
+        runner = self.model_runner
+        layout = ParamPlacer(runner.config, runner.mesh).host_layout  # shard-major, as loaded
+        loaded = read_weight_update(self.model_config, weights, layout)
+        host = {p: device_buffers.in_runner_layout(runner, p, x) for p, x in loaded.items()}
+        if self._sleeping_params is not None:
+            self._sleeping_params.update(host)
+        else:
+            device_buffers.replace_params(runner, host)
+        return set(host)
+
+
+def _is_adapter_slot(path: str) -> bool:
+    """Whether a param is a LoRA slot (jvllm/lora/), which holds adapters, not the model."""
+    return path.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
