@@ -14,10 +14,10 @@ import pytest
 from conftest import dense_forward_logits, join_native_builds
 
 from jvllm import native
-from jvllm.layers import cpu_dense
-from jvllm.layers.dot import dot_layer, dot_rows
 from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.loader import expected_dtype
+from jvllm.quantization import cpu_dense
+from jvllm.quantization.dot import dot_layer, dot_rows
 
 _NEEDS = {"bfloat16": "avx512_bf16", "float32": "avx512f"}
 pytestmark = pytest.mark.skipif(

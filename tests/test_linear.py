@@ -26,7 +26,7 @@ def test_dense_matches_float64_product(rows, dtype):
 
 
 def test_one_bfloat16_row_does_not_convert_the_weight_whole(monkeypatch):
-    """Without the CPU dense kernel (layers/cpu_dense.py) the 1-row bfloat16 case must not
+    """Without the CPU dense kernel (quantization/cpu_dense.py) the 1-row bfloat16 case must not
     turn into a float32 copy of w and a dot (6x slower on CPU): the conversion is fused into the
     reduction, so no float32 [O, I] buffer appears."""
     monkeypatch.setenv("JVLLM_CPU_DENSE_KERNEL", "0")

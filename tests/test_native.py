@@ -10,8 +10,7 @@ from conftest import join_native_builds
 
 from jvllm import native
 from jvllm.attention import cpu_decode
-from jvllm.layers import cpu_dense
-from jvllm.quantization import cpu_gguf, cpu_int8
+from jvllm.quantization import cpu_dense, cpu_gguf, cpu_int8
 
 _KERNELS = {
     "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.layers.dot import dot_rows
 from jvllm.layers.lora import lora_delta
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import Segments, param
 from jvllm.layers.scan import LayerWeight
 from jvllm.quantization import QuantizedWeight, is_quantized
+from jvllm.quantization.dot import dot_rows
 
 
 def dense(x: jax.Array, w: jax.Array | LayerWeight | QuantizedWeight) -> jax.Array:

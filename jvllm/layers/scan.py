@@ -21,10 +21,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jvllm.layers import cpu_dense
-from jvllm.layers.dot import dot_layer
 from jvllm.logger import init_logger
-from jvllm.quantization import MixedGGUFWeight, QuantizedWeight, is_quantized
+from jvllm.quantization import MixedGGUFWeight, QuantizedWeight, cpu_dense, is_quantized
+from jvllm.quantization.dot import dot_layer
 
 logger = init_logger(__name__)
 
@@ -63,7 +62,7 @@ class LayerWeight:
     scanned layer's module holds in place of a float param where the CPU kernel runs. Read
     whole (`param[...]`, e.g. an MoE router's) it is sliced, which inside the scan XLA:CPU does
     by copying the layer out; a dense layer's matmul (`dense`) hands the stack and the index to
-    the kernel instead (layers/dot.py)."""
+    the kernel instead (quantization/dot.py)."""
 
     stack: jax.Array
     layer: jax.Array
@@ -202,7 +201,7 @@ def _at_layer(
 ) -> jax.Array | LayerWeight | QuantizedWeight:
     """Layer i32[] of a stacked weight: a quantized one keeps its stacked fields and the index,
     and so does a float one the CPU dense kernel can read (as a LayerWeight), so that a CPU
-    kernel (quantization/cpu_gguf.py, cpu_int8.py, layers/cpu_dense.py) reads the layer in place;
+    kernel (quantization/cpu_gguf.py, cpu_int8.py, cpu_dense.py) reads the layer in place;
     any other is sliced."""
     if is_quantized(w):
         return w.at_layer(layer)

@@ -1,7 +1,8 @@
 """Quantized weights: GGUF blocks kept packed on the device (gguf_blocks.py, packed_weight.py)
 and int8 / fp8 weights with per-channel scales (channel_weight.py; a MoE's routed experts,
 expert_weight.py), chosen at load (model_loader/loader.py) and dequantized inside the jitted
-step."""
+step; and the float matmul they all end in (dot.py, with its CPU kernel cpu_dense.py), which the
+layers call for unquantized weights."""
 
 import jax
 from gguf.constants import GGMLQuantizationType as Q

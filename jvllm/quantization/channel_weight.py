@@ -17,8 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jvllm.layers.dot import dot_rows
 from jvllm.quantization import cpu_int8
+from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.rows import quantize_rows
 
 FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # method -> the values' dtype
@@ -63,7 +63,7 @@ class ChannelWeight(ScaledValues):
         """x [..., I] @ weight [O, I].T -> f32[..., O]: the values converted to the model dtype
         (exact: 1-byte values fit every model dtype) meet x in a matmul, and the result is
         scaled. In a bfloat16 model on CPU int8 values go through cpu_int8.py, whose kernel reads
-        a stacked layer in place and applies the scale itself; otherwise layers/dot.py's
+        a stacked layer in place and applies the scale itself; otherwise dot.py's
         matmul."""
         if cpu_int8.supports(self.values, self.dtype):
             stacked = self.layer is not None

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from gguf.constants import GGMLQuantizationType as Q
 
 from jvllm import native
-from jvllm.layers.dot import dot_rows
+from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
 _KERNEL = "cpu_gguf"  # native.SOURCES' key of jvllm/native/cpu_gguf.cc

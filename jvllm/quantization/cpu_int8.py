@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm import native
-from jvllm.layers.dot import dot_rows
+from jvllm.quantization.dot import dot_rows
 
 _KERNEL = "cpu_int8"  # native.SOURCES' key of jvllm/native/cpu_int8.cc
 _TARGETS = ("Int8DenseBF16", "Int8ToBF16")

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from gguf.constants import GGMLQuantizationType as Q
 
-from jvllm.layers.dot import dot_rows
 from jvllm.quantization import cpu_gguf
+from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, Fields
 
 

@@ -5,7 +5,7 @@ import dataclasses
 _MIN_TOKENS = 16
 # With speculative decoding, mixed buckets from 2 tokens: a few requests' last tokens and
 # drafts (k + 1 tokens each) then run in as few rows as a decode step, which on CPU costs about
-# what one row does (up to 8 rows, layers/cpu_dense.py), where 16 rows cost far more.
+# what one row does (up to 8 rows, quantization/cpu_dense.py), where 16 rows cost far more.
 SPECULATIVE_MIN_TOKENS = 2
 _MIN_SEQS = 8
 # Queries per attention tile in mixed steps; decode-only steps use tiles of one query.

@@ -21,7 +21,6 @@ from jvllm.core.engine_config import EngineConfig
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.distributed.tensor_parallel import ParamPlacer
-from jvllm.layers import cpu_dense
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
 from jvllm.model_loader import load_model
@@ -30,7 +29,7 @@ from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import expected_dtype
 from jvllm.model_loader.weight_update import read_weight_update
-from jvllm.quantization import describe_weights, is_quantized
+from jvllm.quantization import cpu_dense, describe_weights, is_quantized
 from jvllm.worker import device_buffers
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache

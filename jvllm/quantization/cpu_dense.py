@@ -12,7 +12,7 @@ rows"). A weight of its own (the LM head) goes to the kernel only up to STREAM_R
 with nothing to copy, XLA's matmul of more rows is the faster.
 
 It is built on first use (jvllm/native/); a CPU without AVX-512 (BF16 for bfloat16), a
-machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (layers/dot.py).
+machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (dot.py).
 """
 
 import functools

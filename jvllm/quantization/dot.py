@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from jvllm.layers import cpu_dense
+from jvllm.quantization import cpu_dense
 
 
 def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
