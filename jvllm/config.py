@@ -166,6 +166,15 @@ class ModelConfig:
             return multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def check_can_generate(self) -> None:
+        """A ValueError for a generating engine whose model has no LM head."""
+        if not self.has_lm_head:
+            raise ValueError(
+                f"this checkpoint ({self.architecture}) is a base model without an LM head and "
+                "with untied embeddings: it cannot generate text. Serve it as an embedding model "
+                "with runner='pooling' (--runner pooling)"
+            )
+
     def checked_max_model_len(self, max_model_len: int | None) -> int:
         """The engine's max_model_len: the one asked for (None: max_position_embeddings), or a
         ValueError past the model's context that says how to extend it."""

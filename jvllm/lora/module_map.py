@@ -1,7 +1,7 @@
 """Which checkpoint modules each adapter-taking projection is made of, per layer.
 
 A family's `load_weights` names, for each param, the HF tensors it concatenates
-(model_loader/weights.py). Replayed against a recorder instead of a checkpoint, it tells which
+(models/weights.py). Replayed against a recorder instead of a checkpoint, it tells which
 HF module ("model.layers.3.self_attn.k_proj") is which rows of which fused projection
 ("layers.attn.qkv", rows N*H .. (N+K)*H): where a PEFT adapter's A and B go. A family that
 transforms a tensor on its way in (GPT-2's transposed Conv1D, GPT-NeoX's interleaved q|k|v)

@@ -35,13 +35,3 @@ def without_missing_head(config: ModelConfig, names: Iterable[str]) -> ModelConf
     if config.tie_word_embeddings or any(n.endswith(_HEAD_SUFFIXES) for n in names):
         return config
     return dataclasses.replace(config, tie_word_embeddings=True, has_lm_head=False)
-
-
-def check_can_generate(config: ModelConfig) -> None:
-    """A ValueError for a generating engine whose model has no LM head."""
-    if not config.has_lm_head:
-        raise ValueError(
-            f"this checkpoint ({config.architecture}) is a base model without an LM head and "
-            "with untied embeddings: it cannot generate text. Serve it as an embedding model "
-            "with runner='pooling' (--runner pooling)"
-        )

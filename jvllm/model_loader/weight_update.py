@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from jvllm.config import ModelConfig
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.model import param_shapes
 from jvllm.models.registry import model_class
+from jvllm.models.weights import CheckpointWeights
 
 # Names a model's state_dict() may carry that no param is made of: rotary tables saved as
 # buffers; a tied LM head is the embedding again (see `_ignored`).

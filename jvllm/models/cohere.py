@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from jvllm.config import ModelConfig
 from jvllm.layers.layer_norm_rotary_decoder import decoder_options
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.layer_norm_rotary import LayerNormRotaryForCausalLM, layer_norm_rotary_config
+from jvllm.models.weights import CheckpointWeights
 
 # What CohereConfig and Cohere2Config assume where a config.json says nothing.
 _DEFAULTS = {

@@ -38,7 +38,7 @@ from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
-from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights
 
 # DeepseekV2Config's / DeepseekV3Config's defaults, where a config.json does not say.
 _V2_DEFAULTS = {

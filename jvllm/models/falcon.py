@@ -23,12 +23,12 @@ import numpy as np
 
 from jvllm.config import ModelConfig
 from jvllm.layers.layer_norm_rotary_decoder import decoder_options
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.layer_norm_rotary import (
     LayerNormRotaryForCausalLM,
     layer_norm_rotary_config,
     whole_head_dim,
 )
+from jvllm.models.weights import CheckpointWeights
 
 # What FalconConfig assumes where a config.json says nothing.
 _DEFAULTS = {

@@ -26,7 +26,7 @@ from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
-from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights
 
 # The defaults of HF's config classes: a config.json may leave out any field it does not change.
 _COMMON_DEFAULTS = {

@@ -19,8 +19,8 @@ from jvllm.layers.activation import check_activation
 from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.weights import CheckpointWeights
 from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # What GlmConfig and Glm4Config assume where a config.json says nothing.

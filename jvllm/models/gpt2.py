@@ -20,7 +20,7 @@ from jvllm.layers.layer_norm_decoder import LayerNormDecoderLayer
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import LayerNorm
 from jvllm.layers.scan import scan_layers, stacked_layers
-from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights
 
 
 def _conv1d(weight: np.ndarray) -> np.ndarray:

@@ -15,8 +15,8 @@ from jvllm.config import ModelConfig
 from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.gpt_oss_moe import GptOssMoE, split_interleaved
 from jvllm.layers.norm import RMSNorm
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.weights import CheckpointWeights
 
 # GptOssConfig's defaults, where a config.json does not say.
 _DEFAULTS = {

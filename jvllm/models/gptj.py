@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from jvllm.config import ModelConfig
 from jvllm.layers.layer_norm_rotary_decoder import decoder_options
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.layer_norm_rotary import (
     LayerNormRotaryForCausalLM,
     layer_norm_rotary_config,
     whole_head_dim,
 )
+from jvllm.models.weights import CheckpointWeights
 from jvllm.rope_config import ROTARY_FRACTION_KEY
 
 # What GPTJConfig assumes where a config.json says nothing.

@@ -23,8 +23,8 @@ from jvllm.config import ModelConfig
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.moe import SparseMoE, moe_mlp, route
 from jvllm.layers.parallel import sum_over_shards
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _normalize_granite
+from jvllm.models.weights import CheckpointWeights
 
 # What GraniteMoeConfig assumes where a config.json says nothing.
 _DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2}

@@ -24,7 +24,7 @@ from jvllm.layers.norm import LayerNorm
 from jvllm.layers.params import param
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
-from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights
 
 # torch's nn.LayerNorm default, which all four config classes take as theirs.
 LAYER_NORM_EPS = 1e-5

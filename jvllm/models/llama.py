@@ -24,7 +24,7 @@ from jvllm.layers.moe import SparseMoE
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
-from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights
 from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # Qwen2Config's and Qwen3Config's window where use_sliding_window sets none, and its first layer.

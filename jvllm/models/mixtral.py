@@ -5,8 +5,8 @@ sum 1; the experts run as grouped matmuls (layers/moe.py).
 """
 
 from jvllm.config import ModelConfig
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.weights import CheckpointWeights
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -15,9 +15,8 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.layers.lora import adapter_tokens
 from jvllm.layers.scan import is_unstacked
-from jvllm.model_loader.base_model import check_can_generate
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.registry import model_class
+from jvllm.models.weights import CheckpointWeights
 from jvllm.quantization import is_quantized
 
 
@@ -84,7 +83,7 @@ def forward(
 def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
     """hidden f32[S, D] (already final-normed) -> logits f32[S, V]; a ValueError for a model
     loaded without its LM head (its tied stand-in would give wrong logits)."""
-    check_can_generate(config)
+    config.check_can_generate()
     return _module(params, config).compute_logits(hidden)
 
 

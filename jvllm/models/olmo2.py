@@ -22,8 +22,8 @@ from jvllm.layers.norm import RMSNorm
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.layers.params import param
 from jvllm.layers.rotary_layers import run_rotary_layers
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.weights import CheckpointWeights
 
 # What Olmo2Config and Olmo3Config assume where a config.json says nothing.
 _DEFAULTS = {"rms_norm_eps": 1e-5, "eos_token_id": 50279}

@@ -13,11 +13,11 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.layers.attention import Attention
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.layer_norm_rotary import whole_head_dim
 from jvllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from jvllm.models.olmo2 import WholeRMSNorm
 from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from jvllm.models.weights import CheckpointWeights
 
 # What OlmoeConfig assumes where a config.json says nothing.
 _DEFAULTS = {

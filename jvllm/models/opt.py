@@ -22,7 +22,7 @@ from jvllm.layers.layer_norm_decoder import LayerNormDecoderLayer
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import LayerNorm
 from jvllm.layers.scan import scan_layers, stacked_layers
-from jvllm.model_loader.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights
 
 # Position p reads row p + 2 of OPT's table, which has max_position_embeddings + 2 rows.
 _POSITION_OFFSET = 2

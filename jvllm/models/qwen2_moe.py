@@ -12,9 +12,9 @@ other mix, and a model without experts, is refused.
 """
 
 from jvllm.config import ModelConfig
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
 from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM, set_dense_prefix
+from jvllm.models.weights import CheckpointWeights
 
 # Qwen2MoeConfig's defaults, where a config.json does not say.
 _DEFAULTS = {

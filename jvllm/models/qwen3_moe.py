@@ -8,8 +8,8 @@ Qwen3-MoE models are sparse in every layer.
 """
 
 from jvllm.config import ModelConfig
-from jvllm.model_loader.weights import CheckpointWeights
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.weights import CheckpointWeights
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -24,7 +24,6 @@ from jvllm.distributed.tensor_parallel import ParamPlacer
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
 from jvllm.model_loader import load_model
-from jvllm.model_loader.base_model import check_can_generate
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import expected_dtype
@@ -74,7 +73,7 @@ class Worker:
         max_model_len = model_config.checked_max_model_len(load.max_model_len)
         self.model_config = model_config.for_max_model_len(max_model_len)
         if load.runner != "pooling":
-            check_can_generate(self.model_config)
+            self.model_config.check_can_generate()
         self.config = config.resolved(max_model_len, backend)
         # config.json as a dict (vLLM's hf_config), for what the engine reads from it beside
         # the model (a pooling model's matryoshka sizes); None for a GGUF or the default model.
