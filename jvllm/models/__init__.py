@@ -1,0 +1,1 @@
+"""The model families, one file each, registered by their HF architectures name (registry.py)."""
