@@ -129,8 +129,3 @@ class EngineConfig:
                 attention_backend=attention_backend,
             ),
         )
-
-    def for_replica(self, rank: int) -> EngineConfig:
-        """The config of data-parallel replica `rank`."""
-        parallel = dataclasses.replace(self.parallel_config, data_parallel_rank=rank)
-        return dataclasses.replace(self, parallel_config=parallel)

@@ -30,17 +30,18 @@ logger = init_logger(__name__)
 def make_engine(model: str | None = None, **kwargs) -> LLMEngine | DataParallelEngine:
     """On a worker process of a multi-process engine, this follows process 0 until it stops,
     then exits the process (SystemExit(0)): the same command serves every host."""
-    args = EngineArgs(model=model, **kwargs)  # every option checked before any replica loads
+    # Every option checked before any replica loads.
+    parallel = EngineArgs(model=model, **kwargs).create_engine_config().parallel_config
     distributed = DistributedConfig.resolve(
-        args.distributed_coordinator_address,
-        args.distributed_num_processes,
-        args.distributed_process_id,
+        parallel.distributed_coordinator_address,
+        parallel.distributed_num_processes,
+        parallel.distributed_process_id,
     )
     if distributed is None:
-        if args.data_parallel_size == 1:
+        if parallel.data_parallel_size == 1:
             return LLMEngine(model, **kwargs)
         return DataParallelEngine(model, **kwargs)
-    if args.data_parallel_size > 1:
+    if parallel.data_parallel_size > 1:
         raise ValueError(
             "data_parallel_size > 1 over several processes is not supported; spread "
             "tensor_parallel_size over the hosts instead"
@@ -62,13 +63,13 @@ class DataParallelEngine:
     """LLMEngine's request API over `data_parallel_size` replicas."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        args = EngineArgs(model=model, **kwargs)
-        if args.data_parallel_rank is not None:
+        parallel = EngineArgs(model=model, **kwargs).create_engine_config().parallel_config
+        if parallel.data_parallel_rank is not None:
             raise ValueError(
                 "data_parallel_rank picks the one replica an LLMEngine runs; the "
                 "data-parallel front end runs them all, so leave it unset"
             )
-        size = args.data_parallel_size
+        size = parallel.data_parallel_size
         kwargs.pop("data_parallel_rank", None)  # None here (from_engine_args passes every field)
         self.replicas = [LLMEngine(model, **kwargs, data_parallel_rank=r) for r in range(size)]
         first = self.replicas[0]
