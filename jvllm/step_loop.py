@@ -225,15 +225,20 @@ class StepLoop:
     def _decode_state(self) -> DecodeState:
         """Take the requests still running out of the scheduler and give each the blocks for
         every token it may sample: the loop never comes back to the host for them."""
-        engine, runner = self.engine, self._runner
+        engine = self.engine
         self._rows = [r for r in self._requests if not r.is_finished]
         # A window as long as the requests may run (min_tokens is refused in prefill).
         limits = [window_limit(r, engine.max_model_len, engine.max_model_len) for r in self._rows]
         try:
             block_ids = engine.lend_to_step_loop(self._rows, limits)
-        except ValueError:
+            return self._state_over(block_ids, limits)
+        except BaseException:  # whatever failed, the engine takes its requests and blocks back
             self._abort_all()
             raise
+
+    def _state_over(self, block_ids: list[list[int]], limits: list[int]) -> DecodeState:
+        """The loop's state over the lent requests' blocks."""
+        runner = self._runner
         num_rows = len(self._rows)
         bucket = runner.buckets.select(num_rows, num_rows)
         inputs = prepare_step_inputs(

@@ -146,3 +146,20 @@ def test_a_held_engine_refuses_requests_and_a_donated_state_is_refused(llm):
     loop.finish(new_state, out.token_ids[None], out.active[None])
     assert manager.num_free_blocks == manager.num_usable_blocks
     assert _generate(llm, greedy) == expected
+
+
+def test_a_failure_after_the_blocks_are_lent_gives_them_back(llm, monkeypatch):
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the loop's inputs could not be made")
+
+    monkeypatch.setattr("jvllm.step_loop.prepare_step_inputs", broken)
+    with pytest.raises(RuntimeError, match="could not be made"):
+        StepLoop(llm).prefill(PROMPTS, greedy)
+    monkeypatch.undo()
+    engine = llm.llm_engine
+    assert not engine.held_by_step_loop and not engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert _run_loop(llm, greedy, num_steps=6, steps_per_call=6) == _generate(llm, greedy)
