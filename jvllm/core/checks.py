@@ -4,13 +4,14 @@ what it got and what is allowed (every bad engine option is a ValueError, as in 
 from collections.abc import Collection
 
 
-def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
-    """`value` is an int (not a bool) >= `minimum`, or None where `optional`."""
+def check_int(name: str, value, minimum: int = 1, *, optional: bool = False, why: str = "") -> None:
+    """`value` is an int (not a bool) >= `minimum`, or None where `optional`; `why` says
+    more of what is allowed (e.g. "0 = off")."""
     if optional and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         allowed = f"{'None or ' if optional else ''}an int >= {minimum}"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}{f' ({why})' if why else ''}, got {value!r}")
 
 
 def check_bool(name: str, value) -> None:

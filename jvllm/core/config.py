@@ -37,7 +37,8 @@ class SchedulerConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("num_scheduler_steps", self.num_scheduler_steps)
-        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        threshold = self.long_prefill_token_threshold
+        check_int("long_prefill_token_threshold", threshold, 0, why="0 = off")
         check_int("max_loras", self.max_loras, 0)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if not self.enable_chunked_prefill:

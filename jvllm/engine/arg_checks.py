@@ -1,6 +1,10 @@
 """Every refusal of the engine's options, one field's and between fields', in one step that
 runs before anything loads (EngineArgs checks itself on construction, and
-create_engine_config again). Messages name the option, its value and what is allowed."""
+create_engine_config again). Messages name the option, its value and what is allowed.
+
+The component configs check their own fields again when they are made (SchedulerConfig is
+also made directly, by tests and tools), with the same helpers and messages; what only the
+loaded model tells (max_model_len where none is given) is checked once the worker knows it."""
 
 from collections.abc import Mapping
 
@@ -22,6 +26,7 @@ _BOOLS = (
     "skip_tokenizer_init",
     "enable_sleep_mode",
     "enable_prefix_caching",
+    "enable_chunked_prefill",
     "enable_lora",
 )
 _POSITIVE_INTS = (
@@ -51,11 +56,16 @@ def _check_fields(args) -> None:
         check_int(name, getattr(args, name))
     check_int("max_model_len", args.max_model_len, optional=True)
     check_int("kv_cache_memory_bytes", args.kv_cache_memory_bytes, optional=True)
-    check_int("max_cpu_loras", args.max_cpu_loras, args.max_loras, optional=True)
+    check_int("max_cpu_loras", args.max_cpu_loras, args.max_loras, optional=True, why="max_loras")
     check_int("max_logprobs", args.max_logprobs, 0)
-    check_int("long_prefill_token_threshold", args.long_prefill_token_threshold, 0)
-    # Block 0 is the reserved null block.
-    check_int("num_gpu_blocks_override", args.num_gpu_blocks_override, 2, optional=True)
+    check_int("long_prefill_token_threshold", args.long_prefill_token_threshold, 0, why="0 = off")
+    check_int(
+        "num_gpu_blocks_override",
+        args.num_gpu_blocks_override,
+        2,
+        optional=True,
+        why="block 0 is the reserved null block",
+    )
     check_choice("quantization", args.quantization, QUANTIZATION_METHODS, optional=True)
     check_choice("kv_cache_dtype", args.kv_cache_dtype, KV_CACHE_DTYPES)
     check_choice("load_format", args.load_format, LOAD_FORMATS)
@@ -89,13 +99,23 @@ def _check_fields(args) -> None:
 
 def _check_combinations(args) -> None:
     """The options that each is fine alone and not together."""
-    rank = args.data_parallel_rank
-    if rank is not None:
-        check_int("data_parallel_rank", rank, 0)
-        if rank >= args.data_parallel_size:
+    rank, size = args.data_parallel_rank, args.data_parallel_size
+    if rank is not None and (
+        not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size
+    ):
+        raise ValueError(
+            f"data_parallel_rank must be an int in [0, data_parallel_size={size}), got {rank!r}"
+        )
+    if not args.enable_chunked_prefill:  # a prompt is scheduled whole or not at all
+        if args.max_model_len is not None and args.max_num_batched_tokens < args.max_model_len:
             raise ValueError(
-                f"data_parallel_rank must be an int in [0, data_parallel_size="
-                f"{args.data_parallel_size}), got {rank!r}"
+                f"max_num_batched_tokens must be >= max_model_len ({args.max_model_len}) when "
+                f"chunked prefill is disabled, got {args.max_num_batched_tokens}"
+            )
+        if args.long_prefill_token_threshold > 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be 0 when chunked prefill is disabled, "
+                f"got {args.long_prefill_token_threshold}"
             )
     if args.quantization == "gguf" and args.load_format == "dummy":
         raise ValueError(

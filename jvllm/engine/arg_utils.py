@@ -62,7 +62,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = True  # None (vLLM's default): on
     # How full blocks are hashed for the prefix cache (core/block_hash.py): "sha256",
     # "sha256_cbor" (the same, over a portable serialization), or "builtin" (Python's hash():
     # fastest, not collision-resistant; the pool's exact comparison still keeps hits correct).
@@ -70,7 +70,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = True  # None (vLLM's default): on
     attention_backend: str | None = None  # None = "pallas" on GPU, "reference" elsewhere
     seed: int = 0
     # False: each bucket compiles when a step first needs it (a few prompts wait for two or
@@ -151,18 +151,27 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        self._normalize_and_check()
+
+    def _normalize_and_check(self) -> None:
+        """vLLM's spellings and dicts as jvllm takes them, then every check (arg_checks.py);
+        create_engine_config runs it again, for fields set after construction."""
         self.dtype = normalize_dtype(self.dtype)
         self.runner = resolve_runner(self.runner, self.task)
         if self.runner == "pooling":
             self.pooler_config = as_pooler_config(self.pooler_config)
         self.speculative_config = as_speculative_config(self.speculative_config)
+        # vLLM's None: its default, on.
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if getattr(self, name) is None:
+                setattr(self, name, True)
         check_engine_args(self)
 
     def create_engine_config(self) -> EngineConfig:
         """Each component's config, once (vLLM's). What comes from the model directory's files
         alone (a pooling model's settings) is resolved here; what needs the loaded model or
         the devices (max_model_len, the attention backend), by the worker (Worker.config)."""
-        check_engine_args(self)
+        self._normalize_and_check()
         spec, lora, pooler = self.speculative_config, None, None
         if self.enable_lora:
             lora = LoRAConfig(
