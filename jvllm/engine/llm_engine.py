@@ -45,15 +45,15 @@ class LLMEngine:
         self.tokenizer = worker.tokenizer
         self.generation_config = worker.generation_config
         self.max_model_len = config.max_model_len
+        # runner="pooling": requests pool their prompts (engine/pooling.py); None: generate.
+        self.pooling = make_pooling_processor(config, self.model_config, worker.hf_config)
+        num_blocks = worker.determine_num_blocks()
         if self.generation_config.sampling_defaults:
             logger.info(
                 "default sampling parameters from the model's generation_config.json: %s "
                 "(generation_config='vllm' ignores them)",
                 self.generation_config.sampling_defaults,
             )
-        # runner="pooling": requests pool their prompts (engine/pooling.py); None: generate.
-        self.pooling = make_pooling_processor(config, self.model_config, worker.hf_config)
-        num_blocks = worker.determine_num_blocks()
         can_cache_prefix = self.pooling is None or self.pooling.can_cache_prefix
         self.scheduler = make_scheduler(config, num_blocks, can_cache_prefix)
         worker.initialize_runner(num_blocks)

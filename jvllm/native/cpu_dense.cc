@@ -1,6 +1,7 @@
 // x @ W.T for rows x [R, I] and a weight W [O, I] of the same dtype (bfloat16 or float32) that
-// is layer `layer` of a stack [L, O, I], on XLA:CPU through the XLA FFI (layers/cpu_dense.py
-// builds it; with -DJVLLM_NO_BF16, for a CPU without AVX-512 BF16, float32 only).
+// is layer `layer` of a stack [L, O, I], on XLA:CPU through the XLA FFI
+// (quantization/cpu_dense.py builds it; with -DJVLLM_NO_BF16, for a CPU without AVX-512 BF16,
+// float32 only).
 //
 // Inside the layer scan XLA:CPU copies a layer's slice out of the stack before its matmul, and
 // its matmul of a row or two reads a weight well below the bandwidth a sum over it reaches;

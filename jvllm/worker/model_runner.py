@@ -60,7 +60,6 @@ class ModelRunner:
         "step" executable also scores the drafts' positions (worker/draft_scoring.py)."""
         if runner_config.max_model_len is None or runner_config.attention_backend is None:
             raise ValueError("the runner takes a config the worker resolved (Worker.config)")
-        self.runner_config = runner_config
         block_size = runner_config.block_size
         max_num_seqs = runner_config.max_num_seqs
         attention_backend = runner_config.attention_backend

@@ -75,12 +75,16 @@ class Worker:
         if load.runner != "pooling":
             self.model_config.check_can_generate()
         self.config = config.resolved(max_model_len, backend)
-        # config.json as a dict (vLLM's hf_config), for what the engine reads from it beside
-        # the model (a pooling model's matryoshka sizes); None for a GGUF or the default model.
+        # A pooling model's config.json as a dict (vLLM's hf_config), for what the engine reads
+        # from it beside the model (its matryoshka sizes); None for a GGUF, the default model,
+        # or a generating engine.
         is_hf_dir = load.model is not None and os.path.isfile(
             os.path.join(load.model, "config.json")
         )
-        self.hf_config = read_config_json(load.model, load.hf_overrides) if is_hf_dir else None
+        is_pooling = load.runner == "pooling"
+        self.hf_config = (
+            read_config_json(load.model, load.hf_overrides) if is_pooling and is_hf_dir else None
+        )
         self.model_runner: ModelRunner | None = None
         # While the weights sleep: param path -> host copy (sleep level 2: only what
         # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
@@ -91,7 +95,8 @@ class Worker:
         """Start building, in the background, the native kernels that the attention backend
         and the model dtype will use, so that tracing the first step finds them built."""
         load = config.load_config
-        prepare_backend(backend, config.cache_config.kv_cache_dtype, config.cache_config.block_size)
+        runner = config.runner_config
+        prepare_backend(backend, runner.kv_cache_dtype, runner.block_size)
         cpu_dense.build_early(expected_dtype(load.model, load.dtype, load.hf_overrides))
 
     def determine_num_blocks(self) -> int:
@@ -116,7 +121,7 @@ class Worker:
             describe_weights(self.params, self.model_config.dtype),
             self.load_seconds,
             describe_placement(self.mesh, self.params),
-            size.describe(config.cache_config.block_size, per_device=self.mesh.size > 1),
+            size.describe(runner.block_size, per_device=self.mesh.size > 1),
         )
         return size.num_blocks
 
