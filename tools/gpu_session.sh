@@ -223,7 +223,7 @@ check)
 jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__version__)"
         python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
             tests/test_kernels_decode.py tests/test_kernels_ragged.py
-        python3 -m pytest -q -p no:cacheprovider tests/test_pallas_backend.py
+        python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_pallas_backend.py
         python3 -m pytest -q -p no:cacheprovider tests/test_multi_step.py -k pallas
         python3 -m kernels_pallas.bench --small
     } 2>&1 | tee "$out/check.log"
