@@ -1,10 +1,12 @@
-"""Every refusal of the engine's options, one field's and between fields', in one step that
-runs before anything loads (EngineArgs checks itself on construction, and
-create_engine_config again). Messages name the option, its value and what is allowed.
+"""Every refusal of the engine's options, one field's and between fields', in the one step
+that makes the engine's config, before anything loads (EngineArgs runs it on construction,
+and create_engine_config again). Messages name the option, its value and what is allowed.
 
-The component configs check their own fields again when they are made (SchedulerConfig is
-also made directly, by tests and tools), with the same helpers and messages; what only the
-loaded model tells (max_model_len where none is given) is checked once the worker knows it."""
+The scheduler's limits (max_num_batched_tokens, max_num_seqs, num_scheduler_steps, chunked
+prefill, the policy, max_model_len) are SchedulerConfig's to check, made in that step between
+`check_fields` and `check_combinations`, so that each check is written once; what only the
+loaded model tells (max_model_len where none is given) is checked once the worker knows it.
+"""
 
 from collections.abc import Mapping
 
@@ -13,7 +15,6 @@ from jvllm.attention.kv_quant import KV_CACHE_DTYPES
 from jvllm.config import LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.checks import check_bool, check_choice, check_int
-from jvllm.core.config import SCHEDULING_POLICIES
 from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
 from jvllm.model_loader.generation_config import check_generation_overrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
@@ -26,14 +27,10 @@ _BOOLS = (
     "skip_tokenizer_init",
     "enable_sleep_mode",
     "enable_prefix_caching",
-    "enable_chunked_prefill",
     "enable_lora",
 )
 _POSITIVE_INTS = (
     "block_size",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "num_scheduler_steps",
     "tensor_parallel_size",
     "data_parallel_size",
     "max_loras",
@@ -41,24 +38,17 @@ _POSITIVE_INTS = (
 )
 
 
-def check_engine_args(args) -> None:
+def check_fields(args) -> None:
     """ValueError (TypeError for vLLM's no-op bools) naming the first option of `args` (an
     EngineArgs, its dtype, runner and speculative_config already normalized) that jvllm
-    cannot run."""
-    _check_fields(args)
-    _check_combinations(args)
-
-
-def _check_fields(args) -> None:
+    cannot take, the scheduler's limits aside."""
     for name in _BOOLS:
         check_bool(name, getattr(args, name))
     for name in _POSITIVE_INTS:
         check_int(name, getattr(args, name))
-    check_int("max_model_len", args.max_model_len, optional=True)
     check_int("kv_cache_memory_bytes", args.kv_cache_memory_bytes, optional=True)
     check_int("max_cpu_loras", args.max_cpu_loras, args.max_loras, optional=True, why="max_loras")
     check_int("max_logprobs", args.max_logprobs, 0)
-    check_int("long_prefill_token_threshold", args.long_prefill_token_threshold, 0, why="0 = off")
     check_int(
         "num_gpu_blocks_override",
         args.num_gpu_blocks_override,
@@ -70,7 +60,6 @@ def _check_fields(args) -> None:
     check_choice("kv_cache_dtype", args.kv_cache_dtype, KV_CACHE_DTYPES)
     check_choice("load_format", args.load_format, LOAD_FORMATS)
     check_choice("logprobs_mode", args.logprobs_mode, LOGPROBS_MODES)
-    check_choice("scheduling_policy", args.scheduling_policy, SCHEDULING_POLICIES)
     check_choice(
         "prefix_caching_hash_algo", args.prefix_caching_hash_algo, PREFIX_CACHING_HASH_ALGOS
     )
@@ -97,8 +86,9 @@ def _check_fields(args) -> None:
             raise TypeError(f"{name} must be a bool, got {getattr(args, name)!r}")
 
 
-def _check_combinations(args) -> None:
-    """The options that each is fine alone and not together."""
+def check_combinations(args) -> None:
+    """ValueError for options that each are fine alone and not together (their fields and
+    the scheduler's limits already checked)."""
     rank, size = args.data_parallel_rank, args.data_parallel_size
     if rank is not None and (
         not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size
@@ -106,17 +96,6 @@ def _check_combinations(args) -> None:
         raise ValueError(
             f"data_parallel_rank must be an int in [0, data_parallel_size={size}), got {rank!r}"
         )
-    if not args.enable_chunked_prefill:  # a prompt is scheduled whole or not at all
-        if args.max_model_len is not None and args.max_num_batched_tokens < args.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= max_model_len ({args.max_model_len}) when "
-                f"chunked prefill is disabled, got {args.max_num_batched_tokens}"
-            )
-        if args.long_prefill_token_threshold > 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be 0 when chunked prefill is disabled, "
-                f"got {args.long_prefill_token_threshold}"
-            )
     if args.quantization == "gguf" and args.load_format == "dummy":
         raise ValueError(
             "quantization='gguf' keeps a GGUF file's blocks packed; load_format='dummy' "

@@ -13,7 +13,7 @@ from jvllm.core.engine_config import (
     ParallelConfig,
     RunnerConfig,
 )
-from jvllm.engine.arg_checks import check_engine_args
+from jvllm.engine.arg_checks import check_combinations, check_fields
 from jvllm.model_loader.hf import HFOverrides
 from jvllm.pooler_config import PoolerConfig, as_pooler_config, resolve_pooler_config
 from jvllm.spec_decode.config import SpeculativeConfig, as_speculative_config
@@ -153,9 +153,10 @@ class EngineArgs:
     def __post_init__(self):
         self._normalize_and_check()
 
-    def _normalize_and_check(self) -> None:
-        """vLLM's spellings and dicts as jvllm takes them, then every check (arg_checks.py);
-        create_engine_config runs it again, for fields set after construction."""
+    def _normalize_and_check(self) -> SchedulerConfig:
+        """vLLM's spellings and dicts as jvllm takes them, then every check (arg_checks.py,
+        and the scheduler config's own); create_engine_config runs it again, for fields set
+        after construction. -> the scheduler's config."""
         self.dtype = normalize_dtype(self.dtype)
         self.runner = resolve_runner(self.runner, self.task)
         if self.runner == "pooling":
@@ -165,13 +166,25 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if getattr(self, name) is None:
                 setattr(self, name, True)
-        check_engine_args(self)
+        check_fields(self)
+        scheduler = SchedulerConfig(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            num_scheduler_steps=self.num_scheduler_steps,
+            policy=self.scheduling_policy,
+            max_loras=self.max_loras if self.enable_lora else 0,
+        )
+        check_combinations(self)
+        return scheduler
 
     def create_engine_config(self) -> EngineConfig:
         """Each component's config, once (vLLM's). What comes from the model directory's files
         alone (a pooling model's settings) is resolved here; what needs the loaded model or
         the devices (max_model_len, the attention backend), by the worker (Worker.config)."""
-        self._normalize_and_check()
+        scheduler = self._normalize_and_check()
         spec, lora, pooler = self.speculative_config, None, None
         if self.enable_lora:
             lora = LoRAConfig(
@@ -206,16 +219,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             ),
-            scheduler_config=SchedulerConfig(
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                num_scheduler_steps=self.num_scheduler_steps,
-                policy=self.scheduling_policy,
-                max_loras=lora.max_loras if lora else 0,
-            ),
+            scheduler_config=scheduler,
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
