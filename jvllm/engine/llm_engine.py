@@ -19,6 +19,7 @@ from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.request_factory import RequestFactory
 from jvllm.engine.scheduler_factory import make_scheduler
 from jvllm.engine.sleep import SleepMode
+from jvllm.engine.step_loop_lease import StepLoopLease
 from jvllm.logger import init_logger
 from jvllm.lora.config import check_adapter
 from jvllm.outputs import RequestOutput
@@ -80,10 +81,8 @@ class LLMEngine:
         self._parent_of: dict[str, str] = {}
         # Requests that finished in the last step, for observers such as jvllm.tracing.
         self.last_finished_requests: list[Request] = []
-        # The requests a jvllm.step_loop.StepLoop decodes, between its prefill and finish:
-        # out of the scheduler, their KV arrays held by the loop (lend_to_step_loop).
-        self._lent_to_step_loop: list[Request] = []
-        self.held_by_step_loop = False
+        # The requests a jvllm.step_loop.StepLoop decodes, between its prefill and finish.
+        self._step_loop_lease = StepLoopLease(self.scheduler)
         # sleep, wake_up and load_weights (engine/sleep.py; the device half is the worker's)
         load = config.load_config
         self.sleep_mode = SleepMode(self, load.enable_sleep_mode, load.quantization)
@@ -236,31 +235,21 @@ class LLMEngine:
         drafter = self.scheduler.drafter
         return None if drafter is None else drafter.stats
 
+    @property
+    def held_by_step_loop(self) -> bool:
+        """Whether a jvllm.step_loop.StepLoop holds this engine's requests and KV arrays."""
+        return self._step_loop_lease.is_held
+
     def lend_to_step_loop(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """Take running `requests` out of the scheduler for a jvllm.step_loop.StepLoop, each
-        given the KV blocks for `limits[i]` tokens in all: the loop decodes them on the device,
-        and the engine takes no request until `end_step_loop`. -> each one's block ids.
-        ValueError where the cache cannot hold them (end_step_loop then frees what they got)."""
-        kv = self.scheduler.kv_cache_manager
-        self._lent_to_step_loop = list(requests)
-        for request, limit in zip(requests, limits):
-            if kv.allocate_slots(request, limit) is None:
-                raise ValueError(
-                    "the KV cache is too small to hold every token of the loop's requests; "
-                    "pass fewer prompts or a lower max_tokens, or raise kv_cache_memory_bytes"
-                )
-        for request in requests:
-            self.scheduler.running.remove(request)  # the loop decodes it, not step()
-        self.held_by_step_loop = True
-        return [kv.get_block_ids(r.request_id) for r in requests]
+        given the KV blocks for `limits[i]` tokens in all (engine/step_loop_lease.py); the
+        engine takes no request until `end_step_loop`. -> each one's block ids."""
+        return self._step_loop_lease.lend(requests, limits)
 
     def end_step_loop(self, request_ids: list[str]) -> None:
         """Take back what lend_to_step_loop lent and abort the loop's requests, whose blocks go
         back to the pool."""
-        self.held_by_step_loop = False
-        running = self.scheduler.running
-        lent, self._lent_to_step_loop = self._lent_to_step_loop, []
-        running.extend(r for r in lent if not r.is_finished and r not in running)
+        self._step_loop_lease.take_back()
         self.abort_request(request_ids)
 
     def has_unfinished_requests(self) -> bool:
