@@ -56,8 +56,8 @@ def test_a_request_is_answered_while_a_bucket_it_does_not_need_compiles(
         assert long == expected[1]
     finally:
         release.set()
-    runner.wait_for_compiles()
-    assert runner.num_compilations == len(runner.all_shapes())
+    runner.compiler.wait_for_compiles()
+    assert runner.compiler.num_compilations == len(runner.compiler.all_shapes())
 
 
 def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
@@ -72,7 +72,7 @@ def test_a_step_runs_in_a_larger_compiled_bucket_while_its_own_compiles(
         assert short == expected[0]
     finally:
         release.set()
-    runner.wait_for_compiles()
+    runner.compiler.wait_for_compiles()
     assert runner.compiler.is_ready(held, "step")
 
 
@@ -87,14 +87,14 @@ def test_a_bucket_lent_to_a_step_gets_no_sampler_plan(
     try:
         # Every other shape compiled first, so that the decode steps run in a lent bucket.
         deadline = time.monotonic() + 120
-        while len(runner.compiler.executables) < len(runner.all_shapes()) - 1:
+        while len(runner.compiler.executables) < len(runner.compiler.all_shapes()) - 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         short = llm.generate(_SHORT, _PARAMS, use_tqdm=False)[0].outputs[0].token_ids
         assert short == expected[0]
     finally:
         release.set()
-    runner.wait_for_compiles()
+    runner.compiler.wait_for_compiles()
     planned = [s for s in runner.compiler.executables._ready if s[2] is not SamplerPlan.DYNAMIC]
     assert planned and all(not b.is_decode for b, _, _ in planned)
 

@@ -205,7 +205,7 @@ def test_buckets_compile_on_first_use_by_default_and_up_front_for_a_server(
     kwargs = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
     llm = LLM(tiny_llama_weights_dir, **kwargs)
     runner = llm.llm_engine.model_runner
-    assert runner.num_compilations == 0
+    assert runner.compiler.num_compilations == 0
     records = []  # jvllm's loggers do not propagate to the root
     handler = logging.Handler()
     handler.emit = records.append
@@ -216,7 +216,7 @@ def test_buckets_compile_on_first_use_by_default_and_up_front_for_a_server(
     # The 3-token prefill and the 1-sequence decode: 2 of the 4 buckets. The prefill's compiles
     # in the step that needs it; the decode bucket, which the prefill's sequence needs next,
     # compiles beside it in the background.
-    assert runner.num_compilations == 2 < len(runner.buckets.all_buckets())
+    assert runner.compiler.num_compilations == 2 < len(runner.buckets.all_buckets())
     messages = [r.getMessage() for r in records]
     assert sum("mixed bucket" in m and "on first use" in m for m in messages) == 1
     # (Other tests' engines may still be logging background compiles.)
@@ -225,8 +225,8 @@ def test_buckets_compile_on_first_use_by_default_and_up_front_for_a_server(
     engine, _, _ = build_server_engine(tiny_llama_weights_dir, **kwargs)
     try:
         server_runner = engine.engine.model_runner
-        server_runner.wait_for_compiles()  # the server compiles them in the background
-        assert server_runner.num_compilations == len(server_runner.buckets.all_buckets())
+        server_runner.compiler.wait_for_compiles()  # the server compiles them in the background
+        assert server_runner.compiler.num_compilations == len(server_runner.buckets.all_buckets())
     finally:
         engine.shutdown()
 

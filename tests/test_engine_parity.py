@@ -27,11 +27,13 @@ def test_greedy_batch_matches_hf_token_for_token(tiny_llama_dir, hf_expected):
         max_num_seqs=8,
         compile_all_buckets=True,
     )
-    compiled = llm.llm_engine.model_runner.num_compilations
+    compiled = llm.llm_engine.model_runner.compiler.num_compilations
     assert compiled == len(llm.llm_engine.model_runner.buckets.all_buckets())
     assert _generate(llm) == hf_expected
     _generate(llm)
-    assert llm.llm_engine.model_runner.num_compilations == compiled  # nothing on the hot path
+    assert (
+        llm.llm_engine.model_runner.compiler.num_compilations == compiled
+    )  # nothing on the hot path
 
 
 def test_chunked_prefill_gives_identical_tokens(tiny_llama_dir, hf_expected):

@@ -285,7 +285,7 @@ def test_windows_run_fewer_device_calls_and_compile_a_bounded_set(tiny_llama_dir
     )
     runner = llm.llm_engine.model_runner
     decode_buckets = [b for b in runner.buckets.all_buckets() if b.is_decode]
-    compiled = runner.num_compilations
+    compiled = runner.compiler.num_compilations
     # Each decode bucket also as a window and as a step run ahead.
     assert compiled == len(runner.buckets.all_buckets()) + 2 * len(decode_buckets)
     engine = llm.llm_engine
@@ -296,7 +296,7 @@ def test_windows_run_fewer_device_calls_and_compile_a_bounded_set(tiny_llama_dir
         engine.step()
         num_steps += 1
     assert num_steps == 1 + 4  # the prefill samples one token, then 4 windows of 8
-    assert runner.num_compilations == compiled  # nothing compiled on the hot path
+    assert runner.compiler.num_compilations == compiled  # nothing compiled on the hot path
 
 
 def test_pallas_backend_windows_match_reference_single_steps(tiny_llama_weights_dir, engines):

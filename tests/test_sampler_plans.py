@@ -142,7 +142,7 @@ def test_the_engine_runs_each_plans_executable_once_compiled(tiny_llama_dir, mon
     )
     for plan, params in _PARAMS.items():
         first = llm.generate(PROMPTS, params, use_tqdm=False)  # the plan's first steps
-        runner.wait_for_compiles()
+        runner.compiler.wait_for_compiles()
         waited.clear()
         again = llm.generate(PROMPTS, params, use_tqdm=False)
         assert waited == [], plan

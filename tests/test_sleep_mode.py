@@ -54,7 +54,7 @@ def test_sleep_wake_and_new_weights_decode_like_hf_without_recompiling(models):
     llm = LLM(path_a, **ENGINE)
     runner = llm.llm_engine.model_runner
     assert _generate(llm) == expected_a
-    num_compilations = runner.num_compilations
+    num_compilations = runner.compiler.num_compilations
     old_param, old_kv = runner.params["embed"]["embedding"], runner.kv_cache
 
     llm.sleep(level=1)
@@ -78,7 +78,7 @@ def test_sleep_wake_and_new_weights_decode_like_hf_without_recompiling(models):
     # prompts' blocks are cached from the old weights: the reset keeps them from being reused.
     llm.load_weights(hf_b.state_dict().items())
     assert _generate(llm) == expected_b, "the second model's weights"
-    assert runner.num_compilations == num_compilations
+    assert runner.compiler.num_compilations == num_compilations
 
 
 def test_load_weights_takes_whole_params_of_a_subset(models):

@@ -89,7 +89,7 @@ def _first_token_child(args) -> dict:
         "first_token": first_token,
         "weights": engine.worker.load_seconds,  # and tokenizer (and converting a GGUF)
         # What the step waited for compiles (the decode bucket compiles beside it, unwaited).
-        "compile": engine.model_runner.compile_wait_seconds,
+        "compile": engine.model_runner.compiler.compile_wait_seconds,
     }
 
 

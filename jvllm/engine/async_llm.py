@@ -219,7 +219,7 @@ class AsyncLLM:
         self._shutdown = True
         self._wakeup.set()
         for replica in replicas(self.engine):
-            replica.model_runner.cancel_compiles()
+            replica.model_runner.compiler.cancel_compiles()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

@@ -64,7 +64,7 @@ class LLMEngine:
             self.tokenizer,
             self.model_config.vocab_size,
             self.eos_token_ids,
-            synchronous=self.model_runner.lockstep,
+            synchronous=self.model_runner.compiler.lockstep,
         )
         self._request_factory = RequestFactory(
             self.tokenizer,

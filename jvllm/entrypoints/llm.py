@@ -295,7 +295,7 @@ class LLM:
         num_output_tokens = 0
         runners = [replica.model_runner for replica in replicas(engine)]
         # Replicas step side by side: the longest of their waits is what delayed the outputs.
-        compile_wait = lambda: max(r.compile_wait_seconds for r in runners)
+        compile_wait = lambda: max(r.compiler.compile_wait_seconds for r in runners)
         compile_wait_start = compile_wait()
         try:
             while engine.has_unfinished_requests():

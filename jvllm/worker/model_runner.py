@@ -35,7 +35,7 @@ from jvllm.worker.draft_scoring import accepted_token_ids
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
-from jvllm.worker.step_compiler import Shape, StepCompiler, StepLayout, abstract_state
+from jvllm.worker.step_compiler import StepCompiler, StepLayout, abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
@@ -181,33 +181,6 @@ class ModelRunner:
         else:
             fn = functools.partial(single_step, step=step)
         return jax.jit(fn, donate_argnums=(1, 2))
-
-    # The compiler's figures and controls that the engine and the benchmarks read here.
-    @property
-    def lockstep(self) -> bool:
-        """Whether this runner is one of several processes' (compiles never in background)."""
-        return self.compiler.lockstep
-
-    @property
-    def num_compilations(self) -> int:
-        return self.compiler.num_compilations
-
-    @property
-    def compile_seconds(self) -> float:
-        return self.compiler.compile_seconds
-
-    @property
-    def compile_wait_seconds(self) -> float:
-        return self.compiler.compile_wait_seconds
-
-    def all_shapes(self) -> list[Shape]:
-        return self.compiler.all_shapes()
-
-    def wait_for_compiles(self) -> None:
-        self.compiler.wait_for_compiles()
-
-    def cancel_compiles(self) -> None:
-        self.compiler.cancel_compiles()
 
     def compile_all(self, progress: bool = True) -> float:
         """Compile every shape up front so that nothing compiles while serving but sampler

@@ -145,12 +145,12 @@ class Worker:
         runner_config, runner = self.config.runner_config, self.model_runner
         if not runner_config.compile_all_buckets:
             return
-        if runner_config.compile_in_background and not runner.lockstep:
+        if runner_config.compile_in_background and not runner.compiler.lockstep:
             runner.compile_in_background()
             logger.info(
                 "ready after %.1fs of loading; compiling %d executables in the background",
                 self.load_seconds,
-                len(runner.all_shapes()),
+                len(runner.compiler.all_shapes()),
             )
             return
         compile_seconds = runner.compile_all()
@@ -159,7 +159,7 @@ class Worker:
             time.perf_counter() - self._start,
             self.load_seconds,
             compile_seconds,
-            runner.num_compilations,
+            runner.compiler.num_compilations,
             runner.warmup_seconds,
         )
 

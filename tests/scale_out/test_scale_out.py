@@ -155,7 +155,7 @@ def test_step_has_the_layouts_collectives(kv2_dir, monkeypatch, split):
     monkeypatch.setenv(UNSTACKED_LAYERS_ENV, split)
     runner = LLM(kv2_dir, tensor_parallel_size=4, **ENGINE_KWARGS).llm_engine.model_runner
     layer_bodies = 2 if split == "1" else 1
-    for shape in runner.all_shapes()[:2]:
+    for shape in runner.compiler.all_shapes()[:2]:
         text = runner.compiler.executables.wait(shape).as_text()
         ops = re.findall(r"= \S+ ([a-z-]+?)(?:-start)?\(", text)
         collectives = sorted(op for op in ops if op.startswith(("all-", "collective", "reduce-s")))
