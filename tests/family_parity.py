@@ -70,7 +70,7 @@ def _generate(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _hf_greedy_ignoring_eos(model, prompt, max_tokens):
+def hf_greedy_ignoring_eos(model, prompt, max_tokens):
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
@@ -82,7 +82,7 @@ def _hf_greedy_ignoring_eos(model, prompt, max_tokens):
 def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kwargs) -> None:
     """The engine on `path` (float32) against `hf_model` greedy, token for token: all prompts
     in one batch; again with chunked prefill; then a prompt sharing a cached prefix."""
-    expected = [_hf_greedy_ignoring_eos(hf_model, p, max_tokens) for p in prompts]
+    expected = [hf_greedy_ignoring_eos(hf_model, p, max_tokens) for p in prompts]
     max_model_len = max(len(p) for p in prompts) + max_tokens + 64
     common = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": max_model_len}
     common.update(engine_kwargs)
@@ -98,7 +98,7 @@ def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kw
     manager = llm.llm_engine.scheduler.kv_cache_manager
     hits_before = manager.prefix_cache_hits
     assert _generate(llm, [sharing], max_tokens) == [
-        _hf_greedy_ignoring_eos(hf_model, sharing, max_tokens)
+        hf_greedy_ignoring_eos(hf_model, sharing, max_tokens)
     ], "prefix-cache hit"
     assert manager.prefix_cache_hits > hits_before
 

@@ -168,7 +168,6 @@ def test_router_picks_hf_experts_with_hf_weights(routing):
         (v3_like, {"moe_layer_freq": 2}, "moe_layer_freq=2"),
         (v3_like, {"num_key_value_heads": 2}, "num_key_value_heads=2"),
         (v3_like, {"n_group": 3}, "n_group must be a positive int dividing"),
-        (v3_like, {"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
     ],
 )
 def test_unsupported_deepseek_config_is_refused_naming_the_field(make_config, fields, message):

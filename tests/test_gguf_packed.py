@@ -90,7 +90,8 @@ def test_greedy_outputs_from_the_packed_gguf_equal_the_float32_path(smollm2_llm)
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"quantization": "awq"}, "allowed: ('gguf', 'int8', 'fp8')"),
+        ({"quantization": "bitsandbytes"}, "allowed: ('gguf', 'int8', 'fp8', "),
+        ({"quantization": "awq"}, "names a pre-quantized checkpoint format"),
         ({"quantization": "gguf", "model": "/nonexistent/model-dir"}, "needs a .gguf file"),
     ],
 )

@@ -115,5 +115,7 @@ def test_quantized_default_model_stays_close_to_bfloat16(method, bfloat16_qualit
 def test_serve_takes_the_quantization_flag():
     args = build_parser().parse_args(["serve", "--quantization", "int8"])
     assert engine_kwargs(args)["quantization"] == "int8"
+    args = build_parser().parse_args(["serve", "--quantization", "gptq_marlin"])
+    assert engine_kwargs(args)["quantization"] == "gptq_marlin"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--quantization", "awq"])
+        build_parser().parse_args(["serve", "--quantization", "bitsandbytes"])

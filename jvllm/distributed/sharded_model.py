@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.mesh import TP_AXIS
-from jvllm.distributed.tensor_parallel import param_specs, shard_config
+from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shard_config
 from jvllm.layers.scan import unstack_specs
 from jvllm.models.model import compute_logits, forward, param_axes, param_shapes
 
@@ -37,9 +37,12 @@ class ShardedModel:
     logits: Callable
 
 
-def sharded_model(config: ModelConfig, mesh: Mesh, attn, layers_unstacked: bool) -> ShardedModel:
+def sharded_model(
+    config: ModelConfig, mesh: Mesh, attn, layers_unstacked: bool, params: dict
+) -> ShardedModel:
     """layers_unstacked: whether the params' layers are split (layers/scan.py's
-    unstack_layers)."""
+    unstack_layers); params: the params the model runs on (their quantized weights' fields
+    each have a spec of their own)."""
     num_shards = mesh.shape[TP_AXIS]
     if num_shards == 1:
         return ShardedModel(
@@ -50,6 +53,7 @@ def sharded_model(config: ModelConfig, mesh: Mesh, attn, layers_unstacked: bool)
     specs = param_specs(config)
     if layers_unstacked:
         specs = unstack_specs(specs, param_axes(config), param_shapes(config))
+    specs = params_in_specs(specs, params)
     whole = PartitionSpec()
     sharded_forward = jax.shard_map(
         functools.partial(forward, config=local, attn=attn),

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jvllm.config import ModelConfig
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.models.model import param_axes, param_segments, param_shapes
+from jvllm.quantization import is_quantized
 
 # Logical axis names (layers/params.py) -> the mesh axis that cuts them; the rest replicate.
 AXIS_RULES = {"heads": TP_AXIS, "kv_heads": TP_AXIS, "mlp": TP_AXIS, "vocab": TP_AXIS}
@@ -96,6 +97,21 @@ def param_specs(config: ModelConfig) -> dict:
     )
 
 
+def params_in_specs(specs: dict, params: dict) -> dict:
+    """shard_map's in_specs for `params`: `specs` (param_specs, or layers/scan.py's
+    unstack_specs of them), where a quantized weight's one spec becomes one a field, each its
+    array's own (ParamPlacer.place_quantized cut them)."""
+
+    def spec_of(spec, param):
+        if is_quantized(param):
+            return jax.tree.map(lambda a: a.sharding.spec, param)
+        return spec
+
+    return jax.tree.map(
+        spec_of, specs, params, is_leaf=lambda x: isinstance(x, PartitionSpec) or is_quantized(x)
+    )
+
+
 def sharded_param_shapes(config: ModelConfig, num_shards: int) -> dict:
     """The params as the mesh holds them (T devices' slices side by side), as ShapeDtypeStructs:
     the checkpoint's shapes, with K repeated up to T and the vocabulary padded."""
@@ -157,6 +173,76 @@ class ParamPlacer:
             return jax.device_put(x, sharding, may_alias=True)
         host = self.host_layout(path, x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def place_quantized(
+        self, path: str, fields: dict[str, np.ndarray], experts: bool
+    ) -> dict[str, jax.Array]:
+        """A quantized weight's fields (quantization/int_weight.py's packed / scale / zero /
+        perm, fp8_weight.py's values / scale) -> on the mesh, each cut as the float param at
+        `path` is: along the same axis, the fused pieces laid out shard-major alike; `perm`
+        along the input axis. An expert stack's fields hold [..., E, O, I] where its float param
+        holds [..., E, I, O]. ValueError where the input axis is cut and a group or an FP8 block
+        would straddle two devices, naming the sizes."""
+        keys = path.split(".")
+        axes = list(_lookup(self._axes, keys))
+        if experts:
+            axes[-2:] = axes[-1], axes[-2]
+        in_cut = AXIS_RULES.get(axes[-1]) is not None and self._num_shards > 1
+        if in_cut:
+            self._check_input_cut(path, fields)
+        return {k: self._place_field(keys, k, x, axes, experts) for k, x in fields.items()}
+
+    def cuts_output(self, path: str, experts: bool) -> bool:
+        """Whether the param at `path` is cut along its output axis (an FP8 weight's block
+        scales must then be given a row each, the unit its fused pieces are laid out in)."""
+        axes = _lookup(self._axes, path.split("."))
+        out_axis = axes[-1] if experts else axes[-2]
+        return self._num_shards > 1 and AXIS_RULES.get(out_axis) is not None
+
+    def _place_field(self, keys, field: str, x: np.ndarray, axes: list, experts: bool):
+        axes = axes[:-2] + axes[-1:] if field == "perm" else axes
+        if field in ("scale", "zero") and x.shape[-1] == 1:
+            axes = axes[:-1] + [None]  # one scale a row: every device's columns use it whole
+        sharding = NamedSharding(self._mesh, PartitionSpec(*(AXIS_RULES.get(a) for a in axes)))
+        out_cut = field != "perm" and AXIS_RULES.get(axes[-2]) is not None
+        if self._mesh.size == 1:
+            return jax.device_put(x, sharding, may_alias=True)
+        host = x
+        if out_cut and self._num_shards > 1:
+            whole = _lookup(self._shapes, keys).shape
+            shape = (*x.shape[:-2], whole[-1] if experts else whole[-2], x.shape[-1])
+            segments = _lookup(self._segments, keys)
+            host = shard_layout(x, tuple(axes), segments, self._num_shards, shape)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def _check_input_cut(self, path: str, fields: dict[str, np.ndarray]) -> None:
+        """A row-parallel quantized weight must split into whole groups (FP8: whole blocks)
+        per device (or hold one scale a row, which every device keeps whole), its packed bytes
+        into whole 32-column runs."""
+        t = self._num_shards
+        if "perm" in fields:
+            raise ValueError(
+                f"{path}: an act-order (desc_act / g_idx) weight cut along its input axis over "
+                f"tensor_parallel_size={t} devices is not supported: its groups span every "
+                "device's columns; use tensor_parallel_size=1 or a checkpoint without act-order"
+            )
+        if "values" in fields:  # FP8: values [..., I], scale [..., I / bi]
+            num_in, num_blocks = fields["values"].shape[-1], fields["scale"].shape[-1]
+            block = -(-num_in // num_blocks)
+            ok = num_blocks == 1 or (num_in % t == 0 and (num_in // t) % block == 0)
+            what = f"FP8 blocks of {block} columns"
+        else:
+            num_bytes, num_groups = fields["packed"].shape[-1], fields["scale"].shape[-1]
+            ok = (num_groups == 1 or num_groups % t == 0) and num_bytes % (16 * t) == 0
+            what = f"{num_groups} groups ({num_bytes} packed bytes a row)"
+            num_in = None
+        if not ok:
+            size = f"input size {num_in} in " if num_in else ""
+            raise ValueError(
+                f"{path}: {size}{what} cannot be cut over tensor_parallel_size={t} devices "
+                "without a group straddling two of them; choose a tensor_parallel_size that "
+                "divides the groups"
+            )
 
     def host_layout(self, path: str, x: np.ndarray) -> np.ndarray:
         """A checkpoint-layout param -> its mesh layout, still on the host (shard_layout)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -18,8 +19,11 @@ from jvllm.logger import init_logger
 from jvllm.model_loader.base_model import stored_name, without_missing_head
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.model_loader.mxfp4 import packed_names, read_packed
+from jvllm.model_loader.quant_config import CheckpointQuantization, checkpoint_quantization
+from jvllm.model_loader.quantized_tensors import has_quantized, read_quantized
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
+from jvllm.quantization.host_weights import HostQuantized
 
 logger = init_logger(__name__)
 
@@ -96,8 +100,11 @@ def load_hf_dir(
 ) -> tuple[ModelConfig, dict]:
     """Load `path/config.json` (with `overrides` applied) and all `path/*.safetensors` (sharded
     or not), placed on `mesh` (None: JAX's default device). A base model's checkpoint (no
-    wrapper prefix, no LM head) loads too (base_model.py)."""
-    config = read_hf_config(path, dtype, overrides)
+    wrapper prefix, no LM head) loads too (base_model.py). A pre-quantized checkpoint (its
+    config's quantization_config, quant_config.py) keeps its matmul weights packed."""
+    hf_config = read_config_json(path, overrides)
+    quantization = checkpoint_quantization(hf_config)
+    config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")
@@ -118,9 +125,53 @@ def load_hf_dir(
         read.add(name)
         return tensors[name]
 
-    params = load_checkpoint_weights(config, get, placer(config, mesh))
+    quantized = None
+    if quantization is not None:
+        quantized = functools.partial(_read_quantized, path, tensors, quantization, read)
+        _log_activations(quantization)
+    params = load_checkpoint_weights(config, get, placer(config, mesh), quantized=quantized)
     _warn_unread(path, config, [n for n in tensors if n not in read])
     return config, params
+
+
+def _read_quantized(
+    path: str,
+    tensors: dict[str, np.ndarray],
+    quantization: CheckpointQuantization,
+    read: set[str],
+    name: str,
+) -> HostQuantized | None:
+    """The weight `name` ("...q_proj.weight") of a pre-quantized checkpoint in the device
+    layout, None where the checkpoint stores it as floats."""
+    if not name.endswith(".weight"):
+        return None
+    module = name[: -len(".weight")]
+    if not has_quantized(tensors, module):
+        base = module.partition(".")[2]  # a base model's checkpoint (base_model.py)
+        if not has_quantized(tensors, base):
+            return None
+        module = base
+    scheme = quantization.scheme_for(module)
+    if scheme is None:
+        raise ValueError(
+            f"{path}: {module!r} is stored quantized, but the checkpoint's quantization_config "
+            "gives it no scheme (its targets miss it, or its ignore list names it)"
+        )
+    weight, names = read_quantized(tensors, module, scheme)
+    read.update(names)
+    return weight
+
+
+def _log_activations(quantization: CheckpointQuantization) -> None:
+    """One line where the checkpoint's scheme quantizes activations, which jvllm does not."""
+    acts = sorted({s.activations for _, s in quantization.groups if s.activations})
+    if acts:
+        logger.info(
+            "%s quantizes activations to %s; jvllm runs its weights dequantized in the step "
+            "with activations in the model dtype (weight-only)",
+            quantization.describe(),
+            "/".join(acts),
+        )
 
 
 # Tensors checkpoints carry that no model computes with: rotary tables and attention masks

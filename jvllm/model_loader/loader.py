@@ -26,6 +26,12 @@ from jvllm.model_loader.hf import (
     read_hf_config,
     resolve_dtype,
 )
+from jvllm.model_loader.quant_config import (
+    CHECKPOINT_METHODS,
+    METHOD_ALIASES,
+    check_requested_method,
+    checkpoint_quantization,
+)
 from jvllm.quantization import QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
 
@@ -98,7 +104,9 @@ def load_model(
     (distributed/tensor_parallel.py); None: whole on JAX's default device.
 
     quantization (vLLM's names, see `resolve_quantization`): "gguf" keeps a GGUF's blocks
-    packed; "int8" / "fp8" quantize the layers' matmul weights at load.
+    packed; "int8" / "fp8" quantize a float checkpoint's matmul weights at load. A pre-quantized
+    checkpoint (compressed-tensors, GPTQ, AWQ, FP8: its config.json's quantization_config) is
+    kept packed whatever is passed; a method that disagrees with it is a ValueError.
 
     tokenizer: another one than the model's (`load_tokenizer`); skip_tokenizer_init: none (the
     model's is then not even read).
@@ -116,7 +124,7 @@ def load_model(
         tokenizer = None
     else:
         tokenizer = own_tokenizer() if tokenizer is None else load_tokenizer(tokenizer)
-    if quantization in ("int8", "fp8"):
+    if quantization in ("int8", "fp8") and not _is_prequantized(model, hf_overrides):
         if mesh is not None and mesh.size > 1:
             raise ValueError(
                 f"quantization={quantization!r} runs on one device; tensor parallelism over "
@@ -155,7 +163,24 @@ def resolve_quantization(model: str | None, dtype: str, quantization: str | None
         raise ValueError(
             f"quantization='gguf' needs a .gguf file (or the default model), got model={model!r}"
         )
+    is_hf_dir = isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))
+    found = checkpoint_quantization(read_config_json(model)) if is_hf_dir else None
+    names_a_format = quantization in CHECKPOINT_METHODS + tuple(METHOD_ALIASES)
+    if found is None and names_a_format and quantization != "fp8":  # "fp8" also quantizes
+        raise ValueError(
+            f"quantization={quantization!r} names a pre-quantized checkpoint format, but "
+            f"model={model!r} has no quantization_config in a config.json; for a float "
+            "checkpoint pass 'int8' or 'fp8' (quantized at load) or None"
+        )
+    check_requested_method(quantization, found)
     return quantization
+
+
+def _is_prequantized(model: str | None, hf_overrides: HFOverrides) -> bool:
+    """Whether `model` is an HF directory whose config.json has a quantization_config."""
+    if not (isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))):
+        return False
+    return checkpoint_quantization(read_config_json(model, hf_overrides)) is not None
 
 
 def _load(

@@ -12,6 +12,7 @@ import struct
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 # safetensors dtype tags -> NumPy dtypes.
@@ -22,7 +23,10 @@ _DTYPES = {
     "BF16": jnp.bfloat16,
     "I64": np.int64,
     "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,  # int8 weights and zero points (compressed-tensors)
     "U8": np.uint8,  # packed quantized weights (MXFP4's blocks and scales)
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # FP8 checkpoints' weights
 }
 _ALIGNMENT = 64  # where the data starts in a file we write: aligned for whoever maps it
 

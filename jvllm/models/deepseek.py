@@ -14,7 +14,8 @@ As HF's DeepseekV2/V3 models read their config.json:
 - q_a_layernorm and kv_a_layernorm use eps 1e-6, not rms_norm_eps;
 - the softmax scale is (qk_nope + qk_rope)^-1/2, times mscale(factor, mscale_all_dim)^2 where
   the rope scaling has a type and mscale_all_dim;
-- a quantized checkpoint (V3's FP8 release) is refused: convert it to bfloat16 first;
+- V3's own FP8 release (block-scaled e4m3, quantization_config quant_method "fp8") loads as
+  model_loader/quant_config.py reads it, its weights kept in fp8;
 - V3's multi-token-prediction layers (num_nextn_predict_layers, saved after the last layer)
   are not loaded: HF skips them too.
 """
@@ -178,12 +179,6 @@ def _normalize(cfg: dict) -> dict:
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported; allowed: False")
-    quantization = (cfg.get("quantization_config") or {}).get("quant_method")
-    if quantization is not None:  # DeepSeek-V3's released FP8 blocks and their scales
-        raise ValueError(
-            f"quantization_config.quant_method={quantization!r} is not supported for DeepSeek; "
-            "allowed: none (a bfloat16 or float32 checkpoint)"
-        )
     if cfg.get("moe_layer_freq", 1) != 1:
         raise ValueError(
             f"moe_layer_freq={cfg['moe_layer_freq']} is not supported; allowed: 1 (HF's "

@@ -87,11 +87,19 @@ def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> j
     return _module(params, config).compute_logits(hidden)
 
 
-def load_checkpoint_weights(config: ModelConfig, get, place=None, keep_packed=False) -> dict:
+def load_checkpoint_weights(
+    config: ModelConfig, get, place=None, keep_packed=False, quantized=None
+) -> dict:
     """The params of `config`'s family from HF-named torch-layout tensors `get(name)`, each put
-    on its device(s) by `place(path, array)` (see CheckpointWeights, also for keep_packed)."""
+    on its device(s) by `place(path, array)` (see CheckpointWeights, also for keep_packed and
+    quantized)."""
     weights = CheckpointWeights(
-        get, param_shapes(config), config.num_layers, place=place, keep_packed=keep_packed
+        get,
+        param_shapes(config),
+        config.num_layers,
+        place=place,
+        keep_packed=keep_packed,
+        quantized=quantized,
     )
     model_class(config.architecture).load_weights(config, weights)
     return weights.params()

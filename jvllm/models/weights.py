@@ -7,13 +7,16 @@ when a checkpoint does not match its config.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from jvllm.quantization import host_weights
 from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
+from jvllm.quantization.host_weights import HostFP8, HostQuantized
 from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
@@ -44,6 +47,12 @@ class CheckpointWeights:
     whose tensors are all of block formats that stay packed (quantization/gguf_blocks.py)
     becomes a GGUFWeight of their blocks (a MixedGGUFWeight where their formats differ), any
     other is read as floats.
+
+    With `quantized`, a pre-quantized checkpoint's reader (model_loader/quantized_tensors.py):
+    `quantized(name)` gives the weight `name` ("...q_proj.weight") in the device layout, or None
+    where it is stored as floats. A layer stack's matmul weight (and a MoE's expert stack) whose
+    tensors are all quantized alike becomes one IntWeight / FP8Weight kept packed; any other use
+    of a quantized tensor (an LM head, a family's transform) reads it dequantized.
     """
 
     def __init__(
@@ -54,9 +63,13 @@ class CheckpointWeights:
         layer_prefix: str = "model.layers.{}.",
         place: Callable[[str, np.ndarray], jax.Array] | None = None,
         keep_packed: bool = False,
+        quantized: Callable[[str], HostQuantized | None] | None = None,
     ):
         self._place = place or (lambda path, x: jax.device_put(x, may_alias=True))
         self._get = get if not keep_packed else lambda name: _read(get(name))
+        self._quantized = quantized
+        if quantized is not None:
+            self._get = functools.partial(_dequantized_or_float, quantized, get)
         self._get_lazy = get if keep_packed else None
         self._shapes = shapes
         self._num_layers = num_layers
@@ -117,6 +130,9 @@ class CheckpointWeights:
         ]
         if self._set_packed(path, spec, layer_names, transform, stack=True):
             return
+        is_matmul = transform is None and path.endswith(".weight") and len(spec.shape) == 3
+        if is_matmul and self._set_quantized(path, spec, layer_names, experts=False):
+            return
         out = aligned_empty(spec.shape, spec.dtype)
         for i, full_names in enumerate(layer_names):
             pieces = [self._get(n) for n in full_names]
@@ -135,6 +151,15 @@ class CheckpointWeights:
         along their first axis and transposed: ragged_dot's layout (layers/moe.py)."""
         path = self._in_stack(path)
         spec = self._spec(path)
+        layer_names = [
+            [
+                [self._layer_prefix.format(i) + n.format(j) for n in names]
+                for j in range(num_experts)
+            ]
+            for i in self._layer_range()
+        ]
+        if self._set_quantized(path, spec, layer_names, experts=True):
+            return
         out = aligned_empty(spec.shape, spec.dtype)
         for i, layer in enumerate(self._layer_range()):
             for j in range(num_experts):
@@ -183,6 +208,53 @@ class CheckpointWeights:
         blocks = blocks if stack else blocks[0]
         self._set(path, self._packed(path, blocks, qtypes.pop(), str(spec.dtype)))
         return True
+
+    def _set_quantized(self, path, spec, layer_names, experts: bool) -> bool:
+        """Set the param at `path` as the IntWeight / FP8Weight of the pre-quantized tensors
+        `layer_names` ([L][pieces], an expert stack's [L][E][pieces]) if all are quantized
+        alike and fit `spec`; whether it did."""
+        if self._quantized is None:
+            return False
+
+        def fused(names: list[str]) -> HostQuantized | None:
+            pieces = [self._quantized(n) for n in names]
+            if any(p is None for p in pieces):
+                return None
+            return host_weights.concat_rows(pieces)
+
+        def layer(names: list) -> HostQuantized | None:
+            if not experts:
+                return fused(names)
+            per_expert = [fused(n) for n in names]
+            if any(p is None for p in per_expert):
+                return None
+            return host_weights.stack(per_expert)
+
+        layers = [layer(names) for names in layer_names]
+        if any(p is None for p in layers):
+            return False
+        host = host_weights.stack(layers)
+        if host is None:
+            return False
+        cuts_output = getattr(self._place, "cuts_output", None)
+        if isinstance(host, HostFP8) and cuts_output and cuts_output(path, experts):
+            host = host.per_row()
+        weight = host_weights.to_device(
+            host, functools.partial(self._place_quantized, path, experts), str(spec.dtype), experts
+        )
+        if tuple(weight.shape) != tuple(spec.shape):
+            return False  # _mismatch's message comes from the float path
+        self._set(path, weight)
+        return True
+
+    def _place_quantized(self, path: str, experts: bool, fields: dict) -> dict:
+        """A quantized weight's fields on the param's device(s): cut as the float param would
+        be under tensor parallelism (the placer's place_quantized), else whole."""
+        fields = {k: aligned_copy(v) for k, v in fields.items()}
+        place = getattr(self._place, "place_quantized", None)
+        if place is not None:
+            return place(path, fields, experts)
+        return {k: self._place(path, v) for k, v in fields.items()}
 
     def _packed(self, path: str, blocks: np.ndarray, qtype, dtype: str) -> GGUFWeight:
         """blocks [(L,) O, nb] of `qtype` (a structured array) as a GGUFWeight on the param's
@@ -258,6 +330,12 @@ def aligned_copy(x: np.ndarray, dtype: Any = None) -> np.ndarray:
     out = aligned_empty(x.shape, x.dtype if dtype is None else dtype)
     out[...] = x
     return out
+
+
+def _dequantized_or_float(quantized, get, name: str) -> np.ndarray:
+    """The tensor `name` as floats: a pre-quantized weight dequantized, any other as stored."""
+    host = quantized(name)
+    return get(name) if host is None else host.dequantize()
 
 
 def _read(x):

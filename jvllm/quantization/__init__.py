@@ -1,20 +1,35 @@
-"""Quantized weights: GGUF blocks kept packed on the device (gguf_blocks.py, packed_weight.py)
-and int8 / fp8 weights with per-channel scales (channel_weight.py; a MoE's routed experts,
-expert_weight.py), chosen at load (model_loader/loader.py) and dequantized inside the jitted
-step; and the float matmul they all end in (dot.py, with its CPU kernel cpu_dense.py), which the
-layers call for unquantized weights."""
+"""Quantized weights: GGUF blocks kept packed on the device (gguf_blocks.py, packed_weight.py),
+int8 / fp8 weights with per-channel scales made at load (channel_weight.py; a MoE's routed
+experts, expert_weight.py), and pre-quantized checkpoints' weights (int4 / int8 groups,
+int_weight.py; FP8 blocks, fp8_weight.py), chosen at load (model_loader/loader.py) and
+dequantized inside the jitted step; and the float matmul they all end in (dot.py, with its CPU
+kernel cpu_dense.py), which the layers call for unquantized weights."""
 
 import jax
 from gguf.constants import GGMLQuantizationType as Q
 
 from jvllm.quantization.channel_weight import ChannelWeight
 from jvllm.quantization.expert_weight import ExpertWeight
+from jvllm.quantization.fp8_weight import FP8Weight
+from jvllm.quantization.int_weight import IntWeight
 from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
-# vLLM's `quantization=` names that jvllm accepts.
-QUANTIZATION_METHODS = ("gguf", "int8", "fp8")
-QuantizedWeight = GGUFWeight | MixedGGUFWeight | ChannelWeight | ExpertWeight
+# vLLM's `quantization=` names that jvllm accepts: GGUF, online int8 / fp8, and the methods of
+# pre-quantized checkpoints (model_loader/quant_config.py; "fp8" is one of them too).
+QUANTIZATION_METHODS = (
+    "gguf",
+    "int8",
+    "fp8",
+    "compressed-tensors",
+    "gptq",
+    "awq",
+    "gptq_marlin",
+    "awq_marlin",
+)
+QuantizedWeight = (
+    GGUFWeight | MixedGGUFWeight | ChannelWeight | ExpertWeight | IntWeight | FP8Weight
+)
 
 
 def is_quantized(x) -> bool:
@@ -32,9 +47,16 @@ def describe_weights(params, dtype: str) -> str:
     gguf = sorted(Q(q).name for q in qtypes)
     per_channel = (ChannelWeight, ExpertWeight)
     channel = sorted({x.values.dtype.name for x in leaves if isinstance(x, per_channel)})
+    groups = sorted(
+        {f"int{x.bits} groups of {x.group_size}" for x in leaves if isinstance(x, IntWeight)}
+    )
+    fp8 = sorted(
+        {f"fp8 blocks {x.block[0]}x{x.block[1]}" for x in leaves if isinstance(x, FP8Weight)}
+    )
     formats = []
     if gguf:
         formats.append(f"GGUF {'+'.join(gguf)} packed")
     if channel:
         formats.append(f"{'+'.join(channel)} per-channel")
+    formats.extend(groups + fp8)
     return "; ".join([dtype, *formats, f"{num_bytes / 2**20:.1f} MiB of weights"])

@@ -114,7 +114,7 @@ class ModelRunner:
         )
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
-        self.model = sharded_model(config, mesh, attn, self.layers_unstacked)
+        self.model = sharded_model(config, mesh, attn, self.layers_unstacked, self.params)
         self.step = functools.partial(
             model_step,
             model=self.model,

@@ -1,0 +1,85 @@
+"""FP8 (e4m3) weights as pre-quantized checkpoints ship them, kept in fp8 on the device: one scale
+per block of (rows, columns) of the weight (DeepSeek-V3's and Qwen3-*-FP8's 128 x 128), per
+output channel (a block of one row) or per tensor (a block of the whole weight).
+
+A [..., O, I] weight holds values float8_e4m3fn[..., O, I] and scale [..., ceil(O / bo),
+ceil(I / bi)] in the checkpoint's scale dtype; w = values * scale[o // bo, i // bi], computed
+rounded to the scale dtype and converted to the model dtype, as compressed_tensors' decompression and
+transformers' FP8 dequantization compute it (`dequantize`). The step dequantizes the layer and
+runs one matmul in the model dtype: activations stay unquantized (jvllm logs that at load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jvllm.quantization.dot import dot_rows
+from jvllm.quantization.int_weight import rounded
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Weight:
+    """values: float8_e4m3fn[..., O, I]; scale: [..., O / bo, I / bi] (rounded up); block:
+    (bo, bi); dtype: the model dtype; experts: the weight is a MoE's expert stack [..., E, O, I]
+    that layers/moe.py reads as [..., E, I, O] (`grouped`); layer: None, or i32[] when the
+    fields are stacked [L, ...] and the weight is layer `layer` of them."""
+
+    values: jax.Array
+    scale: jax.Array
+    block: tuple[int, int] = dataclasses.field(metadata={"static": True})
+    dtype: str = dataclasses.field(metadata={"static": True})
+    experts: bool = dataclasses.field(default=False, metadata={"static": True})
+    layer: jax.Array | None = None
+
+    def at_layer(self, layer: jax.Array) -> FP8Weight:
+        return dataclasses.replace(self, layer=layer)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float param's shape: [..., O, I], an expert stack's [..., E, I, O]."""
+        shape = self.values.shape if self.layer is None else self.values.shape[1:]
+        return (*shape[:-2], shape[-1], shape[-2]) if self.experts else shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+    def __getitem__(self, key):
+        """`param[...]` (how the layers read a weight) gives the weight itself."""
+        if key is not Ellipsis:
+            raise TypeError("a quantized weight is read whole (weight[...]); use dense()")
+        return self
+
+    def _own(self, x: jax.Array) -> jax.Array:
+        return x if self.layer is None else jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
+
+    def dequantize(self) -> jax.Array:
+        """-> [..., O, I] in the model dtype."""
+        return dequantize_blocks(self._own(self.values), self._own(self.scale), self.block).astype(
+            self.dtype
+        )
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """x [..., I] @ weight [O, I].T -> f32[..., O]."""
+        return dot_rows(x, self.dequantize())
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """rows [M, I] grouped by expert (group_sizes i32[E]) @ expert e's [I, O] -> f32[M, O]:
+        this layer's experts dequantized in the step, then one ragged_dot."""
+        w = jnp.swapaxes(self.dequantize(), -1, -2)  # [E, I, O]
+        return jax.lax.ragged_dot(
+            rows.astype(self.dtype), w, group_sizes, preferred_element_type=jnp.float32
+        )
+
+
+def dequantize_blocks(values: jax.Array, scale: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """values [..., O, I] * scale [..., ceil(O/bo), ceil(I/bi)] broadcast over its blocks ->
+    [..., O, I] in scale's dtype."""
+    num_out, num_in = values.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale, block[0], axis=-2)[..., :num_out, :], block[1], axis=-1)
+    w = values.astype(jnp.float32) * s[..., :num_in].astype(jnp.float32)  # exact
+    return rounded(w, scale.dtype)

@@ -1,0 +1,153 @@
+"""Integer weights of 4 or 8 bits with a scale (and a zero point) per group of input columns: the
+layout every pre-quantized integer checkpoint (compressed-tensors, GPTQ, AWQ) is repacked into at
+load (model_loader/quantized_checkpoint.py), kept packed on the device and dequantized inside
+the jitted step.
+
+A [..., O, I] weight of `bits` b and group size g holds:
+- packed u8[..., O, I * b / 8]: unsigned values q in [0, 2^b). 4 bits: in each run of 32 input
+  columns c..c+31, byte c/2 + j holds column c + j in its low nibble and c + 16 + j in its high
+  one (GGUF's order, which a SIMD kernel unpacks with one shift and one mask). 8 bits: a byte a
+  column.
+- scale [..., O, I / g], in the checkpoint's scale dtype (float16, bfloat16 or float32);
+- zero: None (symmetric: 2^(b-1)) or i16[..., O, I / g], the group's zero point, in q's range
+  (GPTQ's v1 convention, stored minus one, reaches 2^b: hence 16 bits);
+- perm: None, or i32[..., I] for GPTQ's act-order: the columns are stored sorted by group, and
+  the step multiplies x[..., perm] (x's columns in that order) by them.
+
+The value of column i of row o is w = (q - z) * s with z, s the entries of its group, rounded
+to the scale dtype (`rounded`) and then converted to the model dtype: what compressed_tensors' decompression
+and GPTQModel / AutoAWQ's dequantization compute, bit for bit (`dequantize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.quantization.dot import dot_rows
+
+NIBBLE_RUN = 32  # a 4-bit row is packed in runs of this many columns
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class IntWeight:
+    """See the module docstring. dtype: the model dtype the values are used in; experts: the
+    weight is a MoE's expert stack [..., E, O, I] that layers/moe.py reads as [..., E, I, O]
+    (`grouped`); layer: None, or i32[] when the fields are stacked [L, ...] and the weight is
+    layer `layer` of them."""
+
+    packed: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None
+    perm: jax.Array | None
+    bits: int = dataclasses.field(metadata={"static": True})
+    group_size: int = dataclasses.field(metadata={"static": True})
+    dtype: str = dataclasses.field(metadata={"static": True})
+    experts: bool = dataclasses.field(default=False, metadata={"static": True})
+    layer: jax.Array | None = None
+
+    def at_layer(self, layer: jax.Array) -> IntWeight:
+        """Layer i32[] of a stacked weight, without slicing its fields."""
+        return dataclasses.replace(self, layer=layer)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float param's shape: [..., O, I], an expert stack's [..., E, I, O]."""
+        lead = self.packed.shape[:-1] if self.layer is None else self.packed.shape[1:-1]
+        num_in = self.packed.shape[-1] * 8 // self.bits
+        return (*lead[:-1], num_in, lead[-1]) if self.experts else (*lead, num_in)
+
+    @property
+    def nbytes(self) -> int:
+        fields = (self.packed, self.scale, self.zero, self.perm)
+        return sum(f.nbytes for f in fields if f is not None)
+
+    def __getitem__(self, key):
+        """`param[...]` (how the layers read a weight) gives the weight itself."""
+        if key is not Ellipsis:
+            raise TypeError("a quantized weight is read whole (weight[...]); use dense()")
+        return self
+
+    def _own(self, x: jax.Array | None) -> jax.Array | None:
+        """This weight's own slice of a field: a stacked one's layer."""
+        if x is None or self.layer is None:
+            return x
+        return jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
+
+    def dequantize(self) -> jax.Array:
+        """-> [..., O, I] in the model dtype, columns in stored order (see `perm`)."""
+        return dequantize(
+            self._own(self.packed), self._own(self.scale), self._own(self.zero), self.bits
+        ).astype(self.dtype)
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """x [..., I] @ weight [O, I].T -> f32[..., O]: the layer dequantized in the step and
+        one matmul."""
+        perm = self._own(self.perm)
+        if perm is not None:
+            x = jnp.take(x, perm, axis=-1)
+        return dot_rows(x, self.dequantize())
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """rows [M, I] grouped by expert (group_sizes i32[E]) @ expert e's [I, O] -> f32[M, O]:
+        this layer's experts dequantized in the step (their columns put back in order where
+        act-order sorted them), then one ragged_dot."""
+        w = self.dequantize()  # [E, O, I]
+        perm = self._own(self.perm)  # [E, I]
+        if perm is not None:
+            w = jnp.take_along_axis(w, jnp.argsort(perm, axis=-1)[:, None, :], axis=-1)
+        return jax.lax.ragged_dot(
+            rows.astype(self.dtype),
+            jnp.swapaxes(w, -1, -2),
+            group_sizes,
+            preferred_element_type=jnp.float32,
+        )
+
+
+def unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """u8[..., I * bits / 8] -> i32[..., I]: the unsigned values, in column order."""
+    if bits == 8:
+        return packed.astype(jnp.int32)
+    runs = packed.reshape(*packed.shape[:-1], -1, NIBBLE_RUN // 2)  # [..., I/32, 16]
+    values = jnp.concatenate([runs & 15, runs >> 4], axis=-1)  # [..., I/32, 32]
+    return values.reshape(*packed.shape[:-1], -1).astype(jnp.int32)
+
+
+def dequantize(packed: jax.Array, scale: jax.Array, zero: jax.Array | None, bits: int) -> jax.Array:
+    """The values (q - z) * s of the module docstring -> [..., O, I] in scale's dtype."""
+    q = unpack(packed, bits)  # [..., O, I]
+    num_groups = scale.shape[-1]
+    q = q.reshape(*q.shape[:-1], num_groups, -1)  # [..., O, G, g]
+    z = jnp.int32(1 << (bits - 1)) if zero is None else zero.astype(jnp.int32)[..., None]
+    w = (q - z).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]  # exact
+    return rounded(w.reshape(*w.shape[:-2], -1), scale.dtype)
+
+
+def rounded(x: jax.Array, dtype) -> jax.Array:
+    """f32 x rounded to `dtype` (to nearest even), as the dtype's own arithmetic would give it:
+    XLA may keep a bfloat16 / float16 product at float32 precision inside a fusion (excess
+    precision), so the step's values would not be the format's reference ones."""
+    info = jnp.finfo(dtype)
+    if info.bits == 32:
+        return x
+    x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x.astype(dtype)
+
+
+def pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned values [..., I] (each < 2^bits) -> u8 packed as the module docstring says (the
+    load-time inverse of `unpack`)."""
+    values = np.asarray(values, np.uint8)
+    if bits == 8:
+        return values
+    num_in = values.shape[-1]
+    if num_in % NIBBLE_RUN:
+        raise ValueError(
+            f"a 4-bit weight's input size must be a multiple of {NIBBLE_RUN}, got {num_in}"
+        )
+    runs = values.reshape(*values.shape[:-1], -1, 2, NIBBLE_RUN // 2)  # [..., I/32, 2, 16]
+    return (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(*values.shape[:-1], num_in // 2)
