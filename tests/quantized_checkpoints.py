@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 # The checkpoint tensors that are linear layers' weights: attention and MLP projections, the
 # experts' (Mixtral's w1/w2/w3 too), never a router ("mlp.gate.weight") or the LM head.
-_LINEAR = re.compile(r"layers\.\d+\..*(_proj|\.w[123])\.weight$")
+_LINEAR = re.compile(r"layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$")
 
 
 def linear_names(state: dict[str, torch.Tensor]) -> list[str]:
