@@ -16,9 +16,9 @@ from family_parity import (
     ragged_prompts,
     save_random_model,
 )
-from quantized_checkpoints import linear_names, quantize_checkpoint, save_reference
 
 from jvllm import LLM, SamplingParams
+from jvllm.benchmarks.quantized_checkpoints import linear_names, quantize_checkpoint, save_reference
 from jvllm.model_loader.loader import load_model
 from jvllm.model_loader.quant_config import checkpoint_quantization
 from jvllm.quantization import FP8Weight, IntWeight, is_quantized

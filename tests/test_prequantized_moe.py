@@ -5,12 +5,12 @@ load), decoding greedily like HF transformers on the dequantized weights."""
 import pytest
 import transformers
 from family_parity import TINY_SHAPES, hf_greedy_ignoring_eos, ragged_prompts, save_random_model
-from quantized_checkpoints import quantize_checkpoint
 from test_family_deepseek import _save as save_deepseek
 from test_family_deepseek import v3_like
 from test_prequantized_checkpoints import SCHEMES, hf_reference
 
 from jvllm import LLM, SamplingParams
+from jvllm.benchmarks.quantized_checkpoints import quantize_checkpoint
 from jvllm.model_loader.loader import load_model
 from jvllm.quantization import FP8Weight, IntWeight
 

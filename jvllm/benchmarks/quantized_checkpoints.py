@@ -14,11 +14,18 @@ and each one's reference: its weights dequantized as the format's own code compu
 
 `quantize_checkpoint(src, dst, fmt, **options)` writes the quantized directory and returns the
 reference state dict {name: float32 tensor}; `save_reference(src, dst, reference)` writes it as a
-float HF directory that HF transformers runs.
+float HF directory that HF transformers runs. The tests (tests/test_prequantized_*.py) and the
+benchmark (prequantized.py) make their checkpoints with it; so can a user:
+
+    python -m jvllm.benchmarks.quantized_checkpoints SRC DST --format gptq --bits 4 \
+        --group-size 128
+
+(torch and, for compressed-tensors, the compressed-tensors package: the project's test extra.)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -58,10 +65,16 @@ def _write_dir(src: str, dst: str, config: dict, state: dict[str, torch.Tensor])
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(dst, "model.safetensors"))
 
 
-def quantize_checkpoint(src: str, dst: str, fmt: str, **options) -> dict[str, torch.Tensor]:
+def quantize_checkpoint(
+    src: str, dst: str, fmt: str, float_dtype: torch.dtype | None = None, **options
+) -> dict[str, torch.Tensor]:
     """Write `src` (a float HF directory) quantized in `fmt` ("compressed-tensors", "gptq",
-    "awq", "fp8") to `dst`; -> the reference {linear weight name: float32 dequantized}."""
+    "awq", "fp8") to `dst`, its other float tensors in `float_dtype` (None: as they are); ->
+    the reference {linear weight name: float32 dequantized}."""
     config, state = _read_dir(src)
+    if float_dtype is not None:
+        state = {k: v.to(float_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        config["dtype"] = config["torch_dtype"] = str(float_dtype).removeprefix("torch.")
     writer = {
         "compressed-tensors": _compressed_tensors,
         "gptq": _gptq,
@@ -299,3 +312,26 @@ def _fp8_blocks(state, block: tuple[int, int] = (128, 128)):
         "weight_block_size": list(block),
     }
     return out, reference, qconfig
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="a float HF model directory")
+    parser.add_argument("dst", help="where the quantized checkpoint is written")
+    parser.add_argument("--format", choices=("compressed-tensors", "gptq", "awq", "fp8"))
+    parser.add_argument("--scheme", default="W4A16", help="compressed-tensors' preset scheme")
+    parser.add_argument("--bits", type=int, default=4, help="GPTQ's bits")
+    parser.add_argument("--group-size", type=int, default=128)
+    args = parser.parse_args(argv)
+    options = {
+        "compressed-tensors": {"scheme": args.scheme, "group_size": args.group_size},
+        "gptq": {"bits": args.bits, "group_size": args.group_size},
+        "awq": {"group_size": args.group_size},
+        "fp8": {},
+    }[args.format]
+    quantize_checkpoint(args.src, args.dst, args.format, **options)
+    print(f"wrote {args.dst} ({args.format} {options})")
+
+
+if __name__ == "__main__":
+    main()

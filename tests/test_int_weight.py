@@ -1,0 +1,95 @@
+"""int_weight.py's layout: packing round-trips, dequantization is the formula (q - z) * s rounded
+to the scale dtype, and every dense path (one row on CPU in packed order, more rows through the
+dequantized matmul, a stacked layer inside jit, act-order's permuted columns) equals x times the
+dequantized weight."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jvllm.quantization.host_weights import int_weight
+from jvllm.quantization.int_weight import IntWeight, dequantize, pack, unpack
+
+
+def _weight(rng, shape, bits, group_size, symmetric, scale_dtype):
+    """Unsigned values, scales and zero points of `shape` [..., O, I]."""
+    *lead, num_out, num_in = shape
+    values = rng.integers(0, 1 << bits, shape)
+    scale = rng.uniform(0.001, 0.02, (*lead, num_out, num_in // group_size)).astype(scale_dtype)
+    zero = None if symmetric else rng.integers(0, 1 << bits, scale.shape).astype(np.int16)
+    return values, scale, zero
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_round_trips_in_column_order(bits):
+    values = np.random.default_rng(0).integers(0, 1 << bits, (3, 96))
+    packed = pack(values, bits)
+    assert packed.shape == (3, 96 * bits // 8) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(unpack(jnp.asarray(packed), bits), values)
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float16, ml_dtypes.bfloat16])
+def test_dequantize_rounds_each_value_to_the_scale_dtype_inside_jit(scale_dtype):
+    """The reference's arithmetic: (q - z) in the scale dtype times s, one rounding; jit must
+    not keep the float32 product (XLA's excess precision)."""
+    rng = np.random.default_rng(1)
+    values, scale, zero = _weight(rng, (8, 64), 4, 32, False, scale_dtype)
+    expected = (values - np.repeat(zero, 32, axis=1)).astype(scale_dtype) * np.repeat(
+        scale, 32, axis=1
+    )
+    got = jax.jit(dequantize, static_argnums=3)(
+        jnp.asarray(pack(values, 4)), jnp.asarray(scale), jnp.asarray(zero), 4
+    )
+    assert got.dtype == scale_dtype
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 96])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_dense_equals_x_times_the_dequantized_layer(bits, group_size, symmetric, num_rows):
+    rng = np.random.default_rng(2)
+    values, scale, zero = _weight(rng, (3, 40, 192), bits, group_size, symmetric, np.float16)
+    w = IntWeight(
+        jnp.asarray(pack(values, bits)),
+        jnp.asarray(scale),
+        None if zero is None else jnp.asarray(zero),
+        None,
+        bits,
+        group_size,
+        "bfloat16",
+    )
+    x = jnp.asarray(rng.normal(size=(num_rows, 192)), jnp.bfloat16)
+    layer = jnp.int32(2)
+    got = jax.jit(lambda w, x, layer: w.at_layer(layer).dense(x))(w, x, layer)
+    dequantized = np.asarray(w.dequantize()[2], np.float32)  # [O, I] in bfloat16 values
+    expected = np.asarray(x, np.float32) @ dequantized.T
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_act_order_columns_are_stored_by_group_and_x_follows_them():
+    """GPTQ's g_idx: column i belongs to group g_idx[i]; the weight stores the columns sorted
+    by group and multiplies x's columns in the same order."""
+    rng = np.random.default_rng(3)
+    values, scale, _ = _weight(rng, (24, 64), 4, 32, True, np.float16)
+    g_idx = rng.permutation(np.arange(64) // 32)
+    host = int_weight(values, scale, None, 4, 32, g_idx)
+    w = IntWeight(jnp.asarray(host.packed), jnp.asarray(scale), None, jnp.asarray(host.perm), 4,
+                  32, "float32")  # fmt: skip
+    # The reference: column i scaled by its own group's scale, centred on 8.
+    reference = (values - 8).astype(np.float16) * scale[:, g_idx]
+    x = jnp.asarray(rng.normal(size=(3, 64)), jnp.float32)
+    expected = np.asarray(x) @ reference.astype(np.float32).T
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda w, x: w.dense(x))(w, x)), expected,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(w.dense(x[:1])), expected[:1], rtol=1e-5, atol=1e-5)
+
+
+def test_unequal_act_order_groups_are_refused():
+    values = np.zeros((4, 64), np.uint8)
+    scale = np.ones((4, 2), np.float16)
+    with pytest.raises(ValueError, match="g_idx gives groups of"):
+        int_weight(values, scale, None, 4, 32, np.r_[np.zeros(40), np.ones(24)].astype(int))
