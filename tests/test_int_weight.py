@@ -93,3 +93,28 @@ def test_unequal_act_order_groups_are_refused():
     scale = np.ones((4, 2), np.float16)
     with pytest.raises(ValueError, match="g_idx gives groups of"):
         int_weight(values, scale, None, 4, 32, np.r_[np.zeros(40), np.ones(24)].astype(int))
+
+
+def test_on_a_gpu_the_pallas_dequantizing_matmul_reads_the_stacked_layer(monkeypatch):
+    """The GPU branch's call into kernels_pallas (run in interpret mode here): the stacked
+    fields and the layer index go in as they are, and the product is the dequantized one."""
+    from kernels_pallas import dequant_matmul
+
+    calls = []
+
+    def interpreted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs, interpret=True)
+
+    real = dequant_matmul.int_matmul
+    monkeypatch.setattr(dequant_matmul, "int_matmul", interpreted)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng(4)
+    values, scale, zero = _weight(rng, (2, 48, 128), 4, 64, False, ml_dtypes.bfloat16)
+    w = IntWeight(jnp.asarray(pack(values, 4)), jnp.asarray(scale), jnp.asarray(zero), None, 4,
+                  64, "bfloat16")  # fmt: skip
+    x = jnp.asarray(rng.normal(size=(3, 128)), jnp.bfloat16)
+    got = w.at_layer(jnp.int32(1)).dense(x)
+    assert calls and calls[0]["group_size"] == 64 and calls[0]["layer"] is not None
+    expected = np.asarray(x, np.float32) @ np.asarray(w.dequantize()[1], np.float32).T
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)

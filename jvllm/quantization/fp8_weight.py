@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.int_weight import rounded
+from kernels_pallas import dequant_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +65,16 @@ class FP8Weight:
         )
 
     def dense(self, x: jax.Array) -> jax.Array:
-        """x [..., I] @ weight [O, I].T -> f32[..., O]."""
+        """x [..., I] @ weight [O, I].T -> f32[..., O]: on a GPU kernels_pallas' dequantizing
+        matmul (each fp8 byte read once, a stacked layer where it lies), elsewhere the layer
+        dequantized in the step and one matmul."""
+        num_in = self.values.shape[-1]
+        if jax.default_backend() == "gpu" and (self.block[1] >= num_in or self.block[1] % 16 == 0):
+            rows = x.reshape(-1, num_in).astype(self.dtype)
+            y = dequant_matmul.fp8_block_matmul(
+                rows, self.values, self.scale, block=self.block, layer=self.layer
+            )
+            return y.reshape(*x.shape[:-1], -1)
         return dot_rows(x, self.dequantize())
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:

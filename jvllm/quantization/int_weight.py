@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.quantization.dot import dot_rows
+from kernels_pallas import dequant_matmul
 
 NIBBLE_RUN = 32  # a 4-bit row is packed in runs of this many columns
 
@@ -84,15 +85,35 @@ class IntWeight:
         return dequantize(*fields, self.bits).astype(self.dtype)
 
     def dense(self, x: jax.Array) -> jax.Array:
-        """x [..., I] @ weight [O, I].T -> f32[..., O]: the layer dequantized in the step and
-        one matmul; one row on CPU multiplies and reduces instead (`_one_row`)."""
+        """x [..., I] @ weight [O, I].T -> f32[..., O]. On a GPU kernels_pallas' dequantizing
+        matmul reads the packed bytes once, a stacked layer where it lies; on CPU one row
+        multiplies and reduces (`_one_row`); otherwise the layer is dequantized in the step for
+        one matmul."""
         perm = self._own(self.perm)
         if perm is not None:
             x = jnp.take(x, perm, axis=-1)
         num_rows = x.size // x.shape[-1]
+        if jax.default_backend() == "gpu" and self._kernel_group_size() is not None:
+            rows = x.reshape(num_rows, -1).astype(self.dtype)
+            y = dequant_matmul.int_matmul(
+                rows,
+                self.packed,
+                self.scale,
+                self.zero,
+                bits=self.bits,
+                group_size=self._kernel_group_size(),
+                layer=self.layer,
+            )
+            return y.reshape(*x.shape[:-1], -1)
         if num_rows == 1 and jax.default_backend() == "cpu" and self.group_size % 16 == 0:
             return self._one_row(x.reshape(-1)).reshape(*x.shape[:-1], -1)
         return dot_rows(x, self.dequantize())
+
+    def _kernel_group_size(self) -> int | None:
+        """The columns a scale covers here (a device's own, under tensor parallelism), where
+        kernels_pallas' dequantizing matmul takes it (a multiple of 32 at 4 bits, 16 at 8)."""
+        group_size = self.packed.shape[-1] * 8 // self.bits // self.scale.shape[-1]
+        return group_size if group_size % (32 if self.bits == 4 else 16) == 0 else None
 
     def _one_row(self, x: jax.Array) -> jax.Array:
         """x [I] @ weight [O, I].T -> f32[O], the weight's values made where they are multiplied
