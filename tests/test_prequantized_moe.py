@@ -24,10 +24,10 @@ MODELS = {
 }
 CASES = [
     ("mixtral", "gptq_int4_asym_act_order"),
-    ("mixtral", "awq_group32"),
-    ("mixtral", "fp8_block128"),
+    pytest.param("mixtral", "awq_group32", marks=pytest.mark.slow),
+    pytest.param("mixtral", "fp8_block128", marks=pytest.mark.slow),
     ("qwen3_moe", "ct_w4a16_group32"),
-    ("qwen3_moe", "ct_w8a16_channel"),
+    pytest.param("qwen3_moe", "ct_w8a16_channel", marks=pytest.mark.slow),
 ]
 
 
