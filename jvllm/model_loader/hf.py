@@ -128,7 +128,7 @@ def load_hf_dir(
     quantized = None
     if quantization is not None:
         quantized = functools.partial(_read_quantized, path, tensors, quantization, read)
-        _log_activations(quantization)
+        _log_quantization(path, quantization)
     params = load_checkpoint_weights(config, get, placer(config, mesh), quantized=quantized)
     _warn_unread(path, config, [n for n in tensors if n not in read])
     return config, params
@@ -162,16 +162,17 @@ def _read_quantized(
     return weight
 
 
-def _log_activations(quantization: CheckpointQuantization) -> None:
-    """One line where the checkpoint's scheme quantizes activations, which jvllm does not."""
+def _log_quantization(path: str, quantization: CheckpointQuantization) -> None:
+    """The checkpoint's format, and whether its scheme quantizes activations (which jvllm runs
+    in the model dtype)."""
     acts = sorted({s.activations for _, s in quantization.groups if s.activations})
+    note = ""
     if acts:
-        logger.info(
-            "%s quantizes activations to %s; jvllm runs its weights dequantized in the step "
-            "with activations in the model dtype (weight-only)",
-            quantization.describe(),
-            "/".join(acts),
+        note = (
+            f"; its activations, quantized to {'/'.join(acts)} by the scheme, run in the model "
+            "dtype here (weight-only)"
         )
+    logger.info("%s: %s weights, kept packed%s", path, quantization.describe(), note)
 
 
 # Tensors checkpoints carry that no model computes with: rotary tables and attention masks

@@ -68,13 +68,14 @@ class CheckpointQuantization:
         return None
 
     def describe(self) -> str:
-        """For the start-up log, e.g. "compressed-tensors pack-quantized int4 group 128"."""
+        """For the start-up log, e.g. "compressed-tensors pack-quantized int4 group 128", "fp8
+        e4m3 block 128x128"."""
         parts = []
         for _, s in self.groups:
             if s.is_float:
                 how = f"block {s.block[0]}x{s.block[1]}" if s.block else "per-channel"
                 how = "per-tensor" if s.per_tensor else how
-                parts.append(f"{s.format} fp8 {how}")
+                parts.append(f"e4m3 {how}" if s.format == "fp8" else f"{s.format} e4m3 {how}")
             else:
                 how = f"group {s.group_size}" if s.group_size else "per-channel"
                 sym = "" if s.symmetric else " asymmetric"
