@@ -16,6 +16,7 @@ _SCRIPT = os.path.join(_ROOT, "tools", "gpu_session.sh")
 _STEPS = [
     *(
         "layers",
+        "issue-45",
         "issue-22",
         "issue-17",
         "issue-18",

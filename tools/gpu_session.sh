@@ -22,6 +22,12 @@
 # split compiles for about a minute, so a comparison of two takes about 150 s), `issue-22` in a
 # second one while the machine and its XLA cache are warm; then `window-checks`, `scan-slices`,
 # then `issue-17 issue-18`:
+#     issue-45      pre-quantized weights' Pallas matmul (kernels_pallas/dequant_matmul.py): its
+#                   GPU tests against the reference, then int4 / int4 with zero points / int8 /
+#                   fp8 blocks on the 8B decode shapes at 1, 4 and 16 rows against a bfloat16
+#                   matmul and XLA's dequantize-then-matmul (goal: W4A16 at least 2.5x bfloat16
+#                   at batch 1, within 1.3x of the packed bytes' read time), then a tiling sweep
+#                   of int4 at one row
 #     layers        the 8B shapes' layer matmuls, stacked in a scan against one array per layer
 #                   in bfloat16 and in fp8 (jvllm.benchmarks.layer_stack), then the engine on the
 #                   8B shapes with its layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the
@@ -214,6 +220,13 @@ issue-18)
         cp jvllm/benchmarks/model_configs/llama-3-8b/config.json "$tokenizer"/* "$model"/
         python3 -m jvllm.benchmarks.startup --model "$model" --load-format dummy \
             --dtype bfloat16 --skip-serve
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+issue-45)
+    {
+        python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_dequant_matmul.py
+        python3 -m kernels_pallas.bench_dequant_matmul --rows 1,4,16
+        python3 -m kernels_pallas.bench_dequant_matmul --sweep --formats int4 --rows 1
     } 2>&1 | tee "$out/$step.log"
     ;;
 check)
