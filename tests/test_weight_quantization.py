@@ -61,16 +61,14 @@ def test_quantizing_at_load_rounds_as_the_row_quantization(method):
     np.testing.assert_array_equal(q.scale, scale)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"quantization": "gguf", "load_format": "dummy"}, "use one or the other"),
-        ({"quantization": "fp8", "tensor_parallel_size": 2}, "tensor_parallel_size=2 is not"),
-    ],
-)
-def test_engine_args_refuse_a_quantization_before_anything_loads(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        EngineArgs(**kwargs)
+def test_engine_args_refuse_gguf_with_dummy_weights_before_anything_loads():
+    with pytest.raises(ValueError, match="use one or the other"):
+        EngineArgs(quantization="gguf", load_format="dummy")
+
+
+def test_engine_args_take_int8_and_fp8_under_tensor_parallelism():
+    for method in ("int8", "fp8"):
+        assert EngineArgs(quantization=method, tensor_parallel_size=2).tensor_parallel_size == 2
 
 
 def test_fp8_matmul_with_fp8_activations_stays_close_to_the_float_product():

@@ -100,7 +100,8 @@ def param_specs(config: ModelConfig) -> dict:
 def params_in_specs(specs: dict, params: dict) -> dict:
     """shard_map's in_specs for `params`: `specs` (param_specs, or layers/scan.py's
     unstack_specs of them), where a quantized weight's one spec becomes one a field, each its
-    array's own (ParamPlacer.place_quantized cut them)."""
+    array's own NamedSharding's (ParamPlacer's place_quantized and place_blocks cut them, and
+    quantization/online.py keeps the cut of the float weights it quantizes)."""
 
     def spec_of(spec, param):
         if is_quantized(param):
@@ -192,6 +193,49 @@ class ParamPlacer:
             self._check_input_cut(path, fields)
         return {k: self._place_field(keys, k, x, axes, experts) for k, x in fields.items()}
 
+    def place_blocks(
+        self, path: str, fields: dict[str, np.ndarray], rows: tuple[int, int] | None = None
+    ) -> dict[str, jax.Array]:
+        """A GGUF weight's block fields (quantization/gguf_blocks.py's split_fields: each
+        [..., O, nb, *field_shape], nb blocks along the input axis) -> on the mesh, cut as the
+        float param [..., O, I] at `path` is: the output rows laid out shard-major as its fused
+        pieces are (the vocabulary padded with zero blocks), or whole blocks a device along the
+        input axis. `rows` (start, stop): the fields hold only those output rows of the param
+        (a MixedGGUFWeight's piece), laid out by the fused pieces within them. ValueError where
+        a block would straddle two devices, or `rows` part a fused piece, naming the sizes."""
+        keys = path.split(".")
+        axes = tuple(_lookup(self._axes, keys))
+        t = self._num_shards
+        out_rows = _lookup(self._shapes, keys).shape[-2]
+        segments = _lookup(self._segments, keys)
+        if t > 1 and AXIS_RULES.get(axes[-1]) is not None:
+            num_in = _lookup(self._shapes, keys).shape[-1]
+            num_blocks = next(iter(fields.values())).shape[len(axes) - 1]
+            if num_blocks % t:
+                raise ValueError(
+                    f"{path}: input size {num_in} in {num_blocks} GGUF blocks of "
+                    f"{num_in // num_blocks} values cannot be cut over tensor_parallel_size={t} "
+                    "devices without a block straddling two of them; choose a "
+                    "tensor_parallel_size that divides the blocks"
+                )
+        is_out_cut = t > 1 and AXIS_RULES.get(axes[-2]) is not None
+        if is_out_cut and rows is not None and segments is not None:
+            segments, out_rows = _segments_within(path, segments, rows, t)
+        placed = {}
+        for name, x in fields.items():
+            field_axes = axes + (None,) * (x.ndim - len(axes))
+            spec = PartitionSpec(*(AXIS_RULES.get(a) for a in field_axes))
+            sharding = NamedSharding(self._mesh, spec)
+            if self._mesh.size == 1:
+                placed[name] = jax.device_put(x, sharding, may_alias=True)
+                continue
+            shape = (*x.shape[: len(axes) - 2], out_rows, *x.shape[len(axes) - 1 :])
+            host = shard_layout(x, field_axes, segments, t, shape)
+            placed[name] = jax.make_array_from_callback(
+                host.shape, sharding, lambda index, host=host: host[index]
+            )
+        return placed
+
     def cuts_output(self, path: str, experts: bool) -> bool:
         """Whether the param at `path` is cut along its output axis (an FP8 weight's block
         scales must then be given a row each, the unit its fused pieces are laid out in)."""
@@ -256,6 +300,28 @@ class ParamPlacer:
 def placer(config: ModelConfig, mesh: Mesh | None) -> ParamPlacer | None:
     """What a loader places `config`'s params with on `mesh` (None: JAX's default device)."""
     return None if mesh is None else ParamPlacer(config, mesh)
+
+
+def _segments_within(
+    path: str, segments: tuple[tuple[int, int], ...], rows: tuple[int, int], num_shards: int
+) -> tuple[tuple[tuple[int, int], ...], int]:
+    """The fused pieces (Segments) that output rows [start, stop) of the param at `path` hold,
+    and the rows they take laid out over `num_shards` devices (a KV piece of fewer heads than
+    devices repeated on each). ValueError where the rows part a piece."""
+    start, stop = rows
+    within, first = [], 0
+    for count, unit in segments:
+        last = first + count * unit
+        if start <= first and last <= stop:
+            within.append((count, unit))
+        first = last
+    if sum(count * unit for count, unit in within) != stop - start:
+        raise ValueError(
+            f"{path}: its rows [{start}, {stop}), in a GGUF format of their own, part one of "
+            f"its fused pieces {segments} (heads or columns, each rows): they cannot be laid "
+            f"out over tensor_parallel_size={num_shards} devices"
+        )
+    return tuple(within), sum(max(count, num_shards) * unit for count, unit in within)
 
 
 def _lookup(tree: dict, keys: list[str]):

@@ -101,11 +101,6 @@ def check_combinations(args) -> None:
             "quantization='gguf' keeps a GGUF file's blocks packed; load_format='dummy' "
             "draws float weights of the model's shapes: use one or the other"
         )
-    if args.quantization in ("int8", "fp8") and args.tensor_parallel_size > 1:
-        raise ValueError(
-            f"quantization={args.quantization!r} runs on one device; tensor_parallel_size="
-            f"{args.tensor_parallel_size} is not supported with it yet"
-        )
     if args.runner != "pooling" and args.pooler_config is not None:
         raise ValueError("pooler_config is for runner='pooling'; this engine generates")
     if args.runner == "pooling" and (args.num_scheduler_steps != 1 or args.async_scheduling):

@@ -170,14 +170,10 @@ def load_gguf(
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     hf_config = apply_hf_overrides(hf_config, hf_overrides)
     config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
-    if keep_packed and mesh is not None and mesh.size > 1:
-        raise ValueError(
-            "quantization='gguf' keeps weights packed on one device; tensor parallelism over "
-            f"{mesh.size} devices needs them dequantized: pass dtype='float32' or 'bfloat16' "
-            "and no quantization"
-        )
     if keep_packed:
         _check_packable(tensors, path)
-        return config, load_checkpoint_weights(config, tensors.__getitem__, keep_packed=True)
+        # Under tensor parallelism each device gets its share of the blocks (place_blocks).
+        place = placer(config, mesh)
+        return config, load_checkpoint_weights(config, tensors.__getitem__, place, keep_packed=True)
     get = lambda name: tensors[name].read()
     return config, load_checkpoint_weights(config, get, placer(config, mesh))

@@ -125,11 +125,7 @@ def load_model(
     else:
         tokenizer = own_tokenizer() if tokenizer is None else load_tokenizer(tokenizer)
     if quantization in ("int8", "fp8") and not _is_prequantized(model, hf_overrides):
-        if mesh is not None and mesh.size > 1:
-            raise ValueError(
-                f"quantization={quantization!r} runs on one device; tensor parallelism over "
-                f"{mesh.size} devices is not supported with it yet"
-            )
+        # The float params are on the mesh already: each weight is quantized cut as it is.
         params = quantize_layer_weights(params, quantization, config.dtype)
     return config, params, tokenizer
 

@@ -256,11 +256,18 @@ class CheckpointWeights:
             return place(path, fields, experts)
         return {k: self._place(path, v) for k, v in fields.items()}
 
-    def _packed(self, path: str, blocks: np.ndarray, qtype, dtype: str) -> GGUFWeight:
+    def _packed(
+        self, path: str, blocks: np.ndarray, qtype, dtype: str, rows: tuple[int, int] | None = None
+    ) -> GGUFWeight:
         """blocks [(L,) O, nb] of `qtype` (a structured array) as a GGUFWeight on the param's
-        device."""
-        fields = split_fields(blocks, qtype)  # [(L,) O, nb, ...] each
-        placed = {k: self._place(path, aligned_copy(v)) for k, v in fields.items()}
+        device(s): under tensor parallelism cut as the float param would be (the placer's
+        place_blocks; `rows`: the param's output rows the blocks hold, where not all)."""
+        fields = {k: aligned_copy(v) for k, v in split_fields(blocks, qtype).items()}
+        place = getattr(self._place, "place_blocks", None)
+        if place is not None:
+            placed = place(path, fields, rows)  # [(L,) O, nb, ...] each
+        else:
+            placed = {k: self._place(path, v) for k, v in fields.items()}
         return GGUFWeight(placed, int(qtype), dtype)
 
     def _mixed(self, path: str, sources: list[list], dtype: str) -> MixedGGUFWeight:
@@ -274,7 +281,10 @@ class CheckpointWeights:
             else:
                 runs.append([p])
         pieces, members = [], []
+        start = 0
         for run in runs:
+            rows = (start, start + sum(sources[0][p].shape[0] for p in run))
+            start = rows[1]
             layer_formats = formats[run[0]]
             groups = [
                 tuple(i for i, q in enumerate(layer_formats) if q == qtype)
@@ -284,7 +294,7 @@ class CheckpointWeights:
             for layers in groups:
                 blocks = [np.concatenate([sources[i][p].blocks() for p in run]) for i in layers]
                 qtype = layer_formats[layers[0]]
-                weights.append(self._packed(path, np.stack(blocks), qtype, dtype))
+                weights.append(self._packed(path, np.stack(blocks), qtype, dtype, rows))
             pieces.append(tuple(weights))
             members.append(tuple(groups))
         return MixedGGUFWeight(tuple(pieces), tuple(members))
