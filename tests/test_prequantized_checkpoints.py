@@ -138,6 +138,36 @@ def test_checkpoint_decodes_like_hf_on_its_dequantized_weights(tmp_path, name):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+def test_per_group_targets_and_ignore_entries_are_honoured(tmp_path):
+    """Attention int8 by channel, the MLP int4 in groups ("mixed" formats), layer 1's down_proj
+    ignored (left in float): each param as its group says, decoding like HF."""
+    src = llama(tmp_path)
+    groups = {"re:.*self_attn\\..*": "W8A16", "re:.*mlp\\..*": "W4A16"}
+    reference = quantize_checkpoint(
+        src,
+        str(tmp_path / "q"),
+        "compressed-tensors",
+        groups=groups,
+        group_size=32,
+        ignore=("lm_head", "re:.*layers\\.1\\.mlp\\.down_proj$"),
+    )
+    assert "model.layers.1.mlp.down_proj.weight" not in reference
+    _, params, _ = load_model(str(tmp_path / "q"), dtype="float32")
+    layers = params["layers"]
+    assert layers["attn"]["qkv"]["weight"].bits == 8
+    assert layers["mlp"]["gate_up"]["weight"].bits == 4
+    # One layer of the stack in float: the whole stacked param reads dequantized floats.
+    assert not is_quantized(layers["mlp"]["down"]["weight"])
+    hf_model = hf_reference(src, reference, tmp_path / "ref")
+    prompts = ragged_prompts(TINY_SHAPES["vocab_size"], lengths=(3, 19))
+    expected = [hf_greedy_ignoring_eos(hf_model, p, 8) for p in prompts]
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == (
+        expected
+    )
+
+
 def _write_config(tmp_path, quantization_config: dict) -> str:
     config = transformers.LlamaConfig(**TINY_SHAPES).to_dict()
     config["quantization_config"] = quantization_config
@@ -161,6 +191,14 @@ _CT_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "gro
         ),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv' is not supported"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2' is not supported"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {"group_0": {**_CT_GROUP, "weights": _CT_WEIGHTS}},
+                "transform_config": {"config_groups": {"R1": {"type": "hadamard"}}},
+            },
+            "transform_config=.* is not supported",
+        ),
         (
             {
                 "quant_method": "compressed-tensors",

@@ -104,24 +104,45 @@ def _compressed_tensors(
     group_size: int | None = None,
     symmetric: bool | None = None,
     strategy: str | None = None,
+    groups: dict[str, str] | None = None,
+    ignore: tuple[str, ...] = ("lm_head",),
 ):
+    """`scheme` (a compressed-tensors preset) for every linear layer, with group_size /
+    symmetric / strategy changed where given; or `groups`, {"re:" target: preset} in order,
+    each layer quantized by the first whose target matches it (none: left in float), each
+    group with its own format (the config's "mixed"). `ignore`: the config's ignore list."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    q_scheme = preset_name_to_scheme(scheme, ["Linear"])
-    if group_size is not None:
-        q_scheme.weights.group_size = group_size
-    if symmetric is not None:
-        q_scheme.weights.symmetric = symmetric
-    if strategy == "channel":
-        q_scheme.weights.strategy, q_scheme.weights.group_size = "channel", None
-    args = q_scheme.weights
-    fmt = _ct_format(q_scheme)
-    compressor = BaseCompressor.load_from_registry(fmt)
+    def make_scheme(name: str, targets: list[str]):
+        q_scheme = preset_name_to_scheme(name, targets)
+        if group_size is not None:
+            q_scheme.weights.group_size = group_size
+        if symmetric is not None:
+            q_scheme.weights.symmetric = symmetric
+        if strategy == "channel":
+            q_scheme.weights.strategy, q_scheme.weights.group_size = "channel", None
+        q_scheme.format = _ct_format(q_scheme)
+        return q_scheme
+
+    schemes = [make_scheme(scheme, ["Linear"])] if groups is None else [
+        make_scheme(preset, [target]) for target, preset in groups.items()
+    ]  # fmt: skip
     out, reference = dict(state), {}
     for name in linear_names(state):
         module = name[: -len(".weight")]
+        if any(_ct_matches(pattern, module) for pattern in ignore):
+            continue
+        matching = [
+            q for q in schemes
+            if q.targets == ["Linear"] or _ct_matches(q.targets[0], module)
+        ]  # fmt: skip
+        if not matching:
+            continue
+        q_scheme = matching[0]
+        compressor = BaseCompressor.load_from_registry(q_scheme.format)
+        args = q_scheme.weights
         w = state[name].to(torch.bfloat16)
         lo, hi = _observed_range(w.float(), args)
         scale, zero = calculate_qparams(lo, hi, args)
@@ -132,13 +153,21 @@ def _compressed_tensors(
         del out[name]
         out.update({f"{module}.{k}": v for k, v in compressed.items()})
         reference[name] = compressor.decompress(compressed, q_scheme)["weight"].float()
+    formats = {q.format for q in schemes}
     qconfig = QuantizationConfig(
-        config_groups={"group_0": q_scheme},
-        format=fmt,
+        config_groups={f"group_{i}": q for i, q in enumerate(schemes)},
+        format=formats.pop() if len(formats) == 1 else "mixed",
         quantization_status="compressed",
-        ignore=["lm_head"],
+        ignore=list(ignore),
     ).model_dump(mode="json")
     return out, reference, qconfig
+
+
+def _ct_matches(pattern: str, module: str) -> bool:
+    """A compressed-tensors target / ignore entry: "re:" a regex from the start, else a name."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
 
 
 def _ct_format(scheme) -> str:

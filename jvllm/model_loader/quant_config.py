@@ -148,6 +148,8 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> CheckpointQuantization:
         raise _field(where, "quantization_status", status, "'compressed'")
     if qc.get("sparsity_config"):
         raise _field(where, "sparsity_config", qc["sparsity_config"], "none (dense weights)")
+    if qc.get("transform_config"):  # SpinQuant / QuIP rotations applied at run time
+        raise _field(where, "transform_config", qc["transform_config"], "none")
     top_format = qc.get("format")
     groups = []
     for name, group in (qc.get("config_groups") or {}).items():

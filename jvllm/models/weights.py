@@ -14,11 +14,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from jvllm.logger import init_logger
 from jvllm.quantization import host_weights
 from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
 from jvllm.quantization.host_weights import HostFP8, HostQuantized
 from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
+
+logger = init_logger(__name__)
 
 _XLA_CPU_ALIGNMENT = 64  # what a host buffer needs for XLA:CPU to use it in place
 
@@ -69,7 +72,8 @@ class CheckpointWeights:
         self._get = get if not keep_packed else lambda name: _read(get(name))
         self._quantized = quantized
         if quantized is not None:
-            self._get = functools.partial(_dequantized_or_float, quantized, get)
+            self._get = functools.partial(self._dequantized_or_float, get)
+        self._dequantized: list[str] = []  # quantized tensors read as floats
         self._get_lazy = get if keep_packed else None
         self._shapes = shapes
         self._num_layers = num_layers
@@ -299,8 +303,28 @@ class CheckpointWeights:
             members.append(tuple(groups))
         return MixedGGUFWeight(tuple(pieces), tuple(members))
 
+    def _dequantized_or_float(self, get, name: str) -> np.ndarray:
+        """The tensor `name` as floats: a pre-quantized weight dequantized, any other as
+        stored."""
+        host = self._quantized(name)
+        if host is None:
+            return get(name)
+        self._dequantized.append(name)
+        return host.dequantize()
+
     def params(self) -> dict:
-        """The filled params dict; every declared param must have been given."""
+        """The filled params dict; every declared param must have been given. Logs the
+        quantized tensors that were read as floats (their layers or fused pieces differ in
+        format, or the family transforms them), which take the model dtype's bytes."""
+        if self._dequantized:
+            logger.info(
+                "dequantized %d quantized checkpoint tensors at load, kept in the model dtype "
+                "(a stack whose layers or fused pieces differ in format, or a family's own "
+                "layout): %s%s",
+                len(self._dequantized),
+                ", ".join(self._dequantized[:4]),
+                ", ..." if len(self._dequantized) > 4 else "",
+            )
         missing = [
             path
             for path, _ in _flatten(self._shapes)
@@ -340,12 +364,6 @@ def aligned_copy(x: np.ndarray, dtype: Any = None) -> np.ndarray:
     out = aligned_empty(x.shape, x.dtype if dtype is None else dtype)
     out[...] = x
     return out
-
-
-def _dequantized_or_float(quantized, get, name: str) -> np.ndarray:
-    """The tensor `name` as floats: a pre-quantized weight dequantized, any other as stored."""
-    host = quantized(name)
-    return get(name) if host is None else host.dequantize()
 
 
 def _read(x):
