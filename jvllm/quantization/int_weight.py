@@ -86,9 +86,11 @@ class IntWeight:
 
     def dense(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ weight [O, I].T -> f32[..., O]. On a GPU kernels_pallas' dequantizing
-        matmul reads the packed bytes once, a stacked layer where it lies; on CPU one row
-        multiplies and reduces (`_one_row`); otherwise the layer is dequantized in the step for
-        one matmul."""
+        matmul reads the packed bytes once, a stacked layer where it lies. Elsewhere the layer
+        is dequantized in the step: 4-bit weights as their two nibble planes (`_nibble_planes`),
+        each meeting its half of x's columns, one row on CPU by multiplying and reducing (so
+        that XLA fuses the dequantization into the product and reads only the packed bytes),
+        more rows in two matmuls."""
         perm = self._own(self.perm)
         if perm is not None:
             x = jnp.take(x, perm, axis=-1)
@@ -105,9 +107,20 @@ class IntWeight:
                 layer=self.layer,
             )
             return y.reshape(*x.shape[:-1], -1)
-        if num_rows == 1 and jax.default_backend() == "cpu" and self.group_size % 16 == 0:
-            return self._one_row(x.reshape(-1)).reshape(*x.shape[:-1], -1)
-        return dot_rows(x, self.dequantize())
+        if self.bits == 8 or self.group_size % 16:
+            return dot_rows(x, self.dequantize())
+        # 4 bits: the weight in its two nibble planes, x's columns split to match.
+        rows = x.reshape(num_rows, -1, 2, NIBBLE_RUN // 2)  # [M, R, 2, 16]
+        halves = self._nibble_planes()  # [O, R, 16] each
+        if num_rows == 1 and jax.default_backend() == "cpu":
+            xs = rows[0].astype(self.dtype).astype(jnp.float32)  # [R, 2, 16]
+            y = sum((w * xs[:, h]).sum((-1, -2)) for h, w in enumerate(halves))
+            return y.reshape(*x.shape[:-1], -1)
+        y = sum(
+            dot_rows(rows[:, :, h].reshape(num_rows, -1), w.reshape(w.shape[0], -1))
+            for h, w in enumerate(halves)
+        )
+        return y.reshape(*x.shape[:-1], -1)
 
     def _kernel_group_size(self) -> int | None:
         """The columns a scale covers here (a device's own, under tensor parallelism), where
@@ -115,36 +128,29 @@ class IntWeight:
         group_size = self.packed.shape[-1] * 8 // self.bits // self.scale.shape[-1]
         return group_size if group_size % (32 if self.bits == 4 else 16) == 0 else None
 
-    def _one_row(self, x: jax.Array) -> jax.Array:
-        """x [I] @ weight [O, I].T -> f32[O], the weight's values made where they are multiplied
-        so that XLA fuses it all and reads only the packed bytes. A stacked layer's fields are
-        copied out first (packed_weight.py's GGUF weights do the same, for the same reason).
-        4-bit values stay in their packed order, x arranged to match: unpacking them into
-        column order (a concatenation in the fusion) ran the SmolLM2 [1536, 576] layer 9x
-        slower inside the layer scan (1.3 against 0.15 ms)."""
+    def _nibble_planes(self) -> tuple[jax.Array, jax.Array]:
+        """This layer's 4-bit weight as its two nibble planes, in the model dtype: [O, R, 16]
+        each (R runs of 32 columns; plane 0 holds a run's columns 0-15, plane 1 its 16-31), so
+        that XLA never interleaves them: unpacking into column order (a concatenation in the
+        fusion) ran the SmolLM2 [1536, 576] layer 9x slower inside the layer scan (1.3 against
+        0.15 ms). A stacked layer's fields are copied out first (packed_weight.py's GGUF weights
+        do the same, for the same reason)."""
         fields = self._own(self.packed), self._own(self.scale), self._own(self.zero)
         if self.layer is not None:
             fields = jax.lax.optimization_barrier(fields)
         packed, scale, zero = fields
-        xs = x.astype(self.dtype).astype(jnp.float32)
-        if self.bits == 8:
-            w = dequantize(packed, scale, zero, 8).astype(self.dtype).astype(jnp.float32)
-            return (w * xs).sum(-1)
         num_out, num_runs = packed.shape[0], packed.shape[1] // (NIBBLE_RUN // 2)
         runs = packed.reshape(num_out, num_runs, NIBBLE_RUN // 2).astype(jnp.int32)
-        xs = xs.reshape(num_runs, 2, NIBBLE_RUN // 2)
-        # A run's low nibbles are its columns 0-15, its high ones 16-31, each half in one group
-        # of 16 or more columns.
+        # Each plane's 16 columns of a run lie in one group (of 16 or more columns).
         starts = np.arange(num_runs)[:, None] * NIBBLE_RUN + np.arange(2) * (NIBBLE_RUN // 2)
         groups = starts // self.group_size  # [R, 2]
-        y = jnp.zeros(num_out, jnp.float32)
+        planes = []
         for half, q in enumerate((runs & 15, runs >> 4)):  # [O, R, 16] each
             s = scale[:, groups[:, half]].astype(jnp.float32)[..., None]  # [O, R, 1]
             z = 1 << (self.bits - 1) if zero is None else zero[:, groups[:, half], None]
             w = rounded((q - z).astype(jnp.float32) * s, scale.dtype)
-            w = w.astype(self.dtype).astype(jnp.float32)
-            y = y + (w * xs[:, half]).sum((-1, -2))
-        return y
+            planes.append(w.astype(self.dtype))
+        return planes[0], planes[1]
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """rows [M, I] grouped by expert (group_sizes i32[E]) @ expert e's [I, O] -> f32[M, O]:
