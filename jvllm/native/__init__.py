@@ -32,7 +32,8 @@ NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
 _DIR = Path(__file__).parent
 # Each kernel's source by the name its wrapper passes, and what every kernel may include.
 SOURCES = {
-    name: _DIR / f"{name}.cc" for name in ("cpu_decode", "cpu_dense", "cpu_gguf", "cpu_int8")
+    name: _DIR / f"{name}.cc"
+    for name in ("cpu_decode", "cpu_dense", "cpu_gguf", "cpu_int8", "cpu_int_group")
 }
 HEADERS = (_DIR / "parallel_for.h",)
 # One build of a source at a time: the engine's background build and the thread tracing a step
