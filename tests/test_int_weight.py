@@ -50,7 +50,13 @@ def test_dequantize_rounds_each_value_to_the_scale_dtype_inside_jit(scale_dtype)
 @pytest.mark.parametrize("group_size", [16, 32, 64, 96])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("num_rows", [1, 5])
-def test_dense_equals_x_times_the_dequantized_layer(bits, group_size, symmetric, num_rows):
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_dense_equals_x_times_the_dequantized_layer(
+    bits, group_size, symmetric, num_rows, native, monkeypatch
+):
+    """Through the CPU kernel (cpu_int_group.py, groups of 32's multiples) and XLA's nibble
+    planes (JVLLM_CPU_INT_GROUP_KERNEL=0, and groups of 16 or 96)."""
+    monkeypatch.setenv("JVLLM_CPU_INT_GROUP_KERNEL", native)
     rng = np.random.default_rng(2)
     values, scale, zero = _weight(rng, (3, 40, 192), bits, group_size, symmetric, np.float16)
     w = IntWeight(

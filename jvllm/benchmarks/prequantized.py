@@ -56,7 +56,8 @@ def resident_bytes(llm: LLM) -> int:
 def decode_rate(llm: LLM, prompt, sampling: SamplingParams, num_iters: int) -> float:
     """Output tokens a second of one request, median of num_iters after a warm-up."""
     generate = lambda _: llm.generate(prompt, sampling, use_tqdm=False)
-    generate(None)  # compiles
+    generate(None)  # compiles what a request needs
+    llm.llm_engine.model_runner.compiler.wait_for_compiles()  # and what compiles beside it
     return sampling.max_tokens / median_time(generate, num_iters)
 
 

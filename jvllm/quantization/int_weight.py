@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm.quantization import cpu_int_group
 from jvllm.quantization.dot import dot_rows
 from kernels_pallas import dequant_matmul
 
@@ -86,7 +87,8 @@ class IntWeight:
 
     def dense(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ weight [O, I].T -> f32[..., O]. On a GPU kernels_pallas' dequantizing
-        matmul reads the packed bytes once, a stacked layer where it lies. Elsewhere the layer
+        matmul reads the packed bytes once, a stacked layer where it lies; on CPU the native
+        kernel (cpu_int_group.py) does, its values those of `dequantize`. Elsewhere the layer
         is dequantized in the step: 4-bit weights as their two nibble planes (`_nibble_planes`),
         each meeting its half of x's columns, one row on CPU by multiplying and reducing (so
         that XLA fuses the dequantization into the product and reads only the packed bytes),
@@ -95,7 +97,8 @@ class IntWeight:
         if perm is not None:
             x = jnp.take(x, perm, axis=-1)
         num_rows = x.size // x.shape[-1]
-        if jax.default_backend() == "gpu" and self._kernel_group_size() is not None:
+        group_size = self._local_group_size()
+        if jax.default_backend() == "gpu" and group_size % (32 if self.bits == 4 else 16) == 0:
             rows = x.reshape(num_rows, -1).astype(self.dtype)
             y = dequant_matmul.int_matmul(
                 rows,
@@ -103,9 +106,17 @@ class IntWeight:
                 self.scale,
                 self.zero,
                 bits=self.bits,
-                group_size=self._kernel_group_size(),
+                group_size=group_size,
                 layer=self.layer,
             )
+            return y.reshape(*x.shape[:-1], -1)
+        if cpu_int_group.supports(self.dtype, self.bits, group_size, self.scale.dtype):
+            stacked = self.layer is not None
+            fields = [self.packed, self.scale, self.zero]
+            fields = [f if stacked or f is None else f[None] for f in fields]  # [L, ...]
+            rows = x.reshape(num_rows, -1)
+            layer = self.layer if stacked else 0
+            y = cpu_int_group.dense(rows, *fields, layer, self.bits, group_size, self.dtype)
             return y.reshape(*x.shape[:-1], -1)
         if self.bits == 8 or self.group_size % 16:
             return dot_rows(x, self.dequantize())
@@ -122,11 +133,10 @@ class IntWeight:
         )
         return y.reshape(*x.shape[:-1], -1)
 
-    def _kernel_group_size(self) -> int | None:
-        """The columns a scale covers here (a device's own, under tensor parallelism), where
-        kernels_pallas' dequantizing matmul takes it (a multiple of 32 at 4 bits, 16 at 8)."""
-        group_size = self.packed.shape[-1] * 8 // self.bits // self.scale.shape[-1]
-        return group_size if group_size % (32 if self.bits == 4 else 16) == 0 else None
+    def _local_group_size(self) -> int:
+        """The columns a scale covers here: a device's own under tensor parallelism, where a
+        per-channel scale kept whole covers the device's columns."""
+        return self.packed.shape[-1] * 8 // self.bits // self.scale.shape[-1]
 
     def _nibble_planes(self) -> tuple[jax.Array, jax.Array]:
         """This layer's 4-bit weight as its two nibble planes, in the model dtype: [O, R, 16]
