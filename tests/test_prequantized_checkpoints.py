@@ -30,6 +30,9 @@ SCHEMES = {
         "compressed-tensors",
         {"scheme": "W4A16_ASYM", "group_size": 64},
     ),
+    # 48 divides neither 64 nor 128: the last group is shorter, as SmolLM2's 576 in 128s
+    # (GPTQ writes such groups; compressed-tensors refuses them).
+    "gptq_int4_group48_not_dividing": ("gptq", {"bits": 4, "group_size": 48, "sym": False}),
     "ct_w8a16_channel": ("compressed-tensors", {"scheme": "W8A16", "strategy": "channel"}),
     "ct_w8a16_group32": ("compressed-tensors", {"scheme": "W8A16", "group_size": 32}),
     "ct_w8a8_int8_channel": ("compressed-tensors", {"scheme": "W8A8"}),

@@ -182,8 +182,10 @@ def _ct_format(scheme) -> str:
 def _observed_range(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """The min and max a min-max observer sees for each scale of `args`' strategy."""
     strategy = args.strategy
-    if strategy == "group":
-        g = w.reshape(w.shape[0], -1, args.group_size)
+    if strategy == "group":  # the last group shorter where the size does not divide I; its
+        # zero padding changes nothing (the range always holds 0)
+        pad = -w.shape[1] % args.group_size
+        g = torch.nn.functional.pad(w, (0, pad)).reshape(w.shape[0], -1, args.group_size)
         return g.amin(-1), g.amax(-1)
     if strategy == "channel":
         return w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
@@ -200,10 +202,13 @@ def _observed_range(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _min_max_groups(w: np.ndarray, bits: int, group_size: int, symmetric: bool):
-    """w f32[O, I] -> (q u8[O, I], scale f16[O, G], zero i32[O, G]) by groups of columns, as
-    GPTQ's quantizer without its error feedback: q = clamp(round(w / s) + z, 0, 2^b - 1)."""
+    """w f32[O, I] -> (q u8[O, I], scale f16[O, G], zero i32[O, G]) by groups of columns (the
+    last one shorter where group_size does not divide I), as GPTQ's quantizer without its error
+    feedback: q = clamp(round(w / s) + z, 0, 2^b - 1)."""
     max_q = (1 << bits) - 1
-    groups = w.reshape(w.shape[0], -1, group_size)
+    num_in = w.shape[1]
+    padded = np.pad(w, ((0, 0), (0, -num_in % group_size)))  # zeros: the range holds 0 anyway
+    groups = padded.reshape(w.shape[0], -1, group_size)
     lo, hi = np.minimum(groups.min(-1), 0), np.maximum(groups.max(-1), 0)
     if symmetric:
         hi = np.maximum(-lo, hi)
@@ -211,8 +216,8 @@ def _min_max_groups(w: np.ndarray, bits: int, group_size: int, symmetric: bool):
     scale = np.maximum((hi - lo) / max_q, 1e-8).astype(np.float16)
     zero = np.full(scale.shape, (max_q + 1) // 2) if symmetric else np.round(-lo / scale)
     zero = np.clip(zero, 0, max_q).astype(np.int32)
-    s = scale.astype(np.float32).repeat(group_size, axis=1)
-    q = np.clip(np.round(w / s) + zero.repeat(group_size, axis=1), 0, max_q)
+    s = scale.astype(np.float32).repeat(group_size, axis=1)[:, :num_in]
+    q = np.clip(np.round(w / s) + zero.repeat(group_size, axis=1)[:, :num_in], 0, max_q)
     return q.astype(np.uint8), scale, zero
 
 

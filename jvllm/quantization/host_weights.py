@@ -6,6 +6,7 @@ along the output axis), stacks over layers and places on the device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import ml_dtypes
@@ -166,25 +167,38 @@ def int_weight(
 ) -> HostInt:
     """A HostInt from unsigned values [O, I] (< 2^bits), scale [O, G], zero [O, G] (None:
     symmetric) and act-order's g_idx i32[I] (each column's group, None: column i in group
-    i // group_size). ValueError where the sizes do not fit the layout."""
+    i // group_size). A group size that does not divide I (the last group shorter, as
+    compressed-tensors and GPTQ write SmolLM2's 576 columns in groups of 128) is restated as
+    the largest that divides both, each scale and zero point repeated: the same values.
+    ValueError where the sizes do not fit the layout."""
     num_out, num_in = values.shape
     group_size = group_size or num_in
-    if num_in % group_size or scale.shape != (num_out, num_in // group_size):
+    num_groups = -(-num_in // group_size)
+    if scale.shape != (num_out, num_groups):
         raise ValueError(
             f"a weight [{num_out}, {num_in}] with group_size {group_size} needs scales "
-            f"[{num_out}, {num_in // group_size}], got {list(scale.shape)}; the group size must "
-            "divide the input size"
+            f"[{num_out}, {num_groups}], got {list(scale.shape)}"
         )
+    in_order = np.arange(num_in) // group_size
+    if g_idx is not None and np.array_equal(g_idx, in_order):
+        g_idx = None
     perm = None
-    if g_idx is not None and not np.array_equal(g_idx, np.arange(num_in) // group_size):
-        counts = np.bincount(g_idx, minlength=num_in // group_size)
-        if len(counts) != num_in // group_size or (counts != group_size).any():
+    if g_idx is not None:
+        counts = np.bincount(g_idx, minlength=num_groups)
+        if len(counts) != num_groups or (counts != group_size).any():
             raise ValueError(
                 f"g_idx gives groups of {sorted(set(counts.tolist()))} columns where the "
-                f"group size is {group_size}; jvllm needs act-order groups of equal size"
+                f"group size is {group_size} of {num_in}; jvllm needs act-order groups of "
+                "equal size"
             )
         perm = np.argsort(g_idx, kind="stable").astype(np.int32)
         values = values[:, perm]
+    if num_in % group_size:
+        finer = math.gcd(num_in, group_size)
+        index = np.arange(num_in // finer) * finer // group_size  # each finer group's group
+        scale = scale[:, index]
+        zero = None if zero is None else zero[:, index]
+        group_size = finer
     zero = None if zero is None else zero.astype(np.int16)
     return HostInt(pack(values, bits), scale, zero, perm, bits, group_size)
 
