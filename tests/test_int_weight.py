@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jvllm.quantization.host_weights import int_weight
-from jvllm.quantization.int_weight import IntWeight, dequantize, pack, unpack
+from jvllm.quantization.int_weight import IntWeight, dequantize, pack, rounded, unpack
 
 
 def _weight(rng, shape, bits, group_size, symmetric, scale_dtype):
@@ -124,3 +124,11 @@ def test_on_a_gpu_the_pallas_dequantizing_matmul_reads_the_stacked_layer(monkeyp
     assert calls and calls[0]["group_size"] == 64 and calls[0]["layer"] is not None
     expected = np.asarray(x, np.float32) @ np.asarray(w.dequantize()[1], np.float32).T
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rounding_to_float16_keeps_its_subnormals():
+    """A tiny scale times a small integer falls below float16's normal range: float16 (and the
+    format's reference) keeps it as a subnormal, which XLA's reduce_precision would flush."""
+    x = np.array([3e-6, 5e-5, 1e-7, 6.103e-5, -2e-6, 3.0e-8, 2.9e-8, 1.0001, 6e4], np.float32)
+    got = jax.jit(lambda x: rounded(x, jnp.float16))(x)
+    np.testing.assert_array_equal(np.asarray(got), x.astype(np.float16))

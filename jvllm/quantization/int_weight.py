@@ -200,12 +200,18 @@ def dequantize(packed: jax.Array, scale: jax.Array, zero: jax.Array | None, bits
 def rounded(x: jax.Array, dtype) -> jax.Array:
     """f32 x rounded to `dtype` (to nearest even), as the dtype's own arithmetic would give it:
     XLA may keep a bfloat16 / float16 product at float32 precision inside a fusion (excess
-    precision), so the step's values would not be the format's reference ones."""
+    precision), so the step's values would not be the format's reference ones. reduce_precision
+    flushes what falls below float16's normal range, which float16 keeps as subnormals: those
+    are rounded to its subnormal step here."""
     info = jnp.finfo(dtype)
     if info.bits == 32:
         return x
-    x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    return x.astype(dtype)
+    y = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.nexp == 5:  # float16; bfloat16's subnormals are float32's, never a weight's
+        step = float(info.smallest_subnormal)
+        subnormal = jnp.round(x / step) * step  # exact: a power of two, then half to even
+        y = jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, y)
+    return y.astype(dtype)
 
 
 def pack(values: np.ndarray, bits: int) -> np.ndarray:
