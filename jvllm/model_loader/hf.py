@@ -163,14 +163,16 @@ def _read_quantized(
 
 
 def _log_quantization(path: str, quantization: CheckpointQuantization) -> None:
-    """The checkpoint's format, and whether its scheme quantizes activations (which jvllm runs
-    in the model dtype)."""
+    """The checkpoint's format, and what becomes of activations its scheme quantizes: fp8 per
+    token on a GPU where an FP8 weight's scale covers whole rows (fp8_weight.py), else the
+    model dtype."""
     acts = sorted({s.activations for _, s in quantization.groups if s.activations})
     note = ""
     if acts:
         note = (
-            f"; its activations, quantized to {'/'.join(acts)} by the scheme, run in the model "
-            "dtype here (weight-only)"
+            f"; the scheme quantizes activations to {'/'.join(acts)}: jvllm does so (fp8, per "
+            "token) on a GPU for FP8 weights with a scale a row, and runs the others with "
+            "activations in the model dtype (weight-only)"
         )
     logger.info("%s: %s weights, kept packed%s", path, quantization.describe(), note)
 

@@ -108,7 +108,7 @@ def _float_quantized(get, scheme: WeightScheme) -> HostQuantized:
     scale = get("weight_scale")
     if block is None and not scheme.per_tensor:
         block = (1, values.shape[1])
-    return fp8_weight(values, scale, block)
+    return fp8_weight(values, scale, block, scheme.activations == "fp8")
 
 
 def _gptq(get, scheme: WeightScheme) -> HostQuantized:
@@ -132,9 +132,10 @@ def _awq(get, scheme: WeightScheme) -> HostQuantized:
 
 
 def _fp8(get, scheme: WeightScheme) -> HostQuantized:
+    acts = scheme.activations == "fp8"
     if scheme.block is not None:
-        return fp8_weight(get("weight"), get("weight_scale_inv"), scheme.block)
-    return fp8_weight(get("weight"), get("weight_scale"), None)
+        return fp8_weight(get("weight"), get("weight_scale_inv"), scheme.block, acts)
+    return fp8_weight(get("weight"), get("weight_scale"), None, acts)
 
 
 def _g_idx(get, name: str = "weight_g_idx") -> np.ndarray | None:

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jvllm.quantization.channel_weight import fp8_matmul
 from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.int_weight import rounded
 from kernels_pallas import dequant_matmul
@@ -26,14 +27,17 @@ from kernels_pallas import dequant_matmul
 class FP8Weight:
     """values: float8_e4m3fn[..., O, I]; scale: [..., O / bo, I / bi] (rounded up); block:
     (bo, bi); dtype: the model dtype; experts: the weight is a MoE's expert stack [..., E, O, I]
-    that layers/moe.py reads as [..., E, I, O] (`grouped`); layer: None, or i32[] when the
-    fields are stacked [L, ...] and the weight is layer `layer` of them."""
+    that layers/moe.py reads as [..., E, I, O] (`grouped`); dynamic_activations: the scheme
+    quantizes activations to fp8 per token, which a GPU then does where a scale covers whole
+    rows (`dense`); layer: None, or i32[] when the fields are stacked [L, ...] and the weight is
+    layer `layer` of them."""
 
     values: jax.Array
     scale: jax.Array
     block: tuple[int, int] = dataclasses.field(metadata={"static": True})
     dtype: str = dataclasses.field(metadata={"static": True})
     experts: bool = dataclasses.field(default=False, metadata={"static": True})
+    dynamic_activations: bool = dataclasses.field(default=False, metadata={"static": True})
     layer: jax.Array | None = None
 
     def at_layer(self, layer: jax.Array) -> FP8Weight:
@@ -65,11 +69,19 @@ class FP8Weight:
         )
 
     def dense(self, x: jax.Array) -> jax.Array:
-        """x [..., I] @ weight [O, I].T -> f32[..., O]: on a GPU kernels_pallas' dequantizing
-        matmul (each fp8 byte read once, a stacked layer where it lies), elsewhere the layer
-        dequantized in the step and one matmul."""
+        """x [..., I] @ weight [O, I].T -> f32[..., O]: on a GPU, activations quantized to fp8
+        per token where the scheme says so and a scale covers whole rows (an fp8 matmul), else
+        kernels_pallas' dequantizing matmul (each fp8 byte read once, a stacked layer where it
+        lies); elsewhere the layer dequantized in the step and one matmul."""
         num_in = self.values.shape[-1]
-        if jax.default_backend() == "gpu" and (self.block[1] >= num_in or self.block[1] % 16 == 0):
+        on_gpu = jax.default_backend() == "gpu"
+        if on_gpu and self.dynamic_activations and self.block[1] >= num_in:
+            # A scale a row (or block of rows): it factors out of the fp8 product, as vLLM's
+            # FP8 W8A8 linear computes it.
+            values, scale = self._own(self.values), self._own(self.scale)  # [O, I], [O / bo, 1]
+            rows = jnp.repeat(scale[:, 0], self.block[0])[: values.shape[0]]  # [O]
+            return fp8_matmul(x, values, rows.astype(jnp.float32))
+        if on_gpu and (self.block[1] >= num_in or self.block[1] % 16 == 0):
             rows = x.reshape(-1, num_in).astype(self.dtype)
             y = dequant_matmul.fp8_block_matmul(
                 rows, self.values, self.scale, block=self.block, layer=self.layer

@@ -49,11 +49,13 @@ class HostInt:
 
 @dataclasses.dataclass(frozen=True)
 class HostFP8:
-    """values float8_e4m3fn[..., O, I], scale [..., O / bo, I / bi] (rounded up), block."""
+    """values float8_e4m3fn[..., O, I], scale [..., O / bo, I / bi] (rounded up), block;
+    dynamic_activations: the scheme quantizes activations to fp8 per token (FP8Weight's)."""
 
     values: np.ndarray
     scale: np.ndarray
     block: tuple[int, int]
+    dynamic_activations: bool = False
 
     @property
     def rows(self) -> int:
@@ -68,7 +70,7 @@ class HostFP8:
         if self.block[0] == 1:
             return self
         scale = np.repeat(self.scale, self.block[0], axis=-2)[..., : self.rows, :]
-        return HostFP8(self.values, scale, (1, self.block[1]))
+        return dataclasses.replace(self, scale=scale, block=(1, self.block[1]))
 
     def dequantize(self) -> np.ndarray:
         return np.asarray(dequantize_blocks(self.values, self.scale, self.block), np.float32)
@@ -92,7 +94,8 @@ def concat_rows(pieces: list[HostQuantized]) -> HostQuantized | None:
         if len({p.block for p in pieces}) > 1:
             return None
         scale = _common_dtype([p.scale for p in pieces])
-        return HostFP8(_cat([p.values for p in pieces]), _cat(scale), pieces[0].block)
+        values = _cat([p.values for p in pieces])
+        return dataclasses.replace(pieces[0], values=values, scale=_cat(scale))
     perms = [p.perm for p in pieces]
     if any(p is None for p in perms) != all(p is None for p in perms) or (
         perms[0] is not None and any(not np.array_equal(perms[0], p) for p in perms)
@@ -120,7 +123,9 @@ def stack(layers: list[HostQuantized]) -> HostQuantized | None:
         if len({(p.block, p.scale.shape) for p in layers}) > 1:
             return None
         scale = np.stack(_common_dtype([p.scale for p in layers]))
-        return HostFP8(np.stack([p.values for p in layers]), scale, layers[0].block)
+        return dataclasses.replace(
+            layers[0], values=np.stack([p.values for p in layers]), scale=scale
+        )
     if len({p.perm is None for p in layers}) > 1:
         return None
     zero = None
@@ -142,7 +147,9 @@ def to_device(host: HostQuantized, place: Place, dtype: str, experts: bool = Fal
     """The IntWeight / FP8Weight of `host`, its fields put on their device(s) by `place`."""
     if isinstance(host, HostFP8):
         f = place({"values": host.values, "scale": host.scale})
-        return FP8Weight(f["values"], f["scale"], host.block, dtype, experts)
+        return FP8Weight(
+            f["values"], f["scale"], host.block, dtype, experts, host.dynamic_activations
+        )
     fields = {"packed": host.packed, "scale": host.scale, "zero": host.zero, "perm": host.perm}
     f = place({k: v for k, v in fields.items() if v is not None})
     return IntWeight(
@@ -203,7 +210,12 @@ def int_weight(
     return HostInt(pack(values, bits), scale, zero, perm, bits, group_size)
 
 
-def fp8_weight(values: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None) -> HostFP8:
+def fp8_weight(
+    values: np.ndarray,
+    scale: np.ndarray,
+    block: tuple[int, int] | None,
+    dynamic_activations: bool = False,
+) -> HostFP8:
     """A HostFP8 from e4m3 values [O, I] and a scale of `block` (None: one for the tensor, a
     scale [1, 1]); a per-channel scale [O] / [O, 1] has block (1, I)."""
     num_out, num_in = values.shape
@@ -216,7 +228,7 @@ def fp8_weight(values: np.ndarray, scale: np.ndarray, block: tuple[int, int] | N
             f"an FP8 weight [{num_out}, {num_in}] with blocks {list(block)} needs {list(grid)} "
             f"scales, got {list(scale.shape)}"
         )
-    return HostFP8(values, scale.reshape(grid), tuple(block))
+    return HostFP8(values, scale.reshape(grid), tuple(block), dynamic_activations)
 
 
 def _zero_or_symmetric(p: HostInt) -> np.ndarray:
