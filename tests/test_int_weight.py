@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jvllm.quantization.host_weights import int_weight
+from jvllm.quantization.host_weights import int_weight, stack
 from jvllm.quantization.int_weight import IntWeight, dequantize, pack, rounded, unpack
 
 
@@ -132,3 +132,24 @@ def test_rounding_to_float16_keeps_its_subnormals():
     x = np.array([3e-6, 5e-5, 1e-7, 6.103e-5, -2e-6, 3.0e-8, 2.9e-8, 1.0001, 6e4], np.float32)
     got = jax.jit(lambda x: rounded(x, jnp.float16))(x)
     np.testing.assert_array_equal(np.asarray(got), x.astype(np.float16))
+
+
+def test_a_stack_whose_experts_differ_in_act_order_stays_packed():
+    """An expert GPTQ left in column order (no calibration tokens reached it) beside permuted
+    ones: its order is the identity, and the stack stays one packed weight."""
+    rng = np.random.default_rng(5)
+    values, scale, _ = _weight(rng, (8, 64), 4, 32, True, np.float16)
+    in_order = int_weight(values, scale, None, 4, 32, np.arange(64) // 32)
+    permuted = int_weight(values, scale, None, 4, 32, rng.permutation(np.arange(64) // 32))
+    assert in_order.perm is None and permuted.perm is not None
+    stacked = stack([in_order, permuted])
+    assert stacked is not None
+    np.testing.assert_array_equal(stacked.perm[0], np.arange(64))
+    np.testing.assert_array_equal(stacked.perm[1], permuted.perm)
+
+
+def test_zero_points_of_another_shape_than_the_scales_are_refused():
+    values = np.zeros((16, 64), np.uint8)
+    scale = np.ones((16, 2), np.float16)
+    with pytest.raises(ValueError, match="needs zero points of that shape"):
+        int_weight(values, scale, np.zeros((2, 2), np.int16), 4, 32)

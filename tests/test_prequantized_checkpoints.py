@@ -1,5 +1,5 @@
 """Pre-quantized checkpoints (compressed-tensors, GPTQ, AWQ, FP8 blocks) as the tools write them
-(tests/quantized_checkpoints.py): kept packed on the device, dequantized bit for bit as the
+(jvllm/benchmarks/quantized_checkpoints.py): kept packed on the device, dequantized bit for bit as the
 format's own code does, and decoding greedily like HF transformers running the dequantized
 weights; their config errors named before anything loads."""
 
@@ -194,6 +194,20 @@ _CT_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "gro
         ),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv' is not supported"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2' is not supported"),
+        ({"quant_method": "fp8", "weight_block_size": 128}, "weight_block_size=128 is not"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "format": "float-quantized",
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "block"},
+                    }
+                },
+            },
+            "block_structure=None is not supported",
+        ),
         (
             {
                 "quant_method": "compressed-tensors",

@@ -182,8 +182,8 @@ def _ct_format(scheme) -> str:
 def _observed_range(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """The min and max a min-max observer sees for each scale of `args`' strategy."""
     strategy = args.strategy
-    if strategy == "group":  # the last group shorter where the size does not divide I; its
-        # zero padding changes nothing (the range always holds 0)
+    if strategy == "group":  # a last group shorter (which compressed-tensors then refuses to
+        # write) padded with zeros: they change nothing, the range always holds 0
         pad = -w.shape[1] % args.group_size
         g = torch.nn.functional.pad(w, (0, pad)).reshape(w.shape[0], -1, args.group_size)
         return g.amin(-1), g.amax(-1)

@@ -236,12 +236,20 @@ class ParamPlacer:
             )
         return placed
 
-    def cuts_output(self, path: str, experts: bool) -> bool:
-        """Whether the param at `path` is cut along its output axis (an FP8 weight's block
-        scales must then be given a row each, the unit its fused pieces are laid out in)."""
-        axes = _lookup(self._axes, path.split("."))
-        out_axis = axes[-1] if experts else axes[-2]
-        return self._num_shards > 1 and AXIS_RULES.get(out_axis) is not None
+    def output_rows_unit(self, path: str, experts: bool) -> int | None:
+        """The rows every chunk the mesh lays out of the param at `path` holds a multiple of,
+        where its output axis is cut (None where it is not): an FP8 weight whose block rows do
+        not divide it is given a scale a row, so that no block is split."""
+        keys = path.split(".")
+        axes = _lookup(self._axes, keys)
+        out = -1 if experts else -2
+        if self._num_shards == 1 or AXIS_RULES.get(axes[out]) is None:
+            return None
+        t = self._num_shards
+        segments = _lookup(self._segments, keys)
+        if segments is None:
+            return _lookup(self._shapes, keys).shape[out] // t
+        return math.gcd(*(count // t * unit if count >= t else unit for count, unit in segments))
 
     def _place_field(self, keys, field: str, x: np.ndarray, axes: list, experts: bool):
         axes = axes[:-2] + axes[-1:] if field == "perm" else axes

@@ -175,6 +175,14 @@ def _log_quantization(path: str, quantization: CheckpointQuantization) -> None:
             "activations in the model dtype (weight-only)"
         )
     logger.info("%s: %s weights, kept packed%s", path, quantization.describe(), note)
+    if quantization.kv_cache_scheme:
+        logger.info(
+            "%s: the checkpoint's kv_cache_scheme (%s) is not applied: the KV cache stores "
+            "what kv_cache_dtype says (kv_cache_dtype='fp8' for one byte a value, with scales "
+            "per token)",
+            path,
+            dict(quantization.kv_cache_scheme),
+        )
 
 
 # Tensors checkpoints carry that no model computes with: rotary tables and attention masks
@@ -183,6 +191,7 @@ def _log_quantization(path: str, quantization: CheckpointQuantization) -> None:
 _NEVER_READ = re.compile(
     r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|\.attention\.bias$"
     r"|^(model\.)?(vision_tower|multi_modal_projector)\."
+    r"|\.(k|v|q|prob)_scale$"  # a kv_cache_scheme's static scales (_log_quantization)
 )
 
 

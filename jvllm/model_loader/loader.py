@@ -26,13 +26,8 @@ from jvllm.model_loader.hf import (
     read_hf_config,
     resolve_dtype,
 )
-from jvllm.model_loader.quant_config import (
-    CHECKPOINT_METHODS,
-    METHOD_ALIASES,
-    check_requested_method,
-    checkpoint_quantization,
-)
-from jvllm.quantization import QUANTIZATION_METHODS
+from jvllm.model_loader.quant_config import check_requested_method, checkpoint_quantization
+from jvllm.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -116,7 +111,7 @@ def load_model(
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
-    quantization = resolve_quantization(model, dtype, quantization)
+    quantization = resolve_quantization(model, dtype, quantization, hf_overrides)
     config, params, own_tokenizer = _load(
         model, dtype, load_format, mesh, quantization, hf_overrides
     )
@@ -142,7 +137,9 @@ def expected_dtype(model: str | None, dtype: str, hf_overrides: HFOverrides = No
         return resolve_dtype(dtype, read_config_json(model, hf_overrides))
 
 
-def resolve_quantization(model: str | None, dtype: str, quantization: str | None) -> str | None:
+def resolve_quantization(
+    model: str | None, dtype: str, quantization: str | None, hf_overrides: HFOverrides = None
+) -> str | None:
     """The quantization a load uses: the one asked for, checked against the model; or, when
     None, "gguf" for a .gguf file loaded with dtype "auto" (a float dtype dequantizes it at
     load) and none for anything else, the default model included (its float32 copy)."""
@@ -160,7 +157,7 @@ def resolve_quantization(model: str | None, dtype: str, quantization: str | None
             f"quantization='gguf' needs a .gguf file (or the default model), got model={model!r}"
         )
     is_hf_dir = isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))
-    found = checkpoint_quantization(read_config_json(model)) if is_hf_dir else None
+    found = checkpoint_quantization(read_config_json(model, hf_overrides)) if is_hf_dir else None
     names_a_format = quantization in CHECKPOINT_METHODS + tuple(METHOD_ALIASES)
     if found is None and names_a_format and quantization != "fp8":  # "fp8" also quantizes
         raise ValueError(

@@ -16,9 +16,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-# vLLM's names for the methods (its Marlin kernels' names load the same checkpoints).
-METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+from jvllm.quantization import CHECKPOINT_METHODS, METHOD_ALIASES
+
 _INT_BITS = (4, 8)
 _CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
 
@@ -30,9 +29,9 @@ class WeightScheme:
     format: "pack-quantized" | "naive-quantized" | "int-quantized" | "float-quantized"
     (compressed-tensors), "gptq", "gptq_v2", "awq" or "fp8"; bits: 4 or 8; group_size: input
     columns per scale, None for one scale per output channel; symmetric: no zero points;
-    block: FP8's (rows, columns) per scale, None for a scale per channel (block_rows 1) or per
-    tensor; activations: what the scheme quantizes activations to ("int8" / "fp8"), None for
-    weight-only."""
+    block: FP8's (rows, columns) per scale, None for a scale per channel or per tensor;
+    per_tensor: FP8 with one scale for the whole weight; activations: what the scheme quantizes
+    activations to ("int8" / "fp8"), None for weight-only."""
 
     format: str
     bits: int
@@ -56,6 +55,7 @@ class CheckpointQuantization:
     method: str
     groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]
     ignore: tuple[str, ...] = ()
+    kv_cache_scheme: Mapping[str, Any] | None = None
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of module `module` ("model.layers.0.self_attn.q_proj"), None where the
@@ -75,12 +75,16 @@ class CheckpointQuantization:
             if s.is_float:
                 how = f"block {s.block[0]}x{s.block[1]}" if s.block else "per-channel"
                 how = "per-tensor" if s.per_tensor else how
-                parts.append(f"e4m3 {how}" if s.format == "fp8" else f"{s.format} e4m3 {how}")
+                parts.append(f"{self._format(s)}e4m3 {how}")
             else:
                 how = f"group {s.group_size}" if s.group_size else "per-channel"
                 sym = "" if s.symmetric else " asymmetric"
-                parts.append(f"{s.format} int{s.bits} {how}{sym}")
+                parts.append(f"{self._format(s)}int{s.bits} {how}{sym}")
         return f"{self.method} " + ", ".join(dict.fromkeys(parts))
+
+    def _format(self, scheme: WeightScheme) -> str:
+        """A scheme's format for the log, where it says more than the method."""
+        return "" if scheme.format == self.method else f"{scheme.format} "
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -132,6 +136,14 @@ def _field(where: str, name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{where}.{name}={value!r} is not supported; supported: {allowed}")
 
 
+def _block(where: str, name: str, value: Any) -> tuple[int, int]:
+    """An FP8 block shape: [rows, columns], both positive ints."""
+    ok = isinstance(value, list | tuple) and len(value) == 2
+    if not ok or not all(isinstance(v, int) and v > 0 for v in value):
+        raise _field(where, name, value, "[rows, columns] of positive ints")
+    return tuple(value)
+
+
 def _group_size(where: str, value: Any) -> int | None:
     """A config's group size: None for per-channel (-1 / None), else a positive int."""
     if value is None or value == -1:
@@ -150,6 +162,8 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> CheckpointQuantization:
         raise _field(where, "sparsity_config", qc["sparsity_config"], "none (dense weights)")
     if qc.get("transform_config"):  # SpinQuant / QuIP rotations applied at run time
         raise _field(where, "transform_config", qc["transform_config"], "none")
+    if not isinstance(qc.get("config_groups") or {}, Mapping):
+        raise _field(where, "config_groups", qc["config_groups"], "a mapping of groups")
     top_format = qc.get("format")
     groups = []
     for name, group in (qc.get("config_groups") or {}).items():
@@ -161,12 +175,15 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> CheckpointQuantization:
         if fmt not in _CT_FORMATS:
             raise _field(at, "format", fmt, ", ".join(map(repr, _CT_FORMATS)))
         scheme = _ct_scheme(f"{at}.weights", weights, fmt, group.get("input_activations"))
-        groups.append((tuple(group.get("targets") or ()), scheme))
+        if not group.get("targets"):
+            allowed = "a list of module names or 're:' patterns"
+            raise _field(at, "targets", group.get("targets"), allowed)
+        groups.append((tuple(group["targets"]), scheme))
     if not groups:
         raise _field(where, "config_groups", qc.get("config_groups"), "at least one group")
-    return CheckpointQuantization(
-        "compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ())
-    )
+    ignore = tuple(qc.get("ignore") or ())
+    kv_scheme = qc.get("kv_cache_scheme")
+    return CheckpointQuantization("compressed-tensors", tuple(groups), ignore, kv_scheme)
 
 
 def _ct_scheme(
@@ -176,7 +193,8 @@ def _ct_scheme(
     strategy = w.get("strategy")
     acts = None
     if activations:
-        acts = "fp8" if activations.get("type") == "float" else f"int{activations.get('num_bits')}"
+        is_float = activations.get("type") == "float"
+        acts = "fp8" if is_float else f"int{activations.get('num_bits', 8)}"
     if kind == "float":
         if fmt != "float-quantized" or bits != 8:
             raise ValueError(
@@ -185,9 +203,9 @@ def _ct_scheme(
             )
         if strategy not in ("tensor", "channel", "block"):
             raise _field(where, "strategy", strategy, "'tensor', 'channel' or 'block' for FP8")
-        block = tuple(w["block_structure"]) if strategy == "block" else None
-        if strategy == "block" and (len(block) != 2 or min(block) <= 0):
-            raise _field(where, "block_structure", block, "[rows, columns]")
+        block = None
+        if strategy == "block":
+            block = _block(where, "block_structure", w.get("block_structure"))
         return WeightScheme(fmt, 8, block=block, per_tensor=strategy == "tensor", activations=acts)
     if kind != "int":
         raise _field(where, "type", kind, "'int' or 'float'")
@@ -257,12 +275,11 @@ def _fp8(qc: Mapping[str, Any]) -> CheckpointQuantization:
     if scheme_name not in ("dynamic", "static"):
         raise _field(where, "activation_scheme", scheme_name, "'dynamic' or 'static'")
     block = qc.get("weight_block_size")
-    if block is not None and (len(block) != 2 or min(block) <= 0):
-        raise _field(where, "weight_block_size", block, "[rows, columns] or null")
+    block = None if block is None else _block(where, "weight_block_size", block)
     scheme = WeightScheme(
         "fp8",
         8,
-        block=None if block is None else tuple(block),
+        block=block,
         per_tensor=block is None,
         activations="fp8",
     )

@@ -28,7 +28,7 @@ from jvllm.quantization.host_weights import HostQuantized, fp8_weight, int_weigh
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # nibble k of a word holds column 8c + order[k]
 # Tensors of a quantized module that no step reads: the shape compressed-tensors records and
 # static activation scales (jvllm runs the weights with unquantized activations).
-_EXTRA = ("weight_shape", "input_scale", "output_scale", "input_zero_point", "k_scale", "v_scale")
+_EXTRA = ("weight_shape", "input_scale", "output_scale", "input_zero_point")
 
 
 def has_quantized(tensors: Mapping[str, np.ndarray], module: str) -> bool:
@@ -74,6 +74,11 @@ def read_quantized(
 
 def unpack_words(words: np.ndarray, bits: int) -> np.ndarray:
     """i32[..., n] -> u8[..., n * 32 / bits]: element k of the little-endian bit stream."""
+    if words.dtype != np.int32:
+        raise ValueError(
+            f"a packed tensor must be int32 words, got {words.dtype} {list(words.shape)}: is "
+            "the checkpoint's packing the format's?"
+        )
     data = np.ascontiguousarray(words).astype("<i4").view(np.uint8)  # [..., 4n]
     if bits == 8:
         return data
@@ -84,7 +89,9 @@ def _pack_quantized(get, scheme: WeightScheme) -> HostQuantized:
     num_out, num_in = (int(n) for n in get("weight_shape"))
     values = unpack_words(get("weight_packed"), scheme.bits)[:, :num_in]  # [O, I] unsigned
     zero = None
-    if not scheme.symmetric:
+    if scheme.symmetric:
+        get("weight_zero_point", optional=True)  # older writers keep the offset's zeros
+    else:
         packed_zero = get("weight_zero_point")  # [O * b / 32, G], packed along O
         zero = unpack_words(packed_zero.T, scheme.bits)[:, :num_out].T  # [O, G] unsigned
     return int_weight(
@@ -96,14 +103,16 @@ def _naive_quantized(get, scheme: WeightScheme) -> HostQuantized:
     signed = get("weight").view(np.int8)  # [O, I]
     offset = 1 << (scheme.bits - 1)
     zero = None
-    if not scheme.symmetric:
+    if scheme.symmetric:
+        get("weight_zero_point", optional=True)  # zeros, where the writer kept them
+    else:
         zero = get("weight_zero_point").view(np.int8).astype(np.int16) + offset
     values = (signed.astype(np.int16) + offset).astype(np.uint8)
     return int_weight(values, get("weight_scale"), zero, 8, scheme.group_size, _g_idx(get))
 
 
 def _float_quantized(get, scheme: WeightScheme) -> HostQuantized:
-    block = scheme.block if scheme.block else None
+    block = scheme.block
     values = get("weight")
     scale = get("weight_scale")
     if block is None and not scheme.per_tensor:

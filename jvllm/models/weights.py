@@ -238,16 +238,15 @@ class CheckpointWeights:
         if any(p is None for p in layers):
             return False
         host = host_weights.stack(layers)
-        if host is None:
-            return False
-        cuts_output = getattr(self._place, "cuts_output", None)
-        if isinstance(host, HostFP8) and cuts_output and cuts_output(path, experts):
-            host = host.per_row()
+        if host is None or host.shape(experts) != tuple(spec.shape):
+            return False  # _mismatch's message comes from the float path
+        row_unit = getattr(self._place, "output_rows_unit", None)
+        unit = row_unit(path, experts) if row_unit else None
+        if isinstance(host, HostFP8) and unit is not None and unit % host.block[0]:
+            host = host.per_row()  # the mesh's cut would split a block of rows
         weight = host_weights.to_device(
             host, functools.partial(self._place_quantized, path, experts), str(spec.dtype), experts
         )
-        if tuple(weight.shape) != tuple(spec.shape):
-            return False  # _mismatch's message comes from the float path
         self._set(path, weight)
         return True
 

@@ -15,18 +15,13 @@ from jvllm.quantization.int_weight import IntWeight
 from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
-# vLLM's `quantization=` names that jvllm accepts: GGUF, online int8 / fp8, and the methods of
-# pre-quantized checkpoints (model_loader/quant_config.py; "fp8" is one of them too).
-QUANTIZATION_METHODS = (
-    "gguf",
-    "int8",
-    "fp8",
-    "compressed-tensors",
-    "gptq",
-    "awq",
-    "gptq_marlin",
-    "awq_marlin",
-)
+# The quant_method of the pre-quantized checkpoints jvllm reads (model_loader/quant_config.py),
+# and vLLM's other names for them (its Marlin kernels' names load the same checkpoints).
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+# vLLM's `quantization=` names that jvllm accepts: GGUF, online int8 / fp8 ("fp8" also names
+# FP8 checkpoints), and the pre-quantized checkpoints' methods.
+QUANTIZATION_METHODS = ("gguf", "int8", "fp8", *CHECKPOINT_METHODS[:-1], *METHOD_ALIASES)
 QuantizedWeight = (
     GGUFWeight | MixedGGUFWeight | ChannelWeight | ExpertWeight | IntWeight | FP8Weight
 )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jvllm.quantization.channel_weight import fp8_matmul
 from jvllm.quantization.dot import dot_rows
-from jvllm.quantization.int_weight import rounded
+from jvllm.quantization.int_weight import pallas_dequant, rounded
 from kernels_pallas import dequant_matmul
 
 
@@ -74,14 +74,13 @@ class FP8Weight:
         kernels_pallas' dequantizing matmul (each fp8 byte read once, a stacked layer where it
         lies); elsewhere the layer dequantized in the step and one matmul."""
         num_in = self.values.shape[-1]
-        on_gpu = jax.default_backend() == "gpu"
-        if on_gpu and self.dynamic_activations and self.block[1] >= num_in:
+        if jax.default_backend() == "gpu" and self.dynamic_activations and self.block[1] >= num_in:
             # A scale a row (or block of rows): it factors out of the fp8 product, as vLLM's
             # FP8 W8A8 linear computes it.
             values, scale = self._own(self.values), self._own(self.scale)  # [O, I], [O / bo, 1]
             rows = jnp.repeat(scale[:, 0], self.block[0])[: values.shape[0]]  # [O]
             return fp8_matmul(x, values, rows.astype(jnp.float32))
-        if on_gpu and (self.block[1] >= num_in or self.block[1] % 16 == 0):
+        if pallas_dequant() and (self.block[1] >= num_in or self.block[1] % 16 == 0):
             rows = x.reshape(-1, num_in).astype(self.dtype)
             y = dequant_matmul.fp8_block_matmul(
                 rows, self.values, self.scale, block=self.block, layer=self.layer

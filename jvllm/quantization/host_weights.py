@@ -35,6 +35,11 @@ class HostInt:
     def rows(self) -> int:
         return self.packed.shape[-2]
 
+    def shape(self, experts: bool = False) -> tuple[int, ...]:
+        """The float param's shape (an expert stack's [..., E, I, O])."""
+        *lead, rows, num_bytes = self.packed.shape
+        return _param_shape((*lead, rows, num_bytes * 8 // self.bits), experts)
+
     def key(self) -> tuple:
         """What pieces and layers must share to live in one IntWeight."""
         return ("int", self.bits, self.group_size, self.packed.shape[-1])
@@ -60,6 +65,9 @@ class HostFP8:
     @property
     def rows(self) -> int:
         return self.values.shape[-2]
+
+    def shape(self, experts: bool = False) -> tuple[int, ...]:
+        return _param_shape(self.values.shape, experts)
 
     def key(self) -> tuple:
         return ("fp8", self.values.shape[-1])
@@ -126,12 +134,14 @@ def stack(layers: list[HostQuantized]) -> HostQuantized | None:
         return dataclasses.replace(
             layers[0], values=np.stack([p.values for p in layers]), scale=scale
         )
-    if len({p.perm is None for p in layers}) > 1:
-        return None
     zero = None
     if any(p.zero is not None for p in layers):
         zero = np.stack([_zero_or_symmetric(p) for p in layers])
-    perm = None if layers[0].perm is None else np.stack([p.perm for p in layers])
+    perm = None
+    perms = [p.perm for p in layers if p.perm is not None]
+    if perms:  # an expert (or layer) that GPTQ left in column order keeps it: the identity
+        identity = np.broadcast_to(np.arange(perms[0].shape[-1], dtype=np.int32), perms[0].shape)
+        perm = np.stack([identity if p.perm is None else p.perm for p in layers])
     first = layers[0]
     return HostInt(
         np.stack([p.packed for p in layers]),
@@ -174,8 +184,8 @@ def int_weight(
 ) -> HostInt:
     """A HostInt from unsigned values [O, I] (< 2^bits), scale [O, G], zero [O, G] (None:
     symmetric) and act-order's g_idx i32[I] (each column's group, None: column i in group
-    i // group_size). A group size that does not divide I (the last group shorter, as
-    compressed-tensors and GPTQ write SmolLM2's 576 columns in groups of 128) is restated as
+    i // group_size). A group size that does not divide I (the last group shorter, as GPTQ
+    writes SmolLM2's 576 columns in groups of 128) is restated as
     the largest that divides both, each scale and zero point repeated: the same values.
     ValueError where the sizes do not fit the layout."""
     num_out, num_in = values.shape
@@ -185,6 +195,12 @@ def int_weight(
         raise ValueError(
             f"a weight [{num_out}, {num_in}] with group_size {group_size} needs scales "
             f"[{num_out}, {num_groups}], got {list(scale.shape)}"
+        )
+    if zero is not None and zero.shape != scale.shape:
+        raise ValueError(
+            f"a weight [{num_out}, {num_in}] with scales {list(scale.shape)} needs zero points "
+            f"of that shape, got {list(zero.shape)}: is the checkpoint's zero-point packing "
+            "the format's?"
         )
     in_order = np.arange(num_in) // group_size
     if g_idx is not None and np.array_equal(g_idx, in_order):
@@ -229,6 +245,10 @@ def fp8_weight(
             f"scales, got {list(scale.shape)}"
         )
     return HostFP8(values, scale.reshape(grid), tuple(block), dynamic_activations)
+
+
+def _param_shape(shape: tuple[int, ...], experts: bool) -> tuple[int, ...]:
+    return (*shape[:-2], shape[-1], shape[-2]) if experts else tuple(shape)
 
 
 def _zero_or_symmetric(p: HostInt) -> np.ndarray:

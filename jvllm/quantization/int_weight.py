@@ -1,6 +1,6 @@
 """Integer weights of 4 or 8 bits with a scale (and a zero point) per group of input columns: the
 layout every pre-quantized integer checkpoint (compressed-tensors, GPTQ, AWQ) is repacked into at
-load (model_loader/quantized_checkpoint.py), kept packed on the device and dequantized inside
+load (model_loader/quantized_tensors.py), kept packed on the device and dequantized inside
 the jitted step.
 
 A [..., O, I] weight of `bits` b and group size g holds:
@@ -22,6 +22,7 @@ and GPTQModel / AutoAWQ's dequantization compute, bit for bit (`dequantize`).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +99,7 @@ class IntWeight:
             x = jnp.take(x, perm, axis=-1)
         num_rows = x.size // x.shape[-1]
         group_size = self._local_group_size()
-        if jax.default_backend() == "gpu" and group_size % (32 if self.bits == 4 else 16) == 0:
+        if pallas_dequant() and group_size % (32 if self.bits == 4 else 16) == 0:
             rows = x.reshape(num_rows, -1).astype(self.dtype)
             y = dequant_matmul.int_matmul(
                 rows,
@@ -176,6 +177,12 @@ class IntWeight:
             group_sizes,
             preferred_element_type=jnp.float32,
         )
+
+
+def pallas_dequant() -> bool:
+    """Whether this backend runs kernels_pallas' dequantizing matmuls: a GPU's, unless
+    JVLLM_PALLAS_DEQUANT=0 (XLA's dequantize-then-matmul instead)."""
+    return jax.default_backend() == "gpu" and os.environ.get("JVLLM_PALLAS_DEQUANT", "1") != "0"
 
 
 def unpack(packed: jax.Array, bits: int) -> jax.Array:

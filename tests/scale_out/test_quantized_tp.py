@@ -15,7 +15,7 @@ from test_prequantized_checkpoints import SCHEMES, llama
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.quantized_checkpoints import quantize_checkpoint
 from jvllm.model_loader.gguf import load_gguf
-from jvllm.quantization import GGUFWeight, MixedGGUFWeight
+from jvllm.quantization import GGUFWeight, IntWeight, MixedGGUFWeight
 
 
 def _greedy(path, prompts, **kwargs) -> list[list[int]]:
@@ -159,3 +159,19 @@ def test_a_gguf_block_straddling_two_devices_is_refused_naming_the_sizes(tmp_pat
     message = r"attn.o.weight: input size 64 in 2 GGUF blocks of 32 .* tensor_parallel_size=4"
     with pytest.raises(ValueError, match=message):
         LLM(path, quantization="gguf", tensor_parallel_size=4, max_model_len=64)
+
+
+def test_fewer_kv_heads_than_devices_keep_q_k_v_packed(tmp_path):
+    """One KV head over T = 2: each device holds it repeated, the packed q|k|v rows laid out as
+    the float ones (and not read as floats because the mesh's rows outnumber the checkpoint's)."""
+    src = save_tp_llama(tmp_path / "float", 1, tie=False)
+    quantize_checkpoint(src, str(tmp_path / "q"), "gptq", bits=8, group_size=-1)
+    prompts = [[5, 17, 300, 41, 9], list(range(30, 50))]
+    one = _greedy(tmp_path / "q", prompts)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    qkv = llm.llm_engine.model_runner.params["layers"]["attn"]["qkv"]["weight"]
+    assert isinstance(qkv, IntWeight)
+    # 8 query heads / 2 + the KV head's k and v: (4 + 1 + 1) heads of 16 rows a device.
+    assert [s.data.shape[1] for s in qkv.packed.addressable_shards] == [96, 96]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == one
