@@ -153,3 +153,24 @@ def test_zero_points_of_another_shape_than_the_scales_are_refused():
     scale = np.ones((16, 2), np.float16)
     with pytest.raises(ValueError, match="needs zero points of that shape"):
         int_weight(values, scale, np.zeros((2, 2), np.int16), 4, 32)
+
+
+def test_act_order_by_column_form_holds_the_same_weight():
+    """by_column (the form a cut along the input axis takes): the checkpoint's column order with
+    each column's group, equal to the sorted form's weight with its columns put back."""
+    rng = np.random.default_rng(6)
+    values, scale, zero = _weight(rng, (2, 24, 64), 4, 32, False, np.float16)
+    hosts = [
+        int_weight(values[i], scale[i], zero[i], 4, 32, rng.permutation(np.arange(64) // 32))
+        for i in range(2)
+    ]
+    sorted_form = stack(hosts)
+    column_form = sorted_form.by_column()
+    assert column_form.perm is None and column_form.g_idx.shape == (2, 64)
+    expected = sorted_form.dequantize()  # columns put back in checkpoint order
+    w = IntWeight(*(jnp.asarray(getattr(column_form, f)) for f in ("packed", "scale", "zero")),
+                  None, 4, 32, "float32", g_idx=jnp.asarray(column_form.g_idx))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: w.dequantize())(w)), expected)
+    x = jnp.asarray(rng.normal(size=(3, 64)), jnp.float32)
+    got = jax.jit(lambda w, x: w.at_layer(jnp.int32(1)).dense(x))(w, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ expected[1].T, rtol=1e-5, atol=1e-5)

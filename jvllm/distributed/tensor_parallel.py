@@ -179,11 +179,12 @@ class ParamPlacer:
         self, path: str, fields: dict[str, np.ndarray], experts: bool
     ) -> dict[str, jax.Array]:
         """A quantized weight's fields (quantization/int_weight.py's packed / scale / zero /
-        perm, fp8_weight.py's values / scale) -> on the mesh, each cut as the float param at
-        `path` is: along the same axis, the fused pieces laid out shard-major alike; `perm`
-        along the input axis. An expert stack's fields hold [..., E, O, I] where its float param
-        holds [..., E, I, O]. ValueError where the input axis is cut and a group or an FP8 block
-        would straddle two devices, naming the sizes."""
+        perm / g_idx, fp8_weight.py's values / scale) -> on the mesh, each cut as the float
+        param at `path` is: along the same axis, the fused pieces laid out shard-major alike;
+        `perm` and `g_idx` along the input axis (with g_idx the scales and zero points whole on
+        every device). An expert stack's fields hold [..., E, O, I] where its float param holds
+        [..., E, I, O]. ValueError where the input axis is cut and a group or an FP8 block would
+        straddle two devices, naming the sizes."""
         keys = path.split(".")
         axes = list(_lookup(self._axes, keys))
         if experts:
@@ -191,7 +192,17 @@ class ParamPlacer:
         in_cut = AXIS_RULES.get(axes[-1]) is not None and self._num_shards > 1
         if in_cut:
             self._check_input_cut(path, fields)
-        return {k: self._place_field(keys, k, x, axes, experts) for k, x in fields.items()}
+        whole_groups = "g_idx" in fields
+        return {
+            k: self._place_field(keys, k, x, axes, experts, whole_groups) for k, x in fields.items()
+        }
+
+    def cuts_input(self, path: str, experts: bool) -> bool:
+        """Whether the param at `path` is cut along its input axis (row-parallel): an act-order
+        weight then takes its g_idx form (quantization/host_weights.py's by_column)."""
+        axes = _lookup(self._axes, path.split("."))
+        in_axis = axes[-2] if experts else axes[-1]
+        return self._num_shards > 1 and AXIS_RULES.get(in_axis) is not None
 
     def place_blocks(
         self, path: str, fields: dict[str, np.ndarray], rows: tuple[int, int] | None = None
@@ -251,12 +262,17 @@ class ParamPlacer:
             return _lookup(self._shapes, keys).shape[out] // t
         return math.gcd(*(count // t * unit if count >= t else unit for count, unit in segments))
 
-    def _place_field(self, keys, field: str, x: np.ndarray, axes: list, experts: bool):
-        axes = axes[:-2] + axes[-1:] if field == "perm" else axes
-        if field in ("scale", "zero") and x.shape[-1] == 1:
+    def _place_field(
+        self, keys, field: str, x: np.ndarray, axes: list, experts: bool, whole_groups: bool
+    ):
+        """whole_groups: the scales and zero points stay whole along their group axis (each
+        device's columns, act-order's g_idx form, may be in any group)."""
+        per_column = field in ("perm", "g_idx")
+        axes = axes[:-2] + axes[-1:] if per_column else axes
+        if field in ("scale", "zero") and (x.shape[-1] == 1 or whole_groups):
             axes = axes[:-1] + [None]  # one scale a row: every device's columns use it whole
         sharding = NamedSharding(self._mesh, PartitionSpec(*(AXIS_RULES.get(a) for a in axes)))
-        out_cut = field != "perm" and AXIS_RULES.get(axes[-2]) is not None
+        out_cut = not per_column and AXIS_RULES.get(axes[-2]) is not None
         if self._mesh.size == 1:
             return jax.device_put(x, sharding, may_alias=True)
         host = x
@@ -269,15 +285,9 @@ class ParamPlacer:
 
     def _check_input_cut(self, path: str, fields: dict[str, np.ndarray]) -> None:
         """A row-parallel quantized weight must split into whole groups (FP8: whole blocks)
-        per device (or hold one scale a row, which every device keeps whole), its packed bytes
-        into whole 32-column runs."""
+        per device (or keep its scales whole on every device: one a row, or act-order's g_idx
+        form), its packed bytes into whole 32-column runs."""
         t = self._num_shards
-        if "perm" in fields:
-            raise ValueError(
-                f"{path}: an act-order (desc_act / g_idx) weight cut along its input axis over "
-                f"tensor_parallel_size={t} devices is not supported: its groups span every "
-                "device's columns; use tensor_parallel_size=1 or a checkpoint without act-order"
-            )
         if "values" in fields:  # FP8: values [..., I], scale [..., I / bi]
             num_in, num_blocks = fields["values"].shape[-1], fields["scale"].shape[-1]
             block = -(-num_in // num_blocks)
@@ -285,7 +295,8 @@ class ParamPlacer:
             what = f"FP8 blocks of {block} columns"
         else:
             num_bytes, num_groups = fields["packed"].shape[-1], fields["scale"].shape[-1]
-            ok = (num_groups == 1 or num_groups % t == 0) and num_bytes % (16 * t) == 0
+            whole_groups = num_groups == 1 or "g_idx" in fields
+            ok = (whole_groups or num_groups % t == 0) and num_bytes % (16 * t) == 0
             what = f"{num_groups} groups ({num_bytes} packed bytes a row)"
             num_in = None
         if not ok:

@@ -17,7 +17,7 @@ import numpy as np
 from jvllm.logger import init_logger
 from jvllm.quantization import host_weights
 from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
-from jvllm.quantization.host_weights import HostFP8, HostQuantized
+from jvllm.quantization.host_weights import HostFP8, HostInt, HostQuantized
 from jvllm.quantization.mixed_weight import MixedGGUFWeight
 from jvllm.quantization.packed_weight import GGUFWeight
 
@@ -240,6 +240,9 @@ class CheckpointWeights:
         host = host_weights.stack(layers)
         if host is None or host.shape(experts) != tuple(spec.shape):
             return False  # _mismatch's message comes from the float path
+        cuts_input = getattr(self._place, "cuts_input", None)
+        if isinstance(host, HostInt) and cuts_input and cuts_input(path, experts):
+            host = host.by_column()  # act-order's sorted columns would span the devices
         row_unit = getattr(self._place, "output_rows_unit", None)
         unit = row_unit(path, experts) if row_unit else None
         if isinstance(host, HostFP8) and unit is not None and unit % host.block[0]:

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from jvllm.quantization.fp8_weight import FP8Weight, dequantize_blocks
-from jvllm.quantization.int_weight import IntWeight, dequantize, pack
+from jvllm.quantization.int_weight import IntWeight, dequantize, pack, unpack
 
 # A weight's fields {name: host array} -> {name: on its device(s)}.
 Place = Callable[[dict[str, np.ndarray]], dict[str, object]]
@@ -22,7 +22,7 @@ Place = Callable[[dict[str, np.ndarray]], dict[str, object]]
 @dataclasses.dataclass(frozen=True)
 class HostInt:
     """packed u8[..., O, I * bits / 8], scale [..., O, G], zero i16[..., O, G] or None,
-    perm i32[..., I] or None: IntWeight's fields (int_weight.py)."""
+    perm i32[..., I] or None, g_idx i32[..., I] or None: IntWeight's fields (int_weight.py)."""
 
     packed: np.ndarray
     scale: np.ndarray
@@ -30,10 +30,22 @@ class HostInt:
     perm: np.ndarray | None
     bits: int
     group_size: int
+    g_idx: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
         return self.packed.shape[-2]
+
+    def by_column(self) -> HostInt:
+        """Act-order's sorted columns put back in checkpoint order, each column's group given
+        (IntWeight's g_idx form, for a cut along the input axis)."""
+        if self.perm is None:
+            return self
+        inverse = np.argsort(self.perm, axis=-1)  # [..., I]: where column i is stored
+        values = np.asarray(unpack(self.packed, self.bits))  # [..., O, I]
+        values = np.take_along_axis(values, inverse[..., None, :], axis=-1)
+        g_idx = (inverse // self.group_size).astype(np.int32)
+        return dataclasses.replace(self, packed=pack(values, self.bits), perm=None, g_idx=g_idx)
 
     def shape(self, experts: bool = False) -> tuple[int, ...]:
         """The float param's shape (an expert stack's [..., E, I, O])."""
@@ -160,7 +172,13 @@ def to_device(host: HostQuantized, place: Place, dtype: str, experts: bool = Fal
         return FP8Weight(
             f["values"], f["scale"], host.block, dtype, experts, host.dynamic_activations
         )
-    fields = {"packed": host.packed, "scale": host.scale, "zero": host.zero, "perm": host.perm}
+    fields = {
+        "packed": host.packed,
+        "scale": host.scale,
+        "zero": host.zero,
+        "perm": host.perm,
+        "g_idx": host.g_idx,
+    }
     f = place({k: v for k, v in fields.items() if v is not None})
     return IntWeight(
         f["packed"],
@@ -171,6 +189,7 @@ def to_device(host: HostQuantized, place: Place, dtype: str, experts: bool = Fal
         host.group_size,
         dtype,
         experts,
+        f.get("g_idx"),
     )
 
 

@@ -12,7 +12,10 @@ A [..., O, I] weight of `bits` b and group size g holds:
 - zero: None (symmetric: 2^(b-1)) or i16[..., O, I / g], the group's zero point, in q's range
   (GPTQ's v1 convention, stored minus one, reaches 2^b: hence 16 bits);
 - perm: None, or i32[..., I] for GPTQ's act-order: the columns are stored sorted by group, and
-  the step multiplies x[..., perm] (x's columns in that order) by them.
+  the step multiplies x[..., perm] (x's columns in that order) by them;
+- g_idx: None, or i32[..., I], act-order's other form where tensor parallelism cuts the input
+  axis (a device's columns hold groups of every device's): columns in checkpoint order, each
+  column's group given, the scales and zero points whole on every device.
 
 The value of column i of row o is w = (q - z) * s with z, s the entries of its group, rounded
 to the scale dtype (`rounded`) and then converted to the model dtype: what compressed_tensors' decompression
@@ -40,8 +43,8 @@ NIBBLE_RUN = 32  # a 4-bit row is packed in runs of this many columns
 class IntWeight:
     """See the module docstring. dtype: the model dtype the values are used in; experts: the
     weight is a MoE's expert stack [..., E, O, I] that layers/moe.py reads as [..., E, I, O]
-    (`grouped`); layer: None, or i32[] when the fields are stacked [L, ...] and the weight is
-    layer `layer` of them."""
+    (`grouped`); g_idx: see the module docstring; layer: None, or i32[] when the fields are
+    stacked [L, ...] and the weight is layer `layer` of them."""
 
     packed: jax.Array
     scale: jax.Array
@@ -51,6 +54,7 @@ class IntWeight:
     group_size: int = dataclasses.field(metadata={"static": True})
     dtype: str = dataclasses.field(metadata={"static": True})
     experts: bool = dataclasses.field(default=False, metadata={"static": True})
+    g_idx: jax.Array | None = None
     layer: jax.Array | None = None
 
     def at_layer(self, layer: jax.Array) -> IntWeight:
@@ -66,7 +70,7 @@ class IntWeight:
 
     @property
     def nbytes(self) -> int:
-        fields = (self.packed, self.scale, self.zero, self.perm)
+        fields = (self.packed, self.scale, self.zero, self.perm, self.g_idx)
         return sum(f.nbytes for f in fields if f is not None)
 
     def __getitem__(self, key):
@@ -84,6 +88,10 @@ class IntWeight:
     def dequantize(self) -> jax.Array:
         """-> [..., O, I] in the model dtype, columns in stored order (see `perm`)."""
         fields = self._own(self.packed), self._own(self.scale), self._own(self.zero)
+        if self.g_idx is not None:
+            return dequantize_by_column(*fields, self._own(self.g_idx), self.bits).astype(
+                self.dtype
+            )
         return dequantize(*fields, self.bits).astype(self.dtype)
 
     def dense(self, x: jax.Array) -> jax.Array:
@@ -97,6 +105,8 @@ class IntWeight:
         perm = self._own(self.perm)
         if perm is not None:
             x = jnp.take(x, perm, axis=-1)
+        if self.g_idx is not None:  # scales gathered per column: no kernel reads that
+            return dot_rows(x, self.dequantize())
         num_rows = x.size // x.shape[-1]
         group_size = self._local_group_size()
         if pallas_dequant() and group_size % (32 if self.bits == 4 else 16) == 0:
@@ -219,6 +229,20 @@ def rounded(x: jax.Array, dtype) -> jax.Array:
         subnormal = jnp.round(x / step) * step  # exact: a power of two, then half to even
         y = jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, y)
     return y.astype(dtype)
+
+
+def dequantize_by_column(
+    packed: jax.Array, scale: jax.Array, zero: jax.Array | None, g_idx: jax.Array, bits: int
+) -> jax.Array:
+    """`dequantize` where column i's scale and zero point are its group g_idx[i]'s (i32[..., I]
+    over packed's columns) -> [..., O, I] in scale's dtype."""
+    q = unpack(packed, bits)  # [..., O, I]
+    columns = jnp.broadcast_to(g_idx[..., None, :], q.shape)  # [..., O, I]
+    s = jnp.take_along_axis(scale, columns, axis=-1).astype(jnp.float32)
+    z = 1 << (bits - 1)
+    if zero is not None:
+        z = jnp.take_along_axis(zero, columns, axis=-1).astype(jnp.int32)
+    return rounded((q - z).astype(jnp.float32) * s, scale.dtype)
 
 
 def pack(values: np.ndarray, bits: int) -> np.ndarray:

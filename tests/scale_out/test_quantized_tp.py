@@ -50,11 +50,29 @@ def test_a_group_straddling_two_devices_is_refused_naming_the_sizes(tmp_path):
         LLM(str(tmp_path / "q"), tensor_parallel_size=4, max_model_len=64)
 
 
-def test_act_order_under_row_parallel_cut_is_refused(tmp_path):
+def test_act_order_weights_cut_along_their_input_decode_as_on_one_device(tmp_path):
+    """o and down (row-parallel) in GPTQ act-order: each device's columns in checkpoint order,
+    each column's group given (g_idx), the scales whole on every device; q|k|v and gate|up
+    (column-parallel) keep their sorted columns. A Mixtral's act-order experts too."""
     fmt, options = SCHEMES["gptq_int4_asym_act_order"]
     quantize_checkpoint(llama(tmp_path), str(tmp_path / "q"), fmt, **options)
-    with pytest.raises(ValueError, match="act-order"):
-        LLM(str(tmp_path / "q"), tensor_parallel_size=2, max_model_len=64)
+    prompts = ragged_prompts(TINY_SHAPES["vocab_size"], lengths=(3, 17))
+    one = _greedy(tmp_path / "q", prompts)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    layers = llm.llm_engine.model_runner.params["layers"]
+    down, qkv = layers["mlp"]["down"]["weight"], layers["attn"]["qkv"]["weight"]
+    assert down.g_idx is not None and down.perm is None
+    assert qkv.perm is not None and qkv.g_idx is None
+    # down [L, 64, 128] as 64 of its 128 columns a device, its 4 groups' scales whole.
+    assert [s.data.shape for s in down.scale.addressable_shards] == [(2, 64, 4)] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == one
+    mixtral = transformers.MixtralConfig(**TINY_SHAPES, num_local_experts=4, num_experts_per_tok=2)
+    save_random_model(tmp_path / "moe", mixtral)
+    quantize_checkpoint(str(tmp_path / "moe"), str(tmp_path / "moe_q"), fmt, **options)
+    assert _greedy(tmp_path / "moe_q", prompts, tensor_parallel_size=2) == _greedy(
+        tmp_path / "moe_q", prompts
+    )
 
 
 # GGUF blocks kept packed, and int8 / fp8 quantized at load, over the mesh: cut as the float
