@@ -18,8 +18,8 @@ A [..., O, I] weight of `bits` b and group size g holds:
   column's group given, the scales and zero points whole on every device.
 
 The value of column i of row o is w = (q - z) * s with z, s the entries of its group, rounded
-to the scale dtype (`rounded`) and then converted to the model dtype: what compressed_tensors' decompression
-and GPTQModel / AutoAWQ's dequantization compute, bit for bit (`dequantize`).
+to the scale dtype (`rounded`) and then converted to the model dtype: what compressed_tensors'
+decompression and GPTQModel / AutoAWQ's dequantization compute, bit for bit (`dequantize`).
 """
 
 from __future__ import annotations
