@@ -241,8 +241,10 @@ class CheckpointWeights:
         if host is None or host.shape(experts) != tuple(spec.shape):
             return False  # _mismatch's message comes from the float path
         cuts_input = getattr(self._place, "cuts_input", None)
-        if isinstance(host, HostInt) and cuts_input and cuts_input(path, experts):
-            host = host.by_column()  # act-order's sorted columns would span the devices
+        if isinstance(host, HostInt) and (experts or cuts_input and cuts_input(path, experts)):
+            # Act-order's sorted columns: a grouped matmul reads experts in column order, and
+            # a cut along the input axis would spread each group over the devices.
+            host = host.by_column()
         row_unit = getattr(self._place, "output_rows_unit", None)
         unit = row_unit(path, experts) if row_unit else None
         if isinstance(host, HostFP8) and unit is not None and unit % host.block[0]:

@@ -13,9 +13,10 @@ A [..., O, I] weight of `bits` b and group size g holds:
   (GPTQ's v1 convention, stored minus one, reaches 2^b: hence 16 bits);
 - perm: None, or i32[..., I] for GPTQ's act-order: the columns are stored sorted by group, and
   the step multiplies x[..., perm] (x's columns in that order) by them;
-- g_idx: None, or i32[..., I], act-order's other form where tensor parallelism cuts the input
-  axis (a device's columns hold groups of every device's): columns in checkpoint order, each
-  column's group given, the scales and zero points whole on every device.
+- g_idx: None, or i32[..., I], act-order's other form, for an expert stack (whose grouped
+  matmul takes columns in order) and where tensor parallelism cuts the input axis (a device's
+  columns hold groups of every device's): columns in checkpoint order, each column's group
+  given, the scales and zero points whole on every device.
 
 The value of column i of row o is w = (q - z) * s with z, s the entries of its group, rounded
 to the scale dtype (`rounded`) and then converted to the model dtype: what compressed_tensors'
@@ -175,12 +176,10 @@ class IntWeight:
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """rows [M, I] grouped by expert (group_sizes i32[E]) @ expert e's [I, O] -> f32[M, O]:
-        this layer's experts dequantized in the step (their columns put back in order where
-        act-order sorted them), then one ragged_dot."""
+        this layer's experts dequantized in the step, then one ragged_dot. An act-order stack
+        comes in its g_idx form (columns in checkpoint order: models/weights.py), so that no
+        step has to put sorted columns back."""
         w = self.dequantize()  # [E, O, I]
-        perm = self._own(self.perm)  # [E, I]
-        if perm is not None:
-            w = jnp.take_along_axis(w, jnp.argsort(perm, axis=-1)[:, None, :], axis=-1)
         return jax.lax.ragged_dot(
             rows.astype(self.dtype),
             jnp.swapaxes(w, -1, -2),
