@@ -18,12 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.bench import Timing, _copy_bandwidth, _median_seconds
-from kernels_pallas.dequant_matmul import (
-    fp8_block_matmul,
-    fp8_block_matmul_reference,
-    int_matmul,
-    int_matmul_reference,
-)
+from kernels_pallas.dequant_matmul import int_matmul, int_matmul_reference
+from kernels_pallas.fp8_block_matmul import fp8_block_matmul, fp8_block_matmul_reference
 
 # Llama-3-8B's projections (I -> O): qkv, gate or up, down.
 SHAPES = [(4096, 6144), (4096, 14336), (14336, 4096)]

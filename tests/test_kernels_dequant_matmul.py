@@ -10,12 +10,8 @@ import pytest
 
 from jvllm.quantization.fp8_weight import dequantize_blocks
 from jvllm.quantization.int_weight import dequantize, pack
-from kernels_pallas.dequant_matmul import (
-    fp8_block_matmul,
-    fp8_block_matmul_reference,
-    int_matmul,
-    int_matmul_reference,
-)
+from kernels_pallas.dequant_matmul import int_matmul, int_matmul_reference
+from kernels_pallas.fp8_block_matmul import fp8_block_matmul, fp8_block_matmul_reference
 from kernels_pallas.lowering import lower_for_cuda, num_triton_calls
 
 SDS = jax.ShapeDtypeStruct

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jvllm.quantization.channel_weight import fp8_matmul
 from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.int_weight import pallas_dequant, rounded
-from kernels_pallas import dequant_matmul
+from kernels_pallas import fp8_block_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -82,7 +82,7 @@ class FP8Weight:
             return fp8_matmul(x, values, rows.astype(jnp.float32))
         if pallas_dequant() and (self.block[1] >= num_in or self.block[1] % 16 == 0):
             rows = x.reshape(-1, num_in).astype(self.dtype)
-            y = dequant_matmul.fp8_block_matmul(
+            y = fp8_block_matmul.fp8_block_matmul(
                 rows, self.values, self.scale, block=self.block, layer=self.layer
             )
             return y.reshape(*x.shape[:-1], -1)
