@@ -180,6 +180,12 @@ class EngineArgs:
         check_combinations(self)
         return scheduler
 
+    def _group(self, cls, **derived):
+        """The config group `cls`, each field this EngineArgs' of the same name but those
+        `derived` here."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in derived]
+        return cls(**{name: getattr(self, name) for name in names}, **derived)
+
     def create_engine_config(self) -> EngineConfig:
         """Each component's config, once (vLLM's). What comes from the model directory's files
         alone (a pooling model's settings) is resolved here; what needs the loaded model or
@@ -193,57 +199,15 @@ class EngineArgs:
         if self.runner == "pooling":
             pooler = resolve_pooler_config(self.pooler_config, self.model)
         return EngineConfig(
-            load_config=LoadConfig(
-                model=self.model,
-                tokenizer=self.tokenizer,
-                skip_tokenizer_init=self.skip_tokenizer_init,
-                dtype=self.dtype,
-                quantization=self.quantization,
-                load_format=self.load_format,
-                hf_overrides=self.hf_overrides,
-                max_model_len=self.max_model_len,
-                generation_config=self.generation_config,
-                override_generation_config=self.override_generation_config,
-                runner=self.runner,
-                seed=self.seed,
-                max_logprobs=self.max_logprobs,
-                logprobs_mode=self.logprobs_mode,
-                enable_sleep_mode=self.enable_sleep_mode,
-            ),
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_dtype=self.kv_cache_dtype,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            ),
+            load_config=self._group(LoadConfig),
+            cache_config=self._group(CacheConfig),
             scheduler_config=scheduler,
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                data_parallel_size=self.data_parallel_size,
-                data_parallel_rank=self.data_parallel_rank,
-                distributed_coordinator_address=self.distributed_coordinator_address,
-                distributed_num_processes=self.distributed_num_processes,
-                distributed_process_id=self.distributed_process_id,
-            ),
-            runner_config=RunnerConfig(
-                block_size=self.block_size,
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                attention_backend=self.attention_backend,
-                kv_cache_dtype=self.kv_cache_dtype,
-                max_logprobs=self.max_logprobs,
-                logprobs_mode=self.logprobs_mode,
-                num_scheduler_steps=self.num_scheduler_steps,
-                async_scheduling=self.async_scheduling,
+            parallel_config=self._group(ParallelConfig),
+            runner_config=self._group(
+                RunnerConfig,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 pooling_type=pooler.pooling_type if pooler else None,
                 max_cpu_loras=lora.max_cpu_loras if lora else 0,
-                compile_all_buckets=self.compile_all_buckets,
-                compile_in_background=self.compile_in_background,
             ),
             lora_config=lora,
             speculative_config=spec,
