@@ -64,11 +64,11 @@ class CheckpointWeights:
         shapes: dict,
         num_layers: int,
         layer_prefix: str = "model.layers.{}.",
-        place: Callable[[str, np.ndarray], jax.Array] | None = None,
+        place: WholePlacer | None = None,  # or a ParamPlacer, which answers the same calls
         keep_packed: bool = False,
         quantized: Callable[[str], HostQuantized | None] | None = None,
     ):
-        self._place = place or (lambda path, x: jax.device_put(x, may_alias=True))
+        self._place = place or WholePlacer()
         self._get = get if not keep_packed else lambda name: _read(get(name))
         self._quantized = quantized
         if quantized is not None:
@@ -240,13 +240,11 @@ class CheckpointWeights:
         host = host_weights.stack(layers)
         if host is None or host.shape(experts) != tuple(spec.shape):
             return False  # _mismatch's message comes from the float path
-        cuts_input = getattr(self._place, "cuts_input", None)
-        if isinstance(host, HostInt) and (experts or cuts_input and cuts_input(path, experts)):
+        if isinstance(host, HostInt) and (experts or self._place.cuts_input(path, experts)):
             # Act-order's sorted columns: a grouped matmul reads experts in column order, and
             # a cut along the input axis would spread each group over the devices.
             host = host.by_column()
-        row_unit = getattr(self._place, "output_rows_unit", None)
-        unit = row_unit(path, experts) if row_unit else None
+        unit = self._place.output_rows_unit(path, experts)
         if isinstance(host, HostFP8) and unit is not None and unit % host.block[0]:
             host = host.per_row()  # the mesh's cut would split a block of rows
         weight = host_weights.to_device(
@@ -257,12 +255,9 @@ class CheckpointWeights:
 
     def _place_quantized(self, path: str, experts: bool, fields: dict) -> dict:
         """A quantized weight's fields on the param's device(s): cut as the float param would
-        be under tensor parallelism (the placer's place_quantized), else whole."""
+        be under tensor parallelism (the placer's place_quantized)."""
         fields = {k: aligned_copy(v) for k, v in fields.items()}
-        place = getattr(self._place, "place_quantized", None)
-        if place is not None:
-            return place(path, fields, experts)
-        return {k: self._place(path, v) for k, v in fields.items()}
+        return self._place.place_quantized(path, fields, experts)
 
     def _packed(
         self, path: str, blocks: np.ndarray, qtype, dtype: str, rows: tuple[int, int] | None = None
@@ -271,11 +266,7 @@ class CheckpointWeights:
         device(s): under tensor parallelism cut as the float param would be (the placer's
         place_blocks; `rows`: the param's output rows the blocks hold, where not all)."""
         fields = {k: aligned_copy(v) for k, v in split_fields(blocks, qtype).items()}
-        place = getattr(self._place, "place_blocks", None)
-        if place is not None:
-            placed = place(path, fields, rows)  # [(L,) O, nb, ...] each
-        else:
-            placed = {k: self._place(path, v) for k, v in fields.items()}
+        placed = self._place.place_blocks(path, fields, rows)  # [(L,) O, nb, ...] each
         return GGUFWeight(placed, int(qtype), dtype)
 
     def _mixed(self, path: str, sources: list[list], dtype: str) -> MixedGGUFWeight:
@@ -361,6 +352,27 @@ class CheckpointWeights:
             f"{tuple(expected)}{' (concatenated along axis 0)' if len(names) > 1 else ''}; "
             "is config.json the one these weights were saved with?"
         )
+
+
+class WholePlacer:
+    """Puts each param whole on JAX's default device: what CheckpointWeights places with when
+    it is given no placer (distributed/tensor_parallel.py's ParamPlacer cuts them over a mesh,
+    with the same methods)."""
+
+    def __call__(self, path: str, x: np.ndarray) -> jax.Array:
+        return jax.device_put(x, may_alias=True)
+
+    def place_quantized(self, path: str, fields: dict, experts: bool) -> dict:
+        return {k: self(path, v) for k, v in fields.items()}
+
+    def place_blocks(self, path: str, fields: dict, rows: tuple[int, int] | None = None) -> dict:
+        return {k: self(path, v) for k, v in fields.items()}
+
+    def cuts_input(self, path: str, experts: bool) -> bool:
+        return False
+
+    def output_rows_unit(self, path: str, experts: bool) -> int | None:
+        return None
 
 
 def aligned_copy(x: np.ndarray, dtype: Any = None) -> np.ndarray:
