@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from jvllm.model_loader.quant_config import matches_module
+
 # The checkpoint tensors that are linear layers' weights: attention and MLP projections, the
 # experts' (Mixtral's w1/w2/w3 too), never a router ("mlp.gate.weight") or the LM head.
 _LINEAR = re.compile(r"layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$")
@@ -132,11 +134,11 @@ def _compressed_tensors(
     out, reference = dict(state), {}
     for name in linear_names(state):
         module = name[: -len(".weight")]
-        if any(_ct_matches(pattern, module) for pattern in ignore):
+        if any(matches_module(pattern, module) for pattern in ignore):
             continue
         matching = [
             q for q in schemes
-            if q.targets == ["Linear"] or _ct_matches(q.targets[0], module)
+            if q.targets == ["Linear"] or matches_module(q.targets[0], module)
         ]  # fmt: skip
         if not matching:
             continue
@@ -161,13 +163,6 @@ def _compressed_tensors(
         ignore=list(ignore),
     ).model_dump(mode="json")
     return out, reference, qconfig
-
-
-def _ct_matches(pattern: str, module: str) -> bool:
-    """A compressed-tensors target / ignore entry: "re:" a regex from the start, else a name."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return module == pattern or module.endswith("." + pattern)
 
 
 def _ct_format(scheme) -> str:

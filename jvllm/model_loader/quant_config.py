@@ -60,10 +60,10 @@ class CheckpointQuantization:
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of module `module` ("model.layers.0.self_attn.q_proj"), None where the
         checkpoint leaves it unquantized."""
-        if any(_matches(pattern, module) for pattern in self.ignore):
+        if any(matches_module(pattern, module) for pattern in self.ignore):
             return None
         for targets, scheme in self.groups:
-            if any(t == "Linear" or _matches(t, module) for t in targets):
+            if any(t == "Linear" or matches_module(t, module) for t in targets):
                 return scheme
         return None
 
@@ -87,7 +87,7 @@ class CheckpointQuantization:
         return "" if scheme.format == self.method else f"{scheme.format} "
 
 
-def _matches(pattern: str, module: str) -> bool:
+def matches_module(pattern: str, module: str) -> bool:
     """Whether a config's target / ignore entry names `module`: "re:" patterns match from the
     start, a name matches itself or the module's last names ("lm_head", "mlp.gate")."""
     if pattern.startswith("re:"):
