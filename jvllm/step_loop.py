@@ -64,6 +64,7 @@ from jvllm.distributed.mesh import replicated
 from jvllm.engine.data_parallel import DataParallelEngine
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.mm_processor import check_no_images
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.sampling_params import SamplingParams
 from jvllm.worker.decode_loop import (
@@ -139,6 +140,8 @@ class StepLoop:
             )
         for params in sampling_params:
             _check_supported(params)
+        for prompt in prompts:
+            check_no_images(prompt, "the step loop takes text prompts only (LLM.generate)")
         ids = [f"step-loop-{i}" for i in range(len(prompts))]
         try:
             for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):

@@ -30,6 +30,11 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # The most LoRA adapters the running requests may use at once (the runner's slots).
     max_loras: int = 0
+    # vLLM's encoder budget: the image embeddings one step may encode, and the rows the
+    # encoder cache holds (core/encoder_cache_manager.py). The engine sets both for a model
+    # that takes images, at least its largest image's.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         check_choice("scheduling_policy", self.policy, SCHEDULING_POLICIES)
@@ -40,6 +45,8 @@ class SchedulerConfig:
         threshold = self.long_prefill_token_threshold
         check_int("long_prefill_token_threshold", threshold, 0, why="0 = off")
         check_int("max_loras", self.max_loras, 0)
+        check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 0)
+        check_int("encoder_cache_size", self.encoder_cache_size, 0)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if not self.enable_chunked_prefill:
             if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:

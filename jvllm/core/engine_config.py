@@ -100,6 +100,19 @@ class RunnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiModalConfig:
+    """Images in prompts (vLLM's names): how many a prompt may hold (limit_mm_per_prompt,
+    {"image": k}; None: any number), the model processor's settings for every prompt
+    (mm_processor_kwargs), and where chat `image_url` parts may point: `file://` only under
+    allowed_local_media_path, http(s) only to allowed_media_domains (None: any host)."""
+
+    limit_mm_per_prompt: Mapping[str, int] | None = None
+    mm_processor_kwargs: Mapping[str, Any] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     load_config: LoadConfig
     cache_config: CacheConfig
@@ -109,20 +122,33 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: no adapters
     speculative_config: SpeculativeConfig | None = None  # None: no speculation
     pooler_config: PoolerConfig | None = None  # a pooling runner's, resolved; None: generates
+    multimodal_config: MultiModalConfig = MultiModalConfig()
 
     @property
     def max_model_len(self) -> int | None:
         return self.load_config.max_model_len
 
-    def resolved(self, max_model_len: int, attention_backend: str) -> EngineConfig:
+    def resolved(
+        self, max_model_len: int, attention_backend: str, max_image_tokens: int = 0
+    ) -> EngineConfig:
         """This config once the worker has loaded the model (its longest sequence known; the
         scheduler's checks run again on it) and found its devices (the attention backend
-        where the user named none)."""
+        where the user named none). `max_image_tokens` > 0: the model takes images of up to
+        that many embeddings, and the encoder's budget and cache are vLLM's defaults, the step's
+        token budget, or one image where that is more."""
         replace = dataclasses.replace
+        encoder = 0
+        if max_image_tokens:
+            encoder = max(self.scheduler_config.max_num_batched_tokens, max_image_tokens)
         return replace(
             self,
             load_config=replace(self.load_config, max_model_len=max_model_len),
-            scheduler_config=replace(self.scheduler_config, max_model_len=max_model_len),
+            scheduler_config=replace(
+                self.scheduler_config,
+                max_model_len=max_model_len,
+                max_num_encoder_input_tokens=encoder,
+                encoder_cache_size=encoder,
+            ),
             runner_config=replace(
                 self.runner_config,
                 max_model_len=max_model_len,

@@ -2,6 +2,7 @@
 
 from jvllm.core.block_hash import NONE_HASH, ExtraKeys, get_hash_fn
 from jvllm.core.block_pool import ROOT_CACHE_ID, BlockPool, KVCacheBlock
+from jvllm.core.multimodal import overlapping
 from jvllm.core.request import Request
 
 
@@ -171,15 +172,24 @@ class KVCacheManager:
                 )
             )
 
-    @staticmethod
-    def _extra_keys(request: Request, block_index: int) -> ExtraKeys:
+    def _extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
         """What a block's KV depends on beyond its tokens: the salt and the LoRA adapter, on
-        the first block (the chain carries them to the others)."""
-        if block_index > 0:
-            return ()
+        the first block (the chain carries them to the others), and the content hash of each
+        image with tokens in the block: an image's placeholder ids are the same whatever the
+        image, so without it two prompts with different images would share KV."""
+        start = block_index * self.block_size
+        images = tuple(
+            request.mm_features[i].identifier
+            for i in overlapping(request.mm_features, start, start + self.block_size)
+        )
+        if block_index > 0:  # a first block's parent is NONE_HASH, never a later one's
+            return images
         salt = request.cache_salt
-        if request.lora_request is not None:  # two keys: no salt alone hashes the same
-            return (salt or "", f"lora:{request.lora_request.lora_int_id}")
+        lora = f"lora:{request.lora_request.lora_int_id}" if request.lora_request else None
+        if images:  # three keys or more: no salt and adapter alone hash the same
+            return (salt or "", lora or "", *images)
+        if lora is not None:  # two keys: no salt alone hashes the same
+            return (salt or "", lora)
         return () if salt is None else (salt,)
 
     def _block_token_ids(self, request: Request, block_index: int) -> list[int]:

@@ -4,6 +4,7 @@ import enum
 import time
 from collections.abc import Iterable
 
+from jvllm.core.multimodal import MultiModalFeature
 from jvllm.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Request:
     salt, so that users who do not share one cannot learn each other's prompts from hit timing.
     `priority` (vLLM's): under the "priority" scheduling policy, lower values are served first.
     `lora_request`: the LoRA adapter it runs with (jvllm/lora/), None for the base model.
+    `mm_features`: its images, in prompt order (core/multimodal.py); empty for text.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         lora_request=None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -74,6 +77,7 @@ class Request:
         self.cache_salt = cache_salt
         self.priority = priority
         self.lora_request = lora_request
+        self.mm_features = sorted(mm_features or (), key=lambda f: f.placeholder.offset)
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from jvllm.core.config import SchedulerConfig
 from jvllm.core.decode_window import decode_window_limits
+from jvllm.core.encoder_cache_manager import EncoderCacheManager
 from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.core.multimodal import overlapping
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduling_policy import enqueue, pick_victim
 from jvllm.core.spec_decode import DraftProposer
@@ -39,6 +41,11 @@ class SchedulerOutput:
     # Speculative decoding (core/spec_decode.py): the drafts each decoding request computes
     # after its last token, counted in its num_scheduled_tokens but not in its all_token_ids.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Images: each request's mm_features indices that the worker encodes before the step (an
+    # image is encoded whole, when its first scheduled token needs it), and the encoder cache
+    # entries evicted since the last step, which the worker drops.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    freed_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -81,6 +88,8 @@ class Scheduler:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.drafter = drafter
+        self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self._encoder_budget = 0  # of the step being scheduled
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -113,6 +122,7 @@ class Scheduler:
         if window_limits is not None:
             self._schedule_window(output, window_limits)
         else:
+            self._encoder_budget = self.config.max_num_encoder_input_tokens
             token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
             # A step that had to preempt is short of blocks: admitting now would only thrash.
             if not output.preempted_requests:
@@ -121,6 +131,7 @@ class Scheduler:
             output.block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
                 request.request_id
             )
+        output.freed_encoder_hashes = self.encoder_cache.take_freed_hashes()
         logger.debug(
             "schedule: %d steps, %d requests, %d tokens, %d preempted, %d ignored; "
             "%d running, %d waiting, KV usage %.1f%%",
@@ -154,6 +165,8 @@ class Scheduler:
             computed = request.num_computed_tokens
             # Drafts are not counted here: the accepted ones are, as their tokens are appended.
             request.num_computed_tokens += scheduler_output.num_known_tokens(request)
+            if request.mm_features:
+                self.encoder_cache.release_computed(request)
             self.num_prompt_tokens_total += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - computed
             )
@@ -214,7 +227,12 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens(request, token_budget)
-            if num_new_tokens == 0:  # caught up, but the runner returned no token for it
+            encode, num_new_tokens = self._encoder_inputs(
+                request, request.num_computed_tokens, num_new_tokens
+            )
+            # 0: caught up, but the runner returned no token for it; or its next image does
+            # not fit this step's encoder budget.
+            if num_new_tokens == 0:
                 index += 1
                 continue
             drafts = self._drafts(request, num_new_tokens, token_budget)
@@ -229,11 +247,16 @@ class Scheduler:
                     output.scheduled_requests.remove(victim)
                     token_budget += output.num_scheduled_tokens.pop(victim.request_id)
                     output.spec_token_ids.pop(victim.request_id, None)
+                    self._undo_encoder_inputs(
+                        victim, output.scheduled_encoder_inputs.pop(victim.request_id, [])
+                    )
                     # Its blocks were entered in the prefix cache for KV this step never writes.
                     self.kv_cache_manager.uncache_uncomputed_blocks(victim)
                 if self.running.index(victim) < index:  # the requests after it move up one
                     index -= 1
                 self.running.remove(victim)
+                if victim is request:
+                    self._undo_encoder_inputs(request, encode)
                 self._preempt(victim)
                 output.preempted_requests.append(victim)
                 if victim is request:
@@ -241,6 +264,8 @@ class Scheduler:
             if drafts:
                 output.spec_token_ids[request.request_id] = drafts
                 num_new_tokens += len(drafts)
+            if encode:
+                output.scheduled_encoder_inputs[request.request_id] = encode
             output.scheduled_requests.append(request)
             output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -287,8 +312,15 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
+            encode, num_new_tokens = self._encoder_inputs(request, num_hit_tokens, num_new_tokens)
+            if num_new_tokens == 0:  # its next image waits for the encoder budget
+                self._undo_encoder_inputs(request, encode)
+                break
             if kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
+                self._undo_encoder_inputs(request, encode)
                 break  # FCFS: nobody overtakes the head of the queue.
+            if encode:
+                output.scheduled_encoder_inputs[request.request_id] = encode
             kv.record_prefix_lookup(request, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
@@ -302,6 +334,33 @@ class Scheduler:
             output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
         self.waiting.extendleft(reversed(set_aside))
+
+    def _encoder_inputs(
+        self, request: Request, num_computed: int, num_new_tokens: int
+    ) -> tuple[list[int], int]:
+        """(the request's images to encode for tokens `num_computed ..` + num_new_tokens, the
+        tokens cut to end before the first image that this step's encoder budget or the
+        encoder cache cannot take). Images held in the encoder cache are referenced, not
+        encoded again."""
+        encode: list[int] = []
+        end = num_computed + num_new_tokens
+        for i in overlapping(request.mm_features, num_computed, end):
+            feature = request.mm_features[i]
+            if self.encoder_cache.use(request, feature):
+                continue
+            fits = feature.num_embeds <= self._encoder_budget
+            if not fits or not self.encoder_cache.can_allocate(feature):
+                return encode, max(feature.placeholder.offset - num_computed, 0)
+            self.encoder_cache.allocate(request, feature)
+            self._encoder_budget -= feature.num_embeds
+            encode.append(i)
+        return encode, num_new_tokens
+
+    def _undo_encoder_inputs(self, request: Request, encode: list[int]) -> None:
+        """Drop the encodings `_encoder_inputs` scheduled for a request that does not run."""
+        for i in encode:
+            self.encoder_cache.discard(request.mm_features[i])
+            self._encoder_budget += request.mm_features[i].num_embeds
 
     def _finish_failed_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
@@ -324,6 +383,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV, keep the tokens, requeue (at the front under
         FCFS)."""
         self.kv_cache_manager.free(request)
+        self.encoder_cache.release_all(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -405,4 +465,5 @@ class Scheduler:
 
     def _free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache.release_all(request)
         del self.requests[request.request_id]

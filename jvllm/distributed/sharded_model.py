@@ -30,8 +30,8 @@ KV_CACHE_SPEC = PartitionSpec(None, None, TP_AXIS)
 
 @dataclasses.dataclass(frozen=True)
 class ShardedModel:
-    # forward(params, kv_cache, token_ids i32[T], positions i32[T], metadata)
-    #     -> (post-norm hidden f32[T, D], kv_cache)
+    # forward(params, kv_cache, token_ids i32[T], positions i32[T], metadata, mm=None)
+    #     -> (post-norm hidden f32[T, D], kv_cache); mm: the step's image embeddings
     forward: Callable
     # logits(params, hidden f32[S, D]) -> f32[S, V], whole on every device
     logits: Callable
@@ -55,10 +55,10 @@ def sharded_model(
         specs = unstack_specs(specs, param_axes(config), param_shapes(config))
     specs = params_in_specs(specs, params)
     whole = PartitionSpec()
-    sharded_forward = jax.shard_map(
+    mapped_forward = jax.shard_map(
         functools.partial(forward, config=local, attn=attn),
         mesh=mesh,
-        in_specs=(specs, KV_CACHE_SPEC, whole, whole, whole),
+        in_specs=(specs, KV_CACHE_SPEC, whole, whole, whole, whole),
         out_specs=(whole, KV_CACHE_SPEC),
         check_vma=False,
     )
@@ -70,6 +70,8 @@ def sharded_model(
     gathered = jax.shard_map(
         local_logits, mesh=mesh, in_specs=(specs, whole), out_specs=whole, check_vma=False
     )
+    # mm passed positionally: shard_map takes no keyword arguments.
+    sharded_forward = lambda p, kv, t, pos, md, mm=None: mapped_forward(p, kv, t, pos, md, mm)
     return ShardedModel(
         sharded_forward,
         lambda params, hidden: gathered(params, hidden)[:, : config.vocab_size],

@@ -8,6 +8,7 @@ prefill, the policy, max_model_len) are SchedulerConfig's to check, made in that
 loaded model tells (max_model_len where none is given) is checked once the worker knows it.
 """
 
+import os
 from collections.abc import Mapping
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
@@ -64,6 +65,7 @@ def check_fields(args) -> None:
         "prefix_caching_hash_algo", args.prefix_caching_hash_algo, PREFIX_CACHING_HASH_ALGOS
     )
     check_choice("attention_backend", args.attention_backend, ATTENTION_BACKENDS, optional=True)
+    check_multimodal_fields(args)
     utilization = args.gpu_memory_utilization
     if (
         isinstance(utilization, bool)
@@ -134,4 +136,43 @@ def _check_hf_overrides(overrides) -> None:
             '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
             '"original_max_position_embeddings": 32768}}) or a function of the config dict, '
             f"got {overrides!r}"
+        )
+
+
+# The modalities a prompt may name; only images are supported, the others only at 0.
+MODALITIES = ("image", "video", "audio")
+
+
+def check_multimodal_fields(args) -> None:
+    """limit_mm_per_prompt, mm_processor_kwargs, allowed_local_media_path and
+    allowed_media_domains as vLLM takes them."""
+    limits = args.limit_mm_per_prompt
+    if limits is not None:
+        if not isinstance(limits, Mapping):
+            raise TypeError(
+                f'limit_mm_per_prompt must be a dict like {{"image": 2}}, got {limits!r}'
+            )
+        for modality, limit in limits.items():
+            check_choice("limit_mm_per_prompt's modality", modality, MODALITIES)
+            check_int(f"limit_mm_per_prompt[{modality!r}]", limit, 0)
+            if modality != "image" and limit:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}]={limit}: only images are supported "
+                    "(video and audio are not yet); allowed: 0"
+                )
+    kwargs = args.mm_processor_kwargs
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"mm_processor_kwargs must be a dict or None, got {kwargs!r}")
+    domains = args.allowed_media_domains
+    if domains is not None and (
+        isinstance(domains, str) or not all(isinstance(d, str) and d for d in domains)
+    ):
+        raise TypeError(
+            f"allowed_media_domains must be a list of host names or None, got {domains!r}"
+        )
+    path = args.allowed_local_media_path
+    if path is not None and (not isinstance(path, str) or not os.path.isdir(path)):
+        raise ValueError(
+            f"allowed_local_media_path={path!r} must be an existing directory (or None: "
+            "file:// image URLs refused)"
         )

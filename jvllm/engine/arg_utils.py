@@ -10,6 +10,7 @@ from jvllm.core.engine_config import (
     EngineConfig,
     LoadConfig,
     LoRAConfig,
+    MultiModalConfig,
     ParallelConfig,
     RunnerConfig,
 )
@@ -149,6 +150,13 @@ class EngineArgs:
     # "prompt_lookup_min": 1} drafts greedy requests' next k tokens from their own earlier
     # tokens and verifies them in one step (core/spec_decode.py); None: no speculation.
     speculative_config: SpeculativeConfig | dict | None = None
+    # Images (vLLM's names; core/engine_config.py's MultiModalConfig): {"image": k} caps a
+    # prompt's images (None: no cap); the model processor's kwargs for every prompt; where
+    # chat image_url parts may point (file:// under a folder, http(s) to some hosts).
+    limit_mm_per_prompt: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
 
     def __post_init__(self):
         self._normalize_and_check()
@@ -212,6 +220,14 @@ class EngineArgs:
             lora_config=lora,
             speculative_config=spec,
             pooler_config=pooler,
+            multimodal_config=self._group(
+                MultiModalConfig,
+                allowed_media_domains=(
+                    None
+                    if self.allowed_media_domains is None
+                    else tuple(self.allowed_media_domains)
+                ),
+            ),
         )
 
 

@@ -14,6 +14,7 @@ from jvllm.engine.input_processor import (
     prompt_cache_salt,
     tokenize_prompt,
 )
+from jvllm.engine.mm_processor import check_no_images, make_mm_processor
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.request_factory import RequestFactory
@@ -74,6 +75,9 @@ class LLMEngine:
             self.eos_token_ids,
             self.structured_outputs,
             config.load_config.seed,
+            make_mm_processor(
+                config.load_config.model, self.model_config, config.multimodal_config
+            ),
         )
         self._requests: dict[str, Request] = {}
         # n > 1: parent request id -> child ids, and each live child's parent.
@@ -91,6 +95,12 @@ class LLMEngine:
     def model_runner(self):
         """The worker's model runner (its params, KV cache and compiled steps)."""
         return self.worker.model_runner
+
+    @property
+    def mm_processor(self):
+        """The processor of prompts' images (engine/mm_processor.py); None for a model that
+        takes none."""
+        return self._request_factory.mm_processor
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -159,6 +169,7 @@ class LLMEngine:
                 "PoolingParams need an embedding engine: start it with runner='pooling' "
                 "(LLM(..., runner='pooling'), jvllm serve --runner pooling)"
             )
+        check_no_images(prompt, "pooling requests take no images")
         _, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         request = self.pooling.make_request(
             request_id,

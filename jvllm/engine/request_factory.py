@@ -18,6 +18,11 @@ from jvllm.engine.input_processor import (
     tokenize_prompt,
     validate_request,
 )
+from jvllm.engine.mm_processor import (
+    MultiModalProcessor,
+    check_no_images,
+    image_architectures,
+)
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
 from jvllm.outputs import RequestMetrics
 from jvllm.sampling_params import SamplingParams
@@ -26,7 +31,8 @@ from jvllm.worker.bias_rows import bad_words_token_ids
 
 
 class RequestFactory:
-    """`seed` seeds the seeds of requests that bring none (EngineArgs.seed)."""
+    """`seed` seeds the seeds of requests that bring none (EngineArgs.seed); `mm_processor`:
+    a model that takes images' (engine/mm_processor.py), else None."""
 
     def __init__(
         self,
@@ -37,7 +43,9 @@ class RequestFactory:
         eos_token_ids: tuple[int, ...],
         structured_outputs: StructuredOutputManager,
         seed: int,
+        mm_processor: MultiModalProcessor | None = None,
     ):
+        self.mm_processor = mm_processor
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -58,8 +66,21 @@ class RequestFactory:
     ) -> tuple[ParentRequest | None, list[Request]]:
         """(the parent of n > 1 samples or None, the requests to run); raises ValueError or
         TypeError naming what is wrong, e.g. a sample's id for which `is_in_use`."""
-        prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        mm_features = []
+        if self.mm_processor is None:
+            check_no_images(
+                prompt,
+                f"this model ({self.model_config.architecture}) takes no images; the families "
+                f"that do: {', '.join(image_architectures())}",
+            )
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            prompt_text, prompt_token_ids, mm_features = self.mm_processor.process(
+                prompt, self.tokenizer
+            )
+        else:
+            prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         vocab_size = self.model_config.vocab_size
+        num_tokens = len(prompt_token_ids)
         prompt_token_ids, params = validate_request(
             prompt_token_ids,
             params,
@@ -67,6 +88,11 @@ class RequestFactory:
             self.max_model_len,
             has_tokenizer=self.tokenizer is not None,
         )
+        if mm_features and len(prompt_token_ids) != num_tokens:
+            raise ValueError(
+                "truncate_prompt_tokens would cut a prompt with images; it is refused for "
+                "prompts with images"
+            )
         params.verify_for_model(vocab_size, self.max_logprobs)
         eos_ids = self.eos_token_ids
         extra_eos = [i for i in eos_ids[1:] if i not in params.stop_token_ids]
@@ -110,6 +136,7 @@ class RequestFactory:
                 cache_salt=prompt_cache_salt(prompt),
                 priority=priority,
                 lora_request=lora_request,
+                mm_features=mm_features,
             )
             request.bad_words_token_ids = bad_words
             if grammar is not None:

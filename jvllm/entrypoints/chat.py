@@ -17,6 +17,70 @@ def as_conversations(messages) -> list[Conversation]:
     raise ValueError("messages must be a list of message dicts or a list of such conversations")
 
 
+# The content parts that carry an image: OpenAI's image_url ({"url": ...} or the URL itself)
+# and vLLM's image_pil (a PIL image, offline only).
+IMAGE_PART_TYPES = ("image_url", "image_pil")
+
+
+def has_images(conversation: Conversation) -> bool:
+    return any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+        for message in conversation
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
+def image_content(conversation: Conversation, load_image) -> tuple[Conversation, list]:
+    """(the conversation with each image part as {"type": "image"} and each text part as is,
+    the images in order, each loaded by `load_image(url)` or given as a PIL image), as vLLM
+    gives content to the chat templates of models that take images."""
+    out, images = [], []
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append({**message, "content": content or ""})
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(
+                        f'messages[{i}].content[{j}].image_url must be {{"url": "..."}}'
+                    )
+                images.append(load_image(url))
+            elif kind == "image_pil" and part.get("image_pil") is not None:
+                images.append(part["image_pil"])
+            else:
+                raise ValueError(
+                    f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes text, "
+                    "image_url and image_pil parts (video and audio are not supported yet)"
+                )
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def _placeholder_strings(conversation: Conversation, placeholder: str) -> Conversation:
+    """Content lists as strings for a template that takes only strings: each message's image
+    placeholders first, then its texts, one a line (vLLM's "string" content format)."""
+    out = []
+    for message in conversation:
+        content = message["content"]
+        if isinstance(content, list):
+            pieces = [placeholder for p in content if p["type"] == "image"]
+            pieces += [p["text"] for p in content if p["type"] == "text"]
+            message = {**message, "content": "\n".join(pieces)}
+        out.append(message)
+    return out
+
+
 def text_content(conversation: Conversation) -> Conversation:
     """The conversation with each list of content parts (OpenAI's multi-part input) joined into
     one string, its text parts separated by newlines, as vLLM does for templates that take a
@@ -32,10 +96,16 @@ def text_content(conversation: Conversation) -> Conversation:
             texts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind in IMAGE_PART_TYPES:
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] is an {kind!r} part, and this model "
+                        "takes no images: serve one that does (e.g. LLaVA-1.5)"
+                    )
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(
-                        f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes only "
-                        'text parts ({"type": "text", "text": ...})'
+                        f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes "
+                        'text parts ({"type": "text", "text": ...}) and, for a model that '
+                        "takes images, image parts (video and audio are not supported yet)"
                     )
                 texts.append(part["text"])
             message = {**message, "content": "\n".join(texts)}
@@ -74,11 +144,15 @@ def render_conversation(
     chat_template_kwargs: dict | None = None,
     add_special_tokens: bool = False,
     tools: list[dict] | None = None,
+    image_placeholder: str | None = None,
+    load_image=None,
 ) -> dict:
     """A prompt dict holding the rendered text and its token ids, tokenized as HF's
     `apply_chat_template` does (the template writes the special tokens itself, so
     `add_special_tokens` adds any only on request). `tools` (OpenAI's function definitions) go
-    to the template, which writes them into the prompt."""
+    to the template, which writes them into the prompt. For a model that takes images
+    (`image_placeholder`: its image token; `load_image(url)` loads an image_url part), image
+    parts become placeholders in the prompt and its `multi_modal_data`."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model ships none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -90,9 +164,19 @@ def render_conversation(
         "continue_final_message": continue_final_message,
     }
     options.update(chat_template_kwargs or {})  # they override the named ones, as in vLLM
-    text = tokenizer.apply_chat_template(
-        _tool_call_arguments_as_objects(text_content(conversation)),
-        **{**options, "tokenize": False},
+    render = lambda c: tokenizer.apply_chat_template(
+        _tool_call_arguments_as_objects(c), **{**options, "tokenize": False}
     )
+    images = []
+    if image_placeholder is not None and has_images(conversation):
+        conversation, images = image_content(conversation, load_image)
+        text = render(conversation)
+        if text.count(image_placeholder) != len(images):  # a template of strings
+            text = render(_placeholder_strings(conversation, image_placeholder))
+    else:
+        text = render(text_content(conversation))
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return {"prompt": text, "prompt_token_ids": ids}
+    prompt = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt

@@ -134,6 +134,21 @@ _ENGINE_FLAGS = {
     "max_loras": {"type": int, "help": "most LoRA adapters in one step"},
     "max_lora_rank": {"type": int, "help": "largest LoRA rank served"},
     "max_cpu_loras": {"type": int, "help": "LoRA adapters kept read in memory (None: max-loras)"},
+    "limit_mm_per_prompt": {
+        "type": _json_object,
+        "help": "most images a prompt may hold, e.g. '{\"image\": 2}' (None: any number)",
+    },
+    "mm_processor_kwargs": {
+        "type": _json_object,
+        "help": "the model's HF processor settings for every prompt, as JSON",
+    },
+    "allowed_local_media_path": {
+        "help": "file:// image URLs are read only under this folder (None: refused)",
+    },
+    "allowed_media_domains": {
+        "nargs": "+",
+        "help": "http(s) image URLs only from these hosts (None: any host)",
+    },
     "tensor_parallel_size": {"type": int, "help": "devices each replica is cut over"},
     "data_parallel_size": {"type": int, "help": "replicas"},
     "distributed_coordinator_address": {"help": "host:port of process 0 (several hosts)"},

@@ -145,8 +145,16 @@ class LlamaForCausalLM(nnx.Module):
         Each layer's cache scatter updates the donated cache, carried through the layer scan,
         in place.
         """
+        return self.decode(kv_cache, self.embed_tokens(token_ids), positions, metadata, attn)
+
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        """token_ids i32[T] -> the first layer's input f32[T, D]."""
+        return self.embed(token_ids) * self.config.option("embedding_multiplier", 1.0)
+
+    def decode(self, kv_cache, x, positions, metadata, attn: AttentionFn):
+        """The layers and the final norm over the first layer's input x f32[T, D] (a
+        multimodal family's, with its images' embeddings in place) -> (hidden, kv_cache)."""
         config = self.config
-        x = self.embed(token_ids) * config.option("embedding_multiplier", 1.0)  # [T, D]
         # SmolLM3's layers without rotary embeddings (None: every layer rotates).
         rope_layers = config.option("rope_layers")
         options = {"rope_layers": rope_layers}
@@ -170,12 +178,20 @@ class LlamaForCausalLM(nnx.Module):
         return logits / self.config.option("logits_scaling", 1.0)
 
     @classmethod
-    def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:
-        """The HF checkpoint's tensors into this module's params."""
+    def load_weights(
+        cls,
+        config: ModelConfig,
+        weights: CheckpointWeights,
+        prefix: str = "model.",
+        lm_head: str = "lm_head.weight",
+    ) -> None:
+        """The HF checkpoint's tensors into this module's params: the decoder's under `prefix`
+        (a multimodal checkpoint nests it), the LM head's named `lm_head`."""
         attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         if config.architecture == "Phi3ForCausalLM":  # saved fused, in our q|k|v order
             attn = ("self_attn.qkv_proj",)
-        weights.tensor("embed.embedding", "model.embed_tokens.weight")
+        weights.set_layer_prefix(prefix + "layers.{}.")
+        weights.tensor("embed.embedding", prefix + "embed_tokens.weight")
         num_dense = config.option("num_dense_layers", 0)
         if num_dense:  # their own stack (see __init__), with a dense MLP
             weights.set_layers(0, num_dense, stack="dense_layers")
@@ -184,9 +200,9 @@ class LlamaForCausalLM(nnx.Module):
             weights.set_layers(num_dense, config.num_layers - num_dense)
         cls.load_layer_weights(config, weights, attn)
         cls.load_mlp_weights(config, weights)
-        weights.tensor("final_norm.weight", "model.norm.weight")
+        weights.tensor("final_norm.weight", prefix + "norm.weight")
         if not config.tie_word_embeddings:
-            weights.tensor("lm_head.weight", "lm_head.weight")
+            weights.tensor("lm_head.weight", lm_head)
 
     @staticmethod
     def load_layer_weights(config: ModelConfig, weights: CheckpointWeights, attn: tuple) -> None:

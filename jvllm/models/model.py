@@ -71,13 +71,35 @@ def forward(
     token_ids: jax.Array,
     positions: jax.Array,
     metadata: Any,
+    mm=None,
     *,
     config: ModelConfig,
     attn,
 ) -> tuple[jax.Array, jax.Array]:
-    """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
+    """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache); `mm`:
+    the image embeddings of the step's image tokens (a model that takes images; None for
+    text)."""
     with adapter_tokens(getattr(metadata, "adapter_slots", None)):
-        return _module(params, config)(kv_cache, token_ids, positions, metadata, attn)
+        module = _module(params, config)
+        if mm is None:
+            return module(kv_cache, token_ids, positions, metadata, attn)
+        return module(kv_cache, token_ids, positions, metadata, attn, mm=mm)
+
+
+def takes_images(config: ModelConfig) -> bool:
+    """Whether the family has a vision encoder (`encode_images`)."""
+    return hasattr(model_class(config.architecture), "encode_images")
+
+
+def image_num_embeds(config: ModelConfig) -> int:
+    """The most embeddings (and prompt tokens) one image takes in the family's model."""
+    return model_class(config.architecture).image_num_embeds(config)
+
+
+def encode_images(params: dict, data: dict, *, config: ModelConfig) -> jax.Array:
+    """A batch of images, as the family's processor lays them out (`data`, e.g. pixel_values
+    f32[N, 3, S, S]) -> each image's embeddings f32[N, I, D]."""
+    return _module(params, config).encode_images(**data)
 
 
 def compute_logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:

@@ -41,6 +41,7 @@ _MODELS = {
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # HF's base models (no LM head), as embedding checkpoints ship them (Qwen3-Embedding,
@@ -113,6 +114,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "falcon": "FalconForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 

@@ -87,7 +87,8 @@ def advance_inputs(
     sampling = dataclasses.replace(
         inputs.sampling, output_index=inputs.sampling.output_index + active
     )
-    return StepInputs(sampled, positions, attn, sampling)
+    mm = None if inputs.mm is None else inputs.mm.without_images()
+    return StepInputs(sampled, positions, attn, sampling, mm=mm)
 
 
 def decode_step(

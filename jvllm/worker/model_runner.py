@@ -2,6 +2,7 @@
 (`_jitted`'s steps, the bias table's and the LoRA slots' updates), and runs the steps; which
 executables exist and when each compiles is its StepCompiler's (step_compiler.py)."""
 
+import dataclasses
 import functools
 import math
 import time
@@ -21,7 +22,7 @@ from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers
 from jvllm.logger import init_logger
 from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
-from jvllm.models.model import param_axes
+from jvllm.models.model import param_axes, takes_images
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
@@ -32,6 +33,7 @@ from jvllm.worker.decode_loop import (
     window_steps_per_check,
 )
 from jvllm.worker.draft_scoring import accepted_token_ids
+from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
@@ -133,6 +135,8 @@ class ModelRunner:
         self._ahead: StepAhead | None = None
         self.num_steps_ahead_used = 0
         self.num_steps_ahead_dropped = 0
+        # A model that takes images: its encoder and the images' embeddings.
+        self.encoder = EncoderRunner(config) if takes_images(config) else None
         # What every executable is lowered for, fixed once the arrays exist.
         self._state_spec = abstract_state(
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows)
@@ -147,6 +151,7 @@ class ModelRunner:
                 config.vocab_size,
                 has_adapters=self.adapters is not None,
                 num_speculative_tokens=num_speculative_tokens,
+                image_embeds=(config.hidden_size, config.dtype) if self.encoder else None,
             ),
             pooling_type=pooling_type,
             num_scheduler_steps=num_scheduler_steps,
@@ -253,6 +258,8 @@ class ModelRunner:
         is_window = scheduler_output.num_steps > 1
         bias_slots = self.bias_rows.slots_for(requests)
         adapter_slots = self.adapter_slots_for(requests)
+        if self.encoder is not None:
+            self._encode_images(scheduler_output)
         start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         rows = rows_ahead(ahead, scheduler_output, block_ids, self.bias_rows.num_sends)
@@ -281,6 +288,9 @@ class ModelRunner:
                 [drafts.get(r.request_id, []) for r in requests] if drafts else None,
                 self.num_speculative_tokens,
             )
+            if self.encoder is not None:
+                mm = self.encoder.step_embeds(requests, counts, bucket.num_tokens)
+                inputs = dataclasses.replace(inputs, mm=mm)
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
             if lent:
                 plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent
@@ -313,6 +323,18 @@ class ModelRunner:
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result
+
+    def _encode_images(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop the embeddings the scheduler's encoder cache evicted, then encode the images
+        it scheduled for this step."""
+        self.encoder.drop(scheduler_output.freed_encoder_hashes)
+        scheduled = scheduler_output.scheduled_encoder_inputs
+        features = [
+            r.mm_features[i]
+            for r in scheduler_output.scheduled_requests
+            for i in scheduled.get(r.request_id, ())
+        ]
+        self.encoder.encode(self.params, features)
 
     def execute_pooling(
         self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]

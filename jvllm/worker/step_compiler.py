@@ -9,8 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.sample.plan import SamplerPlan, choose_plan
 from jvllm.worker.buckets import Bucket, BucketSpec
 from jvllm.worker.decode_loop import prepare_window_inputs
@@ -31,6 +33,8 @@ class StepLayout:
     vocab_size: int
     has_adapters: bool  # the inputs carry each sequence's LoRA slot
     num_speculative_tokens: int = 0  # > 0: every "step" also scores the drafts' positions
+    # A model that takes images: its steps carry ImageEmbeds of (D, dtype); None: none.
+    image_embeds: tuple[int, str] | None = None
 
 
 def abstract_state(arrays):
@@ -125,7 +129,7 @@ class StepCompiler:
     def padding_step(self, bucket: Bucket) -> StepInputs:
         """A step of padding alone in `bucket`, for lowering and warm-up runs."""
         layout = self.layout
-        return prepare_step_inputs(
+        inputs = prepare_step_inputs(
             [],
             [],
             [],
@@ -136,6 +140,12 @@ class StepCompiler:
             adapter_slots=np.zeros(0, np.int32) if layout.has_adapters else None,
             num_speculative_tokens=layout.num_speculative_tokens,
         )
+        if layout.image_embeds is None:
+            return inputs
+        hidden_size, dtype = layout.image_embeds
+        embeds = np.zeros((bucket.num_tokens, hidden_size), jnp.dtype(dtype))
+        mm = ImageEmbeds(embeds, np.zeros(bucket.num_tokens, bool))
+        return dataclasses.replace(inputs, mm=mm)
 
     def executable(
         self, bucket: Bucket, kind: str = "step", plan: SamplerPlan = SamplerPlan.DYNAMIC

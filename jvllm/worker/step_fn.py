@@ -33,7 +33,9 @@ def model_step(
     speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions.
     """
     md = inputs.attn
-    hidden, kv_cache = model.forward(params, kv_cache, inputs.token_ids, inputs.positions, md)
+    hidden, kv_cache = model.forward(
+        params, kv_cache, inputs.token_ids, inputs.positions, md, inputs.mm
+    )
     num_pages, block_size = token_cache.shape
     token_cache = (
         token_cache.reshape(-1)

@@ -8,6 +8,7 @@ import numpy as np
 
 from jvllm.attention.metadata import AttentionMetadata, build_tiles
 from jvllm.core.request import Request
+from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.sample.metadata import SamplingMetadata
 from jvllm.sampling_params import GREEDY_TEMPERATURE
 from jvllm.worker.buckets import Bucket
@@ -23,6 +24,9 @@ class StepInputs:
     sampling: SamplingMetadata
     # Speculative decoding's positions to score; None (nothing compiled for it) when off.
     drafts: DraftScoring | None = None
+    # The image tokens' embeddings, for a model that takes images (worker/encoder_runner.py);
+    # None for any other.
+    mm: ImageEmbeds | None = None
 
 
 def prepare_step_inputs(

@@ -28,6 +28,7 @@ from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import expected_dtype
 from jvllm.model_loader.weight_update import read_weight_update
+from jvllm.models.model import image_num_embeds, takes_images
 from jvllm.quantization import cpu_dense, describe_weights, is_quantized
 from jvllm.worker import device_buffers
 from jvllm.worker.compilation_cache import enable_compilation_cache
@@ -74,7 +75,15 @@ class Worker:
         self.model_config = model_config.for_max_model_len(max_model_len)
         if load.runner != "pooling":
             self.model_config.check_can_generate()
-        self.config = config.resolved(max_model_len, backend)
+        max_image_tokens = 0
+        if takes_images(model_config):
+            if load.runner == "pooling":
+                raise ValueError(
+                    f"runner='pooling' is not supported for {model_config.architecture}, a "
+                    "model that takes images; serve it with runner='generate'"
+                )
+            max_image_tokens = image_num_embeds(model_config)
+        self.config = config.resolved(max_model_len, backend, max_image_tokens)
         # A pooling model's config.json as a dict (vLLM's hf_config), for what the engine reads
         # from it beside the model (its matryoshka sizes); None for a GGUF, the default model,
         # or a generating engine.

@@ -1,0 +1,196 @@
+"""Prompts with images, at the edge: the model's HF processor turns each image into the arrays
+its encoder reads and the placeholder tokens it fills, as vLLM's multimodal processor does.
+
+A prompt names each image's place with one placeholder token (the processor's image token,
+e.g. "<image>"), in its text or its token ids; each is replaced by the tokens the processor
+gives that image alone (LLaVA's one a patch; other families add markers around tiles), so a
+text prompt and a token-id prompt become the same token ids. Each image's identity is the hash
+of its processed arrays: the key of the encoder cache, and of the prefix cache's blocks that
+hold its tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from jvllm.config import ModelConfig
+from jvllm.core.engine_config import MultiModalConfig
+from jvllm.core.multimodal import MultiModalFeature, PlaceholderRange
+from jvllm.logger import init_logger
+from jvllm.models.model import takes_images
+from jvllm.models.registry import SUPPORTED_ARCHITECTURES, model_class
+
+logger = init_logger(__name__)
+
+# Processor outputs that are the text's, not an image's.
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def image_architectures() -> tuple[str, ...]:
+    """The registered families that take images, for error messages."""
+    return tuple(a for a in SUPPORTED_ARCHITECTURES if hasattr(model_class(a), "encode_images"))
+
+
+def check_no_images(prompt, why: str) -> None:
+    """A ValueError when a prompt dict brings images that its engine cannot take."""
+    if isinstance(prompt, Mapping) and _has_images(prompt.get("multi_modal_data")):
+        raise ValueError(f"multi_modal_data was given, but {why}")
+
+
+def _has_images(data) -> bool:
+    return bool(data) and any(v is not None and v != [] for v in dict(data).values())
+
+
+class MultiModalProcessor:
+    def __init__(self, model_path: str, config: ModelConfig, mm_config: MultiModalConfig):
+        self.model_path = model_path
+        self.image_token_id = config.option("image_token_id")
+        self.limit = (mm_config.limit_mm_per_prompt or {}).get("image")
+        self.kwargs = dict(mm_config.mm_processor_kwargs or {})
+        self._processor = None
+
+    @property
+    def processor(self):
+        """The model directory's HF processor, loaded on the first image."""
+        if self._processor is None:
+            import transformers
+
+            try:
+                self._processor = transformers.AutoProcessor.from_pretrained(self.model_path)
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"the model at {self.model_path!r} takes images, but its processor could "
+                    f"not be loaded ({e}); the directory needs the processor's files "
+                    "(processor_config.json or preprocessor_config.json)"
+                ) from e
+            if not hasattr(self._processor, "image_processor"):
+                raise ValueError(
+                    f"the processor at {self.model_path!r} ({type(self._processor).__name__}) "
+                    "has no image processor"
+                )
+        return self._processor
+
+    @property
+    def image_token(self) -> str:
+        """The placeholder a prompt's text puts where each image goes."""
+        return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def process(
+        self, prompt: Mapping, tokenizer
+    ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """(the prompt text or None, its token ids with each image's placeholder expanded, its
+        images) of a prompt dict with `multi_modal_data`; ValueError / TypeError naming what
+        is wrong, before anything enters the engine."""
+        images = _images(prompt.get("multi_modal_data") or {})
+        if self.limit is not None and len(images) > self.limit:
+            raise ValueError(
+                f"the prompt has {len(images)} images, more than limit_mm_per_prompt allows "
+                f"({self.limit}); raise limit_mm_per_prompt={{'image': k}}"
+            )
+        kwargs = {**self.kwargs, **(prompt.get("mm_processor_kwargs") or {})}
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
+            token_ids = [int(t) for t in prompt["prompt_token_ids"]]
+        elif isinstance(text, str) and text:
+            if tokenizer is None:
+                raise ValueError("this model ships no tokenizer: pass the prompt as token ids")
+            token_ids = tokenizer.encode(text)
+        else:
+            raise ValueError("a prompt dict needs a non-empty 'prompt' or 'prompt_token_ids'")
+        places = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(places) != len(images):
+            raise ValueError(
+                f"the prompt has {len(places)} image placeholders ({self.image_token!r}, token "
+                f"id {self.image_token_id}) for {len(images)} images: put one where each image "
+                "goes (LLM.chat and the chat API add them from the messages' image parts)"
+            )
+        out, features = [], []
+        last = 0
+        for place, image in zip(places, images):
+            out += token_ids[last:place]
+            expansion, data = self._expand(image, kwargs)
+            is_embed = tuple(t == self.image_token_id for t in expansion)
+            features.append(
+                MultiModalFeature(
+                    modality="image",
+                    identifier=_content_hash(data),
+                    placeholder=PlaceholderRange(
+                        len(out), len(expansion), None if all(is_embed) else is_embed
+                    ),
+                    data=data,
+                )
+            )
+            out += expansion
+            last = place + 1
+        out += token_ids[last:]
+        return (text if isinstance(text, str) else None), out, features
+
+    def _expand(self, image, kwargs: dict) -> tuple[list[int], dict[str, np.ndarray]]:
+        """(the tokens the processor puts for `image` in place of its placeholder, its arrays
+        without the batch axis)."""
+        processor = self.processor
+        try:
+            out = processor(text=[self.image_token], images=[image], return_tensors="np", **kwargs)
+        except (ValueError, TypeError, OSError) as e:
+            raise ValueError(f"the model's processor could not take the image: {e}") from e
+        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        # What the tokenizer adds around any text (BOS), not part of the image's tokens.
+        extra = processor.tokenizer("", add_special_tokens=True)["input_ids"]
+        if extra and ids[: len(extra)] == list(extra):
+            ids = ids[len(extra) :]
+        data = {}
+        for key, value in out.items():
+            if key in _TEXT_KEYS:
+                continue
+            value = np.asarray(value)
+            if value.shape[:1] != (1,):
+                raise ValueError(
+                    f"the processor's {key!r} has shape {value.shape}, not one image's"
+                )
+            data[key] = value[0]
+        return ids, data
+
+
+def _images(data: Mapping) -> list[Any]:
+    """The prompt's images (PIL images) from multi_modal_data, with errors naming the part."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"multi_modal_data must be a dict like {{'image': img}}, got {data!r}")
+    others = [k for k in data if k != "image" and data[k] is not None]
+    if others:
+        raise ValueError(
+            f"multi_modal_data[{others[0]!r}] is not supported: only 'image' (video and audio "
+            "are not supported yet)"
+        )
+    images = data.get("image")
+    images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
+    for i, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise TypeError(
+                f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
+                f"{type(image).__name__}"
+            )
+    return [image.convert("RGB") if image.mode != "RGB" else image for image in images]
+
+
+def _content_hash(data: dict[str, np.ndarray]) -> str:
+    """SHA-256 of the image's processed arrays (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for key in sorted(data):
+        value = np.ascontiguousarray(data[key])
+        digest.update(f"{key}:{value.dtype.str}:{value.shape};".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def make_mm_processor(
+    model_path: str | None, config: ModelConfig, mm_config: MultiModalConfig
+) -> MultiModalProcessor | None:
+    """The engine's processor of images, None for a model that takes none."""
+    if not takes_images(config):
+        return None
+    return MultiModalProcessor(model_path, config, mm_config)

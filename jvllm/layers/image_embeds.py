@@ -1,0 +1,25 @@
+"""The image embeddings a step's image tokens read in place of their token embeddings."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ImageEmbeds:
+    """Row t of `embeds` f32[T, D] (the model dtype) is token t's input where `is_embed[t]`
+    (bool[T]); every other token reads its token embedding. A step of text has is_embed all
+    False, so a model that takes images runs one executable a bucket either way."""
+
+    embeds: jax.Array
+    is_embed: jax.Array
+
+    def merge(self, x: jax.Array) -> jax.Array:
+        """x f32[T, D] (the token embeddings) with the image tokens' rows replaced."""
+        return jnp.where(self.is_embed[:, None], self.embeds.astype(x.dtype), x)
+
+    def without_images(self) -> "ImageEmbeds":
+        """The same arrays with no token reading them: a decode step's after this one's."""
+        return ImageEmbeds(self.embeds, jnp.zeros_like(self.is_embed))

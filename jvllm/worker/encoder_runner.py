@@ -1,0 +1,110 @@
+"""The vision encoder's side of the runner: encodes the images the scheduler names, keeps
+their embeddings by content hash until its encoder cache evicts them
+(core/encoder_cache_manager.py), and lays out each step's image-token rows.
+
+The embeddings are kept on the host: a step's rows are gathered into one [T, D] array, sent
+with the step's other inputs, so the step compiles once a bucket whatever its images."""
+
+import functools
+import time
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from jvllm.config import ModelConfig
+from jvllm.core.multimodal import MultiModalFeature, overlapping
+from jvllm.core.request import Request
+from jvllm.layers.image_embeds import ImageEmbeds
+from jvllm.logger import init_logger
+from jvllm.models.model import encode_images
+
+logger = init_logger(__name__)
+
+# Images encoded in one call at most; a batch is padded to a power of two up to it, so each
+# image shape compiles at most log2(8) + 1 executables.
+MAX_IMAGES_PER_CALL = 8
+
+
+class EncoderRunner:
+    def __init__(self, config: ModelConfig):
+        self.hidden_size = config.hidden_size
+        self.dtype = np.dtype(jax.numpy.dtype(config.dtype))
+        self._encode = jax.jit(functools.partial(encode_images, config=config))
+        self.cache: dict[str, np.ndarray] = {}  # hash -> [I, D]
+        self.num_images_encoded = 0
+        self.encode_seconds = 0.0
+
+    def drop(self, hashes: list[str]) -> None:
+        for key in hashes:
+            self.cache.pop(key, None)
+
+    def encode(self, params, features: list[MultiModalFeature]) -> None:
+        """Encode `features` (each image once), in batches of images of one shape."""
+        start = time.perf_counter()
+        groups: dict[tuple, list[MultiModalFeature]] = defaultdict(list)
+        for f in {f.identifier: f for f in features if f.identifier not in self.cache}.values():
+            groups[tuple((k, v.shape) for k, v in sorted(f.data.items()))].append(f)
+        for group in groups.values():
+            for i in range(0, len(group), MAX_IMAGES_PER_CALL):
+                self._encode_batch(params, group[i : i + MAX_IMAGES_PER_CALL])
+        if groups:
+            self.encode_seconds += time.perf_counter() - start
+            logger.debug(
+                "encoded %d images in %.3fs", sum(map(len, groups.values())), self.encode_seconds
+            )
+
+    def _encode_batch(self, params, batch: list[MultiModalFeature]) -> None:
+        size = 1 << (len(batch) - 1).bit_length()  # padded with the first image
+        padded = batch + [batch[0]] * (size - len(batch))
+        data = {k: np.stack([f.data[k] for f in padded]) for k in batch[0].data}
+        embeds = np.asarray(self._encode(params, data)).astype(self.dtype)  # [N, I, D]
+        for f, rows in zip(batch, embeds):
+            if rows.shape[0] != f.num_embeds:
+                raise ValueError(
+                    f"the encoder gave {rows.shape[0]} embeddings for an image with "
+                    f"{f.num_embeds} placeholder tokens"
+                )
+            self.cache[f.identifier] = rows
+        self.num_images_encoded += len(batch)
+
+    def step_embeds(self, requests: list[Request], counts: list[int], num_tokens: int):
+        """The ImageEmbeds (numpy) of a step whose request r computes `counts[r]` tokens from
+        its num_computed_tokens, laid out as prepare_step_inputs lays out the tokens."""
+        embeds, is_embed = None, None
+        t = 0
+        for request, n in zip(requests, counts):
+            start = request.num_computed_tokens
+            for i in overlapping(request.mm_features, start, start + n):
+                if embeds is None:
+                    embeds = np.zeros((num_tokens, self.hidden_size), self.dtype)
+                    is_embed = np.zeros(num_tokens, bool)
+                feature = request.mm_features[i]
+                rows, tokens = _image_rows(feature, start, start + n)
+                embeds[t + tokens] = self.cache[feature.identifier][rows]
+                is_embed[t + tokens] = True
+            t += n
+        if embeds is None:
+            return _no_images(num_tokens, self.hidden_size, self.dtype)
+        return ImageEmbeds(embeds, is_embed)
+
+
+def _image_rows(feature: MultiModalFeature, start: int, end: int):
+    """(the image's embedding rows, their tokens counted from `start`) for the image's
+    positions within `start .. end - 1` that take an embedding."""
+    ph = feature.placeholder
+    lo, hi = max(start, ph.offset), min(end, ph.end)
+    mask = np.ones(ph.length, bool) if ph.is_embed is None else np.asarray(ph.is_embed)
+    row_of = np.cumsum(mask) - 1  # [length] each position's row, where it has one
+    offsets = np.arange(lo, hi) - ph.offset
+    offsets = offsets[mask[offsets]]
+    return row_of[offsets], offsets + ph.offset - start
+
+
+@functools.cache
+def _no_images(num_tokens: int, hidden_size: int, dtype: np.dtype) -> ImageEmbeds:
+    """A step of text's: one read-only pair of arrays a bucket."""
+    embeds = np.zeros((num_tokens, hidden_size), dtype)
+    is_embed = np.zeros(num_tokens, bool)
+    embeds.flags.writeable = is_embed.flags.writeable = False
+    return ImageEmbeds(embeds, is_embed)

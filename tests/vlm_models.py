@@ -1,0 +1,95 @@
+"""Tiny random vision-language checkpoints, saved with their HF processor, made on the fly
+from the default model's tokenizer plus an image token."""
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+# A chat template that writes each image part as the image token, in a content list's order.
+IMAGE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """O(1) random weights, so that greedy choices are far from ties and images matter."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "layrnorm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
+
+
+def save_tiny_llava(path: str, tokenizer_dir: str) -> None:
+    """A LLaVA-1.5 of a 2-layer CLIP (28 px images, 7 px patches: 16 image tokens) and a
+    2-layer Llama, with a LlavaProcessor."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = IMAGE_CHAT_TEMPLATE
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=7,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    model = transformers.LlavaForConditionalGeneration(config).float().eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    image_processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=7,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, dropped by "default"
+        chat_template=IMAGE_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+
+
+def random_image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8))
+
+
+def hf_greedy_with_images(model, processor, prompt: str, images, max_new_tokens: int):
+    """(HF's prompt token ids, its greedy continuation) for a text prompt with images."""
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    num_prompt = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, num_prompt:].tolist()
