@@ -11,7 +11,7 @@ import transformers
 
 from jvllm import LLM, SamplingParams
 from jvllm.step_loop import StepLoop
-from tests.vlm_models import hf_greedy_with_images, random_image, save_tiny_llava
+from tests.vlm_models import hf_greedy_with_images, random_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # 16 tokens a step: each image's 16 tokens start mid-step, so prefill chunks cut through them.
@@ -24,10 +24,8 @@ ENGINE_KWARGS = {
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory, smollm2_dir) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_llava"))
-    save_tiny_llava(path, smollm2_dir)
-    return path
+def llava_dir(tiny_llava_dir) -> str:
+    return tiny_llava_dir
 
 
 @pytest.fixture(scope="module")

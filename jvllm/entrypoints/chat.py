@@ -2,6 +2,9 @@
 
 import json
 
+from jvllm.engine.data_parallel import replicas
+from jvllm.entrypoints.media import MediaConnector
+
 Conversation = list[dict]
 
 
@@ -180,3 +183,16 @@ def render_conversation(
     if images:
         prompt["multi_modal_data"] = {"image": images}
     return prompt
+
+
+def chat_images(engine) -> tuple:
+    """(the image placeholder, the loader of image_url parts) of chat messages with images on
+    `engine` (an LLMEngine or its data-parallel front); (None, None) for a model that takes
+    none. The loader reads only what allowed_local_media_path and allowed_media_domains let."""
+    engine = replicas(engine)[0]
+    if engine.mm_processor is None:
+        return None, None
+    mm = engine.engine_config.multimodal_config
+    domains = list(mm.allowed_media_domains) if mm.allowed_media_domains else None
+    media = MediaConnector(mm.allowed_local_media_path, domains)
+    return engine.mm_processor.image_token, media.fetch_image

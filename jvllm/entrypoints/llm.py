@@ -10,8 +10,7 @@ from jvllm.core.request import RequestStatus
 from jvllm.engine.data_parallel import make_engine, replicas
 from jvllm.engine.input_processor import PromptType, check_no_lora
 from jvllm.entrypoints.beam_search import beam_search
-from jvllm.entrypoints.chat import as_conversations, render_conversation
-from jvllm.entrypoints.media import MediaConnector
+from jvllm.entrypoints.chat import as_conversations, chat_images, render_conversation
 from jvllm.entrypoints.score_utils import cosine_scores, score_sides
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import BeamSearchOutput, RequestOutput
@@ -172,7 +171,7 @@ class LLM:
         switch). `lora_request`: as generate's."""
         self._check_runner("generate", "chat")
         tokenizer = self.get_tokenizer()
-        placeholder, load_image = self._chat_images()
+        placeholder, load_image = chat_images(self.llm_engine)
         prompts = [
             render_conversation(
                 tokenizer,
@@ -188,18 +187,6 @@ class LLM:
             for conversation in as_conversations(messages)
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-
-    def _chat_images(self):
-        """(the image placeholder, the loader of image_url parts) for chat messages with
-        images; (None, None) for a model that takes none. The loader reads only what the
-        engine's allowed_local_media_path and allowed_media_domains allow."""
-        engine = replicas(self.llm_engine)[0]
-        if engine.mm_processor is None:
-            return None, None
-        mm = engine.engine_config.multimodal_config
-        domains = list(mm.allowed_media_domains) if mm.allowed_media_domains else None
-        media = MediaConnector(mm.allowed_local_media_path, domains)
-        return engine.mm_processor.image_token, media.fetch_image
 
     def beam_search(
         self,

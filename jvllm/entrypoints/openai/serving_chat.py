@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 from jvllm.engine.async_llm import AsyncLLM
-from jvllm.entrypoints.chat import render_conversation, text_content
+from jvllm.entrypoints.chat import chat_images, has_images, render_conversation, text_content
+from jvllm.entrypoints.media import MediaError
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.reasoning import (
     ReasoningParser,
@@ -45,6 +48,8 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = tool_parser
         self.chat_template = chat_template
         self.response_role = response_role
+        # (the image placeholder, the loader of image_url parts); (None, None): no images.
+        self.images = chat_images(engine.engine)
 
     def render(
         self,
@@ -56,6 +61,20 @@ class OpenAIServingChat(OpenAIServing):
         add_special_tokens: bool = False,
         tools: list[dict] | None = None,
     ) -> list[int]:
+        """The messages' prompt token ids (images, where any, as their placeholders)."""
+        options = (add_generation_prompt, continue_final_message, kwargs, chat_template)
+        return self.render_prompt(messages, *options, add_special_tokens, tools)["prompt_token_ids"]
+
+    def render_prompt(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+        chat_template: str | None = None,
+        add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
+    ) -> dict:
         """The prompt token ids of a conversation under the chat template: the tokenizer's, or
         the request's own when the server trusts those (vLLM's --trust-request-chat-template)."""
         kwargs = dict(kwargs or {})
@@ -88,10 +107,13 @@ class OpenAIServingChat(OpenAIServing):
                 kwargs,
                 add_special_tokens,
                 tools,
+                *self.images,
             )
+        except MediaError as e:  # an image the server could not or would not load
+            raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a template error is the messages' fault
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
-        return prompt["prompt_token_ids"]
+        return prompt
 
     def _role(self, request: ChatCompletionRequest) -> str:
         """The reply's role (vLLM's): the response role after a generation prompt, else the role
@@ -105,10 +127,9 @@ class OpenAIServingChat(OpenAIServing):
         """With echo, the text the reply starts with: the last message's when it has the reply's
         role (continue_final_message, or an assistant's message before a generation prompt), as
         vLLM does."""
-        last = text_content(request.messages[-1:])[0]
-        if not request.echo or last.get("role") != role:
+        if not request.echo or request.messages[-1].get("role") != role:
             return ""
-        return last.get("content") or ""
+        return text_content(request.messages[-1:])[0].get("content") or ""
 
     async def create(self, request: ChatCompletionRequest):
         """A response dict, or an async iterator of SSE lines when streaming."""
@@ -125,7 +146,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             constraint = tools.constraint
         self.check_prompt_chars(_num_text_chars(request.messages), "messages", request)
-        prompt_token_ids = self.render(
+        render = functools.partial(
+            self.render_prompt,
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
@@ -134,7 +156,9 @@ class OpenAIServingChat(OpenAIServing):
             request.add_special_tokens,
             request.tools,
         )
-        prompt_token_ids = self.truncated(prompt_token_ids, request)
+        # Images are fetched (http(s) with a timeout) off the event loop.
+        rendered = await asyncio.to_thread(render) if has_images(request.messages) else render()
+        prompt_token_ids = self.truncated(rendered["prompt_token_ids"], request)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -158,6 +182,8 @@ class OpenAIServingChat(OpenAIServing):
             "prompt_token_ids": prompt_token_ids,
             "cache_salt": request.cache_salt,
         }
+        if "multi_modal_data" in rendered:
+            prompt["multi_modal_data"] = rendered["multi_modal_data"]
         options = (beam, request.priority, adapter)
         outputs = self.generate_all([prompt], params, request_id, kind, *options)
         try:
