@@ -326,6 +326,16 @@ def tiny_llava_dir(tmp_path_factory, smollm2_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_idefics3_dir(tmp_path_factory, smollm2_dir) -> str:
+    """A 2-layer Idefics3 with random weights and its processor (tests/vlm_models.py)."""
+    from tests.vlm_models import save_tiny_idefics3
+
+    path = str(tmp_path_factory.mktemp("tiny_idefics3"))
+    save_tiny_idefics3(path, smollm2_dir)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_hf(tiny_llama_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(
         tiny_llama_dir, dtype=torch.float32

@@ -30,6 +30,14 @@ def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
         LLM(str(tmp_path), load_format="dummy")
 
 
+# A SigLIP tower whose 4 x 4 patches pixel-shuffle by 2 (Idefics3's default scale_factor).
+_TINY_TILE_TOWER = {
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "image_size": 56,
+    "patch_size": 14,
+}
 # The HF config class of the architectures whose config.json does not use Llama's field names or
 # implies settings: TINY's Llama names become the class's own through its attribute map.
 _HF_CONFIG_CLASSES = {
@@ -65,8 +73,41 @@ _HF_CONFIG_CLASSES = {
         vision_config={"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 2},
         image_token_index=kw["vocab_size"] - 1,
     ),
+    "Idefics3ForConditionalGeneration": lambda **kw: transformers.Idefics3Config(
+        text_config=kw,
+        vision_config=_TINY_TILE_TOWER,
+        image_token_id=kw["vocab_size"] - 1,
+    ),
+    "SmolVLMForConditionalGeneration": lambda **kw: transformers.SmolVLMConfig(
+        text_config=kw,
+        vision_config=_TINY_TILE_TOWER,
+        image_token_id=kw["vocab_size"] - 1,
+    ),
     "DeepseekV3ForCausalLM": lambda **kw: transformers.DeepseekV3Config(
         **{**kw, "num_key_value_heads": kw["num_attention_heads"]}
+    ),
+    # M-RoPE's sections sum to TINY's 8 rotary pairs a head; the tower's output is TINY's width.
+    "Qwen2VLForConditionalGeneration": lambda **kw: transformers.Qwen2VLConfig(
+        text_config={**kw, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
+        vision_config={
+            "depth": 2,
+            "embed_dim": 16,
+            "num_heads": 2,
+            "hidden_size": kw["hidden_size"],
+        },
+        image_token_id=kw["vocab_size"] - 1,
+    ),
+    "Qwen2_5_VLForConditionalGeneration": lambda **kw: transformers.Qwen2_5_VLConfig(
+        text_config={**kw, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
+        vision_config={
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": kw["hidden_size"],
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=kw["vocab_size"] - 1,
     ),
 }
 

@@ -17,6 +17,26 @@ IMAGE_CHAT_TEMPLATE = (
 )
 
 
+# The language and vision models of every tiny checkpoint here, but their sizes of image.
+_TINY_TEXT = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+_TINY_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+}
+
+
 def _randomize(model: torch.nn.Module) -> None:
     """O(1) random weights, so that greedy choices are far from ties and images matter."""
     torch.manual_seed(0)
@@ -37,26 +57,8 @@ def save_tiny_llava(path: str, tokenizer_dir: str) -> None:
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.chat_template = IMAGE_CHAT_TEMPLATE
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    text = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=7,
-    )
+    text = transformers.LlamaConfig(**_TINY_TEXT, vocab_size=len(tokenizer))
+    vision = transformers.CLIPVisionConfig(**_TINY_VISION, image_size=28, patch_size=7)
     config = transformers.LlavaConfig(
         vision_config=vision,
         text_config=text,
@@ -77,6 +79,34 @@ def save_tiny_llava(path: str, tokenizer_dir: str) -> None:
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,  # CLIP's class token, dropped by "default"
         chat_template=IMAGE_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+
+
+def save_tiny_idefics3(path: str, tokenizer_dir: str) -> None:
+    """An Idefics3 of a 2-layer SigLIP (56 px tiles, 14 px patches, pixel shuffle by 2: 4
+    image tokens a tile; images of up to 112 px: up to 2 x 2 tiles and the global view) and a
+    2-layer Llama, with an Idefics3Processor."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tiles = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    markers = ["<image>", "<fake_token_around_image>", "<global-img>", *tiles]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    text = {**_TINY_TEXT, "vocab_size": len(tokenizer), "model_type": "llama"}
+    vision = {**_TINY_VISION, "image_size": 56, "patch_size": 14}
+    config = transformers.Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config).float().eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    image_processor = transformers.Idefics3ImageProcessor(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4
     )
     processor.save_pretrained(path)
 

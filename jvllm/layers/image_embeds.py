@@ -15,11 +15,16 @@ class ImageEmbeds:
 
     embeds: jax.Array
     is_embed: jax.Array
+    # i32[3, T]: each token's (temporal, height, width) rotary positions, for a model with
+    # M-RoPE (Qwen2-VL); None: the step's positions.
+    rope_positions: jax.Array | None = None
 
     def merge(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] (the token embeddings) with the image tokens' rows replaced."""
         return jnp.where(self.is_embed[:, None], self.embeds.astype(x.dtype), x)
 
     def without_images(self) -> "ImageEmbeds":
-        """The same arrays with no token reading them: a decode step's after this one's."""
-        return ImageEmbeds(self.embeds, jnp.zeros_like(self.is_embed))
+        """The same arrays with no token reading them, and each token's rotary positions one
+        on: a decode step's after this one's."""
+        rope = None if self.rope_positions is None else self.rope_positions + 1
+        return ImageEmbeds(self.embeds, jnp.zeros_like(self.is_embed), rope)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import transformers
 
 from jvllm.config import ModelConfig
 from jvllm.layers.attention import AttentionFn
 from jvllm.layers.linear import Linear
-from jvllm.models.clip_vision import CLIPVisionTower, vision_settings
+from jvllm.models.clip_vision import CLIPVisionTower
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.vit import vision_settings
 from jvllm.models.weights import CheckpointWeights
 
 # The text models a LLaVA checkpoint may hold, by text_config.model_type.
@@ -32,6 +34,8 @@ _PROJECTOR_ACTIVATIONS = {
     "silu": jax.nn.silu,
 }
 _SELECT_STRATEGIES = ("default", "full")
+# What CLIPVisionConfig assumes where a vision_config says nothing.
+_CLIP_DEFAULTS = lambda: transformers.CLIPVisionConfig().to_dict()
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
@@ -62,8 +66,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 f"vision_feature_select_strategy={strategy!r} is not supported; allowed: "
                 f"{_SELECT_STRATEGIES}"
             )
-        vision_config = cfg.get("vision_config") or {}
-        if vision_config.get("model_type", "clip_vision_model") != "clip_vision_model":
+        vision_config = {**_CLIP_DEFAULTS(), **(cfg.get("vision_config") or {})}
+        if vision_config["model_type"] != "clip_vision_model":
             raise ValueError(
                 f"vision_config.model_type={vision_config.get('model_type')!r} is not "
                 "supported in a LLaVA checkpoint; allowed: 'clip_vision_model'"

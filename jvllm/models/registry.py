@@ -42,6 +42,8 @@ _MODELS = {
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # HF's base models (no LM head), as embedding checkpoints ship them (Qwen3-Embedding,
@@ -115,6 +117,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "falcon": "FalconForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
 }
 
 

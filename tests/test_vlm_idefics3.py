@@ -1,0 +1,71 @@
+"""Idefics3 / SmolVLM with images: greedy tokens equal to HF transformers' on prompts with
+images split into different numbers of tiles, prefill chunks cutting through the tiles and
+their marker tokens, and the SigLIP tower on a padded image (fractional positions, masked
+patches)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jvllm import LLM, SamplingParams
+from jvllm.model_loader.loader import load_model
+from jvllm.models.model import encode_images
+from tests.vlm_models import hf_greedy_with_images, random_image
+
+
+@pytest.fixture(scope="module")
+def idefics3_hf(tiny_idefics3_dir):
+    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
+        tiny_idefics3_dir, dtype=torch.float32
+    )
+    return model.eval(), transformers.AutoProcessor.from_pretrained(tiny_idefics3_dir)
+
+
+def test_greedy_tokens_equal_hf_with_images_of_different_tile_counts(
+    tiny_idefics3_dir, idefics3_hf
+):
+    model, processor = idefics3_hf
+    llm = LLM(
+        tiny_idefics3_dir,
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=256,
+    )
+    cases = [
+        ("Hello <image> what is this?", [random_image(0, 40, 50)]),  # 1 tile and the global
+        ("<image> and <image> compare", [random_image(1, 112, 60), random_image(2, 100, 100)]),
+    ]
+    outputs = llm.generate(
+        [{"prompt": p, "multi_modal_data": {"image": images}} for p, images in cases],
+        SamplingParams(temperature=0.0, max_tokens=8),
+    )
+    for (prompt, images), output in zip(cases, outputs):
+        prompt_ids, expected = hf_greedy_with_images(model, processor, prompt, images, 8)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+
+
+def test_the_tower_on_a_padded_tile_equals_hf(tiny_idefics3_dir, idefics3_hf):
+    model, _ = idefics3_hf
+    config, params, _ = load_model(tiny_idefics3_dir, dtype="float32")
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((1, 2, 3, 56, 56)).astype(np.float32)
+    mask = np.ones((1, 2, 56, 56), bool)
+    mask[0, 1, 30:, :] = False  # the second tile: an image 30 pixels high, padded
+    mask[0, 1, :, 45:] = False
+    ours = encode_images(
+        params, {"pixel_values": pixels, "pixel_attention_mask": mask}, config=config
+    )
+    with torch.no_grad():
+        theirs = model.get_image_features(
+            pixel_values=torch.tensor(pixels), pixel_attention_mask=torch.tensor(mask)
+        )
+    theirs = getattr(theirs, "pooler_output", theirs)
+    theirs = torch.cat([t.reshape(-1) for t in theirs]) if isinstance(theirs, list) else theirs
+    np.testing.assert_allclose(
+        np.asarray(ours).reshape(-1), theirs.numpy().reshape(-1), atol=2e-5, rtol=1e-5
+    )
+    assert jnp.isfinite(ours).all()
