@@ -97,3 +97,14 @@ def test_block_hashes_differ_by_image_and_only_from_the_image_s_first_block():
     assert one.block_hashes == same.block_hashes
     assert other.block_hashes[0] == one.block_hashes[0]  # positions 0..3: no image
     assert all(o != p for o, p in zip(other.block_hashes[1:], one.block_hashes[1:]))
+
+
+def test_an_image_larger_than_the_budget_and_the_cache_is_encoded_alone():
+    scheduler = make_scheduler(4, 4, images=[("big", 2), ("small", 2)])
+    out = scheduler.schedule()
+    assert out.scheduled_encoder_inputs == {"a": [0]}  # 8 rows: over both, alone
+    assert out.num_scheduled_tokens == {"a": 12, "b": 2}  # b waits before its image
+    scheduler.update_from_output(out, {})
+    out = scheduler.schedule()
+    assert out.scheduled_encoder_inputs == {"b": [0]}  # a released "big": evicted for b
+    assert out.freed_encoder_hashes == ["big"]

@@ -41,13 +41,16 @@ class EncoderCacheManager:
         return True
 
     def can_allocate(self, feature: MultiModalFeature) -> bool:
-        """Room for the image's rows, counting what evicting unused entries would free."""
+        """Room for the image's rows, counting what evicting unused entries would free; an
+        image larger than the whole cache fits once no entry is in use (it then holds the
+        cache alone, over its size, until released)."""
         evictable = sum(self._sizes[k] for k in self._unused)
-        return feature.num_embeds <= self.num_free_rows + evictable
+        is_idle = len(self._unused) == len(self._sizes)
+        return feature.num_embeds <= self.num_free_rows + evictable or is_idle
 
     def allocate(self, request: Request, feature: MultiModalFeature) -> None:
         """Make room (evicting unused entries, oldest first) and reserve the image's rows."""
-        while self.num_free_rows < feature.num_embeds:
+        while self.num_free_rows < feature.num_embeds and self._unused:
             key, _ = self._unused.popitem(last=False)
             self.num_free_rows += self._sizes.pop(key)
             self._users.pop(key, None)

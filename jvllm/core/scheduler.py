@@ -348,11 +348,13 @@ class Scheduler:
             feature = request.mm_features[i]
             if self.encoder_cache.use(request, feature):
                 continue
-            fits = feature.num_embeds <= self._encoder_budget
+            # An image over the whole budget is encoded alone in a step.
+            is_first = self._encoder_budget == self.config.max_num_encoder_input_tokens
+            fits = feature.num_embeds <= self._encoder_budget or is_first
             if not fits or not self.encoder_cache.can_allocate(feature):
                 return encode, max(feature.placeholder.offset - num_computed, 0)
             self.encoder_cache.allocate(request, feature)
-            self._encoder_budget -= feature.num_embeds
+            self._encoder_budget -= min(feature.num_embeds, self._encoder_budget)
             encode.append(i)
         return encode, num_new_tokens
 
@@ -360,7 +362,11 @@ class Scheduler:
         """Drop the encodings `_encoder_inputs` scheduled for a request that does not run."""
         for i in encode:
             self.encoder_cache.discard(request.mm_features[i])
-            self._encoder_budget += request.mm_features[i].num_embeds
+        if encode:  # what was spent goes back (an image over budget took all of it)
+            self._encoder_budget = min(
+                self._encoder_budget + sum(request.mm_features[i].num_embeds for i in encode),
+                self.config.max_num_encoder_input_tokens,
+            )
 
     def _finish_failed_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
