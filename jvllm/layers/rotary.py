@@ -9,6 +9,7 @@ so a rotate-half model compiles exactly the program it compiled before the optio
 """
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,33 @@ def rope_cos_sin(
     or at dims 2i and 2i + 1 (`config.is_rope_interleaved`)."""
     inv_freq = jnp.asarray(inverse_frequencies(config, local))  # [R/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+    return _angles_cos_sin(angles, config, local)
+
+
+def mrope_cos_sin(
+    positions: jax.Array, config: ModelConfig, sections: Sequence[int]
+) -> tuple[jax.Array, jax.Array]:
+    """M-RoPE (Qwen2-VL): positions i32[3, T], each token's temporal, height and width
+    positions -> (cos, sin), each f32[T, R] laid out as rope_cos_sin's. The R/2 pairs turn in
+    `sections` (counts summing to R/2): the first sections[0] pairs by the temporal stream, the
+    next sections[1] by the height one, the rest by the width one (HF's
+    apply_multimodal_rotary_pos_emb). Three equal streams give rope_cos_sin's tables."""
+    stream = np.repeat(np.arange(len(sections)), sections)  # [R/2]: each pair's stream
+    if len(stream) != config.rotary_dim // 2:
+        raise ValueError(
+            f"mrope_section {tuple(sections)} must sum to the {config.rotary_dim // 2} rotary "
+            "pairs of a head (head_dim / 2)"
+        )
+    inv_freq = jnp.asarray(inverse_frequencies(config))  # [R/2]
+    pair_positions = positions[jnp.asarray(stream)].T.astype(jnp.float32)  # [T, R/2]
+    return _angles_cos_sin(pair_positions * inv_freq[None, :], config, local=False)
+
+
+def _angles_cos_sin(
+    angles: jax.Array, config: ModelConfig, local: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Each pair's angle f32[T, R/2] -> (cos, sin) f32[T, R], in rope_cos_sin's layout and
+    scale."""
     if config.is_rope_interleaved:
         angles = jnp.repeat(angles, 2, axis=-1)  # [T, R]: a0 a0 a1 a1 ...
     else:

@@ -25,6 +25,7 @@ def run_rotary_layers(
     local_layers: Sequence[bool] | None = None,
     rope_layers: Sequence[bool] | None = None,
     first_layer: int = 0,
+    cos_sin: tuple[jax.Array, jax.Array] | None = None,
 ):
     """x f32[T, D] through every layer of `layers` (stacked_layers) -> (x, kv_cache).
 
@@ -38,8 +39,11 @@ def run_rotary_layers(
     A model whose layers are of two kinds (DeepSeek's dense, then MoE layers) runs one stack of
     each in turn: `layers` then holds the model's layers from `first_layer` on, which keep their
     KV-cache layer indices and their per-layer settings (given above for all L layers).
+
+    `cos_sin`: the global set as the caller computed it (M-RoPE's, rotary.py's mrope_cos_sin),
+    in place of rope_cos_sin(positions).
     """
-    cos, sin = rope_cos_sin(positions, config)  # [T, R] each
+    cos, sin = rope_cos_sin(positions, config) if cos_sin is None else cos_sin  # [T, R] each
     per_layer = {"window": layer_windows(config)}  # i32[L] or None
     if local_layers is not None:
         local_cos, local_sin = rope_cos_sin(positions, config, local=True)
