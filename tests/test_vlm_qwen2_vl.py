@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.model_loader.loader import load_model
+from jvllm.models import qwen2_vl_vision
 from jvllm.models.model import encode_images, forward
 from jvllm.models.registry import model_class
 
@@ -178,6 +179,19 @@ def test_encode_images_equals_hf_image_features_for_each_image(family, images):
         assert ours.shape == theirs.shape
         scale = np.abs(theirs).max()
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_attention_in_query_chunks_equals_hf(family, images, monkeypatch):
+    """The tower's attention takes its queries a chunk at a time (bounding its scores for large
+    images): 48 a chunk cuts each image's 140 or 144 patches into 3, the last one padded."""
+    _, model, _, config, params = family
+    pixel_values, grids = images
+    monkeypatch.setattr(qwen2_vl_vision, "_QUERY_CHUNK", 48)
+    expected = _hf_features(model, pixel_values, grids)
+    for i in range(2):
+        ours = _encode(config, params, pixel_values, grids, [i])[0]
+        scale = np.abs(expected[i]).max()
+        np.testing.assert_allclose(ours, expected[i], rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_qwen2_5_vl_windowed_layers_attend_within_their_windows(family, images):

@@ -44,6 +44,8 @@ _ACTIVATIONS = {
 }
 _NORM_EPS = 1e-6  # HF's, fixed for the blocks' and the merger's norms
 _DEFAULT_ROPE_THETA = 10000.0
+# The queries a chunk of the tower's attention (_segment_attention).
+_QUERY_CHUNK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +204,8 @@ class QwenVisionBlock(nnx.Module):
         queries = apply_rope(qkv[:, 0], cos, sin).reshape(n, p, m, c // m)
         keys = apply_rope(qkv[:, 1], cos, sin).reshape(n, p, m, c // m)
         values = qkv[:, 2].reshape(n, p, m, c // m)
-        scores = jnp.einsum("nqme,nkme->nmqk", queries, keys) * (c // m) ** -0.5
-        is_seen = segments[:, None, :, None] == segments[:, None, None, :]  # [N, 1, P, P]
-        probs = jax.nn.softmax(jnp.where(is_seen, scores, -jnp.inf), axis=-1)
-        attended = jnp.einsum("nmqk,nkme->nqme", probs, values).reshape(n, p, c)
-        x = x + self.proj(attended)
+        attended = _segment_attention(queries, keys, values, segments)  # [N, P, M, E]
+        x = x + self.proj(attended.reshape(n, p, c))
         h = self.mlp_in(self.norm2(x))
         if self.is_gated:
             gate, up = jnp.split(h, 2, axis=-1)
@@ -296,6 +295,33 @@ class QwenVisionTower(nnx.Module):
         ):
             weights.stacked(f"layers.{name}.weight", tuple(n + ".weight" for n in hf))
             weights.stacked(f"layers.{name}.bias", tuple(n + ".bias" for n in hf))
+
+
+def _segment_attention(queries, keys, values, segments, query_chunk: int | None = None):
+    """Bidirectional attention of queries, keys, values f32[N, P, M, E] among the patches of
+    an image that share a segment (segments i32[N, P]) -> f32[N, P, M, E]. The queries go
+    `query_chunk` (default _QUERY_CHUNK) at a time, so that the scores take [N, M, chunk, P],
+    not [N, M, P, P]: 17 GB a head for HF's largest images (65536 patches) at once."""
+    n, p, m, e = queries.shape
+    chunk = min(p, query_chunk or _QUERY_CHUNK)
+    num_chunks = -(-p // chunk)
+    pad = num_chunks * chunk - p  # the last chunk's padding queries, dropped after
+
+    def attend(chunk_queries, chunk_segments):  # [N, chunk, M, E], [N, chunk]
+        scores = jnp.einsum("nqme,nkme->nmqk", chunk_queries, keys) * e**-0.5
+        is_seen = chunk_segments[:, None, :, None] == segments[:, None, None, :]
+        probs = jax.nn.softmax(jnp.where(is_seen, scores, -jnp.inf), axis=-1)
+        return jnp.einsum("nmqk,nkme->nqme", probs, values)
+
+    if num_chunks == 1:
+        return attend(queries, segments)
+    # A padding query takes its image's last patch's segment, so that its row sees a key.
+    queries = jnp.pad(queries, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    query_segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge")
+    queries = queries.reshape(n, num_chunks, chunk, m, e).swapaxes(0, 1)
+    query_segments = query_segments.reshape(n, num_chunks, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: attend(*xs), (queries, query_segments))  # [chunks, N, ...]
+    return out.swapaxes(0, 1).reshape(n, num_chunks * chunk, m, e)[:, :p]
 
 
 def _rope_cos_sin(positions: jax.Array, vision: QwenVisionSettings):
