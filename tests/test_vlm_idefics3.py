@@ -3,16 +3,18 @@ images split into different numbers of tiles, prefill chunks cutting through the
 their marker tokens, and the SigLIP tower on a padded image (fractional positions, masked
 patches)."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from jvllm import LLM, SamplingParams
+from jvllm import LLM
 from jvllm.model_loader.loader import load_model
 from jvllm.models.model import encode_images
-from tests.vlm_models import hf_greedy_with_images, random_image
+from tests.vlm_models import assert_greedy_equals_hf, hf_greedy_with_images, random_image
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,6 @@ def idefics3_hf(tiny_idefics3_dir):
 def test_greedy_tokens_equal_hf_with_images_of_different_tile_counts(
     tiny_idefics3_dir, idefics3_hf
 ):
-    model, processor = idefics3_hf
     llm = LLM(
         tiny_idefics3_dir,
         dtype="float32",
@@ -38,14 +39,7 @@ def test_greedy_tokens_equal_hf_with_images_of_different_tile_counts(
         ("Hello <image> what is this?", [random_image(0, 40, 50)]),  # 1 tile and the global
         ("<image> and <image> compare", [random_image(1, 112, 60), random_image(2, 100, 100)]),
     ]
-    outputs = llm.generate(
-        [{"prompt": p, "multi_modal_data": {"image": images}} for p, images in cases],
-        SamplingParams(temperature=0.0, max_tokens=8),
-    )
-    for (prompt, images), output in zip(cases, outputs):
-        prompt_ids, expected = hf_greedy_with_images(model, processor, prompt, images, 8)
-        assert output.prompt_token_ids == prompt_ids
-        assert list(output.outputs[0].token_ids) == expected
+    assert_greedy_equals_hf(llm, cases, 8, functools.partial(hf_greedy_with_images, *idefics3_hf))
 
 
 def test_the_tower_on_a_padded_tile_equals_hf(tiny_idefics3_dir, idefics3_hf):

@@ -3,6 +3,7 @@ and several images, chunked prefill cutting through an image, the prefix cache k
 image's content, the encoder cache, preemption, and prompts refused at the edge."""
 
 import base64
+import functools
 import io
 
 import pytest
@@ -11,7 +12,7 @@ import transformers
 
 from jvllm import LLM, SamplingParams
 from jvllm.step_loop import StepLoop
-from tests.vlm_models import hf_greedy_with_images, random_image
+from tests.vlm_models import assert_greedy_equals_hf, hf_greedy_with_images, random_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # 16 tokens a step: each image's 16 tokens start mid-step, so prefill chunks cut through them.
@@ -59,13 +60,8 @@ def test_greedy_tokens_equal_hf_with_one_and_several_images_of_different_sizes(l
         ("<image> and <image>: which is brighter?", [random_image(1, 60, 30), random_image(2)]),
         ("Describe it. <image>", [random_image(3, 90, 120)]),
     ]
-    outputs = llava_llm.generate(
-        [{"prompt": p, "multi_modal_data": {"image": images}} for p, images in cases], GREEDY
-    )
-    for (prompt, images), output in zip(cases, outputs):
-        prompt_ids, expected = hf_greedy_with_images(model, processor, prompt, images, 8)
-        assert output.prompt_token_ids == prompt_ids
-        assert list(output.outputs[0].token_ids) == expected
+    hf = functools.partial(hf_greedy_with_images, model, processor)
+    assert_greedy_equals_hf(llava_llm, cases, 8, hf)
 
 
 def test_a_token_id_prompt_with_one_placeholder_an_image_runs_as_its_text(llava_llm):
@@ -104,18 +100,11 @@ def test_prefix_cache_reuses_an_image_s_blocks_only_for_the_same_image(llava_llm
 
 
 def test_preempted_requests_with_images_resume_with_hf_s_tokens(llava_dir, llava_hf):
-    model, processor = llava_hf
     # 6 blocks of 16 tokens for three requests of 3 blocks each: some are preempted.
     llm = LLM(llava_dir, **ENGINE_KWARGS, num_gpu_blocks_override=7, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
     cases = [(f"Picture {i}: <image> tell", [random_image(10 + i)]) for i in range(3)]
-    outputs = llm.generate(
-        [{"prompt": p, "multi_modal_data": {"image": images}} for p, images in cases], params
-    )
+    assert_greedy_equals_hf(llm, cases, 24, functools.partial(hf_greedy_with_images, *llava_hf))
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
-    for (prompt, images), output in zip(cases, outputs):
-        _, expected = hf_greedy_with_images(model, processor, prompt, images, 24)
-        assert list(output.outputs[0].token_ids) == expected
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,78 @@ def save_tiny_idefics3(path: str, tokenizer_dir: str) -> None:
     processor.save_pretrained(path)
 
 
+# Qwen2-VL's markers around each image's tokens, and its image and video tokens.
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> None:
+    """A Qwen2-VL (version "2") or Qwen2.5-VL ("2.5", with windowed and full layers) of a
+    2-layer tower (14 px patches merged 2 x 2; images of at most 64 merged patches) and a
+    2-layer Qwen2 with M-RoPE, with a Qwen2VLProcessor."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    ids = dict(zip(QWEN_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_TOKENS)))
+    # Head dim 16: 8 rotary pairs, 2 turned by the temporal stream, 3 by each spatial one.
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}
+    text = {**_TINY_TEXT, "vocab_size": len(tokenizer), "rope_parameters": rope}
+    tower = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
+    if version == "2":
+        config_class = transformers.Qwen2VLConfig
+        model_class = transformers.Qwen2VLForConditionalGeneration
+        tower |= {"embed_dim": 32, "mlp_ratio": 2, "hidden_size": 64}
+    else:  # windows of 56 px (2 x 2 merged patches); layer 0 windowed, layer 1 full
+        config_class = transformers.Qwen2_5_VLConfig
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+        tower |= {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "out_hidden_size": 64,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        }
+    config = config_class(
+        text_config=text,
+        vision_config=tower,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    model = model_class(config).float().eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    # Qwen2VLProcessor needs torchvision (for video), so the directory holds its image
+    # processor and tokenizer, as jvllm reads them.
+    image_processor_class = getattr(
+        transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor
+    )
+    image_processor_class(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def hf_qwen_greedy(model, path: str, prompt: str, images, max_new_tokens: int):
+    """(the prompt token ids, HF's greedy continuation) as Qwen2VLProcessor would give them:
+    each <|image_pad|> repeated once an embedding of its image."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    out = transformers.AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    merge = model.config.vision_config.spatial_merge_size
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    counts = iter(int(g.prod()) // merge**2 for g in out["image_grid_thw"])
+    ids = [t for i in tokenizer.encode(prompt) for t in ([i] * next(counts) if i == pad else [i])]
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == pad).int(),  # what M-RoPE reads (the processor's)
+            pixel_values=out["pixel_values"],
+            image_grid_thw=out["image_grid_thw"],
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return ids, generated[0, len(ids) :].tolist()
+
+
 def random_image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8))
@@ -123,3 +195,18 @@ def hf_greedy_with_images(model, processor, prompt: str, images, max_new_tokens:
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     num_prompt = inputs["input_ids"].shape[1]
     return inputs["input_ids"][0].tolist(), out[0, num_prompt:].tolist()
+
+
+def assert_greedy_equals_hf(llm, cases, max_tokens: int, hf_greedy) -> list:
+    """Generate `cases` ((prompt, images) each) greedily in one batch and check each prompt's
+    token ids and continuation against `hf_greedy(prompt, images, max_tokens)`; -> outputs."""
+    from jvllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    prompts = [{"prompt": p, "multi_modal_data": {"image": images}} for p, images in cases]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for (prompt, images), output in zip(cases, outputs):
+        prompt_ids, expected = hf_greedy(prompt, images, max_tokens)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+    return outputs

@@ -12,7 +12,9 @@ jvllm runs twice, as it is (one scheduler step a model step) and then as set, an
 printed with their ratio; --compare-quantization METHOD does the same for weights quantized
 with METHOD against the model's own (or --quantization's), as two engines in one run. With
 --structured json, jvllm runs the prompts with and without a JSON schema instead, with EOS
-honoured (see jvllm/benchmarks/structured.py), and HF is not run.
+honoured (see jvllm/benchmarks/structured.py), and HF is not run. With --images-per-prompt K,
+jvllm runs the prompts as text and with K images each (jvllm/benchmarks/images.py), and HF is
+not run.
 """
 
 import argparse
@@ -26,7 +28,7 @@ import jax
 
 from jvllm import LLM, SamplingParams
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.benchmarks import structured
+from jvllm.benchmarks import images, structured
 from jvllm.benchmarks.workload import (
     add_workload_args,
     bench_hf,
@@ -248,6 +250,15 @@ def main(argv=None, prog: str | None = None) -> None:
             "devices that share its cores: the figure says little)",
         )
     # Sampling features whose cost to measure (off by default: the plain greedy path).
+    parser.add_argument(
+        "--images-per-prompt",
+        type=int,
+        default=0,
+        help="run the prompts as text and with this many images each (a model that takes "
+        "images; without --model a LLaVA-1.5 shape with random weights)",
+    )
+    parser.add_argument("--unique-images", type=int, default=0, help="0: every image new")
+    parser.add_argument("--image-size", type=int, default=336, help="pixels a side")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -294,15 +305,20 @@ def main(argv=None, prog: str | None = None) -> None:
         )
     if args.disable_any_whitespace and not args.structured:
         parser.error("--disable-any-whitespace applies to --structured alone")
+    if args.images_per_prompt and (args.structured or chosen != _BASELINE):
+        parser.error("--images-per-prompt runs one engine: leave out the other comparisons")
     ensure_cpu_devices(args.tensor_parallel_size * args.data_parallel_size)
-    if args.structured:
+    if args.images_per_prompt:
+        args.model, args.load_format = images.model_dir(args)
+    elif args.structured:
         structured.require_jsonschema()
     elif not args.skip_hf:
         require_hf()
 
     # The vocabulary size is needed before any engine exists; read it from the model's config.
     with open(os.path.join(args.model or default_model_dir(), "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+        config = json.load(f)
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # a VLM's: nested
     # Fresh prompts for every timed iteration: repeating them would let jvllm's prefix cache
     # skip most of the prefill (HF has none).
     prompt_sets = [
@@ -311,6 +327,12 @@ def main(argv=None, prog: str | None = None) -> None:
         )
         for i in range(args.num_iters)
     ]
+    if args.images_per_prompt:
+        llm = _make_llm(args)
+        results = images.bench_images(llm, prompt_sets, _sampling_params(args), args)
+        _print_workload(args, ignore_eos=True)
+        images.print_images(results, args)
+        return
     if args.structured:
         # Each prompt set runs twice on the engine: its second run must not find the prefixes.
         llm = _make_llm(args, enable_prefix_caching=False)

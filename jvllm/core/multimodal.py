@@ -36,6 +36,7 @@ class MultiModalFeature:
     identifier: str
     placeholder: PlaceholderRange
     data: dict[str, Any]
+    grid: tuple[int, ...] | None = None  # (t, h, w) patches, where positions need it (M-RoPE)
 
     @property
     def num_embeds(self) -> int:

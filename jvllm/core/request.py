@@ -78,6 +78,11 @@ class Request:
         self.priority = priority
         self.lora_request = lora_request
         self.mm_features = sorted(mm_features or (), key=lambda f: f.placeholder.offset)
+        # A model with M-RoPE (Qwen2-VL): the prompt's (t, h, w) rotary positions, i32[3,
+        # num_prompt_tokens], and the shift of every later token's (its index + rope_delta in
+        # all three); None: each token's index, as for text.
+        self.rope_positions = None
+        self.rope_delta = 0
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

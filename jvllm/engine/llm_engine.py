@@ -76,7 +76,10 @@ class LLMEngine:
             self.structured_outputs,
             config.load_config.seed,
             make_mm_processor(
-                config.load_config.model, self.model_config, config.multimodal_config
+                config.load_config.model,
+                self.model_config,
+                config.multimodal_config,
+                self.tokenizer,
             ),
         )
         self._requests: dict[str, Request] = {}

@@ -11,6 +11,7 @@ hold its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from typing import Any
@@ -46,29 +47,52 @@ def _has_images(data) -> bool:
     return bool(data) and any(v is not None and v != [] for v in dict(data).values())
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt with images, ready for a Request: `rope_positions` i32[3, L] and `rope_delta`
+    are a model with M-RoPE's (the families' mrope_positions), else None and 0."""
+
+    text: str | None
+    token_ids: list[int]
+    features: list[MultiModalFeature]
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
+
+
 class MultiModalProcessor:
-    def __init__(self, model_path: str, config: ModelConfig, mm_config: MultiModalConfig):
+    def __init__(
+        self, model_path: str, config: ModelConfig, mm_config: MultiModalConfig, tokenizer=None
+    ):
         self.model_path = model_path
+        self.config = config
+        self.family = model_class(config.architecture)
         self.image_token_id = config.option("image_token_id")
         self.limit = (mm_config.limit_mm_per_prompt or {}).get("image")
         self.kwargs = dict(mm_config.mm_processor_kwargs or {})
         self._processor = None
+        self.writes_image_tokens = hasattr(self.family, "image_tokens")
+        self._tokenizer = tokenizer
 
     @property
     def processor(self):
-        """The model directory's HF processor, loaded on the first image."""
+        """The model directory's HF processor, loaded on the first image; for a family that
+        writes its images' tokens itself (`image_tokens`), its image processor alone: its
+        full processor would need torchvision for video."""
         if self._processor is None:
             import transformers
 
+            auto = transformers.AutoProcessor
+            if self.writes_image_tokens:
+                auto = transformers.AutoImageProcessor
             try:
-                self._processor = transformers.AutoProcessor.from_pretrained(self.model_path)
+                self._processor = auto.from_pretrained(self.model_path)
             except (OSError, ValueError) as e:
                 raise ValueError(
                     f"the model at {self.model_path!r} takes images, but its processor could "
                     f"not be loaded ({e}); the directory needs the processor's files "
                     "(processor_config.json or preprocessor_config.json)"
                 ) from e
-            if not hasattr(self._processor, "image_processor"):
+            if not self.writes_image_tokens and not hasattr(self._processor, "image_processor"):
                 raise ValueError(
                     f"the processor at {self.model_path!r} ({type(self._processor).__name__}) "
                     "has no image processor"
@@ -78,14 +102,15 @@ class MultiModalProcessor:
     @property
     def image_token(self) -> str:
         """The placeholder a prompt's text puts where each image goes."""
-        return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        tokenizer = self._tokenizer if self.writes_image_tokens else self.processor.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model ships no tokenizer: pass prompts as token ids")
+        return tokenizer.convert_ids_to_tokens(self.image_token_id)
 
-    def process(
-        self, prompt: Mapping, tokenizer
-    ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
-        """(the prompt text or None, its token ids with each image's placeholder expanded, its
-        images) of a prompt dict with `multi_modal_data`; ValueError / TypeError naming what
-        is wrong, before anything enters the engine."""
+    def process(self, prompt: Mapping, tokenizer) -> ProcessedPrompt:
+        """A prompt dict with `multi_modal_data`: its token ids with each image's placeholder
+        expanded, and its images; ValueError / TypeError naming what is wrong, before
+        anything enters the engine."""
         images = _images(prompt.get("multi_modal_data") or {})
         if self.limit is not None and len(images) > self.limit:
             raise ValueError(
@@ -113,7 +138,7 @@ class MultiModalProcessor:
         last = 0
         for place, image in zip(places, images):
             out += token_ids[last:place]
-            expansion, data = self._expand(image, kwargs)
+            expansion, data, grid = self._expand(image, kwargs)
             is_embed = tuple(t == self.image_token_id for t in expansion)
             features.append(
                 MultiModalFeature(
@@ -123,37 +148,48 @@ class MultiModalProcessor:
                         len(out), len(expansion), None if all(is_embed) else is_embed
                     ),
                     data=data,
+                    grid=grid,
                 )
             )
             out += expansion
             last = place + 1
         out += token_ids[last:]
-        return (text if isinstance(text, str) else None), out, features
+        text = text if isinstance(text, str) else None
+        if not hasattr(self.family, "mrope_positions"):
+            return ProcessedPrompt(text, out, features)
+        positions, delta = self.family.mrope_positions(self.config, out, [f.grid for f in features])
+        return ProcessedPrompt(text, out, features, positions, delta)
 
-    def _expand(self, image, kwargs: dict) -> tuple[list[int], dict[str, np.ndarray]]:
-        """(the tokens the processor puts for `image` in place of its placeholder, its arrays
-        without the batch axis)."""
+    def _expand(self, image, kwargs: dict) -> tuple[list[int], dict[str, np.ndarray], tuple]:
+        """(the tokens the processor puts for `image` in place of its placeholder, the arrays
+        the model's encoder takes, its patch grid or None)."""
         processor = self.processor
         try:
-            out = processor(text=[self.image_token], images=[image], return_tensors="np", **kwargs)
+            if self.writes_image_tokens:
+                out = processor(images=[image], return_tensors="np", **kwargs)
+            else:
+                out = processor(
+                    text=[self.image_token], images=[image], return_tensors="np", **kwargs
+                )
         except (ValueError, TypeError, OSError) as e:
             raise ValueError(f"the model's processor could not take the image: {e}") from e
+        outputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
+        if self.writes_image_tokens:  # the family's own images' layout and tokens
+            data, grid = self.family.image_inputs(self.config, outputs)
+            return self.family.image_tokens(self.config, grid), data, grid
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
         # What the tokenizer adds around any text (BOS), not part of the image's tokens.
         extra = processor.tokenizer("", add_special_tokens=True)["input_ids"]
         if extra and ids[: len(extra)] == list(extra):
             ids = ids[len(extra) :]
         data = {}
-        for key, value in out.items():
-            if key in _TEXT_KEYS:
-                continue
-            value = np.asarray(value)
+        for key, value in outputs.items():
             if value.shape[:1] != (1,):
                 raise ValueError(
                     f"the processor's {key!r} has shape {value.shape}, not one image's"
                 )
             data[key] = value[0]
-        return ids, data
+        return ids, data, None
 
 
 def _images(data: Mapping) -> list[Any]:
@@ -188,9 +224,9 @@ def _content_hash(data: dict[str, np.ndarray]) -> str:
 
 
 def make_mm_processor(
-    model_path: str | None, config: ModelConfig, mm_config: MultiModalConfig
+    model_path: str | None, config: ModelConfig, mm_config: MultiModalConfig, tokenizer=None
 ) -> MultiModalProcessor | None:
     """The engine's processor of images, None for a model that takes none."""
     if not takes_images(config):
         return None
-    return MultiModalProcessor(model_path, config, mm_config)
+    return MultiModalProcessor(model_path, config, mm_config, tokenizer)

@@ -66,7 +66,7 @@ class RequestFactory:
     ) -> tuple[ParentRequest | None, list[Request]]:
         """(the parent of n > 1 samples or None, the requests to run); raises ValueError or
         TypeError naming what is wrong, e.g. a sample's id for which `is_in_use`."""
-        mm_features = []
+        processed = None
         if self.mm_processor is None:
             check_no_images(
                 prompt,
@@ -74,9 +74,8 @@ class RequestFactory:
                 f"that do: {', '.join(image_architectures())}",
             )
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            prompt_text, prompt_token_ids, mm_features = self.mm_processor.process(
-                prompt, self.tokenizer
-            )
+            processed = self.mm_processor.process(prompt, self.tokenizer)
+            prompt_text, prompt_token_ids = processed.text, processed.token_ids
         else:
             prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         vocab_size = self.model_config.vocab_size
@@ -88,7 +87,7 @@ class RequestFactory:
             self.max_model_len,
             has_tokenizer=self.tokenizer is not None,
         )
-        if mm_features and len(prompt_token_ids) != num_tokens:
+        if processed is not None and len(prompt_token_ids) != num_tokens:
             raise ValueError(
                 "truncate_prompt_tokens would cut a prompt with images; it is refused for "
                 "prompts with images"
@@ -136,8 +135,11 @@ class RequestFactory:
                 cache_salt=prompt_cache_salt(prompt),
                 priority=priority,
                 lora_request=lora_request,
-                mm_features=mm_features,
+                mm_features=processed.features if processed else None,
             )
+            if processed is not None and processed.rope_positions is not None:
+                request.rope_positions = processed.rope_positions
+                request.rope_delta = processed.rope_delta
             request.bad_words_token_ids = bad_words
             if grammar is not None:
                 request.structured_output = GrammarState(grammar)

@@ -160,8 +160,24 @@ def mrope_positions(
     return positions.astype(np.int32), delta
 
 
+def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarray], tuple]:
+    """(what encode_images takes of one image, its grid (t, h, w)) from the processor's outputs
+    for that image alone: its pixel_values rows [P, K] and image_grid_thw [1, 3]."""
+    grid = tuple(int(v) for v in np.asarray(outputs["image_grid_thw"])[0])
+    pixels = np.asarray(outputs["pixel_values"], np.float32)
+    return {"pixel_values": pixels, **image_arrays(config, np.asarray(grid))}, grid
+
+
+def image_tokens(config: ModelConfig, grid: tuple) -> list[int]:
+    """The tokens in place of an image's placeholder: one image token an embedding, as
+    Qwen2VLProcessor writes them (the prompt holds the vision start and end markers)."""
+    return [config.option("image_token_id")] * image_num_embeds_for(config, grid)
+
+
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     normalize_hf_config = staticmethod(_normalize)
+    image_inputs = staticmethod(image_inputs)
+    image_tokens = staticmethod(image_tokens)
     image_arrays = staticmethod(image_arrays)
     image_num_embeds_for = staticmethod(image_num_embeds_for)
     mrope_positions = staticmethod(mrope_positions)

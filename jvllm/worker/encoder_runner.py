@@ -31,6 +31,8 @@ class EncoderRunner:
         self.hidden_size = config.hidden_size
         self.dtype = np.dtype(jax.numpy.dtype(config.dtype))
         self._encode = jax.jit(functools.partial(encode_images, config=config))
+        # M-RoPE (Qwen2-VL): every step carries each token's three rotary positions.
+        self.has_rope_positions = config.option("mrope_section") is not None
         self.cache: dict[str, np.ndarray] = {}  # hash -> [I, D]
         self.num_images_encoded = 0
         self.encode_seconds = 0.0
@@ -68,9 +70,13 @@ class EncoderRunner:
             self.cache[f.identifier] = rows
         self.num_images_encoded += len(batch)
 
-    def step_embeds(self, requests: list[Request], counts: list[int], num_tokens: int):
+    def step_embeds(
+        self, requests: list[Request], counts: list[int], positions: np.ndarray
+    ) -> ImageEmbeds:
         """The ImageEmbeds (numpy) of a step whose request r computes `counts[r]` tokens from
-        its num_computed_tokens, laid out as prepare_step_inputs lays out the tokens."""
+        its num_computed_tokens, laid out as prepare_step_inputs lays out the tokens
+        (`positions` i32[T], the step's)."""
+        num_tokens = len(positions)
         embeds, is_embed = None, None
         t = 0
         for request, n in zip(requests, counts):
@@ -85,8 +91,10 @@ class EncoderRunner:
                 is_embed[t + tokens] = True
             t += n
         if embeds is None:
-            return _no_images(num_tokens, self.hidden_size, self.dtype)
-        return ImageEmbeds(embeds, is_embed)
+            embeds, is_embed = _no_images(num_tokens, self.hidden_size, self.dtype)
+        if not self.has_rope_positions:
+            return ImageEmbeds(embeds, is_embed)
+        return ImageEmbeds(embeds, is_embed, _rope_positions(requests, counts, positions))
 
 
 def _image_rows(feature: MultiModalFeature, start: int, end: int):
@@ -101,10 +109,25 @@ def _image_rows(feature: MultiModalFeature, start: int, end: int):
     return row_of[offsets], offsets + ph.offset - start
 
 
+def _rope_positions(requests: list[Request], counts: list[int], positions: np.ndarray):
+    """i32[3, T]: each token's M-RoPE positions: a prompt token's as its request computed them,
+    a later one's its index + the request's rope_delta, padding's its `positions`."""
+    rope = np.repeat(positions[None, :].astype(np.int32), 3, axis=0)
+    t = 0
+    for request, n in zip(requests, counts):
+        if request.rope_positions is not None:
+            index = np.arange(request.num_computed_tokens, request.num_computed_tokens + n)
+            in_prompt = index < request.rope_positions.shape[1]
+            rope[:, t : t + n] = index + request.rope_delta
+            rope[:, t : t + n][:, in_prompt] = request.rope_positions[:, index[in_prompt]]
+        t += n
+    return rope
+
+
 @functools.cache
-def _no_images(num_tokens: int, hidden_size: int, dtype: np.dtype) -> ImageEmbeds:
-    """A step of text's: one read-only pair of arrays a bucket."""
+def _no_images(num_tokens: int, hidden_size: int, dtype: np.dtype) -> tuple:
+    """A step of text's embeddings and mask: one read-only pair of arrays a bucket."""
     embeds = np.zeros((num_tokens, hidden_size), dtype)
     is_embed = np.zeros(num_tokens, bool)
     embeds.flags.writeable = is_embed.flags.writeable = False
-    return ImageEmbeds(embeds, is_embed)
+    return embeds, is_embed

@@ -151,7 +151,11 @@ class ModelRunner:
                 config.vocab_size,
                 has_adapters=self.adapters is not None,
                 num_speculative_tokens=num_speculative_tokens,
-                image_embeds=(config.hidden_size, config.dtype) if self.encoder else None,
+                image_embeds=(
+                    (config.hidden_size, config.dtype, self.encoder.has_rope_positions)
+                    if self.encoder
+                    else None
+                ),
             ),
             pooling_type=pooling_type,
             num_scheduler_steps=num_scheduler_steps,
@@ -289,7 +293,7 @@ class ModelRunner:
                 self.num_speculative_tokens,
             )
             if self.encoder is not None:
-                mm = self.encoder.step_embeds(requests, counts, bucket.num_tokens)
+                mm = self.encoder.step_embeds(requests, counts, inputs.positions)
                 inputs = dataclasses.replace(inputs, mm=mm)
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
             if lent:

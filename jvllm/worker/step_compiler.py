@@ -33,8 +33,9 @@ class StepLayout:
     vocab_size: int
     has_adapters: bool  # the inputs carry each sequence's LoRA slot
     num_speculative_tokens: int = 0  # > 0: every "step" also scores the drafts' positions
-    # A model that takes images: its steps carry ImageEmbeds of (D, dtype); None: none.
-    image_embeds: tuple[int, str] | None = None
+    # A model that takes images: its steps carry ImageEmbeds of (D, dtype, whether with
+    # M-RoPE positions); None: none.
+    image_embeds: tuple[int, str, bool] | None = None
 
 
 def abstract_state(arrays):
@@ -142,9 +143,10 @@ class StepCompiler:
         )
         if layout.image_embeds is None:
             return inputs
-        hidden_size, dtype = layout.image_embeds
-        embeds = np.zeros((bucket.num_tokens, hidden_size), jnp.dtype(dtype))
-        mm = ImageEmbeds(embeds, np.zeros(bucket.num_tokens, bool))
+        hidden_size, dtype, has_rope_positions = layout.image_embeds
+        t = bucket.num_tokens
+        rope = np.zeros((3, t), np.int32) if has_rope_positions else None
+        mm = ImageEmbeds(np.zeros((t, hidden_size), jnp.dtype(dtype)), np.zeros(t, bool), rope)
         return dataclasses.replace(inputs, mm=mm)
 
     def executable(

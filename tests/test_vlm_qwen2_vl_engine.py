@@ -1,0 +1,40 @@
+"""Qwen2-VL and Qwen2.5-VL in the engine: greedy tokens equal to HF transformers' with images of
+different sizes (dynamic resolution), M-RoPE positions through chunked prefill and decode."""
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from jvllm import LLM
+from tests.vlm_models import (
+    assert_greedy_equals_hf,
+    hf_qwen_greedy,
+    random_image,
+    save_tiny_qwen2_vl,
+)
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+HF_CLASSES = {
+    "2": transformers.Qwen2VLForConditionalGeneration,
+    "2.5": transformers.Qwen2_5_VLForConditionalGeneration,
+}
+
+
+@pytest.fixture(scope="module", params=list(HF_CLASSES))
+def qwen(request, tmp_path_factory, smollm2_dir):
+    path = str(tmp_path_factory.mktemp(f"tiny_qwen{request.param}_vl"))
+    save_tiny_qwen2_vl(path, smollm2_dir, request.param)
+    model = HF_CLASSES[request.param].from_pretrained(path, dtype=torch.float32).eval()
+    return path, model
+
+
+def test_greedy_tokens_equal_hf_with_images_of_different_sizes(qwen):
+    path, model = qwen
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512)
+    cases = [
+        (f"Look: {IMAGE} what is it?", [random_image(0, 140, 196)]),
+        (f"{IMAGE} then {IMAGE} compare them", [random_image(1, 250, 120), random_image(2)]),
+    ]
+    assert_greedy_equals_hf(llm, cases, 10, functools.partial(hf_qwen_greedy, model, path))
