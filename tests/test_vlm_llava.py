@@ -64,19 +64,24 @@ def test_greedy_tokens_equal_hf_with_one_and_several_images_of_different_sizes(l
     assert_greedy_equals_hf(llava_llm, cases, 8, hf)
 
 
-def test_a_token_id_prompt_with_one_placeholder_an_image_runs_as_its_text(llava_llm):
+def test_token_id_prompts_with_placeholders_or_the_processor_s_tokens_run_as_the_text(
+    llava_llm, llava_hf
+):
     image = random_image(4)
     text = "Tell me about <image> please"
     token_ids = llava_llm.get_tokenizer().encode(text)
-    by_text, by_ids = llava_llm.generate(
+    expanded = llava_hf[1](text=text, images=[image], return_tensors="np")["input_ids"][0]
+    by_text, by_ids, by_expanded = llava_llm.generate(
         [
             {"prompt": text, "multi_modal_data": {"image": image}},
             {"prompt_token_ids": token_ids, "multi_modal_data": {"image": [image]}},
+            {"prompt_token_ids": expanded.tolist(), "multi_modal_data": {"image": [image]}},
         ],
         GREEDY,
     )
-    assert by_ids.prompt_token_ids == by_text.prompt_token_ids
-    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    for output in (by_ids, by_expanded):
+        assert output.prompt_token_ids == by_text.prompt_token_ids
+        assert output.outputs[0].token_ids == by_text.outputs[0].token_ids
 
 
 def test_prefix_cache_reuses_an_image_s_blocks_only_for_the_same_image(llava_llm, llava_hf):

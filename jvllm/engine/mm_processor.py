@@ -127,33 +127,35 @@ class MultiModalProcessor:
             token_ids = tokenizer.encode(text)
         else:
             raise ValueError("a prompt dict needs a non-empty 'prompt' or 'prompt_token_ids'")
+        processed = [self._expand(image, kwargs) for image in images]
+        expansions = [p[0] for p in processed]
         places = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(places) != len(images):
-            raise ValueError(
-                f"the prompt has {len(places)} image placeholders ({self.image_token!r}, token "
-                f"id {self.image_token_id}) for {len(images)} images: put one where each image "
-                "goes (LLM.chat and the chat API add them from the messages' image parts)"
-            )
-        out, features = [], []
-        last = 0
-        for place, image in zip(places, images):
-            out += token_ids[last:place]
-            expansion, data, grid = self._expand(image, kwargs)
-            is_embed = tuple(t == self.image_token_id for t in expansion)
-            features.append(
-                MultiModalFeature(
-                    modality="image",
-                    identifier=_content_hash(data),
-                    placeholder=PlaceholderRange(
-                        len(out), len(expansion), None if all(is_embed) else is_embed
-                    ),
-                    data=data,
-                    grid=grid,
+        if len(places) == len(images):  # one placeholder an image: expand each
+            out, offsets, last = [], [], 0
+            for place, expansion in zip(places, expansions):
+                out += token_ids[last:place]
+                offsets.append(len(out))
+                out += expansion
+                last = place + 1
+            out += token_ids[last:]
+        else:  # the processor's tokens already in place (a prompt a processor made)
+            out, offsets = token_ids, _expanded_offsets(token_ids, expansions, self.image_token_id)
+            if offsets is None:
+                raise ValueError(
+                    f"the prompt has {len(places)} image placeholders ({self.image_token!r}, "
+                    f"token id {self.image_token_id}) for {len(images)} images: put one where "
+                    "each image goes (LLM.chat and the chat API add them from the messages' "
+                    "image parts), or each image's tokens as its processor writes them"
                 )
+        features = []
+        for offset, (expansion, data, grid) in zip(offsets, processed):
+            is_embed = tuple(t == self.image_token_id for t in expansion)
+            placeholder = PlaceholderRange(
+                offset, len(expansion), None if all(is_embed) else is_embed
             )
-            out += expansion
-            last = place + 1
-        out += token_ids[last:]
+            features.append(
+                MultiModalFeature("image", _content_hash(data), placeholder, data, grid)
+            )
         text = text if isinstance(text, str) else None
         if not hasattr(self.family, "mrope_positions"):
             return ProcessedPrompt(text, out, features)
@@ -190,6 +192,26 @@ class MultiModalProcessor:
                 )
             data[key] = value[0]
         return ids, data, None
+
+
+def _expanded_offsets(
+    token_ids: list[int], expansions: list[list[int]], image_token_id: int
+) -> list[int] | None:
+    """Where each image's tokens (`expansions`, in order) start in a prompt that already
+    holds them, every image token of the prompt within one; None when it does not."""
+    offsets, i = [], 0
+    for expansion in expansions:
+        while i < len(token_ids) and token_ids[i : i + len(expansion)] != expansion:
+            if token_ids[i] == image_token_id:
+                return None  # an image token outside every image's tokens
+            i += 1
+        if i >= len(token_ids):
+            return None
+        offsets.append(i)
+        i += len(expansion)
+    if image_token_id in token_ids[i:]:
+        return None
+    return offsets
 
 
 def _images(data: Mapping) -> list[Any]:
