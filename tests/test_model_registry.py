@@ -73,6 +73,19 @@ _HF_CONFIG_CLASSES = {
         vision_config={"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 2},
         image_token_index=kw["vocab_size"] - 1,
     ),
+    # Grids of tiles in multiples of the tower's image size.
+    "LlavaNextForConditionalGeneration": lambda **kw: transformers.LlavaNextConfig(
+        text_config=kw,
+        vision_config={
+            "hidden_size": 16,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 2,
+            "image_size": 28,
+            "patch_size": 7,
+        },
+        image_token_index=kw["vocab_size"] - 1,
+        image_grid_pinpoints=[[28, 56], [56, 28]],
+    ),
     "Idefics3ForConditionalGeneration": lambda **kw: transformers.Idefics3Config(
         text_config=kw,
         vision_config=_TINY_TILE_TOWER,

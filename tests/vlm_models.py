@@ -83,6 +83,46 @@ def save_tiny_llava(path: str, tokenizer_dir: str) -> None:
     processor.save_pretrained(path)
 
 
+def save_tiny_llava_next(path: str, tokenizer_dir: str) -> None:
+    """A LLaVA-NeXT of a 2-layer CLIP (28 px tiles, 7 px patches: 16 features a tile; grids of
+    1 x 2, 2 x 1 and 2 x 2 tiles) and a 2-layer Llama, with a LlavaNextProcessor (its image
+    processor's PIL variant without torchvision)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = IMAGE_CHAT_TEMPLATE
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    text = transformers.LlamaConfig(**_TINY_TEXT, vocab_size=len(tokenizer))
+    vision = transformers.CLIPVisionConfig(**_TINY_VISION, image_size=28, patch_size=7)
+    config = transformers.LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=pinpoints,
+    )
+    model = transformers.LlavaNextForConditionalGeneration(config).float().eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    image_processor_class = getattr(
+        transformers, "LlavaNextImageProcessorPil", transformers.LlavaNextImageProcessor
+    )
+    image_processor = image_processor_class(
+        size={"shortest_edge": 28},
+        crop_size={"height": 28, "width": 28},
+        image_grid_pinpoints=pinpoints,
+    )
+    processor = transformers.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=7,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, dropped by "default"
+        chat_template=IMAGE_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+
+
 def save_tiny_idefics3(path: str, tokenizer_dir: str) -> None:
     """An Idefics3 of a 2-layer SigLIP (56 px tiles, 14 px patches, pixel shuffle by 2: 4
     image tokens a tile; images of up to 112 px: up to 2 x 2 tiles and the global view) and a
