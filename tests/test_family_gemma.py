@@ -171,7 +171,17 @@ GEMMA_3_4B = {
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
         "sliding_window": 1024,
     },
-    "vision_config": {"model_type": "siglip_vision_model"},
+    # gemma-3-4b-it's, as its config.json gives it.
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
 }
 
 
@@ -207,7 +217,9 @@ def test_gemma3_config_reads_the_window_pattern_and_both_rope_bases():
 def test_gemma3_multimodal_config_reads_its_text_config(layout):
     hf_config = GEMMA_3_4B
     if layout == "transformers 5":
-        hf_config = transformers.Gemma3Config(text_config=GEMMA_3_4B["text_config"]).to_dict()
+        hf_config = transformers.Gemma3Config(
+            text_config=GEMMA_3_4B["text_config"], vision_config=GEMMA_3_4B["vision_config"]
+        ).to_dict()
         hf_config["architectures"] = GEMMA_3_4B["architectures"]
     config = model_config_from_hf(hf_config, "bfloat16")
     assert config.architecture == "Gemma3ForConditionalGeneration"
@@ -218,6 +230,13 @@ def test_gemma3_multimodal_config_reads_its_text_config(layout):
     assert config.layer_windows[5] is None and config.layer_windows[4] == 1024
     if layout == "hub":
         assert config.eos_token_ids == (1, 106)
+        vision = config.option("vision")
+        assert (vision.num_layers, vision.num_patches, config.option("image_token_id")) == (
+            27,
+            4096,
+            262144,
+        )
+        assert config.option("mm_tokens_per_image") == 256
 
 
 def test_bidirectional_gemma3_is_rejected():

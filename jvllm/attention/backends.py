@@ -29,7 +29,9 @@ def prepare_backend(name: str, kv_cache_dtype: str, block_size: int) -> None:
         cpu_decode.build_early()
 
 
-def get_attention(name: str, sm_scale: float, logit_softcap: float | None = None):
+def get_attention(
+    name: str, sm_scale: float, logit_softcap: float | None = None, max_image_tokens: int = 0
+):
     """The `attn` callable of the model contract for backend `name`:
     attn(layer, q, k, v, kv_cache, md, sliding_window=None, sinks=None) -> (out, kv_cache).
 
@@ -39,11 +41,18 @@ def get_attention(name: str, sm_scale: float, logit_softcap: float | None = None
     cuts, e.g. 2**30): a query at p sees p - W < j <= p.
     sinks (per call): None, or f32[N] per-head logits (possibly traced) that join every query's
     softmax with no value and no scaling (gpt-oss's attention sinks).
+    max_image_tokens > 0: the model's image tokens, up to that many an image, attend to their
+    whole image (Gemma 3; `md.image_groups`), which only the reference backend does.
     """
     if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
         raise ValueError(f"logit_softcap must be None or a positive float, got {logit_softcap!r}")
     if name == "reference":
-        return reference_attention(sm_scale, logit_softcap)
+        return reference_attention(sm_scale, logit_softcap, max_image_tokens)
+    if name == "pallas" and max_image_tokens:
+        raise ValueError(
+            "this model's image tokens attend to their whole image (Gemma 3), which the "
+            "'pallas' backend's kernels do not; use attention_backend='reference'"
+        )
     if name == "pallas":
         from jvllm.attention.pallas import pallas_attention
 

@@ -37,6 +37,10 @@ class AttentionMetadata:
     # i32[T] the LoRA adapter slot each token reads (-1: none; layers/lora.py); None: the
     # engine serves no adapters. It rides here because the model's forward takes this object.
     adapter_slots: jax.Array | None = None
+    # i32[T] for a model whose image tokens attend to their whole image (Gemma 3): each image
+    # token's image, numbered within the step, -1 for every other token; None for any other
+    # model (attention/image_ahead.py).
+    image_groups: jax.Array | None = None
 
     @property
     def is_decode(self) -> bool:

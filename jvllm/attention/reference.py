@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.attention import cpu_decode
+from jvllm.attention.image_ahead import attend_image_ahead, blocks_ahead
 from jvllm.attention.kv_pages import gather_pages, write_kv
 from jvllm.attention.kv_quant import KVCache, QuantizedKVCache, kv_values
 from jvllm.attention.matmul import batched_matmul
@@ -247,6 +248,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     sliding_window: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    image_blocks_ahead: int = 0,
 ) -> jax.Array:
     """Causal attention of q [T, N, H] to the KV of each query's sequence -> [T, N, H].
 
@@ -262,6 +264,8 @@ def paged_attention(
     page walks start at the chunk the window reaches.
     sinks: None or f32[N] (may be traced), a per-head logit joining every query's softmax with
     no value (gpt-oss), not scaled or capped; folded in where the softmax is normalised.
+    image_blocks_ahead: > 0 for a model whose image tokens attend to their whole image
+    (`md.image_groups`; attention/image_ahead.py), the blocks ahead they read.
     """
     if sinks is not None:
         sinks = _sinks_vector(sinks, q.shape[1])
@@ -339,8 +343,19 @@ def paged_attention(
     m2, l2, acc2 = attend_window(q, k, v, md, sm_scale, logit_softcap, sliding_window)
     m = jnp.maximum(m1, m2)
     a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
-    out = (acc1 * a1 + acc2 * a2) / (l1[..., None] * a1 + l2[..., None] * a2)
-    return out.astype(q.dtype)
+    acc, l = acc1 * a1 + acc2 * a2, l1[..., None] * a1 + l2[..., None] * a2
+    if md.image_groups is not None and image_blocks_ahead:  # and the image's later tokens
+        m3, l3, acc3 = jax.lax.cond(
+            jnp.any(md.image_groups >= 0),
+            lambda: attend_image_ahead(
+                q, k, v, md.image_groups, image_blocks_ahead, sm_scale, logit_softcap
+            ),
+            no_pages,
+        )
+        m_all = jnp.maximum(m, m3)
+        a, a3 = jnp.exp(m - m_all)[..., None], jnp.exp(m3 - m_all)[..., None]
+        acc, l = acc * a + acc3 * a3, l * a + l3[..., None] * a3
+    return (acc / l).astype(q.dtype)
 
 
 def _normalize_with_sinks(sinks: jax.Array, kv_cache: KVCache):
@@ -373,13 +388,18 @@ def _window_scalar(sliding_window) -> jax.Array:
     return jnp.asarray(sliding_window, jnp.int32).reshape(())
 
 
-def reference_attention(sm_scale: float, logit_softcap: float | None = None):
-    """The `attn` callable of the model contract (docs/design.md) for this backend."""
+def reference_attention(
+    sm_scale: float, logit_softcap: float | None = None, max_image_tokens: int = 0
+):
+    """The `attn` callable of the model contract (docs/design.md) for this backend;
+    `max_image_tokens` > 0: image tokens of up to that many an image attend to their whole
+    image (`md.image_groups`)."""
+    ahead = blocks_ahead(max_image_tokens) if max_image_tokens else 0
 
     def attn(layer, q, k, v, kv_cache, md: AttentionMetadata, sliding_window=None, sinks=None):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
         out = paged_attention(
-            q, k, v, kv_cache, layer, md, sm_scale, logit_softcap, sliding_window, sinks
+            q, k, v, kv_cache, layer, md, sm_scale, logit_softcap, sliding_window, sinks, ahead
         )
         return out, kv_cache
 

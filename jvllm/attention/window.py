@@ -46,11 +46,12 @@ def token_seq_and_position(md: AttentionMetadata, num_tokens: int):
     return jnp.where(is_real, seq, -1 - t), jnp.where(is_real, position, 0)
 
 
-def _spans(x: jax.Array, block: int, n: int, fill=0) -> jax.Array:
-    """x [NB*C, ...] -> [NB, n*C, ...]: for each block, the n blocks ending with it (blocks
-    before the first are `fill`)."""
+def block_spans(x: jax.Array, block: int, n: int, fill=0, ahead: bool = False) -> jax.Array:
+    """x [NB*C, ...] -> [NB, n*C, ...]: for each block, the n blocks ending with it, or with
+    `ahead` starting with it (blocks beyond either end are `fill`)."""
     x = x.reshape(-1, block, *x.shape[1:])
-    padded = jnp.pad(x, ((n - 1, 0),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
+    pad = (0, n - 1) if ahead else (n - 1, 0)
+    padded = jnp.pad(x, (pad,) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
     num_blocks = x.shape[0]
     return jnp.concatenate([padded[i : i + num_blocks] for i in range(n)], axis=1)
 
@@ -86,13 +87,13 @@ def attend_window(
     qb = padded(q).reshape(num_blocks, block, num_kv_heads, group, head_dim)
     qb = qb.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, group * block, head_dim)
     k, v = padded(k), padded(v)  # [NB*C, K, H]
-    kw = _spans(k, block, 2).transpose(0, 2, 1, 3)  # [NB, K, 2C, H]
-    vw = _spans(v, block, 2).transpose(0, 2, 1, 3)  # [NB, K, 2C, H]
+    kw = block_spans(k, block, 2).transpose(0, 2, 1, 3)  # [NB, K, 2C, H]
+    vw = block_spans(v, block, 2).transpose(0, 2, 1, 3)  # [NB, K, 2C, H]
     # Padding of the whole step and before the first block: ids no query has.
     seq_q = padded(seq, -1 - num_tokens).reshape(num_blocks, block)  # [NB, C]
     pos_q = padded(position).reshape(num_blocks, block)  # [NB, C]
-    seq_k = _spans(padded(seq, -2 - num_tokens), block, 2, -2 - num_tokens)  # [NB, 2C]
-    pos_k = _spans(padded(position), block, 2)  # [NB, 2C]
+    seq_k = block_spans(padded(seq, -2 - num_tokens), block, 2, -2 - num_tokens)  # [NB, 2C]
+    pos_k = block_spans(padded(position), block, 2)  # [NB, 2C]
     visible = (seq_q[:, :, None] == seq_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
     if sliding_window is not None:
         visible &= pos_k[:, None, :] > pos_q[:, :, None] - sliding_window
@@ -111,10 +112,10 @@ def attend_window(
     if num_blocks > 2:
         depth = _block_depth(md, seq_q, block, sliding_window)  # [NB]
         far = _FarKeys(
-            k=_spans(k, block, FAR_SPAN).transpose(0, 2, 1, 3),  # [NB, K, SC, H]
-            v=_spans(v, block, FAR_SPAN).transpose(0, 2, 1, 3),  # [NB, K, SC, H]
-            seq=_spans(padded(seq, -2 - num_tokens), block, FAR_SPAN, -2 - num_tokens),
-            pos=None if sliding_window is None else _spans(padded(position), block, FAR_SPAN),
+            k=block_spans(k, block, FAR_SPAN).transpose(0, 2, 1, 3),  # [NB, K, SC, H]
+            v=block_spans(v, block, FAR_SPAN).transpose(0, 2, 1, 3),  # [NB, K, SC, H]
+            seq=block_spans(padded(seq, -2 - num_tokens), block, FAR_SPAN, -2 - num_tokens),
+            pos=None if sliding_window is None else block_spans(padded(position), block, FAR_SPAN),
         )
         scores = _Scores(sm_scale, logit_softcap, sliding_window)
         m, l, acc = jax.lax.cond(

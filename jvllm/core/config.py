@@ -35,6 +35,9 @@ class SchedulerConfig:
     # that takes images, at least its largest image's.
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # A model whose image tokens attend to their whole image (Gemma 3): a step never ends
+    # inside an image's tokens.
+    keep_images_whole: bool = False
 
     def __post_init__(self) -> None:
         check_choice("scheduling_policy", self.policy, SCHEDULING_POLICIES)

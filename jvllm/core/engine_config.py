@@ -129,13 +129,18 @@ class EngineConfig:
         return self.load_config.max_model_len
 
     def resolved(
-        self, max_model_len: int, attention_backend: str, max_image_tokens: int = 0
+        self,
+        max_model_len: int,
+        attention_backend: str,
+        max_image_tokens: int = 0,
+        keep_images_whole: bool = False,
     ) -> EngineConfig:
         """This config once the worker has loaded the model (its longest sequence known; the
         scheduler's checks run again on it) and found its devices (the attention backend
         where the user named none). `max_image_tokens` > 0: the model takes images of up to
         that many embeddings, and the encoder's budget and cache are vLLM's defaults, the step's
-        token budget, or one image where that is more."""
+        token budget, or one image where that is more; `keep_images_whole`: the model's image
+        tokens attend to their whole image, so no step ends inside one."""
         replace = dataclasses.replace
         encoder = 0
         if max_image_tokens:
@@ -148,6 +153,7 @@ class EngineConfig:
                 max_model_len=max_model_len,
                 max_num_encoder_input_tokens=encoder,
                 encoder_cache_size=encoder,
+                keep_images_whole=keep_images_whole,
             ),
             runner_config=replace(
                 self.runner_config,

@@ -344,6 +344,13 @@ class Scheduler:
         encoded again."""
         encode: list[int] = []
         end = num_computed + num_new_tokens
+        if self.config.keep_images_whole:  # stop before an image the step would cut
+            for i in overlapping(request.mm_features, num_computed, end):
+                placeholder = request.mm_features[i].placeholder
+                if placeholder.end > end:
+                    end = max(placeholder.offset, num_computed)
+                    num_new_tokens = end - num_computed
+                    break
         for i in overlapping(request.mm_features, num_computed, end):
             feature = request.mm_features[i]
             if self.encoder_cache.use(request, feature):

@@ -67,6 +67,7 @@ class LLMEngine:
             self.eos_token_ids,
             synchronous=self.model_runner.compiler.lockstep,
         )
+        scheduling = config.scheduler_config
         self._request_factory = RequestFactory(
             self.tokenizer,
             self.model_config,
@@ -81,6 +82,7 @@ class LLMEngine:
                 config.multimodal_config,
                 self.tokenizer,
             ),
+            scheduling.max_num_batched_tokens if scheduling.keep_images_whole else None,
         )
         self._requests: dict[str, Request] = {}
         # n > 1: parent request id -> child ids, and each live child's parent.

@@ -67,6 +67,9 @@ class MultiModalProcessor:
         self.config = config
         self.family = model_class(config.architecture)
         self.image_token_id = config.option("image_token_id")
+        # What a prompt puts where an image goes: the image token itself, or a marker the
+        # processor expands (Gemma 3's <start_of_image>).
+        self.placeholder_id = config.option("image_placeholder_id", self.image_token_id)
         self.limit = (mm_config.limit_mm_per_prompt or {}).get("image")
         self.kwargs = dict(mm_config.mm_processor_kwargs or {})
         self._processor = None
@@ -105,7 +108,7 @@ class MultiModalProcessor:
         tokenizer = self._tokenizer if self.writes_image_tokens else self.processor.tokenizer
         if tokenizer is None:
             raise ValueError("this model ships no tokenizer: pass prompts as token ids")
-        return tokenizer.convert_ids_to_tokens(self.image_token_id)
+        return tokenizer.convert_ids_to_tokens(self.placeholder_id)
 
     def process(self, prompt: Mapping, tokenizer) -> ProcessedPrompt:
         """A prompt dict with `multi_modal_data`: its token ids with each image's placeholder
@@ -127,10 +130,20 @@ class MultiModalProcessor:
             token_ids = tokenizer.encode(text)
         else:
             raise ValueError("a prompt dict needs a non-empty 'prompt' or 'prompt_token_ids'")
+        if not images:  # e.g. {"image": None}: a prompt of text
+            return ProcessedPrompt(text if isinstance(text, str) else None, token_ids, [])
         processed = [self._expand(image, kwargs) for image in images]
         expansions = [p[0] for p in processed]
-        places = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(places) == len(images):  # one placeholder an image: expand each
+        places = [i for i, t in enumerate(token_ids) if t == self.placeholder_id]
+        if (
+            len(places) == len(images)
+            and "prompt_token_ids" not in prompt
+            and (not self.writes_image_tokens)
+        ):
+            # The processor on the whole text, as HF users run it: an expansion that begins
+            # or ends with text (Gemma 3's blank lines) tokenizes with its neighbours.
+            out, offsets, expansions = self._whole_text(text, images, expansions, kwargs)
+        elif len(places) == len(images):  # one placeholder an image: expand each
             out, offsets, last = [], [], 0
             for place, expansion in zip(places, expansions):
                 out += token_ids[last:place]
@@ -143,12 +156,12 @@ class MultiModalProcessor:
             if offsets is None:
                 raise ValueError(
                     f"the prompt has {len(places)} image placeholders ({self.image_token!r}, "
-                    f"token id {self.image_token_id}) for {len(images)} images: put one where "
+                    f"token id {self.placeholder_id}) for {len(images)} images: put one where "
                     "each image goes (LLM.chat and the chat API add them from the messages' "
                     "image parts), or each image's tokens as its processor writes them"
                 )
         features = []
-        for offset, (expansion, data, grid) in zip(offsets, processed):
+        for offset, expansion, (_, data, grid) in zip(offsets, expansions, processed):
             is_embed = tuple(t == self.image_token_id for t in expansion)
             placeholder = PlaceholderRange(
                 offset, len(expansion), None if all(is_embed) else is_embed
@@ -161,6 +174,25 @@ class MultiModalProcessor:
             return ProcessedPrompt(text, out, features)
         positions, delta = self.family.mrope_positions(self.config, out, [f.grid for f in features])
         return ProcessedPrompt(text, out, features, positions, delta)
+
+    def _whole_text(self, text: str, images: list, expansions: list[list[int]], kwargs: dict):
+        """(the processor's token ids of the whole text with its images, where each image's
+        tokens start, each image's tokens): an image's from its first image token to its last,
+        the markers between them included (and so its share of `expansions`' image tokens)."""
+        try:
+            out = self.processor(text=[text], images=images, return_tensors="np", **kwargs)
+        except (ValueError, TypeError, OSError) as e:
+            raise ValueError(f"the model's processor could not take the prompt: {e}") from e
+        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        image_places = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        offsets, spans, used = [], [], 0
+        for expansion in expansions:
+            count = expansion.count(self.image_token_id)
+            first, last = image_places[used], image_places[used + count - 1]
+            offsets.append(first)
+            spans.append(ids[first : last + 1])
+            used += count
+        return ids, offsets, spans
 
     def _expand(self, image, kwargs: dict) -> tuple[list[int], dict[str, np.ndarray], tuple]:
         """(the tokens the processor puts for `image` in place of its placeholder, the arrays

@@ -44,8 +44,11 @@ class RequestFactory:
         structured_outputs: StructuredOutputManager,
         seed: int,
         mm_processor: MultiModalProcessor | None = None,
+        max_whole_image_tokens: int | None = None,
     ):
         self.mm_processor = mm_processor
+        # A model whose images are computed in one step (Gemma 3): the step's token budget.
+        self.max_whole_image_tokens = max_whole_image_tokens
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -87,6 +90,14 @@ class RequestFactory:
             self.max_model_len,
             has_tokenizer=self.tokenizer is not None,
         )
+        limit = self.max_whole_image_tokens
+        for feature in processed.features if processed and limit else ():
+            if feature.placeholder.length > limit:
+                raise ValueError(
+                    f"an image of {feature.placeholder.length} tokens is more than a step's "
+                    f"max_num_batched_tokens ({limit}), and this model computes each image's "
+                    "tokens in one step; raise max_num_batched_tokens"
+                )
         if processed is not None and len(prompt_token_ids) != num_tokens:
             raise ValueError(
                 "truncate_prompt_tokens would cut a prompt with images; it is refused for "

@@ -180,11 +180,19 @@ class GemmaForCausalLM(nnx.Module):
 
     def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn):
         """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
+        return self.decode(kv_cache, self.embed_tokens(token_ids), positions, metadata, attn)
+
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        """token_ids i32[T] -> the first layer's input f32[T, D]: the embeddings times
+        sqrt(D), which HF and vLLM round to the model dtype (bfloat16 sqrt(3072) = 55.5, not
+        55.43): the checkpoints were trained with that factor."""
+        normalizer = jnp.asarray(self.config.hidden_size**0.5, jnp.float32)
+        return self.embed(token_ids) * normalizer.astype(self.config.dtype).astype(jnp.float32)
+
+    def decode(self, kv_cache, x, positions, metadata, attn: AttentionFn):
+        """The layers and the final norm over the first layer's input x f32[T, D] -> (hidden,
+        kv_cache)."""
         config = self.config
-        # HF and vLLM round sqrt(D) to the model dtype (bfloat16 sqrt(3072) = 55.5, not 55.43):
-        # the checkpoints were trained with that factor.
-        normalizer = jnp.asarray(config.hidden_size**0.5, jnp.float32).astype(config.dtype)
-        x = self.embed(token_ids) * normalizer.astype(jnp.float32)  # [T, D]
         local_layers = None
         if config.local_rope_theta is not None:  # Gemma 3: the windowed layers' own base
             local_layers = [t == "sliding_attention" for t in config.layer_types]
@@ -227,24 +235,3 @@ class GemmaForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             # Beside the decoder: "lm_head.weight", "language_model.lm_head.weight".
             weights.tensor("lm_head.weight", prefix.removesuffix("model.") + "lm_head.weight")
-
-
-class Gemma3ForConditionalGeneration(GemmaForCausalLM):
-    """The text model of a multimodal Gemma 3 checkpoint (4B and up), run on text: its config
-    nests the text model's under `text_config`, and its tensors sit under
-    "language_model.model."; the vision tower and projector are not read. Images are not
-    supported."""
-
-    @staticmethod
-    def normalize_hf_config(cfg: dict) -> dict:
-        text = dict(cfg.get("text_config") or cfg)
-        text["architectures"] = ["Gemma3ForConditionalGeneration"]
-        # What the outer config says of the whole model holds for its text part too.
-        for name in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
-            if cfg.get(name) is not None:
-                text[name] = cfg[name]
-        return _normalize(text)
-
-    @staticmethod
-    def load_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
-        GemmaForCausalLM.load_weights(config, weights, prefix="language_model.model.")

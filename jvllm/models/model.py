@@ -87,8 +87,10 @@ def forward(
 
 
 def takes_images(config: ModelConfig) -> bool:
-    """Whether the family has a vision encoder (`encode_images`)."""
-    return hasattr(model_class(config.architecture), "encode_images")
+    """Whether the model has a vision encoder (`encode_images`, and the image token its
+    config names: a multimodal checkpoint without its vision_config runs as text)."""
+    family = model_class(config.architecture)
+    return hasattr(family, "encode_images") and config.option("image_token_id") is not None
 
 
 def image_num_embeds(config: ModelConfig) -> int:

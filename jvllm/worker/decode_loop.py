@@ -80,6 +80,7 @@ def advance_inputs(
     grows = active[tiles.seq][:, None] & (tiles.kv_lens > 0)  # [NT, 1]
     attn = dataclasses.replace(
         md,
+        image_groups=None if md.image_groups is None else jnp.full_like(md.image_groups, -1),
         slot_mapping=slot_mapping,
         seq_lens=md.seq_lens + active,
         tiles=(dataclasses.replace(tiles, kv_lens=tiles.kv_lens + grows),),

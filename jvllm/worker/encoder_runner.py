@@ -109,6 +109,21 @@ def _image_rows(feature: MultiModalFeature, start: int, end: int):
     return row_of[offsets], offsets + ph.offset - start
 
 
+def image_groups(requests: list[Request], counts: list[int], num_tokens: int) -> np.ndarray:
+    """i32[T]: the image of each of a step's image tokens (numbered within the step), -1 for
+    every other token, laid out as prepare_step_inputs lays out the tokens."""
+    groups = np.full(num_tokens, -1, np.int32)
+    t, image = 0, 0
+    for request, n in zip(requests, counts):
+        start = request.num_computed_tokens
+        for i in overlapping(request.mm_features, start, start + n):
+            _, tokens = _image_rows(request.mm_features[i], start, start + n)
+            groups[t + tokens] = image
+            image += 1
+        t += n
+    return groups
+
+
 def _rope_positions(requests: list[Request], counts: list[int], positions: np.ndarray):
     """i32[3, T]: each token's M-RoPE positions: a prompt token's as its request computed them,
     a later one's its index + the request's rope_delta, padding's its `positions`."""

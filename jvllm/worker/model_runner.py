@@ -22,7 +22,7 @@ from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers
 from jvllm.logger import init_logger
 from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
-from jvllm.models.model import param_axes, takes_images
+from jvllm.models.model import image_num_embeds, param_axes, takes_images
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
@@ -33,7 +33,7 @@ from jvllm.worker.decode_loop import (
     window_steps_per_check,
 )
 from jvllm.worker.draft_scoring import accepted_token_ids
-from jvllm.worker.encoder_runner import EncoderRunner
+from jvllm.worker.encoder_runner import EncoderRunner, image_groups
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
@@ -111,8 +111,13 @@ class ModelRunner:
             max_num_seqs + 1, config.vocab_size, self._set_bias_row, replicated(mesh)
         )
         self.max_logprobs = max_logprobs = runner_config.max_logprobs
+        # Gemma 3: image tokens attend to their whole image (attention/image_ahead.py).
+        self.bidirectional_images = bool(config.option("bidirectional_images"))
         attn = get_attention(
-            attention_backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap
+            attention_backend,
+            sm_scale=config.sm_scale,
+            logit_softcap=config.attn_logit_softcap,
+            max_image_tokens=image_num_embeds(config) if self.bidirectional_images else 0,
         )
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
@@ -156,6 +161,7 @@ class ModelRunner:
                     if self.encoder
                     else None
                 ),
+                has_image_groups=self.bidirectional_images,
             ),
             pooling_type=pooling_type,
             num_scheduler_steps=num_scheduler_steps,
@@ -295,6 +301,11 @@ class ModelRunner:
             if self.encoder is not None:
                 mm = self.encoder.step_embeds(requests, counts, inputs.positions)
                 inputs = dataclasses.replace(inputs, mm=mm)
+            if self.bidirectional_images:
+                groups = image_groups(requests, counts, len(inputs.positions))
+                inputs = dataclasses.replace(
+                    inputs, attn=dataclasses.replace(inputs.attn, image_groups=groups)
+                )
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
             if lent:
                 plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent

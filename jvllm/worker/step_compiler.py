@@ -36,6 +36,7 @@ class StepLayout:
     # A model that takes images: its steps carry ImageEmbeds of (D, dtype, whether with
     # M-RoPE positions); None: none.
     image_embeds: tuple[int, str, bool] | None = None
+    has_image_groups: bool = False  # the attention metadata carries image_groups (Gemma 3)
 
 
 def abstract_state(arrays):
@@ -141,6 +142,11 @@ class StepCompiler:
             adapter_slots=np.zeros(0, np.int32) if layout.has_adapters else None,
             num_speculative_tokens=layout.num_speculative_tokens,
         )
+        if layout.has_image_groups:
+            groups = np.full(bucket.num_tokens, -1, np.int32)
+            inputs = dataclasses.replace(
+                inputs, attn=dataclasses.replace(inputs.attn, image_groups=groups)
+            )
         if layout.image_embeds is None:
             return inputs
         hidden_size, dtype, has_rope_positions = layout.image_embeds

@@ -83,7 +83,21 @@ class Worker:
                     "model that takes images; serve it with runner='generate'"
                 )
             max_image_tokens = image_num_embeds(model_config)
-        self.config = config.resolved(max_model_len, backend, max_image_tokens)
+            if model_config.option("bidirectional_images") and backend == "pallas":
+                if runner.attention_backend is not None:
+                    raise ValueError(
+                        f"{model_config.architecture}'s image tokens attend to their whole "
+                        "image, which the 'pallas' backend's kernels do not; use "
+                        "attention_backend='reference'"
+                    )
+                logger.info(
+                    "attention backend 'reference': %s's image tokens attend to their whole "
+                    "image, which the Pallas kernels do not",
+                    model_config.architecture,
+                )
+                backend = "reference"
+        whole = bool(model_config.option("bidirectional_images"))
+        self.config = config.resolved(max_model_len, backend, max_image_tokens, whole)
         # A pooling model's config.json as a dict (vLLM's hf_config), for what the engine reads
         # from it beside the model (its matryoshka sizes); None for a GGUF, the default model,
         # or a generating engine.
