@@ -39,6 +39,35 @@ def test_throughput_benchmark_runs_jvllm_and_hf(capsys):
     assert "ratio jvllm / HF:" in out
 
 
+def test_throughput_benchmark_runs_prompts_as_text_and_with_images(tiny_llava_dir, capsys):
+    throughput.main(
+        [
+            *("--model", tiny_llava_dir, "--images-per-prompt", "1", "--unique-images", "1"),
+            *("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "1"),
+            *("--max-num-batched-tokens", "64"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"images: 1 a prompt of 16 tokens in all, 1 distinct; 0 encoded", out)
+    assert re.search(r"output tok/s: text alone [\d.]+, with images [\d.]+ \(ratio", out)
+    # The warm-up encoded the one image, and its blocks then served every later prompt.
+    assert "encoder cache: no lookups (the prefix cache held every image's tokens)" in out
+
+
+@pytest.mark.slow
+def test_serve_benchmark_sends_images_in_chat_requests(tiny_llava_dir, capsys):
+    serve.main(
+        [
+            *("--model", "tiny-llava", "--model-path", tiny_llava_dir, "--images-per-prompt", "1"),
+            *("--num-prompts", "4", "--input-len", "8", "--output-len", "4"),
+            *("--max-concurrency", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "4 completed, 0 left mid-stream, 0 refused" in out
+    assert "images: 1 a request" in out
+
+
 def test_throughput_benchmark_compares_a_scheduling_setting_with_k1(capsys):
     throughput.main(
         [*_TINY_WORKLOAD, "--skip-hf", "--num-scheduler-steps", "2", "--async-scheduling"]

@@ -213,3 +213,16 @@ def test_the_step_loop_refuses_images(llava_llm):
     with pytest.raises(ValueError, match="step loop takes text prompts only"):
         StepLoop(llava_llm).prefill([prompt])
     assert not llava_llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_chat_template_of_strings_gets_each_image_s_placeholder_before_the_text(llava_llm):
+    template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}\n{% endfor %}"
+    content = [
+        {"type": "image_pil", "image_pil": random_image(7)},
+        {"type": "text", "text": "What is it?"},
+    ]
+    [out] = llava_llm.chat(
+        [{"role": "user", "content": content}], GREEDY, chat_template=template, use_tqdm=False
+    )
+    assert out.prompt.startswith("user: <image>\nWhat is it?")
+    assert out.outputs[0].token_ids

@@ -10,6 +10,8 @@ images (its processor too)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import statistics
@@ -116,9 +118,44 @@ def bench_images(llm: LLM, prompt_sets: list[list[list[int]]], params, args) -> 
         "image_tok_s": num_tokens / statistics.median(image_walls),
         "images_encoded": encoder.num_images_encoded - encoded,
         "encode_seconds": encoder.encode_seconds - encode_seconds,
+        "cache_lookups": cache.num_lookups - lookups,
         "cache_hit_rate": (cache.num_hits - hits) / max(cache.num_lookups - lookups, 1),
         "image_tokens": len(processed) - len(prompts[0]),
     }
+
+
+def chat_requests(args) -> list[tuple[str, dict]]:
+    """`jvllm bench serve --images-per-prompt K`'s requests: streamed greedy chats, each of
+    --input-len words of text and K PNG data: URL images, drawn as image_prompts draws them."""
+    rng = np.random.default_rng(args.seed)
+    size, k = args.image_size, args.images_per_prompt
+    num_images = args.unique_images or args.num_prompts * k
+    urls = [_png_data_url(rng, size) for _ in range(num_images)]
+    words = ["tiles", "river", "stone", "light", "paper", "cloud", "green", "seven"]
+    requests = []
+    for i in range(args.num_prompts):
+        text = " ".join(rng.choice(words, args.input_len))
+        content = [
+            {"type": "image_url", "image_url": {"url": urls[(i * k + j) % num_images]}}
+            for j in range(k)
+        ]
+        body = {
+            "model": args.model,
+            "messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            "max_tokens": args.output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        requests.append(("/v1/chat/completions", body))
+    return requests
+
+
+def _png_data_url(rng, size: int) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def print_images(results: dict, args) -> None:
@@ -133,7 +170,13 @@ def print_images(results: dict, args) -> None:
         f"output tok/s: text alone {text:.1f}, with images {image:.1f} "
         f"(ratio images / text {image / text:.2f}x)"
     )
-    print(f"encoder cache hit rate: {100 * results['cache_hit_rate']:.1f}%")
+    if results["cache_lookups"]:
+        print(
+            f"encoder cache: {results['cache_lookups']} lookups, hit rate "
+            f"{100 * results['cache_hit_rate']:.1f}%"
+        )
+    else:  # a repeated image at a prompt's start: its tokens' KV came from the prefix cache
+        print("encoder cache: no lookups (the prefix cache held every image's tokens)")
 
 
 def model_dir(args) -> tuple[str, str]:

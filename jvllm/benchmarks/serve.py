@@ -27,19 +27,13 @@ import time
 import httpx
 import numpy as np
 
+from jvllm.benchmarks import images
 from jvllm.benchmarks.workload import random_prompts
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 
 
-async def _one(
-    client: httpx.AsyncClient,
-    url: str,
-    model: str,
-    prompt: list[int],
-    output_len: int,
-    leave_after: int | None = None,
-) -> dict:
-    """One streamed request; with `leave_after`, the client goes away after that many chunks."""
+def completion_request(model: str, prompt: list[int], output_len: int) -> tuple[str, dict]:
+    """(the endpoint, the body) of a streamed greedy completion of `prompt`."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -49,10 +43,19 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    return "/v1/completions", body
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, request: tuple[str, dict], leave_after: int | None = None
+) -> dict:
+    """One streamed request (an endpoint and its body); with `leave_after`, the client goes
+    away after that many chunks."""
+    path, body = request
     start = time.perf_counter()
     token_times = []
     num_tokens = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    async with client.stream("POST", url + path, json=body) as response:
         if response.status_code != 200:
             await response.aread()
             return {"status": response.status_code, "itl": [], "num_tokens": 0}
@@ -77,8 +80,7 @@ async def _one(
 
 async def run_load(
     url: str,
-    model: str,
-    prompts: list[list[int]],
+    requests: list[tuple[str, dict]],
     output_len: int,
     max_concurrency: int,
     request_rate: float,
@@ -88,22 +90,22 @@ async def run_load(
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = np.random.default_rng(seed)
     # Which requests leave, and after how many chunks (at least one, before the last).
-    leaving = rng.permutation(len(prompts))[: round(disconnect_fraction * len(prompts))]
-    leave_after = [None] * len(prompts)
+    leaving = rng.permutation(len(requests))[: round(disconnect_fraction * len(requests))]
+    leave_after = [None] * len(requests)
     for i in leaving:
         leave_after[i] = int(rng.integers(1, max(output_len, 2)))
     limits = httpx.Limits(max_connections=max_concurrency + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await _one(client, url, model, prompts[0], 2)  # warm-up
+        await _one(client, url, requests[0], 2)  # warm-up
 
-        async def limited(prompt, leave):
+        async def limited(request, leave):
             async with semaphore:
-                return await _one(client, url, model, prompt, output_len, leave)
+                return await _one(client, url, request, leave)
 
         tasks = []
         start = time.perf_counter()
-        for prompt, leave in zip(prompts, leave_after):
-            tasks.append(asyncio.create_task(limited(prompt, leave)))
+        for request, leave in zip(requests, leave_after):
+            tasks.append(asyncio.create_task(limited(request, leave)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
@@ -219,6 +221,8 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.load_format != "auto":
+        cmd += ["--load-format", args.load_format]
     if not args.model_path:
         cmd.remove("")
     proc = subprocess.Popen(cmd)
@@ -281,6 +285,15 @@ def main(argv=None, prog: str | None = None) -> None:
         "--max-num-batched-tokens", type=int, default=2048, help="tokens a step at most"
     )
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--images-per-prompt",
+        type=int,
+        default=0,
+        help="chat requests with this many images each (without --model-path, a LLaVA-1.5 "
+        "shape with random weights: jvllm/benchmarks/images.py)",
+    )
+    parser.add_argument("--unique-images", type=int, default=0, help="0: every image new")
+    parser.add_argument("--image-size", type=int, default=336, help="pixels a side")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -288,9 +301,19 @@ def main(argv=None, prog: str | None = None) -> None:
     if not 0 <= args.disconnect_fraction <= 1:
         parser.error(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
 
-    with open(os.path.join(args.model_path or default_model_dir(), "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    args.load_format = "auto"
+    if args.images_per_prompt:
+        args.model = args.model if args.model_path else "llava-shape"
+        args.model_path, args.load_format = images.model_dir(
+            argparse.Namespace(model=args.model_path, load_format="auto")
+        )
+        args.skip_offline = True  # the offline peer is the same server's text requests
+        requests = images.chat_requests(args)
+    else:
+        with open(os.path.join(args.model_path or default_model_dir(), "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+        requests = [completion_request(args.model, p, args.output_len) for p in prompts]
     proc = None
     url = args.base_url
     if url is None:
@@ -300,8 +323,7 @@ def main(argv=None, prog: str | None = None) -> None:
         online = asyncio.run(
             run_load(
                 url,
-                args.model,
-                prompts,
+                requests,
                 args.output_len,
                 args.max_concurrency,
                 args.request_rate,
@@ -336,6 +358,8 @@ def main(argv=None, prog: str | None = None) -> None:
         f"KV blocks in use at the end: {after['kv_blocks_in_use']} "
         f"of {after['num_gpu_blocks'] - 1:.0f}"
     )
+    if args.images_per_prompt:
+        print(f"images: {args.images_per_prompt} a request, {args.image_size} px")
     if not args.skip_offline:
         offline = offline_tok_s(args, prompts)
         print(

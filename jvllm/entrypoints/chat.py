@@ -173,8 +173,11 @@ def render_conversation(
     images = []
     if image_placeholder is not None and has_images(conversation):
         conversation, images = image_content(conversation, load_image)
-        text = render(conversation)
-        if text.count(image_placeholder) != len(images):  # a template of strings
+        try:
+            text = render(conversation)
+        except Exception:  # noqa: BLE001 - a template of strings may fail on a list
+            text = None
+        if text is None or text.count(image_placeholder) != len(images):  # strings, then
             text = render(_placeholder_strings(conversation, image_placeholder))
     else:
         text = render(text_content(conversation))
