@@ -83,7 +83,7 @@ def test_greedy_tokens_equal_hf_with_one_and_two_images(gemma3):
     assert_greedy_equals_hf(llm, CASES, 8, hf)
 
 
-def test_image_tokens_attend_to_their_whole_image_as_hf_s_do(gemma3, monkeypatch):
+def test_image_tokens_attend_to_their_whole_image_as_hf_s_do(gemma3):
     llm, model, processor = gemma3
     prompt, images = CASES[0]
     inputs = processor(text=prompt, images=images, return_tensors="pt")
@@ -97,7 +97,18 @@ def test_image_tokens_attend_to_their_whole_image_as_hf_s_do(gemma3, monkeypatch
     token = out.outputs[0].token_ids[0]
     ours = out.outputs[0].logprobs[0][token].logprob
     np.testing.assert_allclose(ours, expected[token], atol=1e-4)
-    # Causal attention alone within the images gives another answer: the check can fail.
+
+
+@pytest.mark.slow  # an engine of its own
+def test_causal_attention_alone_within_images_moves_the_logprob(gemma3, monkeypatch):
+    """The check above can fail: without the look-ahead term, the answer differs."""
+    llm, _, _ = gemma3
+    prompt, images = CASES[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    request = {"prompt": prompt, "multi_modal_data": {"image": images}}
+    llm.reset_prefix_cache()
+    [out] = llm.generate(request, params, use_tqdm=False)
+    ours = out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].logprob
     ahead = reference.attend_image_ahead
     no_ahead = lambda q, k, v, groups, *args: ahead(q, k, v, groups * 0 - 1, *args)
     monkeypatch.setattr(reference, "attend_image_ahead", no_ahead)

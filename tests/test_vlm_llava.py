@@ -44,7 +44,12 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llava_llm(llava_dir, media_dir) -> LLM:
-    return LLM(llava_dir, **ENGINE_KWARGS, allowed_local_media_path=str(media_dir))
+    return LLM(
+        llava_dir,
+        **ENGINE_KWARGS,
+        allowed_local_media_path=str(media_dir),
+        limit_mm_per_prompt={"image": 2},
+    )
 
 
 def data_url(image) -> str:
@@ -143,17 +148,16 @@ def test_bad_image_prompts_are_refused_and_nothing_enters_the_engine(
     assert engine.scheduler.kv_cache_manager.usage == 0.0
 
 
-def test_more_images_than_limit_mm_per_prompt_is_refused(llava_dir):
-    llm = LLM(llava_dir, **ENGINE_KWARGS, limit_mm_per_prompt={"image": 1})
-    images = [random_image(0), random_image(1)]
+def test_more_images_than_limit_mm_per_prompt_is_refused(llava_llm):
+    images = [random_image(0), random_image(1), random_image(2)]  # the engine's limit: 2
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        llm.generate({"prompt": "<image><image>", "multi_modal_data": {"image": images}})
+        llava_llm.generate({"prompt": "<image>" * 3, "multi_modal_data": {"image": images}})
+    assert not llava_llm.llm_engine.has_unfinished_requests()
 
 
-def test_a_text_only_model_refuses_images(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
+def test_a_text_only_model_refuses_images(smollm2_llm):
     with pytest.raises(ValueError, match="takes no images.*LlavaForConditionalGeneration"):
-        llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0)}})
+        smollm2_llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0)}})
 
 
 def test_chat_with_image_parts_equals_hf_s_template_processor_and_generate(

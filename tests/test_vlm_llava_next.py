@@ -73,6 +73,7 @@ def test_greedy_tokens_equal_hf_with_one_and_two_images_of_different_aspect_rati
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == len(cases)
 
 
+@pytest.mark.slow  # the greedy parity test covers it end to end
 def test_encode_images_equals_hf_packed_image_features(llava_next_hf, loaded):
     model, processor = llava_next_hf
     config, params = loaded

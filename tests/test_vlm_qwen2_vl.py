@@ -168,6 +168,7 @@ def _prompt(grids, config) -> list[int]:
     )
 
 
+@pytest.mark.slow  # the engine's greedy parity and the forward test cover it
 def test_encode_images_equals_hf_image_features_for_each_image(family, images):
     _, model, _, config, params = family
     pixel_values, grids = images
@@ -181,6 +182,7 @@ def test_encode_images_equals_hf_image_features_for_each_image(family, images):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.slow  # the engine's greedy parity and the forward test cover it
 def test_attention_in_query_chunks_equals_hf(family, images, monkeypatch):
     """The tower's attention takes its queries a chunk at a time (bounding its scores for large
     images): 48 a chunk cuts each image's 140 or 144 patches into 3, the last one padded."""
