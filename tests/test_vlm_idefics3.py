@@ -14,7 +14,12 @@ import transformers
 from jvllm import LLM
 from jvllm.model_loader.loader import load_model
 from jvllm.models.model import encode_images
-from tests.vlm_models import assert_greedy_equals_hf, hf_greedy_with_images, random_image
+from tests.vlm_models import (
+    assert_greedy_equals_hf,
+    hf_greedy_with_images,
+    random_image,
+    save_tiny_idefics3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +28,19 @@ def idefics3_hf(tiny_idefics3_dir):
         tiny_idefics3_dir, dtype=torch.float32
     )
     return model.eval(), transformers.AutoProcessor.from_pretrained(tiny_idefics3_dir)
+
+
+def test_smolvlm_greedy_tokens_equal_hf(tmp_path, smollm2_dir):
+    save_tiny_idefics3(str(tmp_path), smollm2_dir, smolvlm=True)
+    model = transformers.SmolVLMForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=torch.float32
+    )
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path)  # Idefics3Processor's
+    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=16, max_model_len=256)
+    assert llm.llm_engine.model_config.architecture == "SmolVLMForConditionalGeneration"
+    cases = [("Hi <image> what?", [random_image(3, 100, 60)])]
+    hf = functools.partial(hf_greedy_with_images, model.eval(), processor)
+    assert_greedy_equals_hf(llm, cases, 8, hf)
 
 
 def test_greedy_tokens_equal_hf_with_images_of_different_tile_counts(

@@ -123,23 +123,30 @@ def save_tiny_llava_next(path: str, tokenizer_dir: str) -> None:
     processor.save_pretrained(path)
 
 
-def save_tiny_idefics3(path: str, tokenizer_dir: str) -> None:
-    """An Idefics3 of a 2-layer SigLIP (56 px tiles, 14 px patches, pixel shuffle by 2: 4
-    image tokens a tile; images of up to 112 px: up to 2 x 2 tiles and the global view) and a
-    2-layer Llama, with an Idefics3Processor."""
+def save_tiny_idefics3(path: str, tokenizer_dir: str, smolvlm: bool = False) -> None:
+    """An Idefics3 (or, `smolvlm`, a SmolVLM: the same model) of a 2-layer SigLIP (56 px tiles,
+    14 px patches, pixel shuffle by 2: 4 image tokens a tile; images of up to 112 px: up to 2 x
+    2 tiles and the global view) and a 2-layer Llama, with an Idefics3Processor (a SmolVLM's
+    own processor needs torchvision, for video)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tiles = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
     markers = ["<image>", "<fake_token_around_image>", "<global-img>", *tiles]
     tokenizer.add_special_tokens({"additional_special_tokens": markers})
     text = {**_TINY_TEXT, "vocab_size": len(tokenizer), "model_type": "llama"}
     vision = {**_TINY_VISION, "image_size": 56, "patch_size": 14}
-    config = transformers.Idefics3Config(
+    config_class = transformers.SmolVLMConfig if smolvlm else transformers.Idefics3Config
+    config = config_class(
         vision_config=vision,
         text_config=text,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    model = transformers.Idefics3ForConditionalGeneration(config).float().eval()
+    model_class = (
+        transformers.SmolVLMForConditionalGeneration
+        if smolvlm
+        else transformers.Idefics3ForConditionalGeneration
+    )
+    model = model_class(config).float().eval()
     _randomize(model)
     model.save_pretrained(path)
     image_processor = transformers.Idefics3ImageProcessor(

@@ -200,7 +200,8 @@ class MultiModalProcessor:
         processor = self.processor
         try:
             if self.writes_image_tokens:
-                out = processor(images=[image], return_tensors="np", **kwargs)
+                extra = getattr(self.family, "image_processor_kwargs", {})
+                out = processor(images=[image], return_tensors="np", **extra, **kwargs)
             else:
                 out = processor(
                     text=[self.image_token], images=[image], return_tensors="np", **kwargs
@@ -210,7 +211,7 @@ class MultiModalProcessor:
         outputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
         if self.writes_image_tokens:  # the family's own images' layout and tokens
             data, grid = self.family.image_inputs(self.config, outputs)
-            return self.family.image_tokens(self.config, grid), data, grid
+            return self.family.image_tokens(self.config, grid, self._tokenizer), data, grid
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
         # What the tokenizer adds around any text (BOS), not part of the image's tokens.
         extra = processor.tokenizer("", add_special_tokens=True)["input_ids"]

@@ -9,8 +9,11 @@ the markers are ordinary prompt tokens, the image tokens take the embeddings in 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import transformers
 
 from jvllm.config import ModelConfig
@@ -27,7 +30,40 @@ from jvllm.models.weights import CheckpointWeights
 _DEFAULT_MAX_TILES = 17
 
 
+def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarray], tuple]:
+    """(what encode_images takes of one image, its grid of tiles (rows, columns), 0 x 0 for an
+    image not split) from the image processor's outputs for that image alone."""
+    data = {k: outputs[k][0] for k in ("pixel_values", "pixel_attention_mask")}
+    rows, cols = (int(np.asarray(outputs[k]).reshape(-1)[0]) for k in ("rows", "cols"))
+    return data, (rows, cols)
+
+
+def image_tokens(config: ModelConfig, grid: tuple, tokenizer) -> list[int]:
+    """The tokens in place of an image's placeholder, as Idefics3Processor and SmolVLMProcessor
+    write them: each tile's row-column marker and image tokens between
+    <fake_token_around_image> markers, a new line after each row of tiles, then the global
+    view's; an image not split has the global view alone. Its edges are special tokens, so it
+    tokenizes alone as within the prompt."""
+    vision, scale = config.option("vision"), config.option("scale_factor")
+    image = "<image>" * (vision.num_patches // (scale * scale))
+    rows, cols = grid
+    text = "".join(
+        "".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}" for c in range(cols))
+        + "\n"
+        for r in range(rows)
+    )
+    text += "\n" if rows else ""
+    text += f"<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+    # The engine reads the image processor alone and writes the images' tokens itself:
+    # SmolVLMProcessor needs torchvision (for video), which jvllm does not install.
+    image_inputs = staticmethod(image_inputs)
+    image_tokens = staticmethod(image_tokens)
+    image_processor_kwargs: ClassVar[dict] = {"return_row_col_info": True}
+
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
         text = dict(cfg.get("text_config") or {})

@@ -130,7 +130,7 @@ def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarr
     return data, (height, width)
 
 
-def image_tokens(config: ModelConfig, grid: tuple) -> list[int]:
+def image_tokens(config: ModelConfig, grid: tuple, tokenizer=None) -> list[int]:
     """The tokens in place of an image's placeholder, from its (height, width): one image token
     an embedding, as LlavaNextProcessor writes them."""
     return [config.option("image_token_id")] * len(feature_rows(config, *grid))

@@ -168,7 +168,7 @@ def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarr
     return {"pixel_values": pixels, **image_arrays(config, np.asarray(grid))}, grid
 
 
-def image_tokens(config: ModelConfig, grid: tuple) -> list[int]:
+def image_tokens(config: ModelConfig, grid: tuple, tokenizer=None) -> list[int]:
     """The tokens in place of an image's placeholder: one image token an embedding, as
     Qwen2VLProcessor writes them (the prompt holds the vision start and end markers)."""
     return [config.option("image_token_id")] * image_num_embeds_for(config, grid)
