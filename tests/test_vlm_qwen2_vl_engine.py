@@ -38,3 +38,19 @@ def test_greedy_tokens_equal_hf_with_images_of_different_sizes(qwen):
         (f"{IMAGE} then {IMAGE} compare them", [random_image(1, 250, 120), random_image(2)]),
     ]
     assert_greedy_equals_hf(llm, cases, 10, functools.partial(hf_qwen_greedy, model, path))
+
+
+@pytest.mark.slow  # two more engines
+@pytest.mark.parametrize("setting", [{"num_scheduler_steps": 4}, {"async_scheduling": True}])
+def test_m_rope_positions_advance_on_the_device_in_decode_windows_and_steps_ahead(qwen, setting):
+    path, model = qwen
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=512,
+        **setting,
+    )
+    cases = [(f"Look: {IMAGE} what is it?", [random_image(0, 140, 196)])]
+    assert_greedy_equals_hf(llm, cases, 12, functools.partial(hf_qwen_greedy, model, path))
