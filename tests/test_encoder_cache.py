@@ -2,12 +2,16 @@
 before an image it cannot encode, the encoder cache keeps released images until their room is
 needed, and the prefix cache's block hashes carry each image's content hash."""
 
+import pytest
+
 from jvllm.core.config import SchedulerConfig
 from jvllm.core.encoder_cache_manager import EncoderCacheManager
+from jvllm.core.encoder_scheduler import EncoderScheduler
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.multimodal import MultiModalFeature, PlaceholderRange
 from jvllm.core.request import Request
-from jvllm.core.scheduler import Scheduler
+from jvllm.core.scheduler import Scheduler, SchedulerOutput
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.sampling_params import SamplingParams
 
 IMAGE_TOKEN = 7
@@ -108,3 +112,30 @@ def test_an_image_larger_than_the_budget_and_the_cache_is_encoded_alone():
     out = scheduler.schedule()
     assert out.scheduled_encoder_inputs == {"b": [0]}  # a released "big": evicted for b
     assert out.freed_encoder_hashes == ["big"]
+
+
+def test_an_undone_encoding_passes_to_a_request_of_the_step_that_reads_the_same_image():
+    config = SchedulerConfig(
+        max_model_len=128, max_num_encoder_input_tokens=16, encoder_cache_size=16
+    )
+    encoder = EncoderScheduler(config)
+    encoder.start_step()
+    a = request_with_images("a", 12, [image("x", 2)])
+    b = request_with_images("b", 12, [image("x", 2)])
+    assert encoder.inputs_for(a, 0, 12) == ([0], 12)
+    assert encoder.inputs_for(b, 0, 12) == ([], 12)  # reads a's encoding
+    output = SchedulerOutput(scheduled_requests=[b])  # a was preempted after all
+    encoder.undo(a, [0], output)
+    assert output.scheduled_encoder_inputs == {"b": [0]}
+    assert encoder.cache.users(b.mm_features[0]) == {"b"}
+    assert encoder.budget == 8  # still spent: b's step encodes it
+    encoder.undo(b, output.scheduled_encoder_inputs.pop("b"), SchedulerOutput())
+    assert encoder.cache.users(b.mm_features[0]) == set()  # nobody is left to encode it
+    assert encoder.budget == 16 and encoder.cache.num_free_rows == 16
+
+
+def test_images_kept_whole_refuse_a_prefill_threshold_below_an_image():
+    config = EngineArgs(long_prefill_token_threshold=8).create_engine_config()
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=8 is less than"):
+        config.resolved(512, "reference", max_image_tokens=16, keep_images_whole=True)
+    config.resolved(512, "reference", max_image_tokens=16, keep_images_whole=False)

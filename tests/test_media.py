@@ -46,7 +46,7 @@ class _Server:
                 status, body, delay_s, send_length = server.routes.get(
                     self.path, (404, b"not found", 0.0, True)
                 )
-                time.sleep(delay_s)
+                time.sleep(max(delay_s, 0.0))
                 try:
                     self.send_response(status)
                     if 300 <= status < 400:
@@ -54,7 +54,12 @@ class _Server:
                     if send_length:
                         self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    if delay_s >= 0:
+                        self.wfile.write(body)
+                    for i in range(len(body) if delay_s < 0 else 0):  # a byte each -delay_s
+                        self.wfile.write(body[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(-delay_s)
                 except OSError:
                     pass  # the client gave up (the timeout test)
 
@@ -219,6 +224,14 @@ def test_slow_server_times_out(server):
     server.routes["/slow.png"] = (200, PNG, 1.5, True)
     with pytest.raises(MediaError, match="timed out"):
         MediaConnector(fetch_timeout=0.5).fetch_image(server.url("/slow.png"))
+
+
+def test_a_server_that_trickles_bytes_is_cut_off_at_the_timeout(server):
+    server.routes["/trickle.png"] = (200, PNG, -0.05, True)  # len(PNG) x 50 ms
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="timed out"):
+        MediaConnector(fetch_timeout=0.5).fetch_image(server.url("/trickle.png"))
+    assert time.monotonic() - start < min(2.0, len(PNG) * 0.05 / 2)
 
 
 def test_fetch_timeout_and_max_bytes_are_read_from_the_environment(monkeypatch):

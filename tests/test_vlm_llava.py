@@ -230,3 +230,36 @@ def test_a_chat_template_of_strings_gets_each_image_s_placeholder_before_the_tex
     )
     assert out.prompt.startswith("user: <image>\nWhat is it?")
     assert out.outputs[0].token_ids
+
+
+def test_a_failed_step_forgets_the_images_it_was_to_encode(llava_llm, monkeypatch):
+    engine = llava_llm.llm_engine
+    image = random_image(50)
+    request = {"prompt": "Fail on <image> now", "multi_modal_data": {"image": image}}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine.model_runner, "execute_model", fail)
+    engine.add_request("doomed", request, GREEDY)
+    [failed] = engine.step()
+    assert failed.outputs[0].finish_reason == "abort"
+    monkeypatch.undo()
+    [again] = llava_llm.generate(request, GREEDY, use_tqdm=False)  # encodes it anew
+    assert again.outputs[0].token_ids
+
+
+def test_too_many_image_parts_are_refused_before_any_is_fetched(llava_llm):
+    unreachable = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}
+    messages = [{"role": "user", "content": [unreachable] * 3}]  # the engine's limit: 2
+    with pytest.raises(ValueError, match="3 images, more than limit_mm_per_prompt"):
+        llava_llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_a_text_only_model_takes_an_empty_image_list_as_text(smollm2_llm):
+    [out] = smollm2_llm.generate(
+        {"prompt": "hi", "multi_modal_data": {"image": []}},
+        SamplingParams(temperature=0.0, max_tokens=2),
+        use_tqdm=False,
+    )
+    assert len(out.outputs[0].token_ids) == 2

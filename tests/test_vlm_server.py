@@ -7,6 +7,7 @@ import http.server
 import io
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -122,3 +123,18 @@ def test_images_the_server_may_not_or_cannot_load_are_400s(setup, client, url, m
     with pytest.raises(openai.BadRequestError, match=match):
         ask(client, url)
     assert not setup["engine"].engine.has_unfinished_requests()
+
+
+def test_tokenize_and_image_pil_parts_are_400s_that_fetch_nothing(setup, client):
+    content = [{"type": "image_url", "image_url": {"url": setup["images_url"] + "/a.png"}}]
+    response = httpx.post(
+        setup["url"] + "/tokenize",
+        json={"model": MODEL, "messages": [{"role": "user", "content": content}]},
+        timeout=30,
+    )
+    assert response.status_code == 400 and "chat/completions only" in response.text
+    pil = [{"type": "image_pil", "image_pil": "x"}]
+    with pytest.raises(openai.BadRequestError, match="only the offline LLM.chat takes"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": pil}], max_tokens=1
+        )

@@ -96,7 +96,7 @@ def bench_images(llm: LLM, prompt_sets: list[list[list[int]]], params, args) -> 
     engine = llm.llm_engine
     if engine.mm_processor is None:
         raise SystemExit(f"--images-per-prompt needs a model that takes images, not {args.model}")
-    encoder, cache = engine.model_runner.encoder, engine.scheduler.encoder_cache
+    encoder, cache = engine.model_runner.encoder, engine.scheduler.encoder.cache
     image_token_id = engine.model_config.option("image_token_id")
     # Compiles the encoder's batch sizes and the longer prompts' steps outside the timed runs.
     llm.generate(image_prompts(prompt_sets[0], image_token_id, args, -1), params, use_tqdm=False)

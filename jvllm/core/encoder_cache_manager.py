@@ -24,8 +24,9 @@ class EncoderCacheManager:
         self.num_lookups = 0
         self.num_hits = 0
 
-    def is_cached(self, feature: MultiModalFeature) -> bool:
-        return feature.identifier in self._sizes
+    def users(self, feature: MultiModalFeature) -> set[str]:
+        """The ids of the requests that reference the image."""
+        return set(self._users.get(feature.identifier, ()))
 
     def use(self, request: Request, feature: MultiModalFeature) -> bool:
         """Reference an image the request needs; False when it must be encoded first."""
@@ -93,7 +94,3 @@ class EncoderCacheManager:
         """The entries evicted since the last call: the worker drops their embeddings."""
         freed, self._freed = self._freed, []
         return freed
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hits / self.num_lookups if self.num_lookups else 0.0

@@ -142,6 +142,13 @@ class EngineConfig:
         token budget, or one image where that is more; `keep_images_whole`: the model's image
         tokens attend to their whole image, so no step ends inside one."""
         replace = dataclasses.replace
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if keep_images_whole and 0 < threshold < max_image_tokens:
+            raise ValueError(
+                f"long_prefill_token_threshold={threshold} is less than this model's images "
+                f"({max_image_tokens} tokens), which it computes in one step each; raise it to "
+                f"at least {max_image_tokens}, or 0 (off)"
+            )
         encoder = 0
         if max_image_tokens:
             encoder = max(self.scheduler_config.max_num_batched_tokens, max_image_tokens)

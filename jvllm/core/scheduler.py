@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 from jvllm.core.config import SchedulerConfig
 from jvllm.core.decode_window import decode_window_limits
-from jvllm.core.encoder_cache_manager import EncoderCacheManager
+from jvllm.core.encoder_scheduler import EncoderScheduler
 from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
-from jvllm.core.multimodal import overlapping
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduling_policy import enqueue, pick_victim
 from jvllm.core.spec_decode import DraftProposer
@@ -88,8 +87,7 @@ class Scheduler:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.drafter = drafter
-        self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
-        self._encoder_budget = 0  # of the step being scheduled
+        self.encoder = EncoderScheduler(scheduler_config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -122,7 +120,7 @@ class Scheduler:
         if window_limits is not None:
             self._schedule_window(output, window_limits)
         else:
-            self._encoder_budget = self.config.max_num_encoder_input_tokens
+            self.encoder.start_step()
             token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
             # A step that had to preempt is short of blocks: admitting now would only thrash.
             if not output.preempted_requests:
@@ -131,7 +129,8 @@ class Scheduler:
             output.block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
                 request.request_id
             )
-        output.freed_encoder_hashes = self.encoder_cache.take_freed_hashes()
+        if output.scheduled_requests:  # else no worker call: the next step takes them
+            output.freed_encoder_hashes = self.encoder.cache.take_freed_hashes()
         logger.debug(
             "schedule: %d steps, %d requests, %d tokens, %d preempted, %d ignored; "
             "%d running, %d waiting, KV usage %.1f%%",
@@ -166,7 +165,7 @@ class Scheduler:
             # Drafts are not counted here: the accepted ones are, as their tokens are appended.
             request.num_computed_tokens += scheduler_output.num_known_tokens(request)
             if request.mm_features:
-                self.encoder_cache.release_computed(request)
+                self.encoder.cache.release_computed(request)
             self.num_prompt_tokens_total += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - computed
             )
@@ -227,7 +226,7 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens(request, token_budget)
-            encode, num_new_tokens = self._encoder_inputs(
+            encode, num_new_tokens = self.encoder.inputs_for(
                 request, request.num_computed_tokens, num_new_tokens
             )
             # 0: caught up, but the runner returned no token for it; or its next image does
@@ -247,8 +246,8 @@ class Scheduler:
                     output.scheduled_requests.remove(victim)
                     token_budget += output.num_scheduled_tokens.pop(victim.request_id)
                     output.spec_token_ids.pop(victim.request_id, None)
-                    self._undo_encoder_inputs(
-                        victim, output.scheduled_encoder_inputs.pop(victim.request_id, [])
+                    self.encoder.undo(
+                        victim, output.scheduled_encoder_inputs.pop(victim.request_id, []), output
                     )
                     # Its blocks were entered in the prefix cache for KV this step never writes.
                     self.kv_cache_manager.uncache_uncomputed_blocks(victim)
@@ -256,7 +255,7 @@ class Scheduler:
                     index -= 1
                 self.running.remove(victim)
                 if victim is request:
-                    self._undo_encoder_inputs(request, encode)
+                    self.encoder.undo(request, encode, output)
                 self._preempt(victim)
                 output.preempted_requests.append(victim)
                 if victim is request:
@@ -312,12 +311,14 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
-            encode, num_new_tokens = self._encoder_inputs(request, num_hit_tokens, num_new_tokens)
-            if num_new_tokens == 0:  # its next image waits for the encoder budget
-                self._undo_encoder_inputs(request, encode)
+            encode, num_new_tokens = self.encoder.inputs_for(
+                request, num_hit_tokens, num_new_tokens
+            )
+            if num_new_tokens == 0:  # its next image does not fit this step (encoder_scheduler)
+                self.encoder.undo(request, encode, output)
                 break
             if kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
-                self._undo_encoder_inputs(request, encode)
+                self.encoder.undo(request, encode, output)
                 break  # FCFS: nobody overtakes the head of the queue.
             if encode:
                 output.scheduled_encoder_inputs[request.request_id] = encode
@@ -334,46 +335,6 @@ class Scheduler:
             output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
         self.waiting.extendleft(reversed(set_aside))
-
-    def _encoder_inputs(
-        self, request: Request, num_computed: int, num_new_tokens: int
-    ) -> tuple[list[int], int]:
-        """(the request's images to encode for tokens `num_computed ..` + num_new_tokens, the
-        tokens cut to end before the first image that this step's encoder budget or the
-        encoder cache cannot take). Images held in the encoder cache are referenced, not
-        encoded again."""
-        encode: list[int] = []
-        end = num_computed + num_new_tokens
-        if self.config.keep_images_whole:  # stop before an image the step would cut
-            for i in overlapping(request.mm_features, num_computed, end):
-                placeholder = request.mm_features[i].placeholder
-                if placeholder.end > end:
-                    end = max(placeholder.offset, num_computed)
-                    num_new_tokens = end - num_computed
-                    break
-        for i in overlapping(request.mm_features, num_computed, end):
-            feature = request.mm_features[i]
-            if self.encoder_cache.use(request, feature):
-                continue
-            # An image over the whole budget is encoded alone in a step.
-            is_first = self._encoder_budget == self.config.max_num_encoder_input_tokens
-            fits = feature.num_embeds <= self._encoder_budget or is_first
-            if not fits or not self.encoder_cache.can_allocate(feature):
-                return encode, max(feature.placeholder.offset - num_computed, 0)
-            self.encoder_cache.allocate(request, feature)
-            self._encoder_budget -= min(feature.num_embeds, self._encoder_budget)
-            encode.append(i)
-        return encode, num_new_tokens
-
-    def _undo_encoder_inputs(self, request: Request, encode: list[int]) -> None:
-        """Drop the encodings `_encoder_inputs` scheduled for a request that does not run."""
-        for i in encode:
-            self.encoder_cache.discard(request.mm_features[i])
-        if encode:  # what was spent goes back (an image over budget took all of it)
-            self._encoder_budget = min(
-                self._encoder_budget + sum(request.mm_features[i].num_embeds for i in encode),
-                self.config.max_num_encoder_input_tokens,
-            )
 
     def _finish_failed_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
@@ -396,7 +357,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV, keep the tokens, requeue (at the front under
         FCFS)."""
         self.kv_cache_manager.free(request)
-        self.encoder_cache.release_all(request)
+        self.encoder.cache.release_all(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -478,5 +439,5 @@ class Scheduler:
 
     def _free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        self.encoder_cache.release_all(request)
+        self.encoder.cache.release_all(request)
         del self.requests[request.request_id]

@@ -371,6 +371,8 @@ class LLMEngine:
         manager = self.scheduler.kv_cache_manager
         for request in requests:
             manager.uncache_uncomputed_blocks(request)
+        # The images it was to encode are not held: a later request would read them.
+        self.worker.drop_images(self.scheduler.encoder.forget(scheduler_output))
         self.scheduler.finish_requests(
             [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
         )

@@ -44,7 +44,12 @@ def check_no_images(prompt, why: str) -> None:
 
 
 def _has_images(data) -> bool:
-    return bool(data) and any(v is not None and v != [] for v in dict(data).values())
+    """Whether multi_modal_data names anything: None and empty lists name nothing."""
+    if not isinstance(data, Mapping):
+        return data is not None
+    return any(
+        v is not None and not (isinstance(v, (list, tuple)) and not v) for v in data.values()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +190,14 @@ class MultiModalProcessor:
             raise ValueError(f"the model's processor could not take the prompt: {e}") from e
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
         image_places = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        counts = [expansion.count(self.image_token_id) for expansion in expansions]
+        if len(image_places) != sum(counts):
+            raise ValueError(
+                f"the model's processor wrote {len(image_places)} image tokens for images of "
+                f"{sum(counts)}: is the prompt's text holding image tokens of its own?"
+            )
         offsets, spans, used = [], [], 0
-        for expansion in expansions:
-            count = expansion.count(self.image_token_id)
+        for count in counts:
             first, last = image_places[used], image_places[used + count - 1]
             offsets.append(first)
             spans.append(ids[first : last + 1])

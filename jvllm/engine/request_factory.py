@@ -76,7 +76,11 @@ class RequestFactory:
                 f"this model ({self.model_config.architecture}) takes no images; the families "
                 f"that do: {', '.join(image_architectures())}",
             )
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+        if (
+            self.mm_processor is not None
+            and isinstance(prompt, dict)
+            and (prompt.get("multi_modal_data"))
+        ):
             processed = self.mm_processor.process(prompt, self.tokenizer)
             prompt_text, prompt_token_ids = processed.text, processed.token_ids
         else:

@@ -1,6 +1,8 @@
 """Chat conversations -> prompts through the tokenizer's chat template (vLLM's `LLM.chat`)."""
 
 import json
+from collections.abc import Callable
+from typing import NamedTuple
 
 from jvllm.engine.data_parallel import replicas
 from jvllm.entrypoints.media import MediaConnector
@@ -34,11 +36,35 @@ def has_images(conversation: Conversation) -> bool:
     )
 
 
-def image_content(conversation: Conversation, load_image) -> tuple[Conversation, list]:
+class ChatImages(NamedTuple):
+    """How chat messages' images reach a model that takes them: the placeholder its template
+    writes for each (its image token), the loader of image_url parts, the most a prompt may
+    hold (None: any number), and whether image_pil parts are taken (offline only)."""
+
+    placeholder: str
+    load: Callable
+    limit: int | None = None
+    takes_pil: bool = True
+
+
+def image_content(conversation: Conversation, images: ChatImages) -> tuple[Conversation, list]:
     """(the conversation with each image part as {"type": "image"} and each text part as is,
-    the images in order, each loaded by `load_image(url)` or given as a PIL image), as vLLM
-    gives content to the chat templates of models that take images."""
-    out, images = [], []
+    the images in order, each loaded by `images.load(url)` or given as a PIL image), as vLLM
+    gives content to the chat templates of models that take images. Too many image parts are
+    refused before any is loaded."""
+    num_parts = sum(
+        isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+        for message in conversation
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+    if images.limit is not None and num_parts > images.limit:
+        raise ValueError(
+            f"the messages hold {num_parts} images, more than limit_mm_per_prompt allows "
+            f"({images.limit})"
+        )
+    load_image, loaded = images.load, []
+    out = []
     for i, message in enumerate(conversation):
         content = message.get("content")
         if not isinstance(content, list):
@@ -57,9 +83,14 @@ def image_content(conversation: Conversation, load_image) -> tuple[Conversation,
                     raise ValueError(
                         f'messages[{i}].content[{j}].image_url must be {{"url": "..."}}'
                     )
-                images.append(load_image(url))
+                loaded.append(load_image(url))
+            elif kind == "image_pil" and not images.takes_pil:
+                raise ValueError(
+                    f"messages[{i}].content[{j}] is an image_pil part, which only the offline "
+                    "LLM.chat takes; send the image as an image_url (a data: URL)"
+                )
             elif kind == "image_pil" and part.get("image_pil") is not None:
-                images.append(part["image_pil"])
+                loaded.append(part["image_pil"])
             else:
                 raise ValueError(
                     f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes text, "
@@ -67,7 +98,7 @@ def image_content(conversation: Conversation, load_image) -> tuple[Conversation,
                 )
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
-    return out, images
+    return out, loaded
 
 
 def _placeholder_strings(conversation: Conversation, placeholder: str) -> Conversation:
@@ -147,15 +178,13 @@ def render_conversation(
     chat_template_kwargs: dict | None = None,
     add_special_tokens: bool = False,
     tools: list[dict] | None = None,
-    image_placeholder: str | None = None,
-    load_image=None,
+    images: ChatImages | None = None,
 ) -> dict:
     """A prompt dict holding the rendered text and its token ids, tokenized as HF's
     `apply_chat_template` does (the template writes the special tokens itself, so
     `add_special_tokens` adds any only on request). `tools` (OpenAI's function definitions) go
     to the template, which writes them into the prompt. For a model that takes images
-    (`image_placeholder`: its image token; `load_image(url)` loads an image_url part), image
-    parts become placeholders in the prompt and its `multi_modal_data`."""
+    (`images`), image parts become placeholders in the prompt and its `multi_modal_data`."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model ships none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -170,32 +199,33 @@ def render_conversation(
     render = lambda c: tokenizer.apply_chat_template(
         _tool_call_arguments_as_objects(c), **{**options, "tokenize": False}
     )
-    images = []
-    if image_placeholder is not None and has_images(conversation):
-        conversation, images = image_content(conversation, load_image)
+    loaded = []
+    if images is not None and has_images(conversation):
+        conversation, loaded = image_content(conversation, images)
         try:
             text = render(conversation)
         except Exception:  # noqa: BLE001 - a template of strings may fail on a list
             text = None
-        if text is None or text.count(image_placeholder) != len(images):  # strings, then
-            text = render(_placeholder_strings(conversation, image_placeholder))
+        if text is None or text.count(images.placeholder) != len(loaded):  # strings, then
+            text = render(_placeholder_strings(conversation, images.placeholder))
     else:
         text = render(text_content(conversation))
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     prompt = {"prompt": text, "prompt_token_ids": ids}
-    if images:
-        prompt["multi_modal_data"] = {"image": images}
+    if loaded:
+        prompt["multi_modal_data"] = {"image": loaded}
     return prompt
 
 
-def chat_images(engine) -> tuple:
-    """(the image placeholder, the loader of image_url parts) of chat messages with images on
-    `engine` (an LLMEngine or its data-parallel front); (None, None) for a model that takes
-    none. The loader reads only what allowed_local_media_path and allowed_media_domains let."""
+def chat_images(engine, takes_pil: bool = True) -> ChatImages | None:
+    """How chat messages' images reach `engine` (an LLMEngine or its data-parallel front);
+    None for a model that takes none. The loader reads only what allowed_local_media_path and
+    allowed_media_domains let; `takes_pil`: image_pil parts are taken (offline)."""
     engine = replicas(engine)[0]
     if engine.mm_processor is None:
-        return None, None
+        return None
     mm = engine.engine_config.multimodal_config
     domains = list(mm.allowed_media_domains) if mm.allowed_media_domains else None
     media = MediaConnector(mm.allowed_local_media_path, domains)
-    return engine.mm_processor.image_token, media.fetch_image
+    limit = (mm.limit_mm_per_prompt or {}).get("image")
+    return ChatImages(engine.mm_processor.image_token, media.fetch_image, limit, takes_pil)

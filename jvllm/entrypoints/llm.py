@@ -171,7 +171,7 @@ class LLM:
         switch). `lora_request`: as generate's."""
         self._check_runner("generate", "chat")
         tokenizer = self.get_tokenizer()
-        placeholder, load_image = chat_images(self.llm_engine)
+        images = chat_images(self.llm_engine)
         prompts = [
             render_conversation(
                 tokenizer,
@@ -181,8 +181,7 @@ class LLM:
                 continue_final_message,
                 chat_template_kwargs,
                 tools=tools,
-                image_placeholder=placeholder,
-                load_image=load_image,
+                images=images,
             )
             for conversation in as_conversations(messages)
         ]

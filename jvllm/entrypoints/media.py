@@ -25,6 +25,8 @@ class MediaError(ValueError):
 
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
+# The most pixels an image may decode to (a 8192 x 6144 photo), checked before decoding.
+MAX_IMAGE_PIXELS = 8192 * 6144
 FETCH_TIMEOUT_ENV = "JVLLM_IMAGE_FETCH_TIMEOUT"
 MAX_IMAGE_BYTES_ENV = "JVLLM_MAX_IMAGE_BYTES"
 
@@ -134,9 +136,10 @@ class MediaConnector:
         return data
 
     def _read_capped(self, response, url: str, deadline: float) -> bytes:
-        # The socket timeout bounds each read; the deadline bounds a server that trickles bytes.
+        # The socket timeout bounds each wait for bytes; read1 returns whatever arrived, so the
+        # deadline, checked between reads, bounds a server that trickles them.
         chunks, num_bytes = [], 0
-        while chunk := response.read(_CHUNK_BYTES):
+        while chunk := response.read1(_CHUNK_BYTES):
             num_bytes += len(chunk)
             if num_bytes > self.max_bytes:
                 raise MediaError(self._too_big(url, f"more than {num_bytes}"))
@@ -224,7 +227,15 @@ def _checked_host(url: str, allowed_media_domains: list[str] | None) -> str:
 
 def _decode_image(data: bytes) -> Image.Image:
     try:
-        image = Image.open(BytesIO(data))
+        image = Image.open(BytesIO(data))  # reads the header alone
+    except Exception as e:  # noqa: BLE001 - PIL raises many unrelated types for bad bytes
+        raise MediaError(f"could not decode the image: {e}") from None
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:  # a few compressed bytes can hold a huge image
+        raise MediaError(
+            f"the image is {width} x {height} pixels, more than {MAX_IMAGE_PIXELS} in all"
+        )
+    try:
         image.load()
         if image.mode != "RGBA":
             return image.convert("RGB")

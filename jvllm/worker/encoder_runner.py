@@ -51,10 +51,9 @@ class EncoderRunner:
             for i in range(0, len(group), MAX_IMAGES_PER_CALL):
                 self._encode_batch(params, group[i : i + MAX_IMAGES_PER_CALL])
         if groups:
-            self.encode_seconds += time.perf_counter() - start
-            logger.debug(
-                "encoded %d images in %.3fs", sum(map(len, groups.values())), self.encode_seconds
-            )
+            seconds = time.perf_counter() - start
+            self.encode_seconds += seconds
+            logger.debug("encoded %d images in %.3fs", sum(map(len, groups.values())), seconds)
 
     def _encode_batch(self, params, batch: list[MultiModalFeature]) -> None:
         size = 1 << (len(batch) - 1).bit_length()  # padded with the first image

@@ -186,6 +186,11 @@ class Worker:
             runner.warmup_seconds,
         )
 
+    def drop_images(self, hashes: list[str]) -> None:
+        """Forget the encoder outputs of these images (a failed step's)."""
+        if self.model_runner is not None and self.model_runner.encoder is not None:
+            self.model_runner.encoder.drop(hashes)
+
     # The device half of sleep mode (engine/sleep.py keeps the engine's half).
 
     def has_quantized_weights(self) -> bool:

@@ -48,8 +48,9 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = tool_parser
         self.chat_template = chat_template
         self.response_role = response_role
-        # (the image placeholder, the loader of image_url parts); (None, None): no images.
-        self.images = chat_images(engine.engine)
+        # How image_url parts reach the model (None: it takes no images); image_pil parts are
+        # the offline API's.
+        self.images = chat_images(engine.engine, takes_pil=False)
 
     def render(
         self,
@@ -61,7 +62,12 @@ class OpenAIServingChat(OpenAIServing):
         add_special_tokens: bool = False,
         tools: list[dict] | None = None,
     ) -> list[int]:
-        """The messages' prompt token ids (images, where any, as their placeholders)."""
+        """The messages' prompt token ids, for endpoints that take text alone (/tokenize, the
+        Responses API): image parts are refused, not fetched."""
+        if has_images(messages):
+            raise OpenAIError(
+                "image parts are taken by /v1/chat/completions only", param="messages"
+            )
         options = (add_generation_prompt, continue_final_message, kwargs, chat_template)
         return self.render_prompt(messages, *options, add_special_tokens, tools)["prompt_token_ids"]
 
@@ -107,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
                 kwargs,
                 add_special_tokens,
                 tools,
-                *self.images,
+                self.images,
             )
         except MediaError as e:  # an image the server could not or would not load
             raise OpenAIError(str(e), param="messages") from None
