@@ -54,3 +54,17 @@ def test_m_rope_positions_advance_on_the_device_in_decode_windows_and_steps_ahea
     )
     cases = [(f"Look: {IMAGE} what is it?", [random_image(0, 140, 196)])]
     assert_greedy_equals_hf(llm, cases, 12, functools.partial(hf_qwen_greedy, model, path))
+
+
+def test_images_of_different_sizes_share_the_encoder_s_padded_shape(qwen):
+    path, _ = qwen
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512)
+    processor = llm.llm_engine.mm_processor
+    shapes = set()
+    for image in (random_image(0, 140, 196), random_image(1, 250, 120)):  # 140 and 144 patches
+        [feature] = processor.process(
+            {"prompt": IMAGE, "multi_modal_data": {"image": image}}, llm.get_tokenizer()
+        ).features
+        shapes.add(tuple((k, v.shape) for k, v in sorted(feature.data.items())))
+        assert feature.num_embeds < feature.data["pixel_values"].shape[0] // 4  # padded
+    assert len(shapes) == 1

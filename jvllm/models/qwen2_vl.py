@@ -160,12 +160,30 @@ def mrope_positions(
     return positions.astype(np.int32), delta
 
 
+# Patches an image's arrays are padded to at least: each image size would otherwise compile
+# the tower anew; padded to a power of two, they compile a few shapes (at most 2x the work).
+_MIN_PADDED_PATCHES = 64
+
+
 def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarray], tuple]:
     """(what encode_images takes of one image, its grid (t, h, w)) from the processor's outputs
-    for that image alone: its pixel_values rows [P, K] and image_grid_thw [1, 3]."""
+    for that image alone: its pixel_values rows [P, K] and image_grid_thw [1, 3]. The rows are
+    padded to a power of two with patches of segment -1, which no real patch attends to; the
+    padding's embeddings come last, and the engine drops them."""
     grid = tuple(int(v) for v in np.asarray(outputs["image_grid_thw"])[0])
-    pixels = np.asarray(outputs["pixel_values"], np.float32)
-    return {"pixel_values": pixels, **image_arrays(config, np.asarray(grid))}, grid
+    data = {
+        "pixel_values": np.asarray(outputs["pixel_values"], np.float32),
+        **image_arrays(config, np.asarray(grid)),
+    }
+    num_patches = data["pixel_values"].shape[0]
+    pad = max(_MIN_PADDED_PATCHES, 1 << (num_patches - 1).bit_length()) - num_patches
+    fill = {"attention_segments": -1, "window_segments": -1}
+    return {
+        key: np.pad(
+            value, [(0, pad)] + [(0, 0)] * (value.ndim - 1), constant_values=fill.get(key, 0)
+        )
+        for key, value in data.items()
+    }, grid
 
 
 def image_tokens(config: ModelConfig, grid: tuple, tokenizer=None) -> list[int]:
