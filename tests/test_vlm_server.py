@@ -138,3 +138,17 @@ def test_tokenize_and_image_pil_parts_are_400s_that_fetch_nothing(setup, client)
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": pil}], max_tokens=1
         )
+
+
+def test_images_are_processed_off_the_engine_s_thread(setup, client, monkeypatch):
+    processor = setup["engine"].engine.mm_processor
+    threads = []
+    process = processor.process
+
+    def recording(prompt, tokenizer):
+        threads.append(threading.current_thread().name)
+        return process(prompt, tokenizer)
+
+    monkeypatch.setattr(processor, "process", recording)
+    ask(client, data_url(random_image(43)))
+    assert threads and "jvllm-engine" not in threads

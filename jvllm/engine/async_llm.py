@@ -24,6 +24,7 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.data_parallel import DataParallelEngine, make_engine, replicas
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.mm_processor import ProcessedPrompt
 from jvllm.engine.output_shaper import OutputShaper
 from jvllm.engine.request_stream import PoolingStream, RequestStream
 from jvllm.engine.stat_logger import (
@@ -141,6 +142,7 @@ class AsyncLLM:
             request_id, asyncio.get_running_loop(), time.monotonic(), sampling_params
         )
         shaper = OutputShaper(kind)
+        prompt = await self._process_images(prompt)
         added = concurrent.futures.Future()
         self._submit(("add", stream, prompt, sampling_params, priority, lora_request, added))
         finished = False
@@ -164,6 +166,17 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._submit(("abort", stream))
+
+    async def _process_images(self, prompt: PromptType) -> PromptType:
+        """A prompt with images, run through the model's processor in a thread of its own, not
+        on the engine's (it takes milliseconds an image, which every stream would wait for):
+        its multi_modal_data becomes the ProcessedPrompt that add_request takes as is."""
+        engine = replicas(self.engine)[0]
+        images = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if engine.mm_processor is None or not images or isinstance(images, ProcessedPrompt):
+            return prompt
+        processed = await asyncio.to_thread(engine.mm_processor.process, prompt, engine.tokenizer)
+        return {**prompt, "multi_modal_data": processed}
 
     async def encode(
         self,

@@ -20,6 +20,7 @@ from jvllm.engine.input_processor import (
 )
 from jvllm.engine.mm_processor import (
     MultiModalProcessor,
+    ProcessedPrompt,
     check_no_images,
     image_architectures,
 )
@@ -81,7 +82,9 @@ class RequestFactory:
             and isinstance(prompt, dict)
             and (prompt.get("multi_modal_data"))
         ):
-            processed = self.mm_processor.process(prompt, self.tokenizer)
+            processed = prompt["multi_modal_data"]  # AsyncLLM processes it off this thread
+            if not isinstance(processed, ProcessedPrompt):
+                processed = self.mm_processor.process(prompt, self.tokenizer)
             prompt_text, prompt_token_ids = processed.text, processed.token_ids
         else:
             prompt_text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
