@@ -77,3 +77,12 @@ def attend_image_ahead(
         return x[:num_tokens]
 
     return to_flat(m), to_flat(l), to_flat(acc)
+
+
+def merge_partials(first: tuple, second: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Two unnormalised attentions of the same queries to disjoint keys, each (max f32[T, N],
+    sum f32[T, N], weighted values f32[T, N, H]) -> the same of all their keys."""
+    (m1, l1, acc1), (m2, l2, acc2) = first, second
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)  # [T, N]
+    return m, l1 * a1 + l2 * a2, acc1 * a1[..., None] + acc2 * a2[..., None]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.attention import cpu_decode
-from jvllm.attention.image_ahead import attend_image_ahead, blocks_ahead
+from jvllm.attention.image_ahead import attend_image_ahead, blocks_ahead, merge_partials
 from jvllm.attention.kv_pages import gather_pages, write_kv
 from jvllm.attention.kv_quant import KVCache, QuantizedKVCache, kv_values
 from jvllm.attention.matmul import batched_matmul
@@ -341,21 +341,17 @@ def paged_attention(
     if sinks is not None:  # one more key of the pages' half, merged with the window's below
         m1, l1, acc1 = _fold_sinks(m1, l1, acc1, sinks)
     m2, l2, acc2 = attend_window(q, k, v, md, sm_scale, logit_softcap, sliding_window)
-    m = jnp.maximum(m1, m2)
-    a1, a2 = jnp.exp(m1 - m)[..., None], jnp.exp(m2 - m)[..., None]  # [T, N, 1]
-    acc, l = acc1 * a1 + acc2 * a2, l1[..., None] * a1 + l2[..., None] * a2
+    m, l, acc = merge_partials((m1, l1, acc1), (m2, l2, acc2))
     if md.image_groups is not None and image_blocks_ahead:  # and the image's later tokens
-        m3, l3, acc3 = jax.lax.cond(
+        ahead = jax.lax.cond(
             jnp.any(md.image_groups >= 0),
             lambda: attend_image_ahead(
                 q, k, v, md.image_groups, image_blocks_ahead, sm_scale, logit_softcap
             ),
             no_pages,
         )
-        m_all = jnp.maximum(m, m3)
-        a, a3 = jnp.exp(m - m_all)[..., None], jnp.exp(m3 - m_all)[..., None]
-        acc, l = acc * a + acc3 * a3, l * a + l3[..., None] * a3
-    return (acc / l).astype(q.dtype)
+        m, l, acc = merge_partials((m, l, acc), ahead)
+    return (acc / l[..., None]).astype(q.dtype)
 
 
 def _normalize_with_sinks(sinks: jax.Array, kv_cache: KVCache):

@@ -5,6 +5,7 @@ their embeddings by content hash until its encoder cache evicts them
 The embeddings are kept on the host: a step's rows are gathered into one [T, D] array, sent
 with the step's other inputs, so the step compiles once a bucket whatever its images."""
 
+import dataclasses
 import functools
 import time
 from collections import defaultdict
@@ -18,6 +19,7 @@ from jvllm.core.request import Request
 from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.logger import init_logger
 from jvllm.models.model import encode_images
+from jvllm.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
 
@@ -33,9 +35,34 @@ class EncoderRunner:
         self._encode = jax.jit(functools.partial(encode_images, config=config))
         # M-RoPE (Qwen2-VL): every step carries each token's three rotary positions.
         self.has_rope_positions = config.option("mrope_section") is not None
+        # Gemma 3: the attention reads each image token's image (attention/image_ahead.py).
+        self.has_image_groups = bool(config.option("bidirectional_images"))
         self.cache: dict[str, np.ndarray] = {}  # hash -> [I, D]
         self.num_images_encoded = 0
         self.encode_seconds = 0.0
+
+    def run(self, params, scheduler_output) -> None:
+        """Drop the embeddings the scheduler's encoder cache evicted, then encode the images
+        it scheduled for this step (a SchedulerOutput)."""
+        self.drop(scheduler_output.freed_encoder_hashes)
+        scheduled = scheduler_output.scheduled_encoder_inputs
+        requests = scheduler_output.scheduled_requests
+        self.encode(
+            params, [r.mm_features[i] for r in requests for i in scheduled.get(r.request_id, ())]
+        )
+
+    def with_images(self, inputs: StepInputs, requests: list[Request], counts: list[int]):
+        """A step's inputs with its image tokens' embeddings (and M-RoPE positions), and, for a
+        model whose image tokens attend to their whole image, each token's image."""
+        inputs = dataclasses.replace(
+            inputs, mm=self.step_embeds(requests, counts, inputs.positions)
+        )
+        if not self.has_image_groups:
+            return inputs
+        groups = image_groups(requests, counts, len(inputs.positions))
+        return dataclasses.replace(
+            inputs, attn=dataclasses.replace(inputs.attn, image_groups=groups)
+        )
 
     def drop(self, hashes: list[str]) -> None:
         for key in hashes:

@@ -2,7 +2,6 @@
 (`_jitted`'s steps, the bias table's and the LoRA slots' updates), and runs the steps; which
 executables exist and when each compiles is its StepCompiler's (step_compiler.py)."""
 
-import dataclasses
 import functools
 import math
 import time
@@ -33,7 +32,7 @@ from jvllm.worker.decode_loop import (
     window_steps_per_check,
 )
 from jvllm.worker.draft_scoring import accepted_token_ids
-from jvllm.worker.encoder_runner import EncoderRunner, image_groups
+from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
@@ -269,7 +268,7 @@ class ModelRunner:
         bias_slots = self.bias_rows.slots_for(requests)
         adapter_slots = self.adapter_slots_for(requests)
         if self.encoder is not None:
-            self._encode_images(scheduler_output)
+            self.encoder.run(self.params, scheduler_output)
         start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         rows = rows_ahead(ahead, scheduler_output, block_ids, self.bias_rows.num_sends)
@@ -299,13 +298,7 @@ class ModelRunner:
                 self.num_speculative_tokens,
             )
             if self.encoder is not None:
-                mm = self.encoder.step_embeds(requests, counts, inputs.positions)
-                inputs = dataclasses.replace(inputs, mm=mm)
-            if self.bidirectional_images:
-                groups = image_groups(requests, counts, len(inputs.positions))
-                inputs = dataclasses.replace(
-                    inputs, attn=dataclasses.replace(inputs.attn, image_groups=groups)
-                )
+                inputs = self.encoder.with_images(inputs, requests, counts)
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
             if lent:
                 plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent
@@ -338,18 +331,6 @@ class ModelRunner:
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result
-
-    def _encode_images(self, scheduler_output: SchedulerOutput) -> None:
-        """Drop the embeddings the scheduler's encoder cache evicted, then encode the images
-        it scheduled for this step."""
-        self.encoder.drop(scheduler_output.freed_encoder_hashes)
-        scheduled = scheduler_output.scheduled_encoder_inputs
-        features = [
-            r.mm_features[i]
-            for r in scheduler_output.scheduled_requests
-            for i in scheduled.get(r.request_id, ())
-        ]
-        self.encoder.encode(self.params, features)
 
     def execute_pooling(
         self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
