@@ -4,7 +4,8 @@ from jvllm.core.block_pool import BlockPool, KVCacheBlock
 from jvllm.core.config import SchedulerConfig
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
-from jvllm.core.scheduler import Scheduler, SchedulerOutput
+from jvllm.core.scheduler import Scheduler
+from jvllm.core.scheduler_output import SchedulerOutput
 
 __all__ = [
     "BlockPool",

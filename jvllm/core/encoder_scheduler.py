@@ -29,6 +29,8 @@ class EncoderScheduler:
         """(the request's images to encode for tokens `num_computed ..` + num_new_tokens, the
         tokens cut to end before the first image that this step cannot take). Images held in
         the encoder cache are referenced, not encoded again."""
+        if not request.mm_features:  # text: every request, every step
+            return [], num_new_tokens
         encode: list[int] = []
         end = num_computed + num_new_tokens
         if self.config.keep_images_whole:  # stop before an image the step would cut

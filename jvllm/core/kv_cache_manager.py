@@ -177,11 +177,13 @@ class KVCacheManager:
         the first block (the chain carries them to the others), and the content hash of each
         image with tokens in the block: an image's placeholder ids are the same whatever the
         image, so without it two prompts with different images would share KV."""
-        start = block_index * self.block_size
-        images = tuple(
-            request.mm_features[i].identifier
-            for i in overlapping(request.mm_features, start, start + self.block_size)
-        )
+        images = ()
+        if request.mm_features:
+            start = block_index * self.block_size
+            images = tuple(
+                request.mm_features[i].identifier
+                for i in overlapping(request.mm_features, start, start + self.block_size)
+            )
         if block_index > 0:  # a first block's parent is NONE_HASH, never a later one's
             return images
         salt = request.cache_salt

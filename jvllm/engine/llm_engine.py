@@ -6,7 +6,7 @@ import time
 import numpy as np
 
 from jvllm.core.request import Request, RequestStatus
-from jvllm.core.scheduler import SchedulerOutput
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import (
     PromptType,

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from jvllm.core.request import Request, RequestStatus
-from jvllm.core.scheduler import SchedulerOutput
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.logprobs import TokenDecoder, logprobs_entry
 from jvllm.engine.parallel_sampling import ParentRequest

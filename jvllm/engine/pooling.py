@@ -10,7 +10,7 @@ import numpy as np
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import EngineConfig
 from jvllm.core.request import Request, RequestStatus
-from jvllm.core.scheduler import SchedulerOutput
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.engine.input_processor import truncate_prompt
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestMetrics

@@ -178,9 +178,14 @@ class GemmaForCausalLM(nnx.Module):
             else Linear(config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype=dtype)
         )
 
-    def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn):
-        """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
-        return self.decode(kv_cache, self.embed_tokens(token_ids), positions, metadata, attn)
+    def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn, mm=None):
+        """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache); `mm`:
+        Gemma 3's step image embeddings (None: a step of text), which go in unscaled: HF
+        scales the token embeddings before they replace the image tokens'."""
+        x = self.embed_tokens(token_ids)
+        if mm is not None:
+            x = mm.merge(x)
+        return self.decode(kv_cache, x, positions, metadata, attn)
 
     def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
         """token_ids i32[T] -> the first layer's input f32[T, D]: the embeddings times

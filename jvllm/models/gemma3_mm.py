@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import transformers
 
 from jvllm.config import ModelConfig
-from jvllm.layers.attention import AttentionFn
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import RMSNorm
 from jvllm.models.gemma import GemmaForCausalLM
@@ -67,15 +66,6 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
         self.projection = Linear(
             vision.hidden_size, config.hidden_size, ("embed", "embed"), dtype=dtype
         )
-
-    def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn, mm=None):
-        """token_ids i32[T], positions i32[T], mm: the step's image embeddings (None: a step
-        of text) -> (post-norm hidden f32[T, D], kv_cache). The images' embeddings go in
-        unscaled: HF scales the token embeddings before they replace the image tokens'."""
-        x = self.embed_tokens(token_ids)
-        if mm is not None:
-            x = mm.merge(x)
-        return self.decode(kv_cache, x, positions, metadata, attn)
 
     def encode_images(self, pixel_values: jax.Array) -> jax.Array:
         """pixel_values f32[N, 3, S, S] -> each image's embeddings f32[N, I, D], I =

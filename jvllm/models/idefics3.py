@@ -17,7 +17,6 @@ import numpy as np
 import transformers
 
 from jvllm.config import ModelConfig
-from jvllm.layers.attention import AttentionFn
 from jvllm.layers.linear import Linear
 from jvllm.models.llama import LlamaForCausalLM
 from jvllm.models.siglip_vision import SiglipVisionTower
@@ -111,14 +110,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         self.connector = Linear(
             width, config.hidden_size, ("embed", "embed"), dtype=jnp.dtype(config.dtype)
         )
-
-    def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn, mm=None):
-        """token_ids i32[T], positions i32[T], mm: the step's image embeddings (None: a step
-        of text) -> (post-norm hidden f32[T, D], kv_cache)."""
-        x = self.embed_tokens(token_ids)
-        if mm is not None:
-            x = mm.merge(x)
-        return self.decode(kv_cache, x, positions, metadata, attn)
 
     def encode_images(self, pixel_values: jax.Array, pixel_attention_mask: jax.Array) -> jax.Array:
         """pixel_values f32[N, U, 3, S, S] (U tiles an image, the global view last) and

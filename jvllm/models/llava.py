@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import transformers
 
 from jvllm.config import ModelConfig
-from jvllm.layers.attention import AttentionFn
 from jvllm.layers.linear import Linear
 from jvllm.models.clip_vision import CLIPVisionTower
 from jvllm.models.llama import LlamaForCausalLM
@@ -96,14 +95,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             vision.hidden_size, d, ("embed", "embed"), dtype=dtype, bias=bias
         )
         self.projector_out = Linear(d, d, ("embed", "embed"), dtype=dtype, bias=bias)
-
-    def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn, mm=None):
-        """token_ids i32[T], positions i32[T], mm: the step's image embeddings (None: a step
-        of text) -> (post-norm hidden f32[T, D], kv_cache)."""
-        x = self.embed_tokens(token_ids)
-        if mm is not None:
-            x = mm.merge(x)
-        return self.decode(kv_cache, x, positions, metadata, attn)
 
     def encode_images(self, pixel_values: jax.Array) -> jax.Array:
         """pixel_values f32[N, 3, S, S] -> each image's embeddings f32[N, I, D] (I: the image's

@@ -17,7 +17,7 @@ afterwards, in device order).
 import dataclasses
 
 from jvllm.core.decode_window import has_token_dependent_bans
-from jvllm.core.scheduler import SchedulerOutput
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.buckets import Bucket

@@ -15,7 +15,7 @@ from jvllm.attention.backends import get_attention
 from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
-from jvllm.core.scheduler import SchedulerOutput
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers

@@ -52,24 +52,14 @@ class OpenAIServingChat(OpenAIServing):
         # the offline API's.
         self.images = chat_images(engine.engine, takes_pil=False)
 
-    def render(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        kwargs: dict | None = None,
-        chat_template: str | None = None,
-        add_special_tokens: bool = False,
-        tools: list[dict] | None = None,
-    ) -> list[int]:
-        """The messages' prompt token ids, for endpoints that take text alone (/tokenize, the
+    def render(self, messages: list[dict], *args, **kwargs) -> list[int]:
+        """render_prompt's token ids, for endpoints that take text alone (/tokenize, the
         Responses API): image parts are refused, not fetched."""
         if has_images(messages):
             raise OpenAIError(
                 "image parts are taken by /v1/chat/completions only", param="messages"
             )
-        options = (add_generation_prompt, continue_final_message, kwargs, chat_template)
-        return self.render_prompt(messages, *options, add_special_tokens, tools)["prompt_token_ids"]
+        return self.render_prompt(messages, *args, **kwargs)["prompt_token_ids"]
 
     def render_prompt(
         self,
