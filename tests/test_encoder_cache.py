@@ -10,7 +10,8 @@ from jvllm.core.encoder_scheduler import EncoderScheduler
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.multimodal import MultiModalFeature, PlaceholderRange
 from jvllm.core.request import Request
-from jvllm.core.scheduler import Scheduler, SchedulerOutput
+from jvllm.core.scheduler import Scheduler
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.sampling_params import SamplingParams
 

@@ -23,6 +23,7 @@ from jvllm.model_loader.loader import load_model
 from jvllm.models import qwen2_vl_vision
 from jvllm.models.model import encode_images, forward
 from jvllm.models.registry import model_class
+from tests.vlm_models import _randomize
 
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 299, 298, 297, 296
 TEXT = {
@@ -75,19 +76,6 @@ def _hf_config(family: str):
         vision_start_token_id=VISION_START_ID,
         vision_end_token_id=VISION_END_ID,
     )
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """O(1) random weights (norms around 1), so that a wrong bias, norm or rotation shows."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.uniform_(0.5, 1.5)
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ def _randomize(model: torch.nn.Module) -> None:
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "layrnorm" in name:
+            if "norm" in name or "layrnorm" in name or "ln_q" in name:  # ln_q: Qwen's merger
                 p.uniform_(0.5, 1.5)
             elif "embed_tokens" in name or "lm_head" in name:
                 p.normal_(0.0, 0.5)
@@ -72,7 +72,12 @@ def save_tiny_llava(path: str, tokenizer_dir: str) -> None:
     image_processor = transformers.CLIPImageProcessor(
         size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
     )
-    processor = transformers.LlavaProcessor(
+    _save_llava_processor(path, transformers.LlavaProcessor, image_processor, tokenizer)
+
+
+def _save_llava_processor(path: str, processor_class, image_processor, tokenizer) -> None:
+    """A LLaVA or LLaVA-NeXT processor for the tiny 28 px, 7 px-patch CLIP towers here."""
+    processor = processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=7,
@@ -112,15 +117,7 @@ def save_tiny_llava_next(path: str, tokenizer_dir: str) -> None:
         crop_size={"height": 28, "width": 28},
         image_grid_pinpoints=pinpoints,
     )
-    processor = transformers.LlavaNextProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=7,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,  # CLIP's class token, dropped by "default"
-        chat_template=IMAGE_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(path)
+    _save_llava_processor(path, transformers.LlavaNextProcessor, image_processor, tokenizer)
 
 
 def save_tiny_idefics3(path: str, tokenizer_dir: str, smolvlm: bool = False) -> None:
