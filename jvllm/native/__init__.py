@@ -35,7 +35,7 @@ SOURCES = {
     name: _DIR / f"{name}.cc"
     for name in ("cpu_decode", "cpu_dense", "cpu_gguf", "cpu_int8", "cpu_int_group")
 }
-HEADERS = (_DIR / "parallel_for.h",)
+HEADERS = (_DIR / "parallel_for.h", _DIR / "simd.h")
 # One build of a source at a time: the engine's background build and the thread tracing a step
 # may both reach a kernel first, and the second then finds the library built. Different
 # kernels build side by side (each a compiler process of its own).

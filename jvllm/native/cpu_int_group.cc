@@ -33,6 +33,7 @@
 #endif
 
 #include "parallel_for.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -45,22 +46,11 @@ constexpr int kRun = 32;      // columns of a 4-bit run (int_weight.py's NIBBLE_
 // products of W [576, 1536] took 2.6x longer without it, of W [1536, 576] 1.15x).
 constexpr int kRowsAhead = 8;
 
-// GCC/Clang vectors of N float lanes, the machine's float vector (AVX-512 16, AVX 8, else 4).
-#if defined(__AVX512F__)
-constexpr int N = 16;
-#elif defined(__AVX__)
-constexpr int N = 8;
-#else
-constexpr int N = 4;
-#endif
 constexpr int V = kRun / N;  // vectors of a run
 // A tile of kOuts weight rows by kRows rows of x sums in registers (kOuts * kRows * V vectors,
 // or with bfloat16 dot products kOuts * kRows * 2). Past kRows rows of x, kTile weight rows
 // meet each group of them in turn.
 constexpr int kOuts = N == 16 ? 2 : 1, kRows = N == 16 ? 4 : 2, kTile = 8;
-typedef float f32v __attribute__((vector_size(4 * N)));
-typedef int32_t i32v __attribute__((vector_size(4 * N)));
-typedef uint32_t u32v __attribute__((vector_size(4 * N)));
 
 // Whether a bfloat16 model's values meet x in vdpbf16ps (AVX-512 BF16): 32 products an
 // instruction where fused multiply-adds take 16.
@@ -68,54 +58,9 @@ typedef uint32_t u32v __attribute__((vector_size(4 * N)));
 #define JVLLM_BF16_DOTS 1
 #endif
 
-template <typename T>
-inline T load(const void* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline f32v splat(float x) { return f32v{} + x; }
-
 inline float bfloat16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   return load<float>(&bits);
-}
-
-inline f32v multiply_add(f32v a, f32v b, f32v c) {
-#if defined(__AVX512F__)
-  return (f32v)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX__) && defined(__FMA__)
-  return (f32v)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-// N bytes at p as unsigned 32-bit lanes (x86 widens with one instruction; GCC 12's generic
-// conversion goes lane by lane).
-inline i32v widen(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  i32v q;
-  for (int l = 0; l < N; ++l) q[l] = p[l];
-  return q;
-#endif
-}
-
-inline float sum_lanes(f32v v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#elif defined(__AVX__)
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#else
-  return (v[0] + v[2]) + (v[1] + v[3]);
-#endif
 }
 
 // Each lane rounded to the nearest bfloat16 (ties to even), NaN kept. With AVX-512 BF16 in
