@@ -96,7 +96,8 @@ async def run_load(
         leave_after[i] = int(rng.integers(1, max(output_len, 2)))
     limits = httpx.Limits(max_connections=max_concurrency + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await _one(client, url, requests[0], 2)  # warm-up
+        path, body = requests[0]
+        await _one(client, url, (path, {**body, "max_tokens": 2}))  # warm-up: 2 tokens
 
         async def limited(request, leave):
             async with semaphore:
