@@ -1,5 +1,8 @@
 """Pieces shared by the paged attention kernels: input checks, page loads, the online softmax step.
 
+A cache has two planes, K and V ([L, 2, K, P, B, H]), or one (MLA's latent cache [L, 1, K, P, B,
+H]), whose rows are both the keys and the values: there every read of V reads plane 0.
+
 Everything here runs both under the Triton lowering and in `interpret=True` mode, so it sticks to
 generic Pallas (ref indexing, jnp ops, `lax.dot_general`).
 """
@@ -51,11 +54,14 @@ def validate_paged_inputs(
     seq_lens: jax.Array,
     kv_scales: jax.Array | None = None,
 ) -> tuple[int, int, int, int, int, int]:
-    """Checks what both kernels share; returns (L, K, P, B, H, G)."""
+    """Checks what the kernels share; returns (L, K, P, B, H, G)."""
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [tokens, N, H], got shape {q.shape}")
-    if kv_cache.ndim != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"{name}: kv_cache must be [L, 2, K, P, B, H], got shape {kv_cache.shape}")
+    if kv_cache.ndim != 6 or kv_cache.shape[1] not in (1, 2):
+        raise ValueError(
+            f"{name}: kv_cache must be [L, 2, K, P, B, H] (K and V) or [L, 1, K, P, B, H] (V is "
+            f"K), got shape {kv_cache.shape}"
+        )
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     if q.shape[2] != head_dim:
@@ -98,7 +104,7 @@ def _validate_quantized(name: str, q: jax.Array, kv_cache: jax.Array, kv_scales:
         )
     if kv_scales.shape != kv_cache.shape[:5] or kv_scales.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
-            f"{name}: kv_scales must be [L, 2, K, P, B] = {kv_cache.shape[:5]} of "
+            f"{name}: kv_scales must be kv_cache's [L, 2 or 1, K, P, B] = {kv_cache.shape[:5]} of "
             f"bfloat16/float16/float32, got {kv_scales.dtype}{kv_scales.shape}"
         )
 
@@ -180,7 +186,7 @@ def pad_block_tables(block_tables: jax.Array, num_extra: int) -> jax.Array:
 
 
 def load_pages(
-    kv_ref,  # [L, 2, K, P, B, H]
+    kv_ref,  # [L, 2 or 1, K, P, B, H]
     layer: jax.Array,
     kv_index: int,
     head: jax.Array,
@@ -204,31 +210,54 @@ def load_pages(
 
 
 def load_kv(
-    kv_ref,  # [L, 2, K, P, B, H]
-    scales_ref,  # [L, 2, K, P, B] of a quantized cache, else None
+    kv_ref,  # [L, 2, K, P, B, H] or [L, 1, K, P, B, H]
+    scales_ref,  # [L, 2 or 1, K, P, B] of a quantized cache, else None
     layer: jax.Array,
     head: jax.Array,
     pages: jax.Array,  # i32[n]
     head_dim_padded: int,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """K and V of pages of one layer and KV head -> (k [n * B, Hp], v [n * B, Hp], and for a
-    quantized cache the scales of k and of v, f32[n * B] each, else None)."""
+    quantized cache the scales of k and of v, f32[n * B] each, else None). A 1-plane cache's
+    v is its k, read once."""
+    is_v_k = kv_ref.shape[1] == 1
     k = load_pages(kv_ref, layer, 0, head, pages, head_dim_padded)
-    v = load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)
+    v = k if is_v_k else load_pages(kv_ref, layer, 1, head, pages, head_dim_padded)
     if scales_ref is None:
         return k, v, None
-    num_rows = pages.shape[0] * scales_ref.shape[4]
-    k_scale, v_scale = (
-        scales_ref[layer, kv_index, head, pages].reshape(num_rows).astype(jnp.float32)  # [n, B]
-        for kv_index in (0, 1)
-    )
+    k_scale = load_row_scales(scales_ref, layer, 0, head, pages)
+    v_scale = k_scale if is_v_k else load_row_scales(scales_ref, layer, 1, head, pages)
     return k, v, (k_scale, v_scale)
+
+
+def load_row_scales(
+    scales_ref,  # [L, 2 or 1, K, P, B]
+    layer: jax.Array,
+    kv_index: int,
+    head: jax.Array,
+    pages: jax.Array,  # i32[n]
+) -> jax.Array:
+    """A quantized cache's scales of pages of one layer, plane and KV head -> f32[n * B]."""
+    num_rows = pages.shape[0] * scales_ref.shape[4]
+    return scales_ref[layer, kv_index, head, pages].reshape(num_rows).astype(jnp.float32)
 
 
 def without_operand(kernel, position: int):
     """A kernel with an optional input ref at `position` (a quantized cache's scales, the
     sinks), as pallas_call calls it when that input is absent: the ref is None."""
     return lambda *refs: kernel(*refs[:position], None, *refs[position:])
+
+
+def dot_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [R, D] . k [C, D] -> f32[R, C], the float32 logits before any scale."""
+    return lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=_precision(q), preferred_element_type=jnp.float32
+    )
+
+
+def _precision(x: jax.Array) -> lax.Precision | None:
+    # TF32 would be Triton's default for float32 dots; ask for IEEE so f32 matches the reference.
+    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
 
 def online_softmax_step(
@@ -244,18 +273,34 @@ def online_softmax_step(
     logit_softcap: float | None = None,
     kv_scales: tuple[jax.Array, jax.Array] | None = None,  # f32[C] of K and V: quantized k, v
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One block of flash attention; the scale (and the soft cap, cap * tanh(logit / cap)) is
-    applied to the f32 logits, not to a rounded q. A quantized block's 1-byte k, v convert to
-    q's dtype exactly; K's scales multiply the f32 logits and V's the probabilities."""
+    """One block of flash attention. A quantized block's 1-byte k, v convert to q's dtype
+    exactly; K's scales multiply the f32 logits and V's the probabilities."""
     if kv_scales is not None:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    # TF32 would be Triton's default for float32 dots; ask for IEEE so f32 matches the reference.
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    logits = lax.dot_general(
-        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-    )  # [R, C]
+    logits = dot_scores(q, k)  # [R, C]
     if kv_scales is not None:
         logits = logits * kv_scales[0][None, :]
+    v_scales = None if kv_scales is None else kv_scales[1]
+    carry = (acc, row_max, row_sum)
+    return online_softmax_update(
+        logits, v, is_visible, is_valid_kv, carry, sm_scale, logit_softcap, v_scales
+    )
+
+
+def online_softmax_update(
+    logits: jax.Array,  # f32[R, C], unscaled
+    v: jax.Array,  # [C, Hv]
+    is_visible: jax.Array,  # bool[R, C] or bool[1, C]
+    is_valid_kv: jax.Array,  # bool[C]: slots visible to some row; the others may hold NaN
+    carry: tuple[jax.Array, jax.Array, jax.Array],  # as online_softmax_step's acc, max, sum
+    sm_scale: float,
+    logit_softcap: float | None = None,
+    v_scales: jax.Array | None = None,  # f32[C]: a quantized v's scales
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online softmax over one block of logits and its values -> (acc f32[R, Hv], row_max,
+    row_sum f32[R]). The scale (and the soft cap, cap * tanh(logit / cap)) is applied to the
+    f32 logits, not to a rounded q; a quantized v's scales multiply the probabilities."""
+    acc, row_max, row_sum = carry
     if logit_softcap is None:
         logits = logits * (sm_scale * LOG2_E)
     else:
@@ -267,32 +312,32 @@ def online_softmax_step(
     sum_next = alpha * row_sum + p.sum(axis=1)
     # Slots past a length may hold anything (NaN included), and 0 * NaN = NaN: zero them.
     v = jnp.where(is_valid_kv[:, None], v, jnp.zeros_like(v))
-    if kv_scales is not None:
-        p = p * jnp.where(is_valid_kv, kv_scales[1], 0.0)[None, :]
+    if v_scales is not None:
+        p = p * jnp.where(is_valid_kv, v_scales, 0.0)[None, :]
     pv = lax.dot_general(
         p.astype(v.dtype),
         v,
         (((1,), (0,)), ((), ())),
-        precision=precision,
+        precision=_precision(v),
         preferred_element_type=jnp.float32,
-    )  # [R, Hp]
+    )  # [R, Hv]
     return alpha[:, None] * acc + pv, max_next, sum_next
 
 
 def sequence_kv(
-    kv_cache: jax.Array,  # [L, 2, K, P, B, H]
-    kv_scales: jax.Array | None,  # [L, 2, K, P, B]
+    kv_cache: jax.Array,  # [L, 2, K, P, B, H] or [L, 1, K, P, B, H]
+    kv_scales: jax.Array | None,  # [L, 2 or 1, K, P, B]
     layer: jax.Array,
     pages: jax.Array,  # i32[M]
 ) -> tuple[jax.Array, jax.Array]:
     """For the references: keys and values of `pages` at `layer` -> each [M*B, K, H], as
-    stored, or dequantized to f32 with kv_scales."""
-    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[5]
-    kv = kv_cache[layer][:, :, pages]  # [2, K, M, B, H]
+    stored, or dequantized to f32 with kv_scales; a 1-plane cache's values are its keys."""
+    num_planes, num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[5]
+    kv = kv_cache[layer][:, :, pages]  # [2 or 1, K, M, B, H]
     if kv_scales is not None:
         kv = kv.astype(jnp.float32) * kv_scales[layer][:, :, pages][..., None].astype(jnp.float32)
-    kv = kv.reshape(2, num_kv_heads, -1, head_dim).transpose(0, 2, 1, 3)  # [2, M*B, K, H]
-    return kv[0], kv[1]
+    kv = kv.reshape(num_planes, num_kv_heads, -1, head_dim).transpose(0, 2, 1, 3)  # [., M*B, K, H]
+    return kv[0], kv[-1]
 
 
 def reference_attention(

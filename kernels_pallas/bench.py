@@ -197,7 +197,7 @@ def _run_case(
 
 
 def _sweep_splits(cases: list[Case], page_size: int, interpret: bool, timing: Timing) -> None:
-    """Decode time per KV split count: what `_default_num_kv_splits` should pick per case."""
+    """Decode time per KV split count: what `default_num_kv_splits` should pick per case."""
     splits = (1, 2, 4, 8, 16, 32, 64)
     print(
         f"{'batch':>5} {'context':>7} {'N:K':>6} {'auto':>7}" + "".join(f"{j:>7}" for j in splits)

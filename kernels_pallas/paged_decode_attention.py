@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas._kv_splits import default_num_kv_splits, merge_kv_splits, split_page_range
 from kernels_pallas._paging import (
     MASK_VALUE,
     MIN_DOT_DIM,
@@ -34,9 +35,6 @@ from kernels_pallas._paging import (
 # KV tokens per inner-loop step: large enough to keep many loads in flight, small enough that the
 # [C, H] K and V tiles stay in registers at H = 128 (fewer for wider heads: kv_tokens_per_step).
 _BLOCK_KV = 128
-# Enough programs for two waves on an H100 (132 SMs); past that, splitting only adds merge work.
-_TARGET_NUM_PROGRAMS = 264
-_MAX_KV_SPLITS = 16
 
 
 def _decode_kernel(
@@ -45,8 +43,8 @@ def _decode_kernel(
     seq_lens_ref,  # i32[S]
     block_tables_ref,  # i32[S, M + pages_per_block]
     q_ref,  # [Gp, Hp]: the query heads of this KV head, zero padded
-    kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
-    scales_ref,  # [L, 2, K, P, B]: a quantized cache's scales; None for the others
+    kv_ref,  # [L, 2 or 1, K, P, B, H]: the whole cache, read page by page
+    scales_ref,  # [L, 2 or 1, K, P, B]: a quantized cache's scales; None for the others
     # outputs
     acc_ref,  # f32[Gp, Hp]: unnormalized output of this split
     max_ref,  # f32[Gp]: max logit (log2 units)
@@ -66,25 +64,16 @@ def _decode_kernel(
     block_kv = pages_per_block * page_size
     num_rows, head_dim_padded = q_ref.shape
 
-    # Splits share this sequence's own pages (not M), so short and long sequences both use every
-    # split; a split's share is a whole number of blocks so that only the last block is ragged.
-    # With a window they share only the pages from the one holding the first key it lets through.
+    # With a window, the splits share only the pages from the one holding the first key it lets
+    # through.
     num_pages = jnp.minimum(pl.cdiv(seq_len, page_size), max_pages)
+    start_page = 0
     if is_windowed:
         kv_start = jnp.maximum(seq_len - scalars_ref[1], 0)  # first position the query sees
-        window_page = kv_start // page_size
-        pages_per_split = pl.cdiv(
-            pl.cdiv(jnp.maximum(num_pages - window_page, 0), num_kv_splits), pages_per_block
-        )
-        pages_per_split = pages_per_split * pages_per_block
-        first_page = window_page + split * pages_per_split
-    else:
-        pages_per_split = (
-            pl.cdiv(pl.cdiv(num_pages, num_kv_splits), pages_per_block) * pages_per_block
-        )
-        first_page = split * pages_per_split
-    end_page = jnp.minimum(first_page + pages_per_split, num_pages)
-    num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
+        start_page = kv_start // page_size
+    first_page, num_blocks = split_page_range(
+        start_page, num_pages, split, num_kv_splits, pages_per_block
+    )
 
     q = q_ref[...]
 
@@ -119,32 +108,6 @@ def _decode_kernel(
     sum_ref[...] = row_sum
 
 
-def _default_num_kv_splits(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
-    wanted = pl.cdiv(_TARGET_NUM_PROGRAMS, num_seqs * num_kv_heads)
-    return max(1, min(next_power_of_2(wanted), _MAX_KV_SPLITS, num_blocks))
-
-
-def merge_kv_splits(
-    acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, sinks: jax.Array | None = None
-) -> jax.Array:
-    """Log-sum-exp merge of flash-decoding splits.
-
-    acc f32[J, ..., H]; row_max (log2 units), row_sum f32[J, ...] -> f32[..., H]. sinks: None
-    or f32 logits (log2 units) broadcast against row_max[0], merged as one more split holding
-    a key of that logit and no value (gpt-oss's attention sinks).
-    """
-    merged_max = row_max.max(axis=0)
-    if sinks is not None:
-        merged_max = jnp.maximum(merged_max, sinks)
-    weights = jnp.exp2(row_max - merged_max)  # [J, ...]; 0 for splits that saw no key
-    denominator = (weights * row_sum).sum(axis=0)
-    if sinks is not None:
-        denominator = denominator + jnp.exp2(sinks - merged_max)
-    numerator = (weights[..., None] * acc).sum(axis=0)
-    # Padding sequences (seq_len 0) have denominator 0: give them 0 rather than NaN.
-    return numerator / jnp.where(denominator == 0, 1.0, denominator)[..., None]
-
-
 def paged_decode_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -162,12 +125,13 @@ def paged_decode_attention(
 ) -> jax.Array:
     """Attention of one new query per sequence over its paged KV.
 
-    q [S, N, H]; kv_cache [L, 2, K, P, B, H]; layer i32[]; block_tables i32[S, M]; seq_lens i32[S]
-    (KV length including the query's own token; 0 = padding sequence). Returns [S, N, H] in q's
-    dtype. `num_kv_splits=None` picks enough splits to fill the GPU.
+    q [S, N, H]; kv_cache [L, 2, K, P, B, H], or [L, 1, K, P, B, H] whose one plane is both K and
+    V (MLA's latent cache); layer i32[]; block_tables i32[S, M]; seq_lens i32[S] (KV length
+    including the query's own token; 0 = padding sequence). Returns [S, N, H] in q's dtype.
+    `num_kv_splits=None` picks enough splits to fill the GPU.
 
-    kv_scales: None, or [L, 2, K, P, B] float scales of an int8 / float8_e4m3fn kv_cache (a value
-    is kv_cache * its scale), applied inside the kernel to each page it reads.
+    kv_scales: None, or kv_cache's [L, 2 or 1, K, P, B] float scales of an int8 / float8_e4m3fn
+    kv_cache (a value is kv_cache * its scale), applied inside the kernel to each page it reads.
 
     sliding_window: None, or i32[] W (may be traced): the query sees only its last W positions,
     itself included, and only their pages are read. logit_softcap: None, or a static cap for
@@ -194,7 +158,7 @@ def paged_decode_attention(
     pages_per_block = max(1, kv_tokens_per_step(_BLOCK_KV, head_dim_padded) // page_size)
     num_blocks = pl.cdiv(max_pages, pages_per_block)
     if num_kv_splits is None:
-        num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_blocks)
+        num_kv_splits = default_num_kv_splits(num_seqs * num_kv_heads, num_blocks)
     if num_kv_splits < 1:
         raise ValueError(f"{name}: num_kv_splits must be >= 1, got {num_kv_splits}")
 

@@ -51,8 +51,8 @@ def _ragged_kernel(
     tile_num_q_ref,  # i32[num_tiles]: queries in the tile (0 for a spare tile)
     tile_pos_ref,  # i32[num_tiles]: KV position of the tile's first query
     q_ref,  # [T + block_q, K, Gp, Hp]: all queries, zero padded
-    kv_ref,  # [L, 2, K, P, B, H]: the whole cache, read page by page
-    scales_ref,  # [L, 2, K, P, B]: a quantized cache's scales; None for the others
+    kv_ref,  # [L, 2 or 1, K, P, B, H]: the whole cache, read page by page
+    scales_ref,  # [L, 2 or 1, K, P, B]: a quantized cache's scales; None for the others
     sinks_ref,  # f32[block_q * Gp]: each row's sink logit (log2 units); None without sinks
     # outputs
     o_ref,  # [block_q * Gp, Hp]: rows ordered (query, query head)
@@ -193,12 +193,13 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Causal attention of flattened ragged queries over their sequences' paged KV.
 
-    q [T, N, H]; kv_cache [L, 2, K, P, B, H]; layer i32[]; block_tables i32[S, M]; seq_lens i32[S]
-    (KV length after this step; 0 = padding); query_start_loc i32[S+1]. Returns [T, N, H] in q's
-    dtype; rows past query_start_loc[S] are padding and come back as 0.
+    q [T, N, H]; kv_cache [L, 2, K, P, B, H], or [L, 1, K, P, B, H] whose one plane is both K and
+    V (MLA's latent cache); layer i32[]; block_tables i32[S, M]; seq_lens i32[S] (KV length after
+    this step; 0 = padding); query_start_loc i32[S+1]. Returns [T, N, H] in q's dtype; rows past
+    query_start_loc[S] are padding and come back as 0.
 
-    kv_scales: None, or [L, 2, K, P, B] float scales of an int8 / float8_e4m3fn kv_cache (a value
-    is kv_cache * its scale), applied inside the kernel to each page it reads.
+    kv_scales: None, or kv_cache's [L, 2 or 1, K, P, B] float scales of an int8 / float8_e4m3fn
+    kv_cache (a value is kv_cache * its scale), applied inside the kernel to each page it reads.
 
     sliding_window: None, or i32[] W (may be traced): a query at position p sees p - W < j <= p,
     and a tile reads pages only from its first query's window on. logit_softcap: None, or a static

@@ -146,6 +146,44 @@ def test_decode_on_a_quantized_cache_matches_reference(kv_cache_dtype, dtype, he
     _check(args, sm_scale=head_dim**-0.5, sliding_window=window, kv_scales=scales)
 
 
+def _with_v_copied_from_k(kv_cache: jax.Array) -> jax.Array:
+    """A 1-plane cache [L, 1, ...] as the 2-plane cache whose V plane is a copy of K."""
+    return jnp.concatenate([kv_cache, kv_cache], axis=1)
+
+
+@pytest.mark.parametrize(("group", "dtype"), [(1, jnp.float32), (8, jnp.bfloat16)])
+def test_decode_on_a_one_plane_cache_reads_v_as_k(group, dtype):
+    """MLA's latent cache [L, 1, K, P, B, H]: the one plane is both the keys and the values;
+    the reference there is the 2-plane reference with V a copy of K."""
+    seq_lens = [*SEQ_LENS, *np.random.default_rng(30).integers(1, 65, 4).tolist()]
+    q, kv_cache, *rest = _case(30, seq_lens, group, 48, dtype, num_pages=80)
+    one_plane = kv_cache[:, :1]
+    _check((q, one_plane, *rest), sm_scale=48**-0.5)
+    ref = paged_decode_attention_reference(q, one_plane, *rest, sm_scale=48**-0.5)
+    two_planes = paged_decode_attention_reference(
+        q, _with_v_copied_from_k(one_plane), *rest, sm_scale=48**-0.5
+    )
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(two_planes))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_decode_on_a_quantized_one_plane_cache_matches_reference(kv_cache_dtype):
+    """Values [L, 1, K, P, B, H] and scales [L, 1, K, P, B]: V's scales are K's."""
+    seq_lens = [*np.random.default_rng(31).integers(1, MAX_PAGES * PAGE_SIZE + 1, 5).tolist(), 0]
+    q, kv_cache, *rest = _case(31, seq_lens, 3, 64, jnp.float32)
+    values, scales = quantize(kv_cache[:, :1], quantized_dtype(kv_cache_dtype))
+    _check((q.astype(jnp.bfloat16), values, *rest), kv_scales=scales)
+    ref = paged_decode_attention_reference(q, values, *rest, sm_scale=0.125, kv_scales=scales)
+    two_planes = paged_decode_attention_reference(
+        q,
+        _with_v_copied_from_k(values),
+        *rest,
+        sm_scale=0.125,
+        kv_scales=_with_v_copied_from_k(scales),
+    )
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(two_planes))
+
+
 # 1 (only itself), inside a page, a page, across pages, the longest length, a global layer's.
 WINDOWS = [1, 5, PAGE_SIZE, 13, MAX_PAGES * PAGE_SIZE, 2**30]
 
@@ -254,6 +292,7 @@ def test_a_window_or_layer_known_at_trace_time_is_checked_inside_jit():
         (lambda a: {**a, "q": a["q"][:, :3]}, "not a multiple of K"),
         (lambda a: {**a, "q": a["q"][..., :32]}, "head dim"),
         (lambda a: {**a, "kv_cache": a["kv_cache"][:, :, :, :, :6]}, "page size"),
+        (lambda a: {**a, "kv_cache": jnp.tile(a["kv_cache"], (1, 2, 1, 1, 1, 1))}, "kv_cache"),
         (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "block_tables"),
         (lambda a: {**a, "block_tables": a["block_tables"][:-1]}, "seq_lens"),
         (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.float32)}, "seq_lens"),

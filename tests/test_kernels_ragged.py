@@ -162,6 +162,36 @@ def test_ragged_on_a_quantized_cache_matches_reference_on_a_random_batch(
     _check((q.astype(dtype), values, *rest), kv_scales=scales, sliding_window=window)
 
 
+def _with_v_copied_from_k(kv_cache: jax.Array) -> jax.Array:
+    """A 1-plane cache [L, 1, ...] as the 2-plane cache whose V plane is a copy of K."""
+    return jnp.concatenate([kv_cache, kv_cache], axis=1)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype"), [(None, jnp.float32), (None, jnp.bfloat16), ("int8", jnp.float32)]
+)
+def test_ragged_on_a_one_plane_cache_reads_v_as_k(kv_cache_dtype, dtype):
+    """MLA's latent cache [L, 1, K, P, B, H] (and a quantized one's scales [L, 1, K, P, B]):
+    the one plane is both the keys and the values; the reference there is the 2-plane reference
+    with V a copy of K."""
+    seqs = [*MIXED[:4], *_random_batch(np.random.default_rng(41), 3)]
+    q, kv_cache, *rest = _case(41, seqs, 3, 48, jnp.float32, num_tokens=96, num_pages=64)
+    values, scales = kv_cache[:, :1].astype(dtype), None
+    if kv_cache_dtype is not None:
+        values, scales = quantize(kv_cache[:, :1], quantized_dtype(kv_cache_dtype))
+    q = q.astype(dtype)
+    _check((q, values, *rest), 48**-0.5, kv_scales=scales)
+    ref = ragged_paged_attention_reference(q, values, *rest, sm_scale=48**-0.5, kv_scales=scales)
+    two_planes = ragged_paged_attention_reference(
+        q,
+        _with_v_copied_from_k(values),
+        *rest,
+        sm_scale=48**-0.5,
+        kv_scales=None if scales is None else _with_v_copied_from_k(scales),
+    )
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(two_planes))
+
+
 # 1 (only itself), inside a page, a page, across pages and query tiles, a global layer's.
 WINDOWS = [1, 5, PAGE_SIZE, 13, 30, 2**30]
 
