@@ -39,7 +39,7 @@ class ModelConfig:
     num_layers: int  # L
     num_heads: int  # N
     num_kv_heads: int  # K
-    head_dim: int  # H
+    head_dim: int  # H: a KV-cache row's dims
     rms_norm_eps: float  # the epsilon of the model's norms (LayerNorm's too)
     rope_theta: float
     rope_scaling: RopeScaling | None
@@ -73,6 +73,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # an expert's F
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's F; 0: none
+    # The KV cache's planes [L, kv_planes, K, P, B, H]: 2, a key and a value per token and KV
+    # head; or 1, one row that is both (MLA's latent: the values are its first dims;
+    # layers/mla.py), which the attention backends read for the values too.
+    kv_planes: int = 2
     options: tuple[tuple[str, Any], ...] = ()  # family-specific settings, (name, value) sorted
     # > 1: this config is one device's shard of a tensor-parallel model (its heads, F and V are
     # that device's share; distributed/tensor_parallel.py), and the row-parallel layers sum
@@ -103,6 +107,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kv_planes not in (1, 2):
+            raise ValueError(f"kv_planes must be 1 or 2, got {self.kv_planes}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

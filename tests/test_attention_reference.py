@@ -79,7 +79,23 @@ def test_quantized_cache_matches_dense_over_what_the_cache_holds(case, kv_cache_
     _check_against_dense(case, 6, 2, dtype, kv_cache_dtype)
 
 
-def _check_against_dense(case, num_heads, num_kv_heads, dtype, kv_cache_dtype="auto"):
+@pytest.mark.parametrize(
+    ("case", "dtype", "kv_cache_dtype"),
+    [
+        ("decode", jnp.float32, "auto"),
+        ("mixed", jnp.bfloat16, "auto"),
+        ("long_prefills", jnp.float32, "auto"),
+        ("many_decodes", jnp.bfloat16, "int8"),
+        ("mixed", jnp.float32, "fp8"),
+    ],
+)
+def test_one_plane_cache_reads_its_keys_as_values(case, dtype, kv_cache_dtype):
+    """MLA's latent cache [L, 1, K, P, B, H]: the model passes v = k, one row a token is
+    written, and the values read are the keys."""
+    _check_against_dense(case, 8, 1, dtype, kv_cache_dtype, num_planes=1)
+
+
+def _check_against_dense(case, num_heads, num_kv_heads, dtype, kv_cache_dtype="auto", num_planes=2):
     tile_q, seqs = CASES[case]
     rng = np.random.default_rng(len(case) * 100 + num_heads)
     block_size, head_dim, num_pages, num_layers, layer = 4, 8, 256, 2, 1
@@ -91,9 +107,8 @@ def _check_against_dense(case, num_heads, num_kv_heads, dtype, kv_cache_dtype="a
         n = -(-kv_len // block_size)
         tables[s, :n] = perm[used : used + n]
         used += n
-    kv_cache = jnp.asarray(
-        rng.standard_normal((num_layers, 2, num_kv_heads, num_pages, block_size, head_dim)), dtype
-    )
+    shape = (num_layers, num_planes, num_kv_heads, num_pages, block_size, head_dim)
+    kv_cache = jnp.asarray(rng.standard_normal(shape), dtype)
     if kv_cache_dtype != "auto":
         values, scales = quantize(kv_cache, quantized_dtype(kv_cache_dtype))
         kv_cache = QuantizedKVCache(
@@ -108,6 +123,8 @@ def _check_against_dense(case, num_heads, num_kv_heads, dtype, kv_cache_dtype="a
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     new_k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
     new_v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    if num_planes == 1:
+        new_v = new_k
     # What the model passes in: q, k, v in its dtype (the dense reference gets the same values).
     q, new_k, new_v = (
         np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, new_k, new_v)
@@ -149,7 +166,8 @@ def _check_against_dense(case, num_heads, num_kv_heads, dtype, kv_cache_dtype="a
     for s, (kv_len, ql) in enumerate(seqs):
         pages = tables[s, : -(-kv_len // block_size)]
         k = cache_np[layer, 0][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
-        v = cache_np[layer, 1][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
+        v = cache_np[layer, num_planes - 1][:, pages]
+        v = v.transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
         if not md.is_decode:  # a step with prefills reads its own tokens from k, v
             k[kv_len - ql : kv_len], v[kv_len - ql : kv_len] = (
                 x[qsl[s] : qsl[s + 1]] for x in (new_k, new_v)

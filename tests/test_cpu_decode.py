@@ -29,22 +29,24 @@ def _dense(q, k, v):
 
 @needs_compiler
 @pytest.mark.parametrize(
-    ("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    ("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_planes"),
     [
-        (jnp.bfloat16, 9, 3, 64, 16),  # SmolLM2's shapes
-        (jnp.float32, 9, 3, 64, 16),
-        (jnp.float32, 8, 2, 128, 16),  # Llama-3's head size
-        (jnp.bfloat16, 8, 2, 128, 8),  # runs of 16 rows over two pages
-        (jnp.bfloat16, 14, 2, 64, 32),  # 7 query heads a KV head: in groups of 4 and 3
-        (jnp.bfloat16, 8, 1, 128, 16),  # 8 query heads of size 128: values in groups of 2
-        (jnp.bfloat16, 4, 4, 64, 3),  # no grouping; pages of 3 rows
-        (jnp.float32, 10, 2, 64, 16),  # 5 query heads a KV head: groups of 4 and 1
-        (jnp.float32, 6, 6, 40, 4),  # a head size the kernel does not special-case
-        (jnp.bfloat16, 6, 3, 96, 16),
+        (jnp.bfloat16, 9, 3, 64, 16, 2),  # SmolLM2's shapes
+        (jnp.float32, 9, 3, 64, 16, 2),
+        (jnp.float32, 8, 2, 128, 16, 2),  # Llama-3's head size
+        (jnp.bfloat16, 8, 2, 128, 8, 2),  # runs of 16 rows over two pages
+        (jnp.bfloat16, 14, 2, 64, 32, 2),  # 7 query heads a KV head: in groups of 4 and 3
+        (jnp.bfloat16, 8, 1, 128, 16, 2),  # 8 query heads of size 128: values in groups of 2
+        (jnp.bfloat16, 4, 4, 64, 3, 2),  # no grouping; pages of 3 rows
+        (jnp.float32, 10, 2, 64, 16, 2),  # 5 query heads a KV head: groups of 4 and 1
+        (jnp.float32, 6, 6, 40, 4, 2),  # a head size the kernel does not special-case
+        (jnp.bfloat16, 6, 3, 96, 16, 2),
+        (jnp.bfloat16, 16, 1, 40, 16, 1),  # MLA's latent: one plane, the keys are the values
+        (jnp.float32, 8, 1, 64, 8, 1),
     ],
 )
 def test_kernel_matches_dense_attention_on_ragged_pages(
-    dtype, num_heads, num_kv_heads, head_dim, block_size
+    dtype, num_heads, num_kv_heads, head_dim, block_size, num_planes
 ):
     rng = np.random.default_rng(head_dim)
     lens = [1, 2, block_size, block_size + 1, 77, 300, 513, 5]
@@ -55,7 +57,7 @@ def test_kernel_matches_dense_attention_on_ragged_pages(
     free = rng.permutation(np.arange(1, num_pages))  # shuffled pages, the null page unused
     for s, n in enumerate(lens):
         tables[s, : -(-n // block_size)], free = np.split(free, [-(-n // block_size)])
-    shape = (num_layers, 2, num_kv_heads, num_pages, block_size, head_dim)
+    shape = (num_layers, num_planes, num_kv_heads, num_pages, block_size, head_dim)
     cache = jnp.asarray(rng.standard_normal(shape), dtype)
     values = np.asarray(cache.astype(jnp.float32))
     if dtype == jnp.bfloat16:  # stored as bits, as the engine does
@@ -91,7 +93,7 @@ def test_kernel_matches_dense_attention_on_ragged_pages(
         pages = tables[s, : -(-n // block_size)]
         k, v = (
             values[layer, kv][:, pages].transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)
-            for kv in (0, 1)
+            for kv in (0, num_planes - 1)
         )
         want = _dense(q[token_of[s]], k[:n], v[:n])
         np.testing.assert_allclose(out[token_of[s]], want, rtol=1e-5, atol=1e-5)

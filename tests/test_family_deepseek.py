@@ -10,9 +10,11 @@ import torch
 import transformers
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model
 
+from jvllm import LLM, SamplingParams
 from jvllm.layers.deepseek_moe import deepseek_route
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
 from jvllm.model_loader.hf_config import model_config_from_hf
+from jvllm.models.deepseek import MLA_DISABLE_ENV
 
 # 1 dense layer then MoE layers; the value head (16) is narrower than the key's 16 + 8.
 TINY = {
@@ -175,12 +177,56 @@ def test_unsupported_deepseek_config_is_refused_naming_the_field(make_config, fi
         model_config_from_hf({**make_config().to_dict(), **fields}, "float32")
 
 
-def test_deepseek_config_reads_hf_semantics():
-    """The cache's head dim is the key's (16 + 8, wider than the value's 16); the softmax scale
-    is 24^-1/2 times mscale(4, 0.8)^2; V3's dense layers come first."""
-    config = model_config_from_hf(v3_like(num_hidden_layers=3).to_dict(), "float32")
-    assert (config.head_dim, config.num_kv_heads) == (24, 4)
+def test_deepseek_config_reads_hf_semantics(monkeypatch):
+    """The latent cache holds one row of kv_lora_rank + qk_rope (24 + 8) a token and layer; the
+    decompressed one N heads of the key's dims (16 + 8, wider than the value's 16) in two
+    planes; the softmax scale is 24^-1/2 times mscale(4, 0.8)^2 either way; V3's dense layers
+    come first."""
+    hf = v3_like(num_hidden_layers=3).to_dict()
+    config = model_config_from_hf(hf, "float32")
+    assert (config.head_dim, config.num_kv_heads, config.kv_planes) == (32, 1, 1)
+    monkeypatch.setenv(MLA_DISABLE_ENV, "1")
+    decompressed = model_config_from_hf(hf, "float32")
+    assert (decompressed.head_dim, decompressed.num_kv_heads, decompressed.kv_planes) == (24, 4, 2)
+    assert config.sm_scale == decompressed.sm_scale
     assert config.sm_scale == pytest.approx(24**-0.5 * (0.1 * 0.8 * np.log(4) + 1) ** 2)
     assert config.option("first_k_dense_replace") == 1 and config.num_experts == 8
     dense = model_config_from_hf(v3_like(first_k_dense_replace=5).to_dict(), "float32")
     assert dense.num_experts == 0  # every layer dense: no routing settings are read
+
+
+def _greedy_with_logprobs(path, prompts, **engine_kwargs):
+    llm = LLM(
+        str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=32, **engine_kwargs
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    outputs = [
+        o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    logprobs = [[step[t].logprob for step, t in zip(o.logprobs, o.token_ids)] for o in outputs]
+    return [o.token_ids for o in outputs], np.array(logprobs), llm
+
+
+def _kv_bytes_per_token(llm) -> int:
+    cache = llm.llm_engine.worker.model_runner.kv_cache  # [L, V, K, P, B, H]
+    return cache.nbytes // (cache.shape[3] * cache.shape[4])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_latent_cache_decodes_as_the_decompressed_one(tmp_path, monkeypatch, kv_cache_dtype):
+    """The latent path (absorbed projections, one cached row a token) gives the decompressed
+    path's tokens and logprobs, through chunked prefill and decode, in 1/(2N(P+R)/(C+R)) of its
+    cache: 2 x 4 x 24 / 32 = 6x less here (85x at DeepSeek-V3's shapes)."""
+    _save(tmp_path, v3_like())
+    prompts = PROMPTS[:2]
+    tokens, logprobs, llm = _greedy_with_logprobs(tmp_path, prompts, kv_cache_dtype=kv_cache_dtype)
+    latent_bytes = _kv_bytes_per_token(llm) if kv_cache_dtype == "auto" else None
+    monkeypatch.setenv(MLA_DISABLE_ENV, "1")
+    expected, expected_logprobs, llm = _greedy_with_logprobs(
+        tmp_path, prompts, kv_cache_dtype=kv_cache_dtype
+    )
+    assert tokens == expected
+    tolerance = 1e-4 if kv_cache_dtype == "auto" else 0.1  # int8 rounds other numbers
+    np.testing.assert_allclose(logprobs, expected_logprobs, atol=tolerance)
+    if kv_cache_dtype == "auto":
+        assert _kv_bytes_per_token(llm) == 6 * latent_bytes

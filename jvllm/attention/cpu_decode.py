@@ -29,7 +29,7 @@ _TARGETS = {
 
 
 def supports(cache: jax.Array) -> bool:
-    """Whether decode attention over `cache` [L, 2, K, P, B, H] can run the kernel here."""
+    """Whether decode attention over `cache` [L, V, K, P, B, H] can run the kernel here."""
     return (
         cache.dtype in _TARGETS
         and jax.default_backend() == "cpu"
@@ -47,7 +47,8 @@ def attend_pages(
     flat: tuple[jax.Array, jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One-query tiles of q f32[T, N, H] (pre-scaled) to the first kv_lens positions of their
-    sequence's pages in cache [L, 2, K, P, B, H] at `layer`: `flat`, the unnormalised (max
+    sequence's pages in cache [L, V, K, P, B, H] at `layer` (V = 1: the values are the keys'
+    rows, MLA's latent): `flat`, the unnormalised (max
     f32[T, N], sum f32[T, N], weighted values f32[T, N, H]), with the rows of the tokens the
     tiles read written over, as reference.py's page walk does. Only where `supports(cache)`."""
     if not _register():

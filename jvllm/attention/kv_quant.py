@@ -41,16 +41,17 @@ _FLOAT_OF_BITS = {bits: x for x, bits in _BITS_OF_FLOAT.items()}
 class QuantizedKVCache:
     """K and V at one byte a value: value = values * scales[..., None]."""
 
-    values: jax.Array  # [L, 2, K, P, B, H] int8 or float8_e4m3fn (uint8 bits on CPU)
-    scales: jax.Array  # [L, 2, K, P, B] bfloat16 (uint16 bits on CPU)
+    values: jax.Array  # [L, V, K, P, B, H] int8 or float8_e4m3fn (uint8 bits on CPU)
+    scales: jax.Array  # [L, V, K, P, B] bfloat16 (uint16 bits on CPU)
 
 
-# The engine's KV cache: one array [L, 2, K, P, B, H] of the model's dtype, or a quantized one.
+# The engine's KV cache: one array [L, V, K, P, B, H] of the model's dtype, or a quantized one
+# (V: 2 planes, keys and values, or 1, MLA's latent row; kv_pages.py).
 KVCache = jax.Array | QuantizedKVCache
 
 
 def kv_values(kv_cache: KVCache) -> jax.Array:
-    """The [L, 2, K, P, B, H] array of either kind of cache (a quantized one's 1-byte values)."""
+    """The [L, V, K, P, B, H] array of either kind of cache (a quantized one's 1-byte values)."""
     return kv_cache.values if isinstance(kv_cache, QuantizedKVCache) else kv_cache
 
 

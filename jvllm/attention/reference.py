@@ -54,7 +54,8 @@ def _attend_tiles(
     With a sliding window, kv_from i32[TB, Q] is each query's first visible position."""
     num_tiles, tile_q, num_kv_heads, group, head_dim = qt.shape
     is_quantized = isinstance(kv_cache, QuantizedKVCache)
-    values = kv_values(kv_cache)  # [L, 2, K, P, B, H]
+    values = kv_values(kv_cache)  # [L, V, K, P, B, H]
+    is_latent = values.shape[1] == 1  # the rows are both keys and values (kv_pages.py)
     block_size = values.shape[4]
     # Multi-query tiles of a bfloat16 model multiply in bfloat16 with float32 accumulation, as
     # the window does (steps with long prompts 7% faster); one-query tiles stay float32, where
@@ -86,7 +87,7 @@ def _attend_tiles(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        v = gather_pages(values, layer, 1, pages, dtype)  # [TB, K, C*B, H]
+        v = k if is_latent else gather_pages(values, layer, 1, pages, dtype)  # [TB, K, C*B, H]
         pv = p * scales(1, pages) if is_quantized else p
         acc = acc * correction[..., None] + _tile_values(pv.astype(dtype), v)
         return m_new, l, acc

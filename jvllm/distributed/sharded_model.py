@@ -23,8 +23,8 @@ from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shar
 from jvllm.layers.scan import unstack_specs
 from jvllm.models.model import compute_logits, forward, param_axes, param_shapes
 
-# The KV cache [L, 2, K, P, B, H] is cut on its KV-head axis (a quantized cache's scales
-# [L, 2, K, P, B] too: the spec is a prefix of both arrays).
+# The KV cache [L, V, K, P, B, H] is cut on its KV-head axis (a quantized cache's scales
+# [L, V, K, P, B] too: the spec is a prefix of both arrays).
 KV_CACHE_SPEC = PartitionSpec(None, None, TP_AXIS)
 
 

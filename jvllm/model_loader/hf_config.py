@@ -66,6 +66,7 @@ def model_config_from_hf(hf_config: Mapping[str, Any] | Any, dtype: str) -> Mode
         moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+        kv_planes=cfg.get("kv_planes", 2),
         options=tuple(sorted(cfg.get("options", {}).items())),
     )
 

@@ -18,12 +18,17 @@ As HF's DeepseekV2/V3 models read their config.json:
   model_loader/quant_config.py reads it, its weights kept in fp8;
 - V3's multi-token-prediction layers (num_nextn_predict_layers, saved after the last layer)
   are not loaded: HF skips them too.
+
+The KV cache holds MLA's latent (one row of kv_lora_rank + qk_rope_head_dim a token and layer),
+or with JVLLM_MLA_DISABLE=1 (vLLM's VLLM_MLA_DISABLE) the decompressed per-head keys and values:
+layers/mla.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +80,8 @@ _V3_DEFAULTS = {
     "rope_interleave": True,
 }
 _V2_ROUTINGS = ("greedy", "group_limited_greedy")
+# Set to 1: the KV cache holds decompressed keys and values instead of the latent.
+MLA_DISABLE_ENV = "JVLLM_MLA_DISABLE"
 # The settings the layers read from config.option (the rest are ModelConfig fields).
 _OPTIONS = (
     "qk_nope_head_dim",
@@ -165,6 +172,13 @@ def _routing(cfg: dict, is_v3: bool) -> str:
     return routing
 
 
+def _is_latent_cache() -> bool:
+    setting = os.environ.get(MLA_DISABLE_ENV, "0")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{MLA_DISABLE_ENV}={setting!r}; allowed: '0', '1' or unset")
+    return setting == "0"
+
+
 def _normalize(cfg: dict) -> dict:
     is_v3 = _is_v3(cfg)
     cfg = {**(_V3_DEFAULTS if is_v3 else _V2_DEFAULTS), **cfg}
@@ -196,8 +210,12 @@ def _normalize(cfg: dict) -> dict:
     qk_dim = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     if cfg["qk_rope_head_dim"] < 2 or cfg["qk_rope_head_dim"] % 2:
         raise ValueError(f"qk_rope_head_dim must be even and >= 2, got {cfg['qk_rope_head_dim']}")
-    cfg["head_dim"] = max(qk_dim, cfg["v_head_dim"])  # the KV cache's (layers/mla.py)
-    cfg["num_key_value_heads"] = num_heads
+    if _is_latent_cache():  # one KV head, one plane: the latent and the rope key (layers/mla.py)
+        cfg["head_dim"] = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+        cfg["num_key_value_heads"], cfg["kv_planes"] = 1, 1
+    else:  # per-head keys and values, the shorter padded
+        cfg["head_dim"] = max(qk_dim, cfg["v_head_dim"])
+        cfg["num_key_value_heads"] = num_heads
     cfg["sliding_window"] = None
     cfg.pop("layer_types", None)
     cfg["rope_interleave"] = bool(cfg.get("rope_interleave", True)) if is_v3 else True

@@ -343,7 +343,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   using T = std::conditional_t<D == ffi::DataType::U16, uint16_t, float>;  // U16: bfloat16 bits
   auto q_dims = q.dimensions(), cache_dims = cache.dimensions();
   if (q_dims.size() != 3 || cache_dims.size() != 6 || block_tables.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("decode_attention: q [T, N, H], cache [L, 2, K, P, B, H]");
+    return ffi::Error::InvalidArgument("decode_attention: q [T, N, H], cache [L, V, K, P, B, H]");
   }
   Shapes s;
   s.num_kv_heads = cache_dims[2];
@@ -354,8 +354,10 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   s.max_pages = block_tables.dimensions()[1];
   const int64_t kv_stride = s.num_kv_heads * s.num_pages * s.block_size * s.head_dim;
   const T* base = reinterpret_cast<const T*>(cache.typed_data());
-  const T* keys = base + static_cast<int64_t>(layer.typed_data()[0]) * 2 * kv_stride;
-  const T* values = keys + kv_stride;
+  // V = 2 planes: keys then values; V = 1: MLA's latent rows, the keys and the values alike.
+  const int64_t num_planes = cache_dims[1];
+  const T* keys = base + static_cast<int64_t>(layer.typed_data()[0]) * num_planes * kv_stride;
+  const T* values = num_planes == 2 ? keys + kv_stride : keys;
   float *m = max_out->typed_data(), *l = sum_out->typed_data(), *o = out->typed_data();
 
   const int64_t num_tiles = static_cast<int64_t>(token_idx.element_count());

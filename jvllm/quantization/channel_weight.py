@@ -81,6 +81,11 @@ class ChannelWeight(ScaledValues):
         """This weight's own slice of a field (values or scale): a stacked one's layer."""
         return x if self.layer is None else jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
 
+    def dequantize(self) -> jax.Array:
+        """-> [O, I] in the model dtype."""
+        values, scale = self._own(self.values), self._own(self.scale)
+        return (values.astype(jnp.float32) * scale[..., None]).astype(self.dtype)
+
 
 def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     """x [..., I] @ fp8 values [O, I].T with scale f32[O] -> f32[..., O] in fp8: each row of x

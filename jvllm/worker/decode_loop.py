@@ -60,7 +60,7 @@ def prepare_window_inputs(
 class DecodeCarry:
     """What changes from one decode step to the next."""
 
-    kv_cache: KVCache  # [L, 2, K, P, B, H] (and a quantized cache's scales)
+    kv_cache: KVCache  # [L, V, K, P, B, H] (and a quantized cache's scales)
     token_cache: jax.Array  # i32[P, B]
     inputs: StepInputs  # the next step's inputs (a decode bucket: T = S)
     num_sampled: jax.Array  # i32[S] tokens each row sampled so far

@@ -71,11 +71,13 @@ class KVCacheSize:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, spec: KVCacheSpec) -> int:
-    """K and V of every layer for `block_size` tokens, a quantized cache's scales included.
+    """K and V (or MLA's one latent row) of every layer for `block_size` tokens, a quantized
+    cache's scales included.
     (The runner's token cache adds 4 bytes a token beside them, under 0.1% of this for real
     models: it is left to the headroom.)"""
     head_bytes = spec.head_bytes(config.head_dim)
-    return config.num_layers * 2 * config.num_kv_heads * block_size * head_bytes
+    num_rows = config.num_layers * config.kv_planes * config.num_kv_heads
+    return num_rows * block_size * head_bytes
 
 
 def size_kv_cache(

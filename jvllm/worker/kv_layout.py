@@ -24,7 +24,7 @@ class KVCacheSpec:
 
     name: str  # for the start-up log: the stored dtype, or the quantized kind
     dtype: jnp.dtype  # the values' array
-    scale_dtype: jnp.dtype | None  # the scales' array [L, 2, K, P, B]; None: not quantized
+    scale_dtype: jnp.dtype | None  # the scales' array [L, V, K, P, B]; None: not quantized
 
     def head_bytes(self, head_dim: int) -> int:
         """Bytes of one token's K (or V) for one KV head."""
@@ -60,14 +60,15 @@ def kv_cache_spec(
 def kv_cache_shape(
     config: ModelConfig, num_blocks: int, block_size: int, num_shards: int = 1
 ) -> tuple[int, ...]:
-    """[L, 2, K, P, B, H] over all devices; K counts the repeated KV heads when a model has
-    fewer than its `num_shards` tensor-parallel devices (distributed/tensor_parallel.py)."""
+    """[L, V, K, P, B, H] over all devices (V: config.kv_planes); K counts the repeated KV
+    heads when a model has fewer than its `num_shards` tensor-parallel devices
+    (distributed/tensor_parallel.py)."""
     k = num_kv_heads(config, num_shards)
-    return (config.num_layers, 2, k, num_blocks, block_size, config.head_dim)
+    return (config.num_layers, config.kv_planes, k, num_blocks, block_size, config.head_dim)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, shape: tuple[int, ...], sharding: Sharding) -> KVCache:
-    """A zero cache of `shape` [L, 2, K, P, B, H] (and its scales [L, 2, K, P, B])."""
+    """A zero cache of `shape` [L, V, K, P, B, H] (and its scales [L, V, K, P, B])."""
     values = jnp.zeros(shape, spec.dtype, device=sharding)
     if spec.scale_dtype is None:
         return values
