@@ -225,8 +225,10 @@ def _ratio(other: float | None, ours: float) -> str:
     return "-" if other is None else f"{other / ours:.2f}x"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def attention_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of the paged attention benchmarks: --interpret, --small, --page-size, --repeats,
+    --calls (read back by `timing_of`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--interpret", action="store_true", help="run the kernels in interpret mode (CPU)"
     )
@@ -234,6 +236,18 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed round")
+    return parser
+
+
+def timing_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Timing:
+    """The rounds of `attention_parser`'s flags; a few single calls in interpret mode."""
+    if args.repeats < 1 or args.calls < 1:
+        parser.error("--repeats and --calls must be >= 1")
+    return Timing(repeats=3, calls=1) if args.interpret else Timing(args.repeats, args.calls)
+
+
+def main() -> None:
+    parser = attention_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("decode", "mixed", "both"), default="both")
     parser.add_argument(
         "--sweep-splits",
@@ -241,9 +255,7 @@ def main() -> None:
         help="decode only: time (us) per KV split count instead of the comparison table",
     )
     args = parser.parse_args()
-    if args.repeats < 1 or args.calls < 1:
-        parser.error("--repeats and --calls must be >= 1")
-    timing = Timing(repeats=3, calls=1) if args.interpret else Timing(args.repeats, args.calls)
+    timing = timing_of(parser, args)
 
     print(
         f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "

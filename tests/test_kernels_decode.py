@@ -324,8 +324,10 @@ def test_decode_rejects_zero_kv_splits():
     jax.default_backend() != "gpu", reason="needs a CUDA GPU (compiled Triton kernel)"
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_compiled_on_gpu_matches_reference(dtype):
-    args = _case(7, SEQ_LENS, 4, 128, dtype)
+@pytest.mark.parametrize("num_planes", [2, 1], ids=["two_planes", "one_plane"])
+def test_decode_compiled_on_gpu_matches_reference(num_planes, dtype):
+    q, kv_cache, *rest = _case(7, SEQ_LENS, 4, 128, dtype)
+    args = (q, kv_cache[:, :num_planes], *rest)
     out = jax.jit(functools.partial(paged_decode_attention, sm_scale=0.1))(*args)
     ref = paged_decode_attention_reference(*args, sm_scale=0.1)
     tol = TOLERANCE[dtype]

@@ -292,8 +292,10 @@ def test_ragged_rejects_a_bad_query_start_loc(query_start_loc, message):
     jax.default_backend() != "gpu", reason="needs a CUDA GPU (compiled Triton kernel)"
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_compiled_on_gpu_matches_reference(dtype):
-    args = _case(6, MIXED, 4, 128, dtype)
+@pytest.mark.parametrize("num_planes", [2, 1], ids=["two_planes", "one_plane"])
+def test_ragged_compiled_on_gpu_matches_reference(num_planes, dtype):
+    q, kv_cache, *rest = _case(6, MIXED, 4, 128, dtype)
+    args = (q, kv_cache[:, :num_planes], *rest)
     out = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.1))(*args)
     ref = ragged_paged_attention_reference(*args, sm_scale=0.1)
     num_real = int(args[5][-1])

@@ -28,6 +28,14 @@
 #                   matmul and XLA's dequantize-then-matmul (goal: W4A16 at least 2.5x bfloat16
 #                   at batch 1, within 1.3x of the packed bytes' read time), then a tiling sweep
 #                   of int4 at one row
+#     mla           MLA decode over DeepSeek's latent cache (kernels_pallas/mla_decode_attention
+#                   .py): its GPU tests and the generic kernels' on a 1-plane cache, then
+#                   kernels_pallas.bench_mla on DeepSeek-V3's shapes (N 128, C 512 + R 64,
+#                   bfloat16, pages of 16; batch 1, 8, 32 at context 4k and 32k): the latent
+#                   rows' bytes read a second against the copy's, and time against the generic
+#                   decode kernel on the same cache; then its sweep of heads per program and KV
+#                   splits at 32k, to choose the defaults (16 heads a program, vLLM's Triton MLA
+#                   block). Not yet run on a GPU
 #     layers        the 8B shapes' layer matmuls, stacked in a scan against one array per layer
 #                   in bfloat16 and in fp8 (jvllm.benchmarks.layer_stack), then the engine on the
 #                   8B shapes with its layers stacked (JVLLM_UNSTACKED_LAYERS=0) and split (the
@@ -91,7 +99,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 check"
-usage+=" plans window-checks scan-slices cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
+usage+=" mla plans window-checks scan-slices cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
 usage+=" engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session}
@@ -227,6 +235,15 @@ issue-45)
         python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_dequant_matmul.py
         python3 -m kernels_pallas.bench_dequant_matmul --rows 1,4,16
         python3 -m kernels_pallas.bench_dequant_matmul --sweep --formats int4 --rows 1
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+mla)
+    {
+        python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_mla.py
+        python3 -m pytest -q -p no:cacheprovider -m gpu -rs -k one_plane \
+            tests/test_kernels_decode.py tests/test_kernels_ragged.py
+        python3 -m kernels_pallas.bench_mla --repeats 10
+        python3 -m kernels_pallas.bench_mla --sweep --contexts 32768 --repeats 5
     } 2>&1 | tee "$out/$step.log"
     ;;
 check)
