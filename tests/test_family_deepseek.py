@@ -230,3 +230,16 @@ def test_latent_cache_decodes_as_the_decompressed_one(tmp_path, monkeypatch, kv_
     np.testing.assert_allclose(logprobs, expected_logprobs, atol=tolerance)
     if kv_cache_dtype == "auto":
         assert _kv_bytes_per_token(llm) == 6 * latent_bytes
+
+
+@pytest.mark.slow  # the Pallas kernels interpreted on CPU over two generates: about a minute
+def test_latent_cache_on_the_pallas_backend_decodes_as_the_reference(tmp_path):
+    """Decode steps run the MLA kernel (one read of each row), the others the ragged kernel
+    over the one-plane cache."""
+    _save(tmp_path, v3_like())
+    pallas, pallas_logprobs, _ = _greedy_with_logprobs(
+        tmp_path, PROMPTS, attention_backend="pallas"
+    )
+    reference, reference_logprobs, _ = _greedy_with_logprobs(tmp_path, PROMPTS)
+    assert pallas == reference
+    np.testing.assert_allclose(pallas_logprobs, reference_logprobs, atol=1e-4)

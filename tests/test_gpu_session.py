@@ -25,7 +25,7 @@ _STEPS = [
         "check",
         "bench-decode",
     ),
-    *("cond-sync", "scan-slices", "bench-mixed"),
+    *("cond-sync", "scan-slices", "bench-mixed", "mla"),
     *("engine-small", "engine-8b", "engine-gemma", "engine-moe", "engine-steps"),
 ]
 

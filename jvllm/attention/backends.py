@@ -30,7 +30,11 @@ def prepare_backend(name: str, kv_cache_dtype: str, block_size: int) -> None:
 
 
 def get_attention(
-    name: str, sm_scale: float, logit_softcap: float | None = None, max_image_tokens: int = 0
+    name: str,
+    sm_scale: float,
+    logit_softcap: float | None = None,
+    max_image_tokens: int = 0,
+    latent_dim: int | None = None,
 ):
     """The `attn` callable of the model contract for backend `name`:
     attn(layer, q, k, v, kv_cache, md, sliding_window=None, sinks=None) -> (out, kv_cache).
@@ -43,6 +47,8 @@ def get_attention(
     softmax with no value and no scaling (gpt-oss's attention sinks).
     max_image_tokens > 0: the model's image tokens, up to that many an image, attend to their
     whole image (Gemma 3; `md.image_groups`), which only the reference backend does.
+    latent_dim: MLA's C where the cache holds its latent rows (layers/mla.py): the Pallas
+    backend's decode then runs its MLA kernel; the reference backend reads any 1-plane cache.
     """
     if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
         raise ValueError(f"logit_softcap must be None or a positive float, got {logit_softcap!r}")
@@ -57,6 +63,9 @@ def get_attention(
         from jvllm.attention.pallas import pallas_attention
 
         return pallas_attention(
-            sm_scale, interpret=jax.default_backend() != "gpu", logit_softcap=logit_softcap
+            sm_scale,
+            interpret=jax.default_backend() != "gpu",
+            logit_softcap=logit_softcap,
+            latent_dim=latent_dim,
         )
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

@@ -9,7 +9,7 @@
    tokens each actually allocated.
 2. Decode: both engines on the same random prompts (greedy, ignore_eos); decode tok/s is the
    output tokens after the first over the time past a one-token run of the same prompts
-   (medians of --num-iters). The attention is DeepSeek-V3's (hidden 7168, 128 heads, q latent
+   (medians of --num-iters), whose own time is printed as the prefill's. The attention is DeepSeek-V3's (hidden 7168, 128 heads, q latent
    1536, KV latent 512, rope 64, nope 128, value 128); the layers (--num-layers, one dense then
    MoE), the experts (8, 4 a token), the MLP widths and the vocabulary are shrunk, the same in
    both engines, so that a CPU runs it: the figure is the cache's share of a step, not the
@@ -96,7 +96,7 @@ def _cached_tokens(llm: LLM) -> int:
     return (cache.shape[3] - 1) * cache.shape[4]  # the null block holds none
 
 
-def _decode_tok_s(llm: LLM, prompts, args) -> float:
+def _prefill_s_and_decode_tok_s(llm: LLM, prompts, args) -> tuple[float, float]:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -109,7 +109,7 @@ def _decode_tok_s(llm: LLM, prompts, args) -> float:
     timed(full)  # compiles every bucket the runs use
     prefill = statistics.median(timed(one) for _ in range(args.num_iters))
     whole = statistics.median(timed(full) for _ in range(args.num_iters))
-    return len(prompts) * (args.output_len - 1) / (whole - prefill)
+    return prefill, len(prompts) * (args.output_len - 1) / (whole - prefill)
 
 
 def main(argv=None) -> None:
@@ -141,7 +141,8 @@ def main(argv=None) -> None:
         llm = _engine(args, name)
         figures[name] = {"tokens": _cached_tokens(llm)}
         if not args.skip_decode:
-            figures[name]["tok_s"] = _decode_tok_s(llm, prompts, args)
+            timings = _prefill_s_and_decode_tok_s(llm, prompts, args)
+            figures[name]["prefill_s"], figures[name]["tok_s"] = timings
         del llm
     print(
         f"engines of {args.num_layers} layers, {args.kv_cache_gib} GiB of KV: latent "
@@ -154,7 +155,9 @@ def main(argv=None) -> None:
         print(
             f"decode, {args.num_prompts} x {args.input_len} -> {args.output_len}: latent "
             f"{latent:.1f} tok/s, decompressed {decompressed:.1f} tok/s "
-            f"({latent / decompressed:.2f}x)"
+            f"({latent / decompressed:.2f}x); prefill (the one-token run) latent "
+            f"{figures['latent']['prefill_s']:.2f} s, decompressed "
+            f"{figures['decompressed']['prefill_s']:.2f} s"
         )
 
 

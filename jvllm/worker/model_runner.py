@@ -117,6 +117,7 @@ class ModelRunner:
             sm_scale=config.sm_scale,
             logit_softcap=config.attn_logit_softcap,
             max_image_tokens=image_num_embeds(config) if self.bidirectional_images else 0,
+            latent_dim=config.option("kv_lora_rank") if config.kv_planes == 1 else None,
         )
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
