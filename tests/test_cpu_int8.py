@@ -10,13 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm import native
 from jvllm.quantization import cpu_int8
 from jvllm.quantization.channel_weight import quantize_channels
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None or not native.cpu_has("avx512_bf16"),
-    reason="builds the kernel with the system C++ compiler, for a CPU with AVX-512 BF16",
+    shutil.which("g++") is None, reason="builds the kernel with the system C++ compiler"
 )
 _NUM_LAYERS = 3
 _KERNEL_ROWS = [1, 5, 6, 7, cpu_int8.MAX_ROWS]

@@ -15,8 +15,8 @@ from jvllm.quantization import cpu_dense, cpu_gguf, cpu_int8, cpu_int_group
 _KERNELS = {
     "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),
     "GGUF matmul": (cpu_gguf, lambda: cpu_gguf.supports("float32")),
-    "int8 matmul": (cpu_int8, lambda: cpu_int8._register()),  # supports() asks for AVX-512 BF16
-    "dense matmul": (cpu_dense, lambda: cpu_dense._register()),  # supports() asks for AVX-512
+    "int8 matmul": (cpu_int8, lambda: cpu_int8.supports(jnp.zeros((4, 32), jnp.int8), "bfloat16")),
+    "dense matmul": (cpu_dense, lambda: cpu_dense.supports(jnp.float32, 32, 1)),
     "grouped-integer matmul": (
         cpu_int_group,
         lambda: cpu_int_group.supports("float32", 4, 32, jnp.bfloat16),

@@ -11,7 +11,6 @@ JVLLM_CPU_DECODE_KERNEL=0, keeps the pure-JAX path, which computes the same atte
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ def supports(cache: jax.Array) -> bool:
     return (
         cache.dtype in _TARGETS
         and jax.default_backend() == "cpu"
-        and os.environ.get("JVLLM_CPU_DECODE_KERNEL", "1") != "0"
+        and not native.is_switched_off("JVLLM_CPU_DECODE_KERNEL", _WHAT)
         and _register()
     )
 
@@ -70,7 +69,9 @@ def attend_pages(
 def build_early() -> None:
     """Start building the kernel where it will be used (see supports), so that tracing the
     first step finds it built rather than waiting seconds for the compiler."""
-    if jax.default_backend() == "cpu" and os.environ.get("JVLLM_CPU_DECODE_KERNEL", "1") != "0":
+    if jax.default_backend() == "cpu" and not native.is_switched_off(
+        "JVLLM_CPU_DECODE_KERNEL", _WHAT
+    ):
         native.build_in_background(_KERNEL, _WHAT, _FLAGS)
 
 

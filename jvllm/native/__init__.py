@@ -6,9 +6,14 @@ what the builder can load is one table that the wheel is tested to hold (an edit
 would hide a file missing from pyproject's package-data).
 
 A kernel's source is compiled into ~/.cache/jvllm/native (or $JVLLM_NATIVE_CACHE_DIR), keyed
-by the source, the flags, jax's version and the CPU (it is built with -march=native). A machine
+by the source, the flags, jax's version and the CPU. It is built for this CPU (-march=native),
+or, with JVLLM_NATIVE_ISA=avx2 on an x86 CPU that has AVX2 and FMA, for x86-64-v3 (AVX2, FMA,
+F16C), so that a CPU with AVX-512 runs and tests the path of one without; =baseline builds for
+the architecture's baseline (x86-64's SSE2), where only the portable fallbacks of simd.h run.
+The log names each kernel as it loads and the instruction set it was built for. A machine
 without a compiler, a directory that cannot be written or a library that does not load gets
-one warning saying how to fix it, and the kernel's caller keeps its pure-JAX path.
+one warning saying how to fix it, and the kernel's caller keeps its pure-JAX path; so does a
+kernel switched off by its JVLLM_CPU_*_KERNEL=0, which the log says once.
 """
 
 import ctypes
@@ -29,13 +34,21 @@ from jvllm.logger import init_logger
 logger = init_logger(__name__)
 
 NATIVE_CACHE_DIR_ENV = "JVLLM_NATIVE_CACHE_DIR"
+NATIVE_ISA_ENV = "JVLLM_NATIVE_ISA"
+# JVLLM_NATIVE_ISA's choices -> the compiler's target flags (x86 for "avx2", and for "baseline"
+# x86 or ARM's).
+_ISA_FLAGS = {
+    "native": ["-march=native"],
+    "avx2": ["-march=x86-64-v3"],
+    "baseline": ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else [],
+}
 _DIR = Path(__file__).parent
 # Each kernel's source by the name its wrapper passes, and what every kernel may include.
 SOURCES = {
     name: _DIR / f"{name}.cc"
     for name in ("cpu_decode", "cpu_dense", "cpu_gguf", "cpu_int8", "cpu_int_group")
 }
-HEADERS = (_DIR / "parallel_for.h", _DIR / "simd.h")
+HEADERS = (_DIR / "dense_tile.h", _DIR / "parallel_for.h", _DIR / "simd.h")
 # One build of a source at a time: the engine's background build and the thread tracing a step
 # may both reach a kernel first, and the second then finds the library built. Different
 # kernels build side by side (each a compiler process of its own).
@@ -53,6 +66,7 @@ def register_targets(kernel: str, targets: tuple[str, ...], what: str, flags: li
     try:
         loaded = ctypes.cdll.LoadLibrary(str(library))
         handlers = {name: getattr(loaded, name) for name in targets}
+        isa = loaded.JvllmIsa  # simd.h's: what the compiler targeted
     except (OSError, AttributeError) as error:
         logger.warning(
             "%s stays pure JAX: loading %s failed (%s); delete it to rebuild", what, library, error
@@ -60,7 +74,22 @@ def register_targets(kernel: str, targets: tuple[str, ...], what: str, flags: li
         return False
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    isa.restype = ctypes.c_char_p
+    logger.info("%s: native kernel for %s (%s)", what, isa().decode(), library.name)
     return True
+
+
+def is_switched_off(env: str, what: str) -> bool:
+    """Whether the kernel doing `what` is switched off by `env`=0; the log says so once."""
+    if os.environ.get(env, "1") != "0":
+        return False
+    if env not in _SAID_OFF:
+        _SAID_OFF.add(env)
+        logger.info("%s: native kernel off (%s=0); the pure-JAX path runs", what, env)
+    return True
+
+
+_SAID_OFF: set[str] = set()
 
 
 def build_in_background(kernel: str, what: str, flags: list[str]) -> None:
@@ -95,11 +124,28 @@ def _cpu() -> str:
     return " ".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+def _target_flags() -> list[str]:
+    """The compiler's target flags that JVLLM_NATIVE_ISA asks for, where this CPU runs them;
+    else (logged) the machine's own."""
+    isa = os.environ.get(NATIVE_ISA_ENV, "native")
+    if isa not in _ISA_FLAGS:
+        logger.warning(
+            "%s=%s is none of %s: building for this CPU", NATIVE_ISA_ENV, isa, list(_ISA_FLAGS)
+        )
+        isa = "native"
+    if isa == "avx2" and not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")):
+        logger.warning(
+            "%s=avx2 on a CPU without AVX2, FMA and F16C: building for this CPU", NATIVE_ISA_ENV
+        )
+        isa = "native"
+    return _ISA_FLAGS[isa]
+
+
 def _build(source: Path, what: str, extra_flags: list[str], warn: bool = True) -> Path | None:
     """The shared library of `source`, compiled once per source, flags, jax version and CPU;
     None (logged where `warn`) when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
-    flags = ["-O3", "-march=native", *extra_flags, "-fPIC", "-std=c++17", "-w"]
+    flags = ["-O3", *_target_flags(), *extra_flags, "-fPIC", "-std=c++17", "-w"]
     flags += [f"-I{jax.ffi.include_dir()}", f"-I{_DIR}"]
     # -march=native builds for this CPU, so what the OS says of it is part of the key.
     key = f"{compiler} {flags} -shared {jax.__version__} {_cpu()}".encode()

@@ -2,33 +2,37 @@
 // x [R, I], on XLA:CPU through the XLA FFI (quantization/cpu_int8.py builds it), and V * s
 // converted to bfloat16 for XLA's matmul of more rows.
 //
-// The values are exact in bfloat16, so the products are those of XLA's matmul of x with the
-// values converted to bfloat16, summed in float32 in another order. A panel of kPanel weight
-// rows is converted once into bfloat16, where the cache keeps it, then meets the rows of x in
-// blocks of kBlockRows with AVX-512 BF16 dot products (32 products an instruction), each
-// (row, output) pair summing in one vector. The values come in stacked [L, O, I] with a layer
-// index, so that a layer of the scan's weights is read where it lies; panels are split among
-// XLA's intra-op threads.
-
-#include <immintrin.h>
+// The values are exact in bfloat16 and in float32, so the products are those of XLA's matmul
+// of x with the values converted to bfloat16, summed in float32 in another order. The values
+// come in stacked [L, O, I] with a layer index, so that a layer of the scan's weights is read
+// where it lies; weight rows are split among XLA's intra-op threads.
+// - With AVX-512 BF16, a panel of kPanel weight rows is converted once into bfloat16, where the
+//   cache keeps it, then meets the rows of x in blocks of kBlockRows with its dot products (32
+//   products an instruction), each (row, output) pair summing in one vector.
+// - Elsewhere, over the portable SIMD layer, dense_tile.h's loop widens the values and x's
+//   bfloat16 to float32 in registers and sums their fused multiply-adds.
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "dense_tile.h"
 #include "parallel_for.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int kStep = 32;      // cpu_int8.py's multiple of I
+constexpr int kPanel = 4;      // cpu_int8.py's multiple of O
+constexpr int kMaxRows = 128;  // past it XLA's matmul of the converted values is faster
+
+#if defined(__AVX512BF16__)
 // 4 x 6: 24 sums in registers; of 8 x 3, 2 x 12, 4 x 5 and 3 x 8 none was faster on SmolLM2's
 // shapes at 64 rows.
-constexpr int kPanel = 4;      // weight rows converted together
 constexpr int kBlockRows = 6;  // rows of x that meet a panel at once
-constexpr int kStep = 32;      // values of a row one instruction takes
-constexpr int kMaxRows = 128;  // past it XLA's matmul of the converted values is faster
 
 // 32 int8 values as float32, in two vectors of 16.
 inline void int8_to_floats(const int8_t* v, __m512* a, __m512* b) {
@@ -53,7 +57,7 @@ inline __m512bh scaled_to_bfloat16(const int8_t* v, float scale) {
   return _mm512_cvtne2ps_pbh(_mm512_mul_ps(b, s), _mm512_mul_ps(a, s));
 }
 
-inline __m512bh load_bfloat16(const uint16_t* p) {
+inline __m512bh load_bfloat16_dots(const uint16_t* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
 
@@ -68,9 +72,9 @@ void block_rows(const uint16_t* x, const uint16_t* panel, const float* scale, in
   }
   for (int64_t k = 0; k < I; k += kStep) {
     __m512bh w[kPanel];
-    for (int j = 0; j < kPanel; ++j) w[j] = load_bfloat16(panel + j * I + k);
+    for (int j = 0; j < kPanel; ++j) w[j] = load_bfloat16_dots(panel + j * I + k);
     for (int r = 0; r < kRows; ++r) {
-      const __m512bh xr = load_bfloat16(x + r * I + k);
+      const __m512bh xr = load_bfloat16_dots(x + r * I + k);
       for (int j = 0; j < kPanel; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, w[j]);
     }
   }
@@ -111,6 +115,34 @@ void dense_panels(int64_t p_first, int64_t p_last, const uint16_t* x, const int8
   }
 }
 
+// The R rows of x against weight rows [o_first, o_last), a multiple of kPanel apart.
+void dense_rows(int64_t R, int64_t o_first, int64_t o_last, const uint16_t* x,
+                const int8_t* values, const float* scale, int64_t I, int64_t O, float* y) {
+  dense_panels(o_first / kPanel, o_last / kPanel, x, values, scale, R, I, O, y);
+}
+
+// kStep int8 values times `scale` -> kStep bfloat16 at dst, rounded to nearest even.
+inline void store_scaled(const int8_t* v, float scale, uint16_t* dst) {
+  _mm512_storeu_si512(reinterpret_cast<void*>(dst), (__m512i)scaled_to_bfloat16(v, scale));
+}
+#else
+// bfloat16 rows of x times int8 values, both widened to float32 in registers.
+using Int8 = jvllm::Widened<uint16_t, int8_t>;
+
+void dense_rows(int64_t R, int64_t o_first, int64_t o_last, const uint16_t* x,
+                const int8_t* values, const float* scale, int64_t I, int64_t O, float* y) {
+  jvllm::dense_range<Int8>(R, o_first, o_last, x, values, I, O, y);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t o = o_first; o < o_last; ++o) y[r * O + o] *= scale[o];
+  }
+}
+
+inline void store_scaled(const int8_t* v, float scale, uint16_t* dst) {
+  static_assert(kStep % kLanes == 0);
+  for (int i = 0; i < kStep; i += kLanes) store_bfloat16(load_lanes(v + i) * scale, dst + i);
+}
+#endif
+
 // Layer `at` of values [L, O, I] and of scales [L, O]; an error where they do not fit together
 // or the kernel's shapes.
 ffi::Error layer_values(ffi::Buffer<ffi::S8>& values, ffi::Buffer<ffi::F32>& scales, int64_t at,
@@ -144,7 +176,7 @@ ffi::Error int8_dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   float* out = y->typed_data();
   const int64_t num_panels = O / kPanel;
   jvllm::parallel_ranges(pool, num_panels, 8, num_panels, [&](int64_t first, int64_t last) {
-    dense_panels(first, last, xs, v, scale, R, I, O, out);
+    dense_rows(R, first * kPanel, last * kPanel, xs, v, scale, I, O, out);
   });
   return ffi::Error::Success();
 }
@@ -163,10 +195,7 @@ ffi::Error convert_layer(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
   if (out->element_count() != O * I) return ffi::Error::InvalidArgument("int8: out [O, I]");
   auto* w = reinterpret_cast<uint16_t*>(out->typed_data());
   jvllm::parallel_ranges(pool, O, 8, O, [&](int64_t first, int64_t last) {
-    for (int64_t k = first * I; k < last * I; k += kStep) {
-      const __m512bh row = scaled_to_bfloat16(v + k, scale[k / I]);
-      _mm512_storeu_si512(reinterpret_cast<void*>(w + k), (__m512i)row);
-    }
+    for (int64_t k = first * I; k < last * I; k += kStep) store_scaled(v + k, scale[k / I], w + k);
   });
   return ffi::Error::Success();
 }

@@ -1,6 +1,5 @@
 """Rows times a bfloat16 or float32 weight on CPU as a native kernel (cpu_dense.cc) through the
-XLA FFI, where the CPU has AVX-512 (and AVX-512 BF16 for bfloat16): the layers' matmuls of decode
-steps.
+XLA FFI: the layers' matmuls of decode steps.
 
 XLA:CPU's matmul of a row or two reads a weight well below the bandwidth a sum over it reaches,
 and inside the layer scan XLA first copies each layer's weights out of the stack: SmolLM2's
@@ -11,12 +10,12 @@ the rows, which beats XLA's copy and matmul up to MAX_ROWS rows ("The CPU dense 
 rows"). A weight of its own (the LM head) goes to the kernel only up to STREAM_ROWS rows:
 with nothing to copy, XLA's matmul of more rows is the faster.
 
-It is built on first use (jvllm/native/); a CPU without AVX-512 (BF16 for bfloat16), a
-machine without a compiler, or JVLLM_CPU_DENSE_KERNEL=0 keeps XLA's matmul (dot.py).
+It is built on first use (jvllm/native/) for the CPU it runs on (AVX-512 with or without BF16,
+AVX2, NEON: one source over the portable SIMD layer); a machine without a compiler, or
+JVLLM_CPU_DENSE_KERNEL=0, keeps XLA's matmul (dot.py).
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -27,22 +26,19 @@ _KERNEL = "cpu_dense"  # native.SOURCES' key of jvllm/native/cpu_dense.cc
 _WHAT = "CPU dense matmul"
 STREAM_ROWS = 8  # cpu_dense.cc's kStreamRows
 MAX_ROWS = 64  # cpu_dense.cc's kMaxRows: past it XLA's copy and matmul were as fast on the EPYC
-# A weight dtype -> (its kernel, the CPU flag it needs, the multiple of 32-bit lanes of I).
-_KERNELS = {
-    jnp.dtype(jnp.bfloat16): ("BF16DenseStacked", "avx512_bf16", 32),
-    jnp.dtype(jnp.float32): ("F32DenseStacked", "avx512f", 16),
-}
+IN_MULTIPLE = 32  # cpu_dense.cc's kMultiple: the weight's inputs I are a multiple of it
+# A weight dtype -> its kernel.
+_KERNELS = {jnp.dtype(jnp.bfloat16): "BF16DenseStacked", jnp.dtype(jnp.float32): "F32DenseStacked"}
 
 
 def supports(dtype, num_in: int, num_rows: int, in_place: bool = False) -> bool:
     """Whether `num_rows` rows times a weight of `dtype` with `num_in` inputs run the kernel here;
     `in_place`: the weight is a layer of a stack, which XLA's matmul would copy out first."""
-    kernel = _KERNELS.get(jnp.dtype(dtype))
     return (
-        kernel is not None
-        and num_in % kernel[2] == 0
+        jnp.dtype(dtype) in _KERNELS
+        and num_in % IN_MULTIPLE == 0
         and num_rows <= (MAX_ROWS if in_place else STREAM_ROWS)
-        and jnp.dtype(dtype) in _runnable()
+        and _is_on()
         and _register()
     )
 
@@ -54,35 +50,23 @@ def dense(x: jax.Array, weights: jax.Array, layer: jax.Array | int) -> jax.Array
     if not _register():
         raise RuntimeError("the CPU dense kernel could not be built (see the log)")
     result = jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.float32)
-    target = _KERNELS[weights.dtype][0]
+    target = _KERNELS[weights.dtype]
     return jax.ffi.ffi_call(target, result)(x, jnp.asarray(layer, jnp.int32), weights)
 
 
 def build_early(dtype: str) -> None:
     """Start building the kernel for a model of `dtype` that will use it, so that tracing the
     first step finds it built rather than waiting seconds for the compiler."""
-    if jnp.dtype(dtype) in _runnable():
-        native.build_in_background(_KERNEL, _WHAT, _flags())
+    if jnp.dtype(dtype) in _KERNELS and _is_on():
+        native.build_in_background(_KERNEL, _WHAT, [])
 
 
-def _runnable() -> tuple[jnp.dtype, ...]:
-    """The weight dtypes whose kernel this CPU can run, unless it is switched off."""
-    if jax.default_backend() != "cpu" or os.environ.get("JVLLM_CPU_DENSE_KERNEL", "1") == "0":
-        return ()
-    return tuple(dtype for dtype, (_, flag, _) in _KERNELS.items() if native.cpu_has(flag))
-
-
-def _flags() -> list[str]:
-    """Without AVX-512 BF16 the source leaves the bfloat16 kernel out."""
-    return [] if native.cpu_has("avx512_bf16") else ["-DJVLLM_NO_BF16"]
+def _is_on() -> bool:
+    return jax.default_backend() == "cpu" and not native.is_switched_off(
+        "JVLLM_CPU_DENSE_KERNEL", _WHAT
+    )
 
 
 @functools.cache
 def _register() -> bool:
-    """Build and register the kernels (callers check `_runnable` first: without AVX-512 the
-    source does not compile)."""
-    has_bf16 = native.cpu_has("avx512_bf16")
-    targets = tuple(
-        target for target, flag, _ in _KERNELS.values() if has_bf16 or flag != "avx512_bf16"
-    )
-    return native.register_targets(_KERNEL, targets, _WHAT, _flags())
+    return native.register_targets(_KERNEL, tuple(_KERNELS.values()), _WHAT, [])

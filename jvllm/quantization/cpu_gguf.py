@@ -16,7 +16,6 @@ compiler, or JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes th
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.gguf_blocks import BLOCK_FORMATS, PACKED_QTYPES
 
 _KERNEL = "cpu_gguf"  # native.SOURCES' key of jvllm/native/cpu_gguf.cc
+_WHAT = "CPU GGUF matmul"
 MAX_ROWS = 32  # cpu_gguf.cc's kMaxRows: past it, dequantizing for XLA's matmul is faster
 _DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -40,7 +40,7 @@ def supports(dtype: str) -> bool:
     return (
         dtype in _DTYPES
         and jax.default_backend() == "cpu"
-        and os.environ.get("JVLLM_CPU_GGUF_KERNEL", "1") != "0"
+        and not native.is_switched_off("JVLLM_CPU_GGUF_KERNEL", _WHAT)
         and _register()
     )
 
@@ -75,4 +75,4 @@ def _register() -> bool:
     )
     # No contraction of a product and a sum into one rounding: the dequantized values must be
     # gguf's bit for bit.
-    return native.register_targets(_KERNEL, targets, "CPU GGUF matmul", ["-ffp-contract=off"])
+    return native.register_targets(_KERNEL, targets, _WHAT, ["-ffp-contract=off"])

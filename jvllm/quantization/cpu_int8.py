@@ -1,5 +1,5 @@
 """Rows of a bfloat16 model times int8 weight values on CPU as a native kernel (cpu_int8.cc)
-through the XLA FFI, where the CPU has AVX-512 BF16.
+through the XLA FFI.
 
 XLA:CPU converts an int8 weight to bfloat16 in a fusion of its own before its matmul: on
 SmolLM2's shapes at 64 rows that made int8 weights 1.1-2.5x slower than bfloat16 ones, and one
@@ -10,13 +10,14 @@ kernel's loop converts the layer's values times their scales to bfloat16 for it:
 matmul's float32 result took a pass of its own over it, which made int8 prefills 1.3x slower
 than bfloat16 ones.
 
-It is built on first use (jvllm/native/); a CPU without AVX-512 BF16, a machine without a
-compiler, or JVLLM_CPU_INT8_KERNEL=0 keeps the pure-JAX path, which computes the same products
-(past 128 rows, but for the kernel's rounding of values times scales to bfloat16).
+It is built on first use (jvllm/native/) for the CPU it runs on: AVX-512 BF16's dot products
+of converted panels, elsewhere (AVX2, NEON) the values widened to float32 in registers. A
+machine without a compiler, or JVLLM_CPU_INT8_KERNEL=0, keeps the pure-JAX path, which computes
+the same products (past 128 rows, but for the kernel's rounding of values times scales to
+bfloat16).
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jvllm import native
 from jvllm.quantization.dot import dot_rows
 
 _KERNEL = "cpu_int8"  # native.SOURCES' key of jvllm/native/cpu_int8.cc
+_WHAT = "CPU int8 matmul"
 _TARGETS = ("Int8DenseBF16", "Int8ToBF16")
 # cpu_int8.cc's kMaxRows: past it (a prefill), XLA's matmul of the values converted once is the
 # faster (SmolLM2's [3072, 576] at 256 rows: 3.6 against 2.6 ms).
@@ -40,8 +42,7 @@ def supports(values: jax.Array, dtype: str) -> bool:
         and values.shape[-1] % 32 == 0
         and values.shape[-2] % 4 == 0
         and jax.default_backend() == "cpu"
-        and os.environ.get("JVLLM_CPU_INT8_KERNEL", "1") != "0"
-        and native.cpu_has("avx512_bf16")
+        and not native.is_switched_off("JVLLM_CPU_INT8_KERNEL", _WHAT)
         and _register()
     )
 
@@ -64,4 +65,4 @@ def dense(x: jax.Array, values: jax.Array, scale: jax.Array, layer: jax.Array) -
 
 @functools.cache
 def _register() -> bool:
-    return native.register_targets(_KERNEL, _TARGETS, "CPU int8 matmul", [])
+    return native.register_targets(_KERNEL, _TARGETS, _WHAT, [])

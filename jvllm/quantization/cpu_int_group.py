@@ -24,7 +24,6 @@ JVLLM_CPU_INT_GROUP_KERNEL=0, keeps the caller's pure-JAX path.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from jvllm import native
 from jvllm.quantization.dot import dot_rows
 
 _KERNEL = "cpu_int_group"  # native.SOURCES' key of jvllm/native/cpu_int_group.cc
+_WHAT = "CPU grouped-integer matmul"
 _TARGETS = ("IntGroupDense", "IntGroupDequantize")
 # cpu_int_group.cc's kMaxRows: at 32 rows its products and XLA's matmul of the layer it
 # dequantizes take about as long (SmolLM2's shapes on the EPYC).
@@ -53,7 +53,7 @@ def supports(dtype: str, bits: int, group_size: int, scale_dtype) -> bool:
         and group_size % _GROUP_MULTIPLE == 0
         and jnp.dtype(scale_dtype) in _SCALE_DTYPES
         and jax.default_backend() == "cpu"
-        and os.environ.get("JVLLM_CPU_INT_GROUP_KERNEL", "1") != "0"
+        and not native.is_switched_off("JVLLM_CPU_INT_GROUP_KERNEL", _WHAT)
         and _register()
     )
 
@@ -98,6 +98,4 @@ def dense(
 def _register() -> bool:
     # No contraction of a product and a sum into one rounding: the values must be
     # int_weight.dequantize's bit for bit.
-    return native.register_targets(
-        _KERNEL, _TARGETS, "CPU grouped-integer matmul", ["-ffp-contract=off"]
-    )
+    return native.register_targets(_KERNEL, _TARGETS, _WHAT, ["-ffp-contract=off"])
