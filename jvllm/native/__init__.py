@@ -75,7 +75,9 @@ def register_targets(kernel: str, targets: tuple[str, ...], what: str, flags: li
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     isa.restype = ctypes.c_char_p
-    logger.info("%s: native kernel for %s (%s)", what, isa().decode(), library.name)
+    if library not in _SAID_LOADED:  # two threads may register a kernel at once
+        _SAID_LOADED.add(library)
+        logger.info("%s: native kernel for %s (%s)", what, isa().decode(), library.name)
     return True
 
 
@@ -90,6 +92,7 @@ def is_switched_off(env: str, what: str) -> bool:
 
 
 _SAID_OFF: set[str] = set()
+_SAID_LOADED: set[Path] = set()
 
 
 def build_in_background(kernel: str, what: str, flags: list[str]) -> None:

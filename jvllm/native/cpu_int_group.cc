@@ -77,6 +77,14 @@ inline f32v round_to_bfloat16(f32v w) {
 #endif
 }
 
+// IEEE float16, converted to and from float32 by the hardware: GCC 12's C++ has _Float16 on x86
+// only, ARM's __fp16.
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 // Each lane rounded to the nearest float16 (ties to even), as float32.
 inline f32v round_to_half(f32v w) {
 #if defined(__AVX512F__)
@@ -85,7 +93,7 @@ inline f32v round_to_half(f32v w) {
 #elif defined(__AVX__) && defined(__F16C__)
   return (f32v)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)w, _MM_FROUND_TO_NEAREST_INT));
 #else
-  for (int l = 0; l < N; ++l) w[l] = static_cast<float>(static_cast<_Float16>(w[l]));
+  for (int l = 0; l < N; ++l) w[l] = static_cast<float>(static_cast<Half>(w[l]));
   return w;
 #endif
 }
@@ -107,7 +115,7 @@ inline float scale_at(const uint8_t* scales, int64_t i) {
   if constexpr (S == Scale::kF32) return load<float>(scales + 4 * i);
   const uint16_t h = load<uint16_t>(scales + 2 * i);
   if constexpr (S == Scale::kBF16) return bfloat16_to_float(h);
-  return static_cast<float>(load<_Float16>(&h));
+  return static_cast<float>(load<Half>(&h));
 }
 
 // Integers less their zero point d (exact in float32) times scale s, rounded to the scale dtype.
