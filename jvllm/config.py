@@ -82,6 +82,11 @@ class ModelConfig:
     # that device's share; distributed/tensor_parallel.py), and the row-parallel layers sum
     # their partial outputs over the mesh's "model" axis.
     num_shards: int = 1
+    # The routed experts are placed whole over the "model" axis's devices (enable_expert_parallel;
+    # distributed/expert_parallel.py) rather than each cut on its F: a shard's config then holds
+    # E / num_shards of them (`num_local_experts`), and its MoE layers run only their
+    # assignments.
+    is_expert_parallel: bool = False
     # LoRA adapter slots of the projections that take adapters (layers/lora.py), each of up to
     # max_lora_rank; 0: none, and the params hold no adapter weights.
     max_loras: int = 0
@@ -156,6 +161,17 @@ class ModelConfig:
             return (None,) * self.num_layers
         types = self.layer_types or ("sliding_attention",) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def num_expert_shards(self) -> int:
+        """The devices the routed experts are spread over, each whole on one: num_shards under
+        expert parallelism, else 1 (a device holds every expert, or a slice of each)."""
+        return self.num_shards if self.is_expert_parallel else 1
+
+    @property
+    def num_local_experts(self) -> int:
+        """The routed experts this config's MoE layers hold: E, or a device's share of them."""
+        return self.num_experts // self.num_expert_shards
 
     @property
     def rotary_dim(self) -> int:

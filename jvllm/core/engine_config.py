@@ -62,6 +62,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None  # the replica one LLMEngine runs; None when D = 1
+    # A mixture of experts' routed experts placed whole over the T devices (E/T each) instead
+    # of each cut on its F (distributed/expert_parallel.py).
+    enable_expert_parallel: bool = False
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None

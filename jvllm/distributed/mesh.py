@@ -7,6 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jvllm.config import ModelConfig
 from jvllm.layers.params import DP_AXIS, TP_AXIS
 
 _CPU_HINT = (
@@ -58,14 +59,20 @@ def replica_mesh(mesh: Mesh, rank: int) -> Mesh:
     return Mesh(mesh.devices[rank : rank + 1], mesh.axis_names)
 
 
+def num_shards(mesh: Mesh | None) -> int:
+    """T: the devices of `mesh`'s "model" axis, each model cut over (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape[TP_AXIS]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A whole copy of the array on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())
 
 
-def describe_placement(mesh: Mesh, params) -> str:
+def describe_placement(mesh: Mesh, params, config: ModelConfig) -> str:
     """For the start-up log: the devices, and each one's bytes of weights, when there are
-    several."""
+    several; under expert parallelism, that the experts are placed whole, and how many a
+    device holds."""
     if mesh.size == 1:
         return ""
     device = mesh.devices.flat[0]
@@ -75,7 +82,11 @@ def describe_placement(mesh: Mesh, params) -> str:
         for shard in leaf.addressable_shards
         if shard.device == device
     )
+    experts = ""
+    if config.is_expert_parallel:
+        num_local = config.num_experts // mesh.shape[TP_AXIS]
+        experts = f", routed experts placed whole: {num_local} of {config.num_experts} a device"
     return (
-        f" on {mesh.size} devices (tensor_parallel_size={mesh.shape[TP_AXIS]}), "
+        f" on {mesh.size} devices (tensor_parallel_size={mesh.shape[TP_AXIS]}{experts}), "
         f"{weight_bytes / 2**20:.1f} MiB of weights per device"
     )

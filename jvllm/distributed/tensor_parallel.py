@@ -11,6 +11,9 @@ N/T query heads, then its K/T KV heads of k and of v, so that the slice is exact
 q|k|v weight of `shard_config`'s model, the per-device module `shard_map` runs. With fewer KV
 heads than devices (K < T, T a multiple of K), KV head j is repeated on the T/K devices whose
 query heads use it, as vLLM does: every device holds one.
+
+Under expert parallelism (distributed/expert_parallel.py) the routed expert stacks follow
+EXPERT_PARALLEL_RULES instead: cut by expert, each expert whole (`axis_rules`).
 """
 
 from __future__ import annotations
@@ -23,12 +26,25 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.expert_parallel import (
+    EXPERT_PARALLEL_RULES,
+    check_expert_parallel,
+    is_expert_stack,
+)
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.models.model import param_axes, param_segments, param_shapes
 from jvllm.quantization import is_quantized
 
 # Logical axis names (layers/params.py) -> the mesh axis that cuts them; the rest replicate.
 AXIS_RULES = {"heads": TP_AXIS, "kv_heads": TP_AXIS, "mlp": TP_AXIS, "vocab": TP_AXIS}
+
+
+def axis_rules(axes: tuple[str | None, ...], is_expert_parallel: bool) -> dict[str, str]:
+    """The rules that place a param of these logical axes: an expert stack's under expert
+    parallelism, AXIS_RULES otherwise."""
+    if is_expert_parallel and is_expert_stack(axes):
+        return EXPERT_PARALLEL_RULES
+    return AXIS_RULES
 
 
 def check_tensor_parallel(config: ModelConfig, num_shards: int) -> None:
@@ -44,7 +60,9 @@ def check_tensor_parallel(config: ModelConfig, num_shards: int) -> None:
             f"the {k} KV heads (with fewer KV heads than devices, tensor_parallel_size must be "
             "a multiple of them, each then repeated on tensor_parallel_size / K devices)"
         )
-    if _mlp_width(config) % t:
+    if config.is_expert_parallel:
+        check_expert_parallel(config, t)
+    elif _mlp_width(config) % t:
         what = "each expert's" if config.num_experts else "the MLP's"
         problems.append(f"{what} intermediate size {_mlp_width(config)}")
     shared = config.shared_expert_intermediate_size
@@ -70,17 +88,21 @@ def num_kv_heads(config: ModelConfig, num_shards: int) -> int:
 
 
 def shard_config(config: ModelConfig, num_shards: int) -> ModelConfig:
-    """The model one device runs: its share of the heads, of F and of the (padded) vocabulary."""
+    """The model one device runs: its share of the heads, of F and of the (padded) vocabulary;
+    under expert parallelism, its share of the routed experts, each of the whole F."""
     if num_shards == 1:
         return config
     check_tensor_parallel(config, num_shards)
     t = num_shards
+    expert_width = config.moe_intermediate_size // t
+    if config.is_expert_parallel:  # kept where the experts read it, intermediate_size being cut
+        expert_width = config.moe_intermediate_size or config.intermediate_size
     return dataclasses.replace(
         config,
         vocab_size=math.ceil(config.vocab_size / t),
         # A mixture of experts that reads moe_intermediate_size never reads this one.
         intermediate_size=max(1, config.intermediate_size // t),
-        moe_intermediate_size=config.moe_intermediate_size // t,
+        moe_intermediate_size=expert_width,
         shared_expert_intermediate_size=config.shared_expert_intermediate_size // t,
         num_heads=config.num_heads // t,
         num_kv_heads=num_kv_heads(config, t) // t,
@@ -90,8 +112,13 @@ def shard_config(config: ModelConfig, num_shards: int) -> ModelConfig:
 
 def param_specs(config: ModelConfig) -> dict:
     """Each param's PartitionSpec over the mesh, in the params' tree."""
+
+    def spec(axes: tuple[str, ...]) -> PartitionSpec:
+        rules = axis_rules(axes, config.is_expert_parallel)
+        return PartitionSpec(*(rules.get(a) for a in axes))
+
     return jax.tree.map(
-        lambda axes: PartitionSpec(*(AXIS_RULES.get(a) for a in axes)),
+        spec,
         param_axes(config),
         is_leaf=lambda x: isinstance(x, tuple),
     )
@@ -126,14 +153,22 @@ def sharded_param_shapes(config: ModelConfig, num_shards: int) -> dict:
 
 
 def shard_layout(
-    x: np.ndarray, axes: tuple[str, ...], segments, num_shards: int, shape: tuple[int, ...]
+    x: np.ndarray,
+    axes: tuple[str, ...],
+    segments,
+    num_shards: int,
+    shape: tuple[int, ...],
+    rules: dict[str, str] = AXIS_RULES,
 ) -> np.ndarray:
     """A checkpoint-layout param -> its mesh layout of `shape` (see the module docstring):
-    vocabulary rows padded with zeros, fused pieces cut shard-major, KV heads repeated."""
-    cut = [i for i, a in enumerate(axes) if AXIS_RULES.get(a)]
+    vocabulary rows padded with zeros, fused pieces cut shard-major, KV heads repeated; whole
+    experts (`rules` EXPERT_PARALLEL_RULES) stay in order, device i's the i-th run of them."""
+    cut = [i for i, a in enumerate(axes) if rules.get(a)]
     if num_shards == 1 or not cut:
         return x
     (axis,) = cut
+    if axes[axis] == "experts":
+        return x
     if axes[axis] == "vocab":
         pad = [(0, 0)] * x.ndim
         pad[axis] = (0, shape[axis] - x.shape[axis])
@@ -167,6 +202,7 @@ class ParamPlacer:
         self._segments = param_segments(config)
         self._specs = param_specs(config)
         self._shapes = sharded_param_shapes(config, self._num_shards)
+        self._is_expert_parallel = config.is_expert_parallel
 
     def __call__(self, path: str, x: np.ndarray) -> jax.Array:
         sharding = NamedSharding(self._mesh, _lookup(self._specs, path.split(".")))
@@ -189,7 +225,7 @@ class ParamPlacer:
         axes = list(_lookup(self._axes, keys))
         if experts:
             axes[-2:] = axes[-1], axes[-2]
-        in_cut = AXIS_RULES.get(axes[-1]) is not None and self._num_shards > 1
+        in_cut = self._rules(keys).get(axes[-1]) is not None and self._num_shards > 1
         if in_cut:
             self._check_input_cut(path, fields)
         whole_groups = "g_idx" in fields
@@ -200,9 +236,10 @@ class ParamPlacer:
     def cuts_input(self, path: str, experts: bool) -> bool:
         """Whether the param at `path` is cut along its input axis (row-parallel): an act-order
         weight then takes its g_idx form (quantization/host_weights.py's by_column)."""
-        axes = _lookup(self._axes, path.split("."))
+        keys = path.split(".")
+        axes = _lookup(self._axes, keys)
         in_axis = axes[-2] if experts else axes[-1]
-        return self._num_shards > 1 and AXIS_RULES.get(in_axis) is not None
+        return self._num_shards > 1 and self._rules(keys).get(in_axis) is not None
 
     def place_blocks(
         self, path: str, fields: dict[str, np.ndarray], rows: tuple[int, int] | None = None
@@ -219,7 +256,8 @@ class ParamPlacer:
         t = self._num_shards
         out_rows = _lookup(self._shapes, keys).shape[-2]
         segments = _lookup(self._segments, keys)
-        if t > 1 and AXIS_RULES.get(axes[-1]) is not None:
+        rules = self._rules(keys)
+        if t > 1 and rules.get(axes[-1]) is not None:
             num_in = _lookup(self._shapes, keys).shape[-1]
             num_blocks = next(iter(fields.values())).shape[len(axes) - 1]
             if num_blocks % t:
@@ -229,19 +267,19 @@ class ParamPlacer:
                     "devices without a block straddling two of them; choose a "
                     "tensor_parallel_size that divides the blocks"
                 )
-        is_out_cut = t > 1 and AXIS_RULES.get(axes[-2]) is not None
+        is_out_cut = t > 1 and rules.get(axes[-2]) is not None
         if is_out_cut and rows is not None and segments is not None:
             segments, out_rows = _segments_within(path, segments, rows, t)
         placed = {}
         for name, x in fields.items():
             field_axes = axes + (None,) * (x.ndim - len(axes))
-            spec = PartitionSpec(*(AXIS_RULES.get(a) for a in field_axes))
+            spec = PartitionSpec(*(rules.get(a) for a in field_axes))
             sharding = NamedSharding(self._mesh, spec)
             if self._mesh.size == 1:
                 placed[name] = jax.device_put(x, sharding, may_alias=True)
                 continue
             shape = (*x.shape[: len(axes) - 2], out_rows, *x.shape[len(axes) - 1 :])
-            host = shard_layout(x, field_axes, segments, t, shape)
+            host = shard_layout(x, field_axes, segments, t, shape, rules)
             placed[name] = jax.make_array_from_callback(
                 host.shape, sharding, lambda index, host=host: host[index]
             )
@@ -254,7 +292,7 @@ class ParamPlacer:
         keys = path.split(".")
         axes = _lookup(self._axes, keys)
         out = -1 if experts else -2
-        if self._num_shards == 1 or AXIS_RULES.get(axes[out]) is None:
+        if self._num_shards == 1 or self._rules(keys).get(axes[out]) is None:
             return None
         t = self._num_shards
         segments = _lookup(self._segments, keys)
@@ -271,8 +309,9 @@ class ParamPlacer:
         axes = axes[:-2] + axes[-1:] if per_column else axes
         if field in ("scale", "zero") and (x.shape[-1] == 1 or whole_groups):
             axes = axes[:-1] + [None]  # one scale a row: every device's columns use it whole
-        sharding = NamedSharding(self._mesh, PartitionSpec(*(AXIS_RULES.get(a) for a in axes)))
-        out_cut = not per_column and AXIS_RULES.get(axes[-2]) is not None
+        rules = self._rules(keys)
+        sharding = NamedSharding(self._mesh, PartitionSpec(*(rules.get(a) for a in axes)))
+        out_cut = not per_column and rules.get(axes[-2]) is not None
         if self._mesh.size == 1:
             return jax.device_put(x, sharding, may_alias=True)
         host = x
@@ -280,7 +319,7 @@ class ParamPlacer:
             whole = _lookup(self._shapes, keys).shape
             shape = (*x.shape[:-2], whole[-1] if experts else whole[-2], x.shape[-1])
             segments = _lookup(self._segments, keys)
-            host = shard_layout(x, tuple(axes), segments, self._num_shards, shape)
+            host = shard_layout(x, tuple(axes), segments, self._num_shards, shape, rules)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def _check_input_cut(self, path: str, fields: dict[str, np.ndarray]) -> None:
@@ -313,7 +352,11 @@ class ParamPlacer:
         axes, segments, shape = (
             _lookup(t, keys) for t in (self._axes, self._segments, self._shapes)
         )
-        return shard_layout(x, axes, segments, self._num_shards, shape.shape)
+        return shard_layout(x, axes, segments, self._num_shards, shape.shape, self._rules(keys))
+
+    def _rules(self, keys: list[str]) -> dict[str, str]:
+        """The rules that place the param at `keys` (`axis_rules`)."""
+        return axis_rules(_lookup(self._axes, keys), self._is_expert_parallel)
 
 
 def placer(config: ModelConfig, mesh: Mesh | None) -> ParamPlacer | None:

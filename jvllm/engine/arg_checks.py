@@ -29,6 +29,7 @@ _BOOLS = (
     "enable_sleep_mode",
     "enable_prefix_caching",
     "enable_lora",
+    "enable_expert_parallel",
 )
 _POSITIVE_INTS = (
     "block_size",

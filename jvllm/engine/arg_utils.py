@@ -134,6 +134,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None  # the replica an LLMEngine runs; None when D = 1
+    # vLLM's: a mixture of experts' routed experts placed whole over the tensor_parallel_size
+    # devices (E / T each, E a multiple of T) instead of each expert cut on its intermediate
+    # size; a no-op for a model without experts or on one device.
+    enable_expert_parallel: bool = False
     # Several processes (one per host) through jax.distributed; unset, the launcher's
     # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (distributed/multihost.py).
     distributed_coordinator_address: str | None = None  # host:port of process 0

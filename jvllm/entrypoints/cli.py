@@ -151,6 +151,10 @@ _ENGINE_FLAGS = {
     },
     "tensor_parallel_size": {"type": int, "help": "devices each replica is cut over"},
     "data_parallel_size": {"type": int, "help": "replicas"},
+    "enable_expert_parallel": {
+        "action": "store_true",
+        "help": "place MoE experts whole over the devices (E / tensor-parallel-size each)",
+    },
     "distributed_coordinator_address": {"help": "host:port of process 0 (several hosts)"},
     "distributed_num_processes": {"type": int, "help": "processes (hosts) in all"},
     "distributed_process_id": {"type": int, "help": "this process's rank"},

@@ -13,6 +13,7 @@ from jvllm.config import ModelConfig
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.moe import moe_mlp
+from jvllm.layers.parallel import first_local_expert, sum_over_shards
 from jvllm.layers.params import param
 
 # HF's `topk_method`s: V2's two softmax routers, and V3's sigmoid one (which HF's V3 model
@@ -79,24 +80,31 @@ class DeepseekMoE(nnx.Module):
     """The routed experts (layers/moe.py's grouped matmuls, in its weight layout) plus
     `n_shared_experts` shared experts, which HF runs as one gated MLP of n_shared * F (here
     config.shared_expert_intermediate_size) on every token. The router [E, D] and V3's
-    correction bias [E] stay float32 whatever the model dtype, as HF keeps them."""
+    correction bias [E] stay float32 whatever the model dtype, as HF keeps them, and whole on
+    every device. Under tensor parallelism a device holds a slice of every expert's F and of
+    the shared experts', under expert parallelism E/T whole routed experts and a slice of the
+    shared experts': either way the two partial sums join before the layer's one all-reduce."""
 
     def __init__(self, config: ModelConfig):
-        d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
-        dtype = jnp.dtype(config.dtype)
-        self.router = param((e, d), jnp.float32, ("experts", "embed"))
+        d, e, f = config.hidden_size, config.num_local_experts, config.moe_intermediate_size
+        dtype, num_experts = jnp.dtype(config.dtype), config.num_experts
+        self.router = param((num_experts, d), jnp.float32, ("experts", "embed"))
         self.routing = config.option("routing")
         is_biased = self.routing == "noaux_tc"
-        self.correction_bias = param((e,), jnp.float32, ("experts",)) if is_biased else None
+        self.correction_bias = (
+            param((num_experts,), jnp.float32, ("experts",)) if is_biased else None
+        )
         self.gate_up = param((e, d, 2 * f), dtype, ("experts", "embed", "mlp"), ((f, 1), (f, 1)))
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
         shared_f = config.shared_expert_intermediate_size
-        self.shared_experts = GatedMLP(config, shared_f) if shared_f else None
+        self.shared_experts = GatedMLP(config, shared_f, sum_shards=False) if shared_f else None
         self.top_k = config.num_experts_per_tok
         self.num_groups = config.option("n_group", 1)
         self.topk_group = config.option("topk_group", 1)
         self.renormalize = config.norm_topk_prob
         self.scaling_factor = config.option("routed_scaling_factor", 1.0)
+        self.num_shards = config.num_shards
+        self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
@@ -112,7 +120,8 @@ class DeepseekMoE(nnx.Module):
             renormalize=self.renormalize,
             scaling_factor=self.scaling_factor,
         )
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])  # [T, D]
+        first_expert = first_local_expert(self.num_local_experts, self.num_expert_shards)
+        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], first_expert)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return sum_over_shards(out, self.num_shards)  # [T, D]

@@ -18,8 +18,8 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.layers.linear import dense
-from jvllm.layers.moe import grouped_dense
-from jvllm.layers.parallel import sum_over_shards
+from jvllm.layers.moe import combine, group_by_expert, grouped_dense
+from jvllm.layers.parallel import first_local_expert, sum_over_shards
 from jvllm.layers.params import param
 
 
@@ -54,50 +54,51 @@ def gpt_oss_experts(
     down: jax.Array,
     alpha: float,
     limit: float,
+    first_expert: jax.Array | None = None,
 ) -> jax.Array:
     """sum_k weights[t, k] * down_{e}(clamped_swiglu(gate_up_{e}(x[t]) + gate_up_bias[e])) for
     e = experts[t, k] -> f32[T, D], without the down bias (`GptOssMoE` adds it after the
     tensor-parallel sum, so that it is added once).
 
     As layers/moe.py's moe_mlp: the T*k (token, expert) rows sorted by expert, each projection
-    one grouped matmul over the experts' row counts, then back to token order.
+    one grouped matmul over the experts' row counts, then back to token order; first_expert
+    as moe_mlp's (expert parallelism: the held experts' assignments alone).
     """
-    num_tokens, top_k = experts.shape
-    flat_experts = experts.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat_experts, stable=True)  # [T*k] assignment ids, grouped by expert
-    group_sizes = jnp.bincount(flat_experts, length=gate_up.shape[0]).astype(jnp.int32)  # [E]
-    rows = x[order // top_k]  # [T*k, D]
+    num_experts = gate_up.shape[0]
+    local, order, group_sizes, is_held = group_by_expert(experts, num_experts, first_expert)
+    rows = x[order // experts.shape[1]]  # [T*k, D]
 
-    hidden = grouped_dense(rows, gate_up, group_sizes) + gate_up_bias[flat_experts[order]]
+    # The rows of experts held elsewhere (local E) take the last expert's bias; combine drops them.
+    bias = gate_up_bias[jnp.minimum(local[order], num_experts - 1)]  # f32[T*k, 2F]
+    hidden = grouped_dense(rows, gate_up, group_sizes) + bias
     gate, up = jnp.split(hidden, 2, axis=-1)  # f32[T*k, F] each
     activated = clamped_swiglu(gate, up, alpha, limit).astype(down.dtype)
     out = grouped_dense(activated, down, group_sizes)  # f32[T*k, D]
-
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    out = out[inverse].reshape(num_tokens, top_k, -1)  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", out, weights)
+    return combine(out, order, weights, is_held)
 
 
 class GptOssMoE(nnx.Module):
     """The router ([E, D] and a bias [E]), `route_top_logits`, then `gpt_oss_experts`
     and each chosen expert's down bias, weighted. Under tensor parallelism every device holds a
-    slice of each expert's F; its partial sums are summed over the devices before the biases of
-    down, which no slice holds a part of, are added."""
+    slice of each expert's F, under expert parallelism E/T whole experts (with their gate_up
+    biases); its partial sums are summed over the devices before the biases of down (whole on
+    every device, read by the router's ids) are added."""
 
     def __init__(self, config: ModelConfig):
-        d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        d, e, f = config.hidden_size, config.num_local_experts, config.moe_intermediate_size
         dtype = jnp.dtype(config.dtype)
         halves = ((f, 1), (f, 1))  # gate | up
-        self.router = param((e, d), dtype, ("experts", "embed"))
-        self.router_bias = param((e,), jnp.float32, ("experts",))
+        self.router = param((config.num_experts, d), dtype, ("experts", "embed"))
+        self.router_bias = param((config.num_experts,), jnp.float32, ("experts",))
         self.gate_up = param((e, d, 2 * f), dtype, ("experts", "embed", "mlp"), halves)
         self.gate_up_bias = param((e, 2 * f), jnp.float32, ("experts", "mlp"), halves)
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
-        self.down_bias = param((e, d), jnp.float32, ("experts", "embed"))
+        self.down_bias = param((config.num_experts, d), jnp.float32, ("experts", "embed"))
         self.top_k = config.num_experts_per_tok
         self.alpha = config.option("swiglu_alpha")
         self.limit = config.option("swiglu_limit")
         self.num_shards = config.num_shards
+        self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
@@ -112,6 +113,7 @@ class GptOssMoE(nnx.Module):
             self.down[...],
             self.alpha,
             self.limit,
+            first_local_expert(self.num_local_experts, self.num_expert_shards),
         )
         out = sum_over_shards(out, self.num_shards)  # [T, D]
         return out + jnp.einsum("tk,tkd->td", weights, self.down_bias[...][experts])

@@ -10,7 +10,8 @@ unlike `dense`'s torch [out, in]. HF checkpoints store each expert's projections
 [out, in] tensors, so the loader stacks them anyway and transposes them then, once. On XLA:CPU
 moe_mlp ran 1.1-1.6x faster with this layout than with [E, 2F, D] (BENCHMARKS.md).
 As for the dense gate|up, tensor parallelism over the fused 2F axis needs the gate and up halves
-laid out shard by shard.
+laid out shard by shard. Under expert parallelism a device holds E/T whole experts instead, and
+runs only their (token, expert) assignments (`group_by_expert`).
 """
 
 import jax
@@ -20,7 +21,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
-from jvllm.layers.parallel import sum_over_shards
+from jvllm.layers.parallel import first_local_expert, sum_over_shards
 from jvllm.layers.params import param
 from jvllm.quantization import ExpertWeight, is_quantized
 
@@ -42,17 +43,63 @@ def route(
     return weights, experts.astype(jnp.int32)
 
 
+def group_by_expert(
+    experts: jax.Array, num_experts: int, first_expert: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The T*k (token, expert) assignments grouped by expert, for grouped matmuls over the
+    E experts a layer holds (the router's ids first_expert .. first_expert + E - 1).
+
+    experts i32[T, k] (the router's ids) -> (local i32[T*k]: each assignment's expert among the
+    held ones, E where it is not held; order i32[T*k]: the assignments sorted by `local`;
+    group_sizes i32[E]: each held expert's assignments; is_held bool[T, k], or None where
+    first_expert is None and every expert is held).
+
+    An assignment to an expert the device does not hold (expert parallelism) sorts after
+    every group and into none: ragged_dot gives its rows 0 and a grouped kernel no work, so a
+    device runs its share of the assignments. Mapping them to a held expert with weight 0
+    would have run all T*k through the device's experts, T times the work."""
+    local = experts.reshape(-1)  # [T*k]
+    is_held = None
+    if first_expert is not None:
+        local = local - first_expert
+        is_held = (local >= 0) & (local < num_experts)
+        local = jnp.where(is_held, local, num_experts)
+        is_held = is_held.reshape(experts.shape)
+    order = jnp.argsort(local, stable=True)  # [T*k] assignment ids, grouped by expert
+    # bincount drops the ids past `length`: the assignments of experts held elsewhere.
+    group_sizes = jnp.bincount(local, length=num_experts).astype(jnp.int32)  # [E]
+    return local, order, group_sizes, is_held
+
+
+def combine(
+    out: jax.Array, order: jax.Array, weights: jax.Array, is_held: jax.Array | None
+) -> jax.Array:
+    """The grouped rows out f32[T*k, D] (in `order`, `group_by_expert`'s) back in assignment
+    order, weighted by weights f32[T, k] and summed per token -> f32[T, D]; the assignments
+    not `is_held` count 0."""
+    num_tokens, top_k = weights.shape
+    # The inverse permutation of `order`.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    out = out[inverse].reshape(num_tokens, top_k, -1)  # [T, k, D]
+    if is_held is not None:
+        out = jnp.where(is_held[..., None], out, 0.0)
+    return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32))
+
+
 def moe_mlp(
     x: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
     gate_up: jax.Array,
     down: jax.Array,
+    first_expert: jax.Array | None = None,
 ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D].
 
     x [T, D]; weights f32[T, k] and experts i32[T, k] from `route`; gate_up [E, D, 2F] and
     down [E, F, D] (see the module docstring). Each expert is down(silu(gate) * up).
+    first_expert: under expert parallelism, the router's id of gate_up's first expert
+    (layers/parallel.py's first_local_expert); the sum then runs over the held experts alone.
 
     The T*k (token, expert) assignments are sorted by expert, so each expert's rows are
     contiguous, and both projections run as one grouped matmul (`jax.lax.ragged_dot`)
@@ -64,21 +111,13 @@ def moe_mlp(
     two from a few tokens up (BENCHMARKS.md). On GPU and TPU, jax keeps ragged_dot as its own
     XLA instruction for the compiler's grouped matmul (not measured here yet).
     """
-    num_tokens, top_k = experts.shape
-    num_experts = gate_up.shape[0]
-    flat_experts = experts.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat_experts, stable=True)  # [T*k] assignment ids, grouped by expert
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
-    rows = x.astype(gate_up.dtype)[order // top_k]  # [T*k, D]
+    _, order, group_sizes, is_held = group_by_expert(experts, gate_up.shape[0], first_expert)
+    rows = x.astype(gate_up.dtype)[order // experts.shape[1]]  # [T*k, D]
 
     gate, up = jnp.split(grouped_dense(rows, gate_up, group_sizes), 2, axis=-1)  # [T*k, F] each
     hidden = jax.nn.silu(gate) * up  # f32[T*k, F]
     out = grouped_dense(hidden.astype(down.dtype), down, group_sizes)  # f32[T*k, D]
-
-    # Back to assignment order (the inverse permutation of `order`), then weight and sum.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    out = out[inverse].reshape(num_tokens, top_k, -1)  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32))
+    return combine(out, order, weights, is_held)
 
 
 def dense_moe_mlp(
@@ -119,22 +158,24 @@ def grouped_dense(
 class SparseMoE(nnx.Module):
     """The MoE MLP of Mixtral, Qwen3-MoE and Qwen2-MoE: a router [E, D], then each token's top-k
     experts (`route`) as grouped matmuls (`moe_mlp`). Expert weights in ragged_dot's layout (see
-    the module docstring), the experts axis named for expert parallelism.
+    the module docstring); under expert parallelism a device's layer holds its E/T experts
+    whole (the router all E), under tensor parallelism a slice of every expert's F.
 
     With `shared_expert_intermediate_size` (Qwen2-MoE), every token also runs a shared expert, a
     gated MLP of that width, scaled by sigmoid(shared_gate . x) (shared_gate [D]: HF's [1, D]
     shared_expert_gate) and added to the experts' sum, as HF's Qwen2MoeSparseMoeBlock does."""
 
     def __init__(self, config: ModelConfig):
-        d, e = config.hidden_size, config.num_experts
+        d, e = config.hidden_size, config.num_local_experts
         f = config.moe_intermediate_size or config.intermediate_size
         dtype = jnp.dtype(config.dtype)
-        self.router = param((e, d), dtype, ("experts", "embed"))
+        self.router = param((config.num_experts, d), dtype, ("experts", "embed"))
         self.gate_up = param((e, d, 2 * f), dtype, ("experts", "embed", "mlp"), ((f, 1), (f, 1)))
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.num_shards = config.num_shards  # > 1: each device holds a slice of every expert's F
+        self.num_shards = config.num_shards
+        self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
         shared_f = config.shared_expert_intermediate_size
         # Its partial sum joins the experts' before their one all-reduce.
         self.shared_expert = GatedMLP(config, shared_f, sum_shards=False) if shared_f else None
@@ -143,8 +184,12 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])  # [T, D]
+        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], self.first_expert())
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(dense(x, self.shared_gate[...][None]))  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return sum_over_shards(out, self.num_shards)
+
+    def first_expert(self) -> jax.Array | None:
+        """The router's id of this device's first expert under expert parallelism, else None."""
+        return first_local_expert(self.num_local_experts, self.num_expert_shards)

@@ -15,6 +15,8 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.expert_parallel import expert_parallel_config
+from jvllm.distributed.mesh import num_shards
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_arch import GLOBAL_NAMES, architecture_of, hf_config_of
@@ -156,10 +158,12 @@ def load_gguf(
     mesh=None,
     keep_packed: bool = False,
     hf_overrides: HFOverrides = None,
+    enable_expert_parallel: bool = False,
 ) -> tuple[ModelConfig, dict]:
     """Load a GGUF, fused into our layout; dtype "auto" means float32 here. Placed on
     `mesh` (None: JAX's default device). hf_overrides apply to the HF config its metadata
-    gives (hf.apply_hf_overrides).
+    gives (hf.apply_hf_overrides); enable_expert_parallel places the routed experts whole over
+    the mesh (distributed/expert_parallel.py).
 
     keep_packed: tensors of a block format that stays packed (quantization/gguf_blocks.py)
     become GGUFWeights of their blocks, dequantized inside the step; otherwise (and for other
@@ -170,6 +174,7 @@ def load_gguf(
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     hf_config = apply_hf_overrides(hf_config, hf_overrides)
     config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
+    config = expert_parallel_config(config, num_shards(mesh), enable_expert_parallel)
     if keep_packed:
         _check_packable(tensors, path)
         # Under tensor parallelism each device gets its share of the blocks (place_blocks).

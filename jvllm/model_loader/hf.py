@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from jvllm.config import DTYPE_CHOICES, ModelConfig
+from jvllm.distributed.expert_parallel import expert_parallel_config
+from jvllm.distributed.mesh import num_shards
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.logger import init_logger
 from jvllm.model_loader.base_model import stored_name, without_missing_head
@@ -96,15 +98,21 @@ def read_config_json(path: str, overrides: HFOverrides = None) -> dict[str, Any]
 
 
 def load_hf_dir(
-    path: str, dtype: str = "auto", mesh=None, overrides: HFOverrides = None
+    path: str,
+    dtype: str = "auto",
+    mesh=None,
+    overrides: HFOverrides = None,
+    enable_expert_parallel: bool = False,
 ) -> tuple[ModelConfig, dict]:
     """Load `path/config.json` (with `overrides` applied) and all `path/*.safetensors` (sharded
-    or not), placed on `mesh` (None: JAX's default device). A base model's checkpoint (no
+    or not), placed on `mesh` (None: JAX's default device; the routed experts whole over it
+    where `enable_expert_parallel`, distributed/expert_parallel.py). A base model's checkpoint (no
     wrapper prefix, no LM head) loads too (base_model.py). A pre-quantized checkpoint (its
     config's quantization_config, quant_config.py) keeps its matmul weights packed."""
     hf_config = read_config_json(path, overrides)
     quantization = checkpoint_quantization(hf_config)
     config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
+    config = expert_parallel_config(config, num_shards(mesh), enable_expert_parallel)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")

@@ -11,6 +11,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
+from jvllm.distributed.expert_parallel import expert_parallel_config
+from jvllm.distributed.mesh import num_shards
 from jvllm.model_loader.default_model import (
     DEFAULT_MODEL,
     default_model_dir,
@@ -84,6 +86,7 @@ def load_model(
     tokenizer: str | None = None,
     skip_tokenizer_init: bool = False,
     hf_overrides: HFOverrides = None,
+    enable_expert_parallel: bool = False,
 ) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
@@ -97,6 +100,8 @@ def load_model(
 
     mesh: where the params go, each device given only its slice under tensor parallelism
     (distributed/tensor_parallel.py); None: whole on JAX's default device.
+    enable_expert_parallel: a mixture of experts' routed experts placed whole over the mesh's
+    "model" axis instead of each cut on its F (distributed/expert_parallel.py).
 
     quantization (vLLM's names, see `resolve_quantization`): "gguf" keeps a GGUF's blocks
     packed; "int8" / "fp8" quantize a float checkpoint's matmul weights at load. A pre-quantized
@@ -113,7 +118,7 @@ def load_model(
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {LOAD_FORMATS}")
     quantization = resolve_quantization(model, dtype, quantization, hf_overrides)
     config, params, own_tokenizer = _load(
-        model, dtype, load_format, mesh, quantization, hf_overrides
+        model, dtype, load_format, mesh, quantization, hf_overrides, enable_expert_parallel
     )
     if skip_tokenizer_init:
         tokenizer = None
@@ -183,6 +188,7 @@ def _load(
     mesh: Mesh | None,
     quantization: str | None,
     hf_overrides: HFOverrides,
+    enable_expert_parallel: bool,
 ) -> tuple[ModelConfig, dict, Callable[[], Any | None]]:
     """(config, params, what loads the model's own tokenizer)."""
     is_default_model = model is None or model == DEFAULT_MODEL
@@ -194,8 +200,9 @@ def _load(
         own_tokenizer = functools.partial(_load_dir_tokenizer, model, is_default_model)
         if load_format == "dummy":
             config = read_hf_config(model, dtype, hf_overrides)
+            config = expert_parallel_config(config, num_shards(mesh), enable_expert_parallel)
             return config, dummy_params(config, mesh=mesh), own_tokenizer
-        config, params = load_hf_dir(model, dtype, mesh, hf_overrides)
+        config, params = load_hf_dir(model, dtype, mesh, hf_overrides, enable_expert_parallel)
         return config, params, own_tokenizer
     if model.endswith(".gguf") and os.path.isfile(model):
         if load_format == "dummy":
@@ -204,7 +211,9 @@ def _load(
                 f"not a .gguf file: {model}"
             )
         keep_packed = quantization == "gguf"
-        config, params = load_gguf(model, dtype, mesh, keep_packed, hf_overrides)
+        config, params = load_gguf(
+            model, dtype, mesh, keep_packed, hf_overrides, enable_expert_parallel
+        )
         return config, params, functools.partial(tokenizer_from_gguf, model)
     raise ValueError(
         f"model={model!r} is not something jvllm can load. Accepted: None or {DEFAULT_MODEL!r} "

@@ -49,7 +49,7 @@ class UngatedSharedMoE(SparseMoE):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...])  # [T, D]
+        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], self.first_expert())
         return sum_over_shards(out + self.shared_expert(x), self.num_shards)
 
 

@@ -68,6 +68,7 @@ class Worker:
             load.tokenizer,
             load.skip_tokenizer_init,
             load.hf_overrides,
+            parallel.enable_expert_parallel,
         )
         self.load_seconds = time.perf_counter() - self._start
         model_config = self.model_config
@@ -143,7 +144,7 @@ class Worker:
             config.load_config.model or "the default model",
             describe_weights(self.params, self.model_config.dtype),
             self.load_seconds,
-            describe_placement(self.mesh, self.params),
+            describe_placement(self.mesh, self.params, self.model_config),
             size.describe(runner.block_size, per_device=self.mesh.size > 1),
         )
         return size.num_blocks
