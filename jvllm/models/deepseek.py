@@ -244,16 +244,13 @@ class DeepseekForCausalLM(nnx.Module):
     normalize_hf_config = staticmethod(_normalize)
 
     def __init__(self, config: ModelConfig):
-        if config.num_shards > 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.num_shards} is not supported for "
-                f"{config.architecture}; allowed: 1"
-            )
         dtype = jnp.dtype(config.dtype)
         self.config = config
         self.num_dense = num_dense = config.option("first_k_dense_replace")
         num_moe = config.num_layers - num_dense
-        self.embed = Embed(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed = Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, num_shards=config.num_shards
+        )
         make = lambda is_moe, n: stacked_layers(lambda: DeepseekDecoderLayer(config, is_moe), n)
         self.dense_layers = make(False, num_dense) if num_dense else None
         self.moe_layers = make(True, num_moe) if num_moe else None
