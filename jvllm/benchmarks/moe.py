@@ -54,7 +54,7 @@ def _layer(x, router, gate_up, down, *, shape: MoEShape, impl: str):
     return _IMPLS[impl](x, weights, experts, gate_up, down)
 
 
-def _random_weights(shape: MoEShape, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+def random_weights(shape: MoEShape, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """router [E, D], gate_up [E, D, 2F], down [E, F, D], uniform in [-_BOUND, _BOUND]."""
     d, f, e = shape.hidden_size, shape.intermediate_size, shape.num_experts
     keys = jax.random.split(jax.random.key(0), 3)
@@ -91,7 +91,7 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def _cell(seconds: float, is_median: bool) -> str:
+def cell(seconds: float, is_median: bool) -> str:
     ms = seconds * 1e3
     return ("" if is_median else "~") + (f"{ms:.1f}" if ms >= 10 else f"{ms:.3f}")
 
@@ -108,12 +108,12 @@ def _bench_shape(name: str, args) -> None:
             )
             continue
         if params is None:
-            params = _random_weights(shape, jnp.dtype(args.dtype))
+            params = random_weights(shape, jnp.dtype(args.dtype))
         x = jax.random.normal(jax.random.key(1), (num_tokens, shape.hidden_size), args.dtype)
         grouped = _layer_seconds(x, params, shape, "grouped", args)
         dense = _layer_seconds(x, params, shape, "dense", args)
         print(
-            f"{name:<15} {num_tokens:>5} {_cell(*grouped):>13} {_cell(*dense):>11} "
+            f"{name:<15} {num_tokens:>5} {cell(*grouped):>13} {cell(*dense):>11} "
             f"{grouped[0] / dense[0]:>13.2f}x"
         )
 

@@ -3,6 +3,7 @@ device holds E/T whole experts, and the MoE families decode token for token as o
 float, int8 at load and pre-quantized, with tensor parallelism's collectives and no others."""
 
 import functools
+import glob
 import re
 
 import jax
@@ -20,12 +21,14 @@ from test_scale_out import _TINY, FAMILY_VOCAB
 from test_scale_out import FAMILIES as TP_FAMILIES
 
 from jvllm import LLM, SamplingParams
+from jvllm.benchmarks import moe_parallel
 from jvllm.benchmarks.quantized_checkpoints import quantize_checkpoint
 from jvllm.distributed.expert_parallel import expert_parallel_config
 from jvllm.distributed.mesh import make_mesh
 from jvllm.distributed.tensor_parallel import axis_rules, shard_config, shard_layout
 from jvllm.layers.deepseek_moe import DeepseekMoE
 from jvllm.model_loader.hf_config import model_config_from_hf
+from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.quantization import IntWeight
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -73,7 +76,10 @@ def expert_parallel(model_dir):
 
 
 def _greedy(path, prompts=PROMPTS, **kwargs) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, **{**ENGINE_KWARGS, **kwargs})
+    return _greedy_with(LLM(path, **{**ENGINE_KWARGS, **kwargs}), prompts)
+
+
+def _greedy_with(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], LLM]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
 
@@ -118,6 +124,16 @@ def test_each_device_holds_whole_experts_and_the_step_tensor_parallelisms_collec
         assert collectives == ["all-gather"] * 2 + ["all-reduce"] * 3
 
 
+def test_load_weights_places_experts_as_the_loader_does(expert_parallel, model_dir, one_device):
+    """The checkpoint's own weights loaded again into the T = 4 engine (each device's experts
+    from the whole stacks) leave one device's tokens."""
+    _, llm = expert_parallel("mixtral", 4)
+    (path,) = glob.glob(f"{model_dir('mixtral')}/*.safetensors")
+    llm.load_weights(read_safetensors(path).items())
+    tokens, _ = _greedy_with(llm)
+    assert tokens == one_device("mixtral")
+
+
 def test_experts_quantized_at_load_decode_as_on_one_device(model_dir, one_device):
     """int8 experts quantized where they lie: values and per-channel scales cut by expert."""
     expected = one_device("mixtral", quantization="int8")
@@ -159,6 +175,28 @@ def test_a_moe_gguf_decodes_as_on_one_device(tmp_path):
     expected, _ = _greedy(path, PROMPTS[:3])
     tokens, _ = _greedy(path, PROMPTS[:3], tensor_parallel_size=2, enable_expert_parallel=True)
     assert tokens == expected
+
+
+def test_the_benchmark_times_both_layouts(capsys):
+    moe_parallel.main(
+        [
+            "--shapes",
+            "tiny",
+            "--tensor-parallel-size",
+            "2",
+            "--num-tokens",
+            "1",
+            "8",
+            "--num-iters",
+            "1",
+        ]
+    )
+    rows = [
+        line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")
+    ]
+    assert [row[1:3] for row in rows] == [["2", "1"], ["2", "8"]]
+    for *_, tensor, expert, ratio in rows:
+        assert float(ratio.rstrip("x")) == pytest.approx(float(expert) / float(tensor), rel=0.05)
 
 
 def test_experts_that_do_not_divide_over_the_devices_are_refused(tmp_path):
