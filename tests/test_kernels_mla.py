@@ -147,13 +147,29 @@ def test_reference_is_dense_softmax_over_the_rows_with_their_latent_as_values(kv
     np.testing.assert_allclose(np.asarray(ref), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_heads", [2, 16, 40])
+# Interpreted kernels cost seconds a case on 2 cores: the default run keeps one case of each
+# kind, the slow job (pytest -m slow) the others.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "dtype"),
+    [
+        (2, jnp.float32),
+        (16, jnp.bfloat16),
+        (40, jnp.float32),
+        pytest.param(2, jnp.bfloat16, marks=_SLOW),
+        pytest.param(16, jnp.float32, marks=_SLOW),
+        pytest.param(40, jnp.bfloat16, marks=_SLOW),
+    ],
+)
 def test_mla_decode_matches_reference_on_ragged_lengths_and_shuffled_pages(num_heads, dtype):
     _check(_case(1, SEQ_LENS + _random_lengths(1, 3), num_heads, dtype))
 
 
-@pytest.mark.parametrize("page_size", [16, 32, 64])
+@pytest.mark.parametrize(
+    "page_size", [pytest.param(16, marks=_SLOW), 32, pytest.param(64, marks=_SLOW)]
+)
 def test_mla_decode_reads_pages_larger_than_a_step_a_slice_at_a_time(page_size):
     """bfloat16 steps are 32 rows: 2 pages of 16, one of 32, half of one of 64."""
     seq_lens = [1, page_size - 1, page_size + 1, 4 * page_size, 0, 3 * page_size - 5]
@@ -161,7 +177,10 @@ def test_mla_decode_reads_pages_larger_than_a_step_a_slice_at_a_time(page_size):
     _check(args)
 
 
-@pytest.mark.parametrize(("num_kv_splits", "heads_per_program"), [(1, 16), (3, 32), (4, 64)])
+@pytest.mark.parametrize(
+    ("num_kv_splits", "heads_per_program"),
+    [pytest.param(1, 16, marks=_SLOW), (3, 32), pytest.param(4, 64, marks=_SLOW)],
+)
 def test_mla_decode_is_independent_of_splits_and_heads_per_program(
     num_kv_splits, heads_per_program
 ):
