@@ -4,6 +4,7 @@ from kernels_pallas._paging import is_supported_page_size
 from kernels_pallas.mla_decode_attention import (
     mla_decode_attention,
     mla_decode_attention_reference,
+    takes_latent_dims,
 )
 from kernels_pallas.paged_decode_attention import (
     paged_decode_attention,
@@ -22,4 +23,5 @@ __all__ = [
     "paged_decode_attention_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "takes_latent_dims",
 ]

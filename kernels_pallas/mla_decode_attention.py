@@ -127,6 +127,12 @@ def _load_rows(ref, block_tables_ref, seq, layer, pos, block_kv: int, *cols):
     return block.reshape(block_kv, *block.shape[2:])
 
 
+def takes_latent_dims(latent_dim: int, head_dim: int) -> bool:
+    """Whether the kernel takes rows of `head_dim` = C + R with C = `latent_dim`: both parts
+    powers of two >= 16 (Triton blocks), as DeepSeek's 512 + 64."""
+    return all(d >= MIN_DOT_DIM and not d & (d - 1) for d in (latent_dim, head_dim - latent_dim))
+
+
 def _validate_latent_cache(name: str, kv_cache: jax.Array, latent_dim: int) -> int:
     """The checks past validate_paged_inputs' -> R, the rope dims."""
     if kv_cache.shape[1:3] != (1, 1):
@@ -135,14 +141,12 @@ def _validate_latent_cache(name: str, kv_cache: jax.Array, latent_dim: int) -> i
             f"head), got shape {kv_cache.shape}"
         )
     head_dim = kv_cache.shape[5]
-    rope_dim = head_dim - latent_dim
-    for what, dim in (("latent_dim C", latent_dim), ("the rope dims R = H - C", rope_dim)):
-        if dim < MIN_DOT_DIM or dim & (dim - 1):
-            raise ValueError(
-                f"{name}: {what} must be a power of two >= {MIN_DOT_DIM} (Triton blocks), got "
-                f"{dim} (H = {head_dim}, latent_dim = {latent_dim})"
-            )
-    return rope_dim
+    if not takes_latent_dims(latent_dim, head_dim):
+        raise ValueError(
+            f"{name}: latent_dim C and the rope dims R = H - C must be powers of two >= "
+            f"{MIN_DOT_DIM} (Triton blocks), got C = {latent_dim}, R = {head_dim - latent_dim}"
+        )
+    return head_dim - latent_dim
 
 
 def mla_decode_attention(

@@ -11,6 +11,8 @@ import transformers
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model
 
 from jvllm import LLM, SamplingParams
+from jvllm.attention import pallas as pallas_backend
+from jvllm.distributed.tensor_parallel import check_tensor_parallel
 from jvllm.layers.deepseek_moe import deepseek_route
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
 from jvllm.model_loader.hf_config import model_config_from_hf
@@ -232,14 +234,51 @@ def test_latent_cache_decodes_as_the_decompressed_one(tmp_path, monkeypatch, kv_
         assert _kv_bytes_per_token(llm) == 6 * latent_bytes
 
 
-@pytest.mark.slow  # the Pallas kernels interpreted on CPU over two generates: about a minute
-def test_latent_cache_on_the_pallas_backend_decodes_as_the_reference(tmp_path):
-    """Decode steps run the MLA kernel (one read of each row), the others the ragged kernel
-    over the one-plane cache."""
-    _save(tmp_path, v3_like())
+@pytest.mark.slow  # the Pallas kernels interpreted on CPU over two generates
+def test_latent_cache_on_the_pallas_backend_decodes_as_the_reference(tmp_path, monkeypatch):
+    """Decode steps run the MLA kernel (one read of each row; a latent of 32 and rope dims of
+    16, powers of two as it takes), the others the ragged kernel over the one-plane cache."""
+    _save(tmp_path, v3_like(kv_lora_rank=32, qk_rope_head_dim=16))
+    calls = []
+    kernel = pallas_backend.mla_decode_attention
+    monkeypatch.setattr(
+        pallas_backend,
+        "mla_decode_attention",
+        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
+    )
     pallas, pallas_logprobs, _ = _greedy_with_logprobs(
         tmp_path, PROMPTS, attention_backend="pallas"
     )
+    assert calls  # traced for the decode buckets
     reference, reference_logprobs, _ = _greedy_with_logprobs(tmp_path, PROMPTS)
     assert pallas == reference
     np.testing.assert_allclose(pallas_logprobs, reference_logprobs, atol=1e-4)
+
+
+def test_act_order_kv_b_absorbed_in_the_checkpoints_column_order(tmp_path, monkeypatch):
+    """A GPTQ act-order checkpoint stores kv_b's columns sorted by group: the latent path,
+    which multiplies kv_b itself, must put them back in the latent's order."""
+    from jvllm.benchmarks.quantized_checkpoints import quantize_checkpoint
+
+    source, quantized = tmp_path / "float", tmp_path / "gptq"
+    _save(source, v2_lite_like(kv_lora_rank=32))
+    quantize_checkpoint(str(source), str(quantized), "gptq", group_size=8, desc_act=True)
+    tokens, logprobs, _ = _greedy_with_logprobs(quantized, PROMPTS[:2])
+    monkeypatch.setenv(MLA_DISABLE_ENV, "1")
+    expected, expected_logprobs, _ = _greedy_with_logprobs(quantized, PROMPTS[:2])
+    assert tokens == expected
+    np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-4)
+
+
+def test_tensor_parallelism_refuses_a_dense_width_it_does_not_divide():
+    config = model_config_from_hf(v3_like(intermediate_size=90).to_dict(), "float32")
+    with pytest.raises(ValueError, match="the dense layers' intermediate size 90"):
+        check_tensor_parallel(config, 4)
+
+
+def test_only_the_family_sets_the_caches_planes():
+    """A config.json or hf_overrides naming kv_planes cannot drop a Llama's values."""
+    hf = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64
+    ).to_dict()
+    assert model_config_from_hf({**hf, "kv_planes": 1}, "float32").kv_planes == 2

@@ -7,6 +7,7 @@ import pytest
 
 from jvllm import LLM
 from jvllm.attention.backends import default_backend
+from jvllm.benchmarks import mla as mla_benchmark
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.hf import read_hf_config
@@ -238,23 +239,32 @@ def test_kv_cache_dtype_is_a_serve_flag():
 
 
 @pytest.mark.parametrize(
-    "model,dtype,num_tokens,num_seqs",
+    "model,dtype,num_tokens,num_seqs,overrides",
     [
-        (TINY_2L, "float32", 256, 32),  # the sampler's [S, V] arrays dominate
+        (TINY_2L, "float32", 256, 32, None),  # the sampler's [S, V] arrays dominate
         pytest.param(  # one layer's activations dominate
             "jvllm/benchmarks/model_configs/smollm2-135m",
             "bfloat16",
             8192,
             8,
+            None,
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(  # MLA's latent path: 128 heads of 576 dims
+            mla_benchmark.MODEL_DIR,
+            "bfloat16",
+            1024,
+            8,
+            mla_benchmark.shrunk_overrides(2),
             marks=pytest.mark.slow,
         ),
     ],
 )
 def test_activation_reserve_bounds_the_compiled_steps_temporaries(
-    model, dtype, num_tokens, num_seqs
+    model, dtype, num_tokens, num_seqs, overrides
 ):
     """The reserve is a formula: it must stay above what XLA says the largest buckets need."""
-    config, params, _ = load_model(model, dtype, "dummy")
+    config, params, _ = load_model(model, dtype, "dummy", hf_overrides=overrides)
     args = EngineArgs(max_num_batched_tokens=num_tokens, max_num_seqs=num_seqs)
     engine_config = args.create_engine_config().resolved(num_tokens, default_backend())
     runner = ModelRunner(config, params, engine_config.runner_config, num_blocks=8)

@@ -6,7 +6,12 @@ import jax.numpy as jnp
 from jvllm.attention.kv_pages import write_kv
 from jvllm.attention.kv_quant import KVCache, QuantizedKVCache, from_storage
 from jvllm.attention.metadata import AttentionMetadata
-from kernels_pallas import mla_decode_attention, paged_decode_attention, ragged_paged_attention
+from kernels_pallas import (
+    mla_decode_attention,
+    paged_decode_attention,
+    ragged_paged_attention,
+    takes_latent_dims,
+)
 
 
 def pallas_attention(
@@ -18,8 +23,10 @@ def pallas_attention(
     """Decode buckets (one query per sequence, T == S) use the decode kernel; others the ragged one.
 
     latent_dim: None, or MLA's C for its latent cache [L, 1, 1, P, B, C + R] (layers/mla.py),
-    whose decode steps go to the MLA decode kernel, which reads each row once as key and value;
-    its other steps take the generic kernels, which read V as K on a 1-plane cache.
+    whose decode steps go to the MLA decode kernel, which reads each row once as key and value,
+    where it takes the latent's and the rope part's dims (`takes_latent_dims`: powers of two,
+    as DeepSeek's 512 + 64); its other steps, and a model of other dims, take the generic
+    kernels, which read V as K on a 1-plane cache.
     """
 
     def attn(
@@ -34,7 +41,12 @@ def pallas_attention(
     ):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
         values, scales = _kernel_operands(kv_cache)
-        if md.is_decode and latent_dim is not None and values.shape[1] == 1:
+        if (
+            md.is_decode
+            and latent_dim is not None
+            and values.shape[1] == 1
+            and takes_latent_dims(latent_dim, values.shape[-1])
+        ):
             out = mla_decode(q, values, scales, layer, md, sliding_window, sinks)
             return out, kv_cache
         options = {

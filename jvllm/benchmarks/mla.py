@@ -48,7 +48,7 @@ def _path(name: str):
             os.environ[MLA_DISABLE_ENV] = before
 
 
-def _shrunk(num_layers: int) -> dict:
+def shrunk_overrides(num_layers: int) -> dict:
     """hf_overrides: the attention as DeepSeek-V3's, the rest small (see the docstring)."""
     return {
         "num_hidden_layers": num_layers,
@@ -81,7 +81,7 @@ def _engine(args, name: str) -> LLM:
             MODEL_DIR,
             load_format="dummy",
             dtype="bfloat16",
-            hf_overrides=_shrunk(args.num_layers),
+            hf_overrides=shrunk_overrides(args.num_layers),
             skip_tokenizer_init=True,
             max_model_len=args.input_len + args.output_len + 16,
             max_num_seqs=256,  # not the capacity's cap: 256 full requests hold more than it

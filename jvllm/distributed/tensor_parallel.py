@@ -65,6 +65,11 @@ def check_tensor_parallel(config: ModelConfig, num_shards: int) -> None:
     elif _mlp_width(config) % t:
         what = "each expert's" if config.num_experts else "the MLP's"
         problems.append(f"{what} intermediate size {_mlp_width(config)}")
+    # A mixture of experts with dense MLP layers before its sparse ones (DeepSeek's
+    # first_k_dense_replace, Qwen-MoE's dense prefix) cuts their F too.
+    has_dense = config.option("first_k_dense_replace") or config.option("num_dense_layers")
+    if config.num_experts and has_dense and config.intermediate_size % t:
+        problems.append(f"the dense layers' intermediate size {config.intermediate_size}")
     shared = config.shared_expert_intermediate_size
     if shared % t:
         problems.append(f"the shared expert's intermediate size {shared}")

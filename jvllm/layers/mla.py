@@ -31,7 +31,7 @@ from jvllm.layers.attention import AttentionFn
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary import apply_rope
-from jvllm.quantization import is_quantized
+from jvllm.quantization import IntWeight, is_quantized
 
 # HF's DeepseekV2RMSNorm / DeepseekV3RMSNorm default, which the latents' norms keep (they are
 # built without the config's rms_norm_eps).
@@ -46,8 +46,11 @@ def _deinterleave(x: jax.Array) -> jax.Array:
 
 
 def _weight_array(linear: Linear) -> jax.Array:
-    """A Linear's weight [O, I] as an array: a quantized one dequantized in the step."""
+    """A Linear's weight [O, I] as an array, its columns in the checkpoint's order: a quantized
+    one dequantized in the step (GPTQ act-order stores its columns sorted, `perm`)."""
     w = linear.weight.get_value()
+    if isinstance(w, IntWeight):
+        return w.dequantize_in_checkpoint_order()
     return w.dequantize() if is_quantized(w) else w[...]
 
 

@@ -75,6 +75,7 @@ def normalize_hf_config(architecture: str, hf_config: dict) -> dict:
     """The family's reading of its config.json: its checks, its defaults, its field names put
     in the layout model_config_from_hf reads (Llama's), and its own settings under "options"."""
     cfg = dict(hf_config)
+    cfg.pop("kv_planes", None)  # the cache's layout is the family's to choose (MLA's latent)
     if (cfg.get("architectures") or [None])[0] in BASE_MODELS:  # families read the causal LM's
         cfg["architectures"] = [architecture, *cfg["architectures"][1:]]
     return model_class(architecture).normalize_hf_config(cfg)

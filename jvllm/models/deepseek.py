@@ -186,8 +186,8 @@ def _normalize(cfg: dict) -> dict:
     if cfg.get("num_key_value_heads") not in (None, num_heads):
         raise ValueError(
             f"num_key_value_heads={cfg['num_key_value_heads']} is not supported; allowed: "
-            f"num_attention_heads ({num_heads}): the latent decompresses into a key and a value "
-            "for every query head"
+            f"num_attention_heads ({num_heads}): MLA's latent serves every query head (and "
+            "decompresses into a key and a value for each)"
         )
     if cfg.get("hidden_act", "silu") != "silu":  # layers/moe.py's experts compute silu
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")

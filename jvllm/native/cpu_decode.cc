@@ -353,6 +353,9 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const T* base = reinterpret_cast<const T*>(cache.typed_data());
   // V = 2 planes: keys then values; V = 1: MLA's latent rows, the keys and the values alike.
   const int64_t num_planes = cache_dims[1];
+  if (num_planes != 1 && num_planes != 2) {
+    return ffi::Error::InvalidArgument("decode_attention: the cache's planes V must be 1 or 2");
+  }
   const T* keys = base + static_cast<int64_t>(layer.typed_data()[0]) * num_planes * kv_stride;
   const T* values = num_planes == 2 ? keys + kv_stride : keys;
   float *m = max_out->typed_data(), *l = sum_out->typed_data(), *o = out->typed_data();

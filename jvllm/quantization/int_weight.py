@@ -95,6 +95,13 @@ class IntWeight:
             )
         return dequantize(*fields, self.bits).astype(self.dtype)
 
+    def dequantize_in_checkpoint_order(self) -> jax.Array:
+        """`dequantize` with act-order's sorted columns put back where the checkpoint had them:
+        for a caller that multiplies the weight itself (layers/mla.py absorbs kv_b)."""
+        w = self.dequantize()
+        perm = self._own(self.perm)  # stored column j is the checkpoint's column perm[j]
+        return w if perm is None else jnp.take(w, jnp.argsort(perm), axis=-1)
+
     def dense(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ weight [O, I].T -> f32[..., O]. On a GPU kernels_pallas' dequantizing
         matmul reads the packed bytes once, a stacked layer where it lies; on CPU the native

@@ -220,7 +220,10 @@ def activation_reserve_bytes(
     summed though they are live one after another:
     - the sampler: 8 [S, V] arrays (logits, filtered and sorted copies, probabilities);
     - prompt logprobs: 4 [C, V] arrays, C = the positions of one chunk;
-    - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H],
+    - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H]
+      (MLA's latent path: 8NH in place of (N + 2K)H: its absorbed queries, the window's and
+      the pages' weighted values and their merge are [T, N, C + R] each; DeepSeek-V3's
+      attention at T = 1024 took 2526 MiB of temporaries),
       where a mixture of experts has k (token, expert) rows a token of 3F + 2D each and [T, E]
       router scores in place of the MLP's 3F (and a shared expert's 3F beside them);
     - the bias rows: [S + 1, V].
@@ -237,7 +240,10 @@ def activation_reserve_bytes(
         expert_width = c.moe_intermediate_size or c.intermediate_size
         mlp = c.num_experts_per_tok * (3 * expert_width + 2 * c.hidden_size) + c.num_experts
         mlp += 3 * c.shared_expert_intermediate_size
-    layer = num_tokens * (mlp + 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+    attention = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    if c.kv_planes == 1:  # MLA's latent path: [T, N, C + R] queries, outputs, softmax parts
+        attention = 8 * c.num_heads * c.head_dim
+    layer = num_tokens * (mlp + 4 * c.hidden_size + attention)
     bias_rows = (num_seqs + 1) * c.vocab_size
     return _FLOAT32_BYTES * (sampler + prompt_logprobs + layer + bias_rows)
 

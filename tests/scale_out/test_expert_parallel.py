@@ -207,8 +207,8 @@ def test_experts_that_do_not_divide_over_the_devices_are_refused(tmp_path):
         LLM(str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE_KWARGS)
 
 
-# DeepSeek refuses tensor_parallel_size > 1 until its attention is cut (models/deepseek.py), so
-# its MoE layer is checked alone: under shard_map, against the layer on one device.
+# DeepSeek's MoE layer alone, under shard_map, against the layer on one device (the whole model
+# decodes as on one device in test_deepseek_parallel.py).
 
 
 def _layer_metadata(config, name: str) -> dict:
