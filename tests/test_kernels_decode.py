@@ -151,7 +151,9 @@ def _with_v_copied_from_k(kv_cache: jax.Array) -> jax.Array:
     return jnp.concatenate([kv_cache, kv_cache], axis=1)
 
 
-@pytest.mark.parametrize(("group", "dtype"), [(1, jnp.float32), (8, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    ("group", "dtype"), [(8, jnp.bfloat16), pytest.param(1, jnp.float32, marks=pytest.mark.slow)]
+)
 def test_decode_on_a_one_plane_cache_reads_v_as_k(group, dtype):
     """MLA's latent cache [L, 1, K, P, B, H]: the one plane is both the keys and the values;
     the reference there is the 2-plane reference with V a copy of K."""
@@ -166,7 +168,7 @@ def test_decode_on_a_one_plane_cache_reads_v_as_k(group, dtype):
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(two_planes))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", pytest.param("int8", marks=pytest.mark.slow)])
 def test_decode_on_a_quantized_one_plane_cache_matches_reference(kv_cache_dtype):
     """Values [L, 1, K, P, B, H] and scales [L, 1, K, P, B]: V's scales are K's."""
     seq_lens = [*np.random.default_rng(31).integers(1, MAX_PAGES * PAGE_SIZE + 1, 5).tolist(), 0]

@@ -168,7 +168,12 @@ def _with_v_copied_from_k(kv_cache: jax.Array) -> jax.Array:
 
 
 @pytest.mark.parametrize(
-    ("kv_cache_dtype", "dtype"), [(None, jnp.float32), (None, jnp.bfloat16), ("int8", jnp.float32)]
+    ("kv_cache_dtype", "dtype"),
+    [
+        (None, jnp.bfloat16),
+        pytest.param(None, jnp.float32, marks=pytest.mark.slow),
+        ("int8", jnp.float32),
+    ],
 )
 def test_ragged_on_a_one_plane_cache_reads_v_as_k(kv_cache_dtype, dtype):
     """MLA's latent cache [L, 1, K, P, B, H] (and a quantized one's scales [L, 1, K, P, B]):
