@@ -48,7 +48,12 @@ SOURCES = {
     name: _DIR / f"{name}.cc"
     for name in ("cpu_decode", "cpu_dense", "cpu_gguf", "cpu_int8", "cpu_int_group")
 }
-HEADERS = (_DIR / "dense_tile.h", _DIR / "parallel_for.h", _DIR / "simd.h")
+HEADERS = (
+    _DIR / "dense_tile.h",
+    _DIR / "parallel_for.h",
+    _DIR / "simd.h",
+    _DIR / "simd_lanes.h",
+)
 # One build of a source at a time: the engine's background build and the thread tracing a step
 # may both reach a kernel first, and the second then finds the library built. Different
 # kernels build side by side (each a compiler process of its own).
@@ -117,14 +122,23 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu().split()
 
 
+# What -march=x86-64-v3 (JVLLM_NATIVE_ISA=avx2) lets the compiler emit, as /proc/cpuinfo names
+# it: besides AVX2, FMA and F16C, BMI1/2 (shlx), LZCNT ("abm") and MOVBE.
+_X86_64_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")
+
+
 @functools.cache
 def _cpu() -> str:
-    """This machine's CPU model and instruction set, as far as the OS says."""
+    """This machine's CPU model and instruction set, as far as the OS says (x86's model name and
+    flags; ARM's implementer, part and features), with its architecture."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return f"{platform.machine()} {platform.processor()}"
-    return " ".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU part")
+    return " ".join(
+        [platform.machine(), *sorted({line for line in lines if line.startswith(keys)})]
+    )
 
 
 def _target_flags() -> list[str]:
@@ -136,9 +150,11 @@ def _target_flags() -> list[str]:
             "%s=%s is none of %s: building for this CPU", NATIVE_ISA_ENV, isa, list(_ISA_FLAGS)
         )
         isa = "native"
-    if isa == "avx2" and not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")):
+    if isa == "avx2" and not all(cpu_has(flag) for flag in _X86_64_V3):
         logger.warning(
-            "%s=avx2 on a CPU without AVX2, FMA and F16C: building for this CPU", NATIVE_ISA_ENV
+            "%s=avx2 on a CPU without all of x86-64-v3's %s: building for this CPU",
+            NATIVE_ISA_ENV,
+            ", ".join(_X86_64_V3),
         )
         isa = "native"
     return _ISA_FLAGS[isa]

@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "simd.h"
+#include "simd_lanes.h"
 
 namespace jvllm {
 
