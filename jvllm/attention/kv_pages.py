@@ -52,7 +52,8 @@ def write_kv(
     """Scatter this step's k, v [T, K, H] into kv_cache[L, V, K, P, B, H] at their slots; a
     quantized cache takes them at one byte a value with a scale per (token, KV head). A
     one-plane cache takes k only: its callers pass v = k."""
-    block_size, num_planes = kv_values(kv_cache).shape[4], kv_values(kv_cache).shape[1]
+    shape = kv_values(kv_cache).shape  # [L, V, K, P, B, H]
+    num_planes, block_size = shape[1], shape[4]
     pages, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
     for kv, new in ((0, k), (1, v))[:num_planes]:
         if isinstance(kv_cache, QuantizedKVCache):

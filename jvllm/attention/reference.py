@@ -76,7 +76,8 @@ def _attend_tiles(
         k = gather_pages(values, layer, 0, pages, dtype)  # [TB, K, C*B, H]
         s = _tile_scores(qt, k)  # [TB, K, G, Q, C*B]
         if is_quantized:
-            s = s * scales(0, pages)
+            k_scales = scales(0, pages)
+            s = s * k_scales
         if logit_softcap is not None:
             s = soft_cap(s, logit_softcap)
         visible = kv_pos < kv_lens[:, :, None]  # [TB, Q, C*B]
@@ -87,9 +88,11 @@ def _attend_tiles(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
+        # A latent row is its own value: its keys and their scales serve again.
         v = k if is_latent else gather_pages(values, layer, 1, pages, dtype)  # [TB, K, C*B, H]
-        pv = p * scales(1, pages) if is_quantized else p
-        acc = acc * correction[..., None] + _tile_values(pv.astype(dtype), v)
+        if is_quantized:
+            p = p * (k_scales if is_latent else scales(1, pages))
+        acc = acc * correction[..., None] + _tile_values(p.astype(dtype), v)
         return m_new, l, acc
 
     init = (jnp.full(shape, MASKED), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))

@@ -115,8 +115,11 @@ void dense_panels(int64_t p_first, int64_t p_last, const uint16_t* x, const int8
   }
 }
 
+// The dot products read x's bfloat16 as it is: nothing to widen.
+const float* widened_rows(int64_t, int64_t, const uint16_t*) { return nullptr; }
+
 // The R rows of x against weight rows [o_first, o_last), a multiple of kPanel apart.
-void dense_rows(int64_t R, int64_t o_first, int64_t o_last, const uint16_t* x,
+void dense_rows(int64_t R, int64_t o_first, int64_t o_last, const uint16_t* x, const float*,
                 const int8_t* values, const float* scale, int64_t I, int64_t O, float* y) {
   dense_panels(o_first / kPanel, o_last / kPanel, x, values, scale, R, I, O, y);
 }
@@ -127,22 +130,31 @@ inline void store_scaled(const int8_t* v, float scale, uint16_t* dst) {
 }
 #else
 // Rows of x times int8 values widened to float32 in registers: up to kStreamRows rows, x
-// widened once a call (AVX2's one-row products 1.2x faster) into a buffer of the thread's,
-// which it keeps (a fresh one a call would fault its pages in each step); past them, where the tiles read x again for each few weight
-// rows, its bfloat16 widened in registers, half the bytes to read (a float32 copy of 64 rows
-// outgrew the L1 cache: AVX2's tiles 1.2x slower). The same sums either way.
+// widened to float32 once a call, before the threads split the weight (AVX2's one-row products
+// 1.2x faster), into a buffer the calling thread keeps (a fresh one a call would fault its pages
+// in each step); past them, where the tiles read x again for each few weight rows, its bfloat16
+// widened in registers, half the bytes to read (a float32 copy of 64 rows outgrew the L1 cache:
+// AVX2's tiles 1.2x slower). The same sums either way.
 using Int8 = jvllm::Widened<float, int8_t>;
 using Int8Rows = jvllm::Widened<uint16_t, int8_t>;
 
+// x [R, I] widened to float32 for dense_rows, or nullptr past kStreamRows rows.
+const float* widened_rows(int64_t R, int64_t I, const uint16_t* x) {
+  if (R > jvllm::kStreamRows) return nullptr;
+  thread_local std::vector<float> rows;
+  rows.resize(R * I);
+  for (int64_t k = 0; k < R * I; k += kLanes) {
+    load_lanes(x + k).copy_to(rows.data() + k, stdx::element_aligned);
+  }
+  return rows.data();
+}
+
+// widened: widened_rows(R, I, x).
 void dense_rows(int64_t R, int64_t o_first, int64_t o_last, const uint16_t* x,
-                const int8_t* values, const float* scale, int64_t I, int64_t O, float* y) {
-  if (R <= jvllm::kStreamRows) {
-    thread_local std::vector<float> rows;
-    rows.resize(R * I);
-    for (int64_t k = 0; k < R * I; k += kLanes) {
-      load_lanes(x + k).copy_to(rows.data() + k, stdx::element_aligned);
-    }
-    jvllm::dense_range<Int8>(R, o_first, o_last, rows.data(), values, I, O, y);
+                const float* widened, const int8_t* values, const float* scale, int64_t I,
+                int64_t O, float* y) {
+  if (widened != nullptr) {
+    jvllm::dense_range<Int8>(R, o_first, o_last, widened, values, I, O, y);
   } else {
     jvllm::dense_range<Int8Rows>(R, o_first, o_last, x, values, I, O, y);
   }
@@ -189,8 +201,9 @@ ffi::Error int8_dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   const auto* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   float* out = y->typed_data();
   const int64_t num_panels = O / kPanel;
+  const float* widened = widened_rows(R, I, xs);
   jvllm::parallel_ranges(pool, num_panels, 8, num_panels, [&](int64_t first, int64_t last) {
-    dense_rows(R, first * kPanel, last * kPanel, xs, v, scale, I, O, out);
+    dense_rows(R, first * kPanel, last * kPanel, xs, widened, v, scale, I, O, out);
   });
   return ffi::Error::Success();
 }

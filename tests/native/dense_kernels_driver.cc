@@ -91,7 +91,8 @@ void check_int8(int64_t R, int64_t I, int64_t O) {
   for (int64_t i = 0; i < R * I; ++i) xb[i] = to_bfloat16(random_float()), x[i] = from_bfloat16(xb[i]);
   for (int64_t i = 0; i < O * I; ++i) v[i] = static_cast<int8_t>(rng() % 256 - 128), w[i] = v[i];
   for (int64_t o = 0; o < O; ++o) scale[o] = std::ldexp(1.f, int(rng() % 7) - 3), s[o] = scale[o];
-  dense_rows(R, 0, O, xb.data(), v.data(), scale.data(), I, O, y.data());
+  const float* widened = widened_rows(R, I, xb.data());
+  dense_rows(R, 0, O, xb.data(), widened, v.data(), scale.data(), I, O, y.data());
   check("int8", R, I, O, x, w, s, y);
   // Values times power-of-two scales are exact in bfloat16: identity rows give them back.
   for (int64_t k = 0; k < O * I; k += kStep) {
