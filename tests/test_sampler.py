@@ -10,7 +10,7 @@ import pytest
 
 from jvllm.sample.metadata import SamplingMetadata
 from jvllm.sample.penalties import apply_penalties, token_counts
-from jvllm.sample.sampler import _inverse_cdf, apply_top_k_top_p_min_p, sample
+from jvllm.sample.sampler import apply_top_k_top_p_min_p, inverse_cdf, sample
 
 VOCAB = 8
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
@@ -204,7 +204,7 @@ def test_inverse_cdf_picks_the_token_whose_interval_holds_u():
     weights[:, 999] = 0.0  # the last token can never be chosen
     u = rng.random(64).astype(np.float32)
     u[:4] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 1e-9]
-    tokens = np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.asarray(u)))
+    tokens = np.asarray(inverse_cdf(jnp.asarray(weights), jnp.asarray(u)))
     rows = np.arange(64)
     assert (weights[rows, tokens] > 0).all()
     ends = np.cumsum(weights.astype(np.float64), axis=1)

@@ -1,6 +1,9 @@
-"""Speculative decoding with n-gram drafts (speculative_config): greedy requests get exactly
-the tokens they get without speculation, while verified drafts give several tokens a step."""
+"""Speculative decoding with n-gram drafts (speculative_config): greedy and seeded sampled
+requests get exactly the tokens they get without speculation, while verified drafts give
+several tokens a step."""
 
+import collections
+import math
 import os
 import shutil
 
@@ -20,7 +23,7 @@ from jvllm.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from jvllm.core.spec_decode import DraftProposer, accept_drafts
+from jvllm.core.spec_decode import DraftProposer, accept_drafts, can_draft
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram_drafts
@@ -73,10 +76,15 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _step_runs(llm: LLM, prompt: list[int], max_tokens: int) -> list[list[int]]:
-    """The tokens each step gave one greedy request, stepping the engine by hand."""
+@pytest.fixture(scope="module")
+def spec_llm(looping_model_dir) -> LLM:
+    """k = 3 on the default KV cache, for the tests that need no other engine."""
+    return LLM(looping_model_dir, speculative_config=ngram(3), **ENGINE_KWARGS)
+
+
+def _step_runs(llm: LLM, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """The tokens each step gave one request, stepping the engine by hand."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request("runs", {"prompt_token_ids": prompt}, params)
     runs, seen = [], 0
     while engine.has_unfinished_requests():
@@ -190,10 +198,10 @@ def test_greedy_tokens_equal_those_without_speculation(k, num_blocks, looping_mo
     # A prompt that holds the loop its continuation runs in: a draft copied from the prompt
     # can be a token's first occurrence in the output, where a stop on it must cut.
     looping = PROMPTS[1] + _tokens(plain_llm, [PROMPTS[1]], greedy)[0]
-    index, token = _inside_a_run(_step_runs(llm, looping, 40))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    index, token = _inside_a_run(_step_runs(llm, looping, greedy))
     text = llm.get_tokenizer().decode([token])
     assert text.strip()
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     params = [greedy] * len(PROMPTS) + [
         SamplingParams(temperature=0, max_tokens=40),  # meets EOS
         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[token], ignore_eos=True),
@@ -225,14 +233,132 @@ def test_default_model_repeating_text_matches_and_accepts(smollm2_llm):
     assert llm.llm_engine.spec_decoding_stats.acceptance_rate > 0.5
 
 
-def test_spec_decode_counters_reach_the_metrics(looping_model_dir):
+def test_sampled_requests_get_drafts_unless_a_position_needs_its_own_processing():
+    def request(bad_words=(), **params) -> Request:
+        r = Request("r", [1, 2, 3], SamplingParams(temperature=0.7, **params), eos_token_id=2)
+        r.bad_words_token_ids = [list(w) for w in bad_words]
+        return r
+
+    assert can_draft(request(top_p=0.9, presence_penalty=1.0, logit_bias={5: 1.0}, logprobs=2))
+    assert can_draft(request(bad_words=[[7]], allowed_token_ids=[5, 7, 9]))
+    assert not can_draft(request(bad_words=[[7, 8]]))  # 8 banned only after 7
+    assert not can_draft(request(min_tokens=2))  # stop tokens banned only below it
+    structured = request()
+    structured.structured_output = object()
+    assert not can_draft(structured)
+
+
+# Low enough that the tiny model's continuations still loop (drafts get accepted), high
+# enough that seeds give different texts.
+TEMPERATURE = 0.15
+
+
+def _sampled(seed: int, **params) -> SamplingParams:
+    return SamplingParams(
+        **{"temperature": TEMPERATURE, "seed": seed, "ignore_eos": True, **params}
+    )
+
+
+def _loops(llm: LLM, prompt: list[int], seed: int) -> bool:
+    """Whether a step gives the seeded request an accepted draft before its text leaves the
+    loop: its 2nd to 4th tokens come in one step."""
+    runs = _step_runs(llm, prompt, _sampled(seed, max_tokens=4))
+    return len(runs) == 2
+
+
+def _sampled_variants(loop: list[int]) -> list[SamplingParams]:
+    """Seeded sampled requests through each stage of the sampler; `loop` the tokens the
+    model's continuation repeats."""
+    variants = [
+        {},
+        {"top_k": 3, "top_p": 0.9},
+        {"min_p": 0.2},
+        {"frequency_penalty": 0.5},  # counts the drafts before a position, not after
+        {"presence_penalty": 0.3, "repetition_penalty": 1.2},
+        {"logit_bias": {loop[0]: 0.3, loop[1]: -0.3}},
+        {"allowed_token_ids": sorted({*loop, *range(3, 40)})},
+        {"min_tokens": 3},  # drafts only once it is reached
+        {"logprobs": 2},
+    ]
+    return [_sampled(seed, max_tokens=24, **variant) for variant in variants for seed in (1, 2)]
+
+
+def test_seeded_sampled_tokens_and_logprobs_equal_those_without_speculation(
+    looping_model_dir, plain_llm, spec_llm
+):
+    """Each draft position samples with the key, processors and filters of its output index,
+    and a draft counts only where it equals that sample: the same text as one token a step.
+    Stops inside an accepted run are found in the request run alone, as in the greedy test."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    looping = PROMPTS[1] + _tokens(plain_llm, [PROMPTS[1]], greedy)[0]
+    params = _sampled_variants(looping[len(PROMPTS[1]) :])
+    stats = spec_llm.llm_engine.spec_decoding_stats
+    accepted = stats.num_accepted_tokens
+    want = plain_llm.generate([looping] * len(params), params, use_tqdm=False)
+    got = spec_llm.generate([looping] * len(params), params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [
+        list(o.outputs[0].token_ids) for o in want
+    ]
+    assert stats.num_accepted_tokens > accepted
+    assert len({tuple(o.outputs[0].token_ids) for o in want[:2]}) == 2  # the seeds matter
+    for spec, plain in zip(got[-2:], want[-2:]):  # logprobs=2: those of every token
+        spec_lps, plain_lps = spec.outputs[0].logprobs, plain.outputs[0].logprobs
+        assert len(spec_lps) == len(plain_lps) == 24
+        for spec_lp, plain_lp in zip(spec_lps, plain_lps):
+            assert spec_lp.keys() == plain_lp.keys()
+            for token_id, logprob in plain_lp.items():
+                assert spec_lp[token_id].rank == logprob.rank
+                assert abs(spec_lp[token_id].logprob - logprob.logprob) < 1e-4
+
+    # The first seed whose text accepts drafts while it still loops.
+    seed = next(seed for seed in range(3, 20) if _loops(spec_llm, looping, seed))
+    index, token = _inside_a_run(_step_runs(spec_llm, looping, _sampled(seed, max_tokens=24)))
+    stopping = [
+        _sampled(seed, max_tokens=24, stop_token_ids=[token], ignore_eos=False),
+        _sampled(seed, max_tokens=index + 1),
+    ]
+    want = _tokens(plain_llm, [looping] * 2, stopping)
+    assert want[0][-1] == token and len(want[1]) == index + 1
+    assert _tokens(spec_llm, [looping] * 2, stopping) == want
+
+
+@pytest.mark.slow  # 400 requests: 6 s on 2 cores
+def test_sampled_continuations_have_the_same_distribution_with_speculation(plain_llm, spec_llm):
+    """Different seeds with and without speculation (so different draws): the 4-token
+    continuations of a looping prompt fall alike, by a chi-square test of homogeneity."""
+    num_runs = 200
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    looping = PROMPTS[1] + _tokens(plain_llm, [PROMPTS[1]], greedy)[0]
+    stats = spec_llm.llm_engine.spec_decoding_stats
+    accepted = stats.num_accepted_tokens
+    texts = [
+        _tokens(
+            llm, [looping] * num_runs, [_sampled(first + i, max_tokens=4) for i in range(num_runs)]
+        )
+        for llm, first in ((plain_llm, 0), (spec_llm, num_runs))
+    ]
+    assert stats.num_accepted_tokens - accepted > num_runs  # runs of several tokens
+    # Each text seen at least 10 times in all is a category, the others one more.
+    seen = collections.Counter(tuple(t) for runs in texts for t in runs)
+    common = [text for text, n in seen.items() if n >= 10]
+    counts = np.array([[sum(tuple(t) == text for t in runs) for text in common] for runs in texts])
+    counts = np.concatenate([counts, num_runs - counts.sum(1, keepdims=True)], axis=1)
+    counts = counts[:, counts.sum(0) > 0]
+    wanted = counts.sum(0) / 2  # [C] as many runs each
+    chi2 = float(((counts - wanted) ** 2 / wanted).sum())
+    dof = counts.shape[1] - 1
+    assert dof >= 3, seen  # continuations vary
+    assert chi2 < dof + 10 * math.sqrt(2 * dof), (chi2, counts)
+
+
+def test_spec_decode_counters_reach_the_metrics(spec_llm):
     """vLLM's spec_decode_* counters on /metrics: the engine's, summed over its replicas."""
     from prometheus_client import generate_latest
 
     from jvllm.engine.async_llm import AsyncLLM
     from jvllm.engine.metrics import ServingMetrics
 
-    llm = LLM(looping_model_dir, speculative_config=ngram(3), **ENGINE_KWARGS)
+    llm = spec_llm
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     llm.generate([PROMPTS[1]], params, use_tqdm=False)
     stats = llm.llm_engine.spec_decoding_stats

@@ -2,9 +2,13 @@
 model's tokens accept of them. The drafts themselves come from spec_decode/ngram.py.
 
 A decoding request with drafts d1..dk computes its last token and the drafts in one step; the
-target's greedy token at each of those positions is t0..tk. d(i) is accepted while it equals
-t(i-1), and the token after the accepted run is the target's (the first disagreement's, or the
-bonus tk): with greedy sampling exactly the tokens that decoding one at a time gives.
+target's token at each of those positions is t0..tk, sampled as decoding one token at a time
+would sample it there (worker/draft_scoring.py: the same logit processors, penalties, filters
+and seeded key of that output index). d(i) is accepted while it equals t(i-1), and the token
+after the accepted run is the target's (the first disagreement's, or the bonus tk). For a
+deterministic draft such as an n-gram's, that is rejection sampling with a draft distribution of
+probability 1 on d(i): the tokens follow the target's distribution exactly, a seeded request
+gives the same tokens with and without speculation, and a greedy one the argmax's.
 """
 
 import dataclasses
@@ -12,26 +16,21 @@ import dataclasses
 import numpy as np
 
 from jvllm.core.request import Request
-from jvllm.sampling_params import GREEDY_TEMPERATURE
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram_drafts
 
 
 def can_draft(request: Request) -> bool:
-    """Whether verification keeps the request's tokens exact: the target's token must be the
-    plain argmax of its raw logits. So greedy only, and nothing that changes the logits or
-    reads each sampled token (logit bias, allowed ids, bad words, min_tokens below its
-    count, penalties, structured outputs) or returns per-token data (logprobs); such
-    requests decode one token a step beside the others."""
+    """Whether verification can sample each draft position as the sampler would: every
+    generating request but those whose logit processing at a position depends on the tokens
+    before it in ways the step's one row per request does not follow. Those decode one token a
+    step beside the others: structured outputs (their grammar mask would have to advance over
+    each draft), multi-token bad words (a word's last token is banned only after the others),
+    and min_tokens not reached yet (stop tokens are banned only below it)."""
     params = request.sampling_params
     return (
-        params.temperature < GREEDY_TEMPERATURE
-        and params.logprobs is None
-        and not params.has_penalties
-        and not params.logit_bias
-        and params.allowed_token_ids is None
-        and not request.bad_words_token_ids
-        and request.num_output_tokens >= params.min_tokens
+        request.num_output_tokens >= params.min_tokens
+        and all(len(word) == 1 for word in request.bad_words_token_ids)
         and request.structured_output is None
         and request.pooling_params is None
     )

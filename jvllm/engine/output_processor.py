@@ -99,11 +99,11 @@ class OutputProcessor:
         num_outputs: dict[str, int],
     ) -> None:
         """Record one step's logprobs (top ids, top logprobs, sampled logprobs, ranks; rows: the
-        step's scheduled requests, with a leading step axis for a decode window) for the
-        requests in `sampling` that asked for them and were not aborted: their output tokens
-        from `num_outputs`, each one's output count before the update, on."""
+        step's scheduled requests, with a leading token axis for a decode window or a step
+        with drafts) for the requests in `sampling` that asked for them and were not aborted:
+        their output tokens from `num_outputs`, each one's output count before the update, on."""
         rows = {r.request_id: i for i, r in enumerate(scheduler_output.scheduled_requests)}
-        is_window = scheduler_output.num_steps > 1
+        is_window = scheduler_output.num_steps > 1 or bool(scheduler_output.spec_token_ids)
         top_ids, top_lps, token_lps, ranks = logprobs
         for request in sampling:
             if (

@@ -13,7 +13,9 @@ class SamplingMetadata:
     top_p: jax.Array  # f32[S]; 1 = off
     min_p: jax.Array  # f32[S]; 0 = off
     seeds: jax.Array  # u32[S] each request's seed
-    output_index: jax.Array  # i32[S] how many tokens the request has output so far
+    # i32[S] the output index of the token the row samples (its key's): how many tokens the
+    # request has output so far, plus its drafts when it has some (speculative decoding).
+    output_index: jax.Array
     presence_penalty: jax.Array  # f32[S]; 0 = off
     frequency_penalty: jax.Array  # f32[S]; 0 = off
     repetition_penalty: jax.Array  # f32[S]; 1 = off
@@ -48,6 +50,36 @@ class SamplerOutput:
     prompt_topk_logprobs: jax.Array  # f32[T, K]
     prompt_target_logprobs: jax.Array  # f32[T] logprob of prompt_target_ids
     prompt_target_ranks: jax.Array  # i32[T]
-    # Speculative decoding: the greedy token after each draft-verifying position
-    # (worker/draft_scoring.py), i32[NP]; None (no output) when speculation is off.
+    # Speculative decoding: the target's token after each draft-verifying position
+    # (worker/draft_scoring.py), i32[NP], and its logprobs as the four sampled_* / topk_*
+    # fields ([NP, K], [NP, K], [NP], [NP]); None (no output) when speculation is off.
     draft_target_ids: jax.Array | None = None
+    draft_logprobs: tuple[jax.Array, ...] | None = None
+
+
+# The fields with one row per sequence: what a row of another sequence's samples takes.
+_PER_SEQUENCE_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seeds",
+    "output_index",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "num_prompt_tokens",
+    "bias_slot",
+    "token_bitmask",
+)
+
+
+def take_rows(
+    md: SamplingMetadata, seq_index: jax.Array, num_tokens_before: jax.Array
+) -> SamplingMetadata:
+    """Metadata of rows that sample for sequences `seq_index` i32[R], each `num_tokens_before`
+    i32[R] output tokens before the sequence's own row (speculative decoding's draft
+    positions); the batch-level switches stay the step's."""
+    rows = {name: getattr(md, name)[seq_index] for name in _PER_SEQUENCE_FIELDS}
+    rows["output_index"] = rows["output_index"] - num_tokens_before
+    return dataclasses.replace(md, **rows)

@@ -14,7 +14,7 @@ from jvllm.sample.plan import SamplerPlan
 from jvllm.sampling_params import GREEDY_TEMPERATURE
 
 
-def _request_keys(seeds: jax.Array, output_index: jax.Array) -> jax.Array:
+def request_keys(seeds: jax.Array, output_index: jax.Array) -> jax.Array:
     """The key of a request's k-th output token: independent of the rest of the batch."""
     return jax.vmap(lambda s, k: jax.random.fold_in(jax.random.PRNGKey(s), k))(seeds, output_index)
 
@@ -29,11 +29,11 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, vocab - 1)
 
 
-# Tokens per block of the two-level inverse-CDF search in `_inverse_cdf`.
+# Tokens per block of the two-level inverse-CDF search in `inverse_cdf`.
 _CDF_BLOCK = 128
 
 
-def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     """The token i32[S] at which u f32[S] in [0, 1) falls in each row's running sum of
     weights f32[S, V] >= 0 (unnormalised, at least one positive per row).
 
@@ -75,9 +75,9 @@ def sample(
         drawn_from = scaled_and_filtered(logits, md, plan) if scaled is None else scaled
         # One uniform per row and an inverse-CDF search: Gumbel noise for every vocabulary
         # entry cost 31 ms for 64 x 49152 logits, this 1.6 ms.
-        u = jax.vmap(lambda key: jax.random.uniform(key))(_request_keys(md.seeds, md.output_index))
+        u = jax.vmap(lambda key: jax.random.uniform(key))(request_keys(md.seeds, md.output_index))
         weights = jnp.exp(drawn_from - drawn_from.max(axis=-1, keepdims=True))  # [S, V]
-        return jnp.where(is_greedy, greedy, _inverse_cdf(weights, u))
+        return jnp.where(is_greedy, greedy, inverse_cdf(weights, u))
 
     if plan is SamplerPlan.DYNAMIC:
         return jax.lax.cond(md.all_greedy, lambda: greedy, random_sample)
@@ -147,6 +147,56 @@ def process_logits(
     return jax.lax.cond(md.any_penalties, penalize, lambda x: x, logits)
 
 
+def _no_logprobs(num_rows: int, k: int) -> tuple[jax.Array, ...]:
+    return (
+        jnp.zeros((num_rows, k), jnp.int32),
+        jnp.zeros((num_rows, k), jnp.float32),
+        jnp.zeros(num_rows, jnp.float32),
+        jnp.zeros(num_rows, jnp.int32),
+    )
+
+
+def sample_tokens(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    *,
+    bias_rows: jax.Array,
+    token_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    max_logprobs: int,
+    logprobs_mode: str = "raw_logprobs",
+    plan: SamplerPlan = SamplerPlan.DYNAMIC,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Each row's next token from its f32[S, V] raw logits, as a request decoding one token
+    at a time gets it: logit processors, penalties over the row's `seq_lens` tokens of its
+    `block_tables` row, then `sample`'s draw with the key of the row's output index ->
+    (i32[S] tokens, their logprobs: top ids i32[S, K], top logprobs f32[S, K], the token's
+    logprob f32[S] and rank i32[S], zeros unless `md.any_logprobs`). A row depends on its own
+    inputs alone: the decoding rows and speculative decoding's draft positions
+    (worker/draft_scoring.py) both sample here. A plan other than DYNAMIC is only for steps
+    that `choose_plan` gives it: no processors, penalties or logprobs.
+
+    `logprobs_mode` (config.LOGPROBS_MODES): the logprobs of the raw logits or of the
+    processed ones a row draws from, or those logits themselves."""
+    k = max(max_logprobs, 1)
+    if plan is not SamplerPlan.DYNAMIC:
+        return sample(logits, md, plan), _no_logprobs(logits.shape[0], k)
+    processed = process_logits(logits, md, bias_rows, token_cache, block_tables, seq_lens)
+    # The processed modes' values are of what a row draws from: made once, for both.
+    drawn_from = None
+    if logprobs_mode.startswith("processed"):
+        drawn_from = scaled_and_filtered(processed, md)
+    sampled = sample(processed, md, scaled=drawn_from)
+
+    def sampled_logprobs():
+        source = logits if drawn_from is None else drawn_from
+        return topk_and_target(source, sampled, k, logprobs_mode.endswith("_logits"))
+
+    top = jax.lax.cond(md.any_logprobs, sampled_logprobs, lambda: _no_logprobs(logits.shape[0], k))
+    return sampled, top
+
+
 def sample_step(
     logits: jax.Array,
     hidden: jax.Array,
@@ -162,41 +212,27 @@ def sample_step(
     plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ) -> SamplerOutput:
     """Everything after the forward: f32[S, V] last-position logits and f32[T, D] hidden states
-    (for prompt logprobs, through `logits_fn`) -> `SamplerOutput`. A plan other than DYNAMIC
-    is only for steps that `choose_plan` gives it: no processors, penalties or logprobs.
-
-    `logprobs_mode` (config.LOGPROBS_MODES): the sampled positions' logprobs of the raw logits
-    or of the processed ones a row draws from, or those logits themselves; a prompt's
-    positions are sampled by nothing, so theirs are of the raw logits in every mode."""
-    num_seqs, num_tokens, k = logits.shape[0], hidden.shape[0], max(max_logprobs, 1)
-
-    def no_logprobs(n):
-        return (
-            jnp.zeros((n, k), jnp.int32),
-            jnp.zeros((n, k), jnp.float32),
-            jnp.zeros(n, jnp.float32),
-            jnp.zeros(n, jnp.int32),
-        )
-
+    (for prompt logprobs, through `logits_fn`) -> `SamplerOutput`; `sample_tokens` samples.
+    A prompt's positions are sampled by nothing, so their logprobs are of the raw logits in
+    every `logprobs_mode`."""
+    sampled, top = sample_tokens(
+        logits,
+        md,
+        bias_rows=bias_rows,
+        token_cache=token_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        max_logprobs=max_logprobs,
+        logprobs_mode=logprobs_mode,
+        plan=plan,
+    )
+    num_tokens, k = hidden.shape[0], max(max_logprobs, 1)
     if plan is not SamplerPlan.DYNAMIC:
-        sampled = sample(logits, md, plan)
-        return SamplerOutput(sampled, *no_logprobs(num_seqs), *no_logprobs(num_tokens))
-    processed = process_logits(logits, md, bias_rows, token_cache, block_tables, seq_lens)
-    # The processed modes' values are of what a row draws from: made once, for both.
-    drawn_from = None
-    if logprobs_mode.startswith("processed"):
-        drawn_from = scaled_and_filtered(processed, md)
-    sampled = sample(processed, md, scaled=drawn_from)
+        return SamplerOutput(sampled, *top, *_no_logprobs(num_tokens, k))
     as_logits = logprobs_mode.endswith("_logits")
-
-    def sampled_logprobs():
-        source = logits if drawn_from is None else drawn_from
-        return topk_and_target(source, sampled, k, as_logits)
-
-    top = jax.lax.cond(md.any_logprobs, sampled_logprobs, lambda: no_logprobs(num_seqs))
     prompt = jax.lax.cond(
         md.any_prompt_logprobs,
         lambda: prompt_logprobs(hidden, md.prompt_target_ids, logits_fn, k, as_logits),
-        lambda: no_logprobs(num_tokens),
+        lambda: _no_logprobs(num_tokens, k),
     )
     return SamplerOutput(sampled, *top, *prompt)

@@ -1,10 +1,15 @@
-"""Speculative decoding on the device: the target model's greedy token at each position that
-verifies a draft, and the host's reading of them (core/spec_decode.py accepts).
+"""Speculative decoding on the device: the target model's token at each position that verifies
+a draft, and the host's reading of them (core/spec_decode.py accepts).
 
 A request with drafts d1..dk computes [last token, d1..dk] as one query of k + 1 tokens. The
-sampler already gives the token after dk (the bonus, from the request's last position); this
-scores the k positions before it, for t0..t(k-1). Only those rows go through the LM head:
-at most min(T, S * k) of them a step, never the step's [T, V].
+sampler already gives the token after dk (the bonus, from the request's last position, at
+output index o + k); this samples the k positions before it, for t0..t(k-1): position i as the
+sampler samples output index o + i when decoding one token at a time (`sample_tokens`: the
+same processors, filters and seeded key; penalties count the tokens up to position i, drafts
+included, from the token cache the step has written). So every accepted token is what plain
+decoding would have drawn, and a seeded request's text does not change with speculation; a
+greedy request's is the argmax. Only those rows go through the LM head: at most min(T, S * k)
+of them a step, never the step's [T, V].
 """
 
 import dataclasses
@@ -14,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.core.spec_decode import accept_drafts
-from jvllm.sample.sampler import argmax
+from jvllm.sample.metadata import SamplingMetadata, take_rows
 from jvllm.worker.buckets import Bucket
 
 
@@ -22,6 +27,8 @@ from jvllm.worker.buckets import Bucket
 @dataclasses.dataclass(frozen=True)
 class DraftScoring:
     indices: jax.Array  # i32[NP] flat index (into the step's T tokens) of each scored position
+    seq_index: jax.Array  # i32[NP] its request's row among the step's sequences
+    num_tokens_before: jax.Array  # i32[NP] output tokens between it and its request's bonus
     any_drafts: jax.Array  # bool[] some request has drafts: else nothing is scored
 
 
@@ -38,26 +45,48 @@ def prepare_draft_scoring(
 ) -> DraftScoring:
     """The positions to score: of request s with k drafts, the first k of its query (its last
     token's and its drafts' but the last), in request order; padding scores token 0."""
-    indices = np.zeros(num_scored_positions(bucket, num_speculative_tokens), np.int32)
+    num_positions = num_scored_positions(bucket, num_speculative_tokens)
+    indices = np.zeros(num_positions, np.int32)
+    seq_index = np.zeros(num_positions, np.int32)
+    num_tokens_before = np.zeros(num_positions, np.int32)
     at = 0
-    for start, drafts in zip(query_start_loc.tolist(), draft_token_ids):
-        indices[at : at + len(drafts)] = np.arange(start, start + len(drafts))
-        at += len(drafts)
-    return DraftScoring(indices, np.bool_(at > 0))
+    for s, (start, drafts) in enumerate(zip(query_start_loc.tolist(), draft_token_ids)):
+        k = len(drafts)
+        indices[at : at + k] = np.arange(start, start + k)
+        seq_index[at : at + k] = s
+        num_tokens_before[at : at + k] = np.arange(k, 0, -1)
+        at += k
+    return DraftScoring(indices, seq_index, num_tokens_before, np.bool_(at > 0))
 
 
 def score_drafts(
-    hidden: jax.Array, drafts: DraftScoring, logits_fn, branch_free: bool = False
-) -> jax.Array:
-    """i32[NP]: the target's greedy token after each scored position of `hidden` f32[T, D];
-    `logits_fn(h f32[NP, D]) -> f32[NP, V]` is the model's LM head. The argmax is the sampler's
-    (first maximum), so that a verified run equals one-token greedy steps. A step without
-    drafts skips the LM head (a `lax.cond`), unless `branch_free`."""
-    score = lambda: argmax(logits_fn(hidden[drafts.indices]))  # [NP, V] -> [NP]
+    hidden: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    md: SamplingMetadata,
+    drafts: DraftScoring,
+    logits_fn,
+    sample_fn,
+    branch_free: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The target's token i32[NP] after each scored position of `hidden` f32[T, D] (at
+    `positions` i32[T]), and its logprobs; `logits_fn(h f32[NP, D]) -> f32[NP, V]` is the
+    model's LM head, `sample_fn(logits, md, *, block_tables, seq_lens)` the step's
+    `sample_tokens`, its other arguments bound. A step without drafts skips all of it (a
+    `lax.cond`), unless `branch_free`."""
+
+    def score():
+        logits = logits_fn(hidden[drafts.indices])  # [NP, V]
+        rows = take_rows(md, drafts.seq_index, drafts.num_tokens_before)
+        seq_lens = positions[drafts.indices] + 1  # each row's history: up to its position
+        return sample_fn(
+            logits, rows, block_tables=block_tables[drafts.seq_index], seq_lens=seq_lens
+        )
+
     if branch_free:
         return score()
-    num_positions = drafts.indices.shape[0]
-    return jax.lax.cond(drafts.any_drafts, score, lambda: jnp.zeros(num_positions, jnp.int32))
+    nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(score))
+    return jax.lax.cond(drafts.any_drafts, score, lambda: nothing)
 
 
 def accepted_token_ids(
@@ -72,3 +101,24 @@ def accepted_token_ids(
         at += len(drafts)
         tokens.append(accept_drafts(drafts, [*scored, bonus]))
     return tokens
+
+
+def run_logprobs(
+    sampled: tuple[np.ndarray, ...],
+    scored: tuple[np.ndarray, ...],
+    draft_token_ids: list[list[int]],
+) -> tuple[np.ndarray, ...]:
+    """The logprobs of each request's tokens from a step with drafts, shaped as a decode
+    window's ([k + 1, R, ...]: token j of request r at [j, r]): its scored positions' rows
+    (`scored`, [NP, ...] in prepare_draft_scoring's order) while j < its drafts, then its
+    sampled row (`sampled`, [R, ...], the bonus)."""
+    num_steps = 1 + max(len(drafts) for drafts in draft_token_ids)
+    runs = []
+    for rows, scored_rows in zip(sampled, scored):
+        run = np.repeat(rows[None], num_steps, axis=0)
+        at = 0
+        for r, drafts in enumerate(draft_token_ids):
+            run[: len(drafts), r] = scored_rows[at : at + len(drafts)]
+            at += len(drafts)
+        runs.append(run)
+    return tuple(runs)

@@ -31,7 +31,7 @@ from jvllm.worker.decode_loop import (
     run_window,
     window_steps_per_check,
 )
-from jvllm.worker.draft_scoring import accepted_token_ids
+from jvllm.worker.draft_scoring import accepted_token_ids, run_logprobs
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
@@ -324,11 +324,13 @@ class ModelRunner:
         )
         result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         if scheduler_output.spec_token_ids:  # each request's accepted run, a list
+            drafts = [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests]
             result.sampled_token_ids = accepted_token_ids(
-                result.sampled_token_ids,
-                np.asarray(out.draft_target_ids),
-                [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests],
+                result.sampled_token_ids, np.asarray(out.draft_target_ids), drafts
             )
+            if result.logprobs is not None:  # a window's shape: a row per token of a run
+                scored = tuple(np.asarray(a) for a in out.draft_logprobs)
+                result.logprobs = run_logprobs(result.logprobs, scored, drafts)
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result

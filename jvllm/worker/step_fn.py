@@ -5,10 +5,11 @@ jvllm.step_loop chain it.
 """
 
 import dataclasses
+import functools
 
 from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.sample.plan import SamplerPlan
-from jvllm.sample.sampler import sample_step
+from jvllm.sample.sampler import sample_step, sample_tokens
 from jvllm.worker.draft_scoring import score_drafts
 from jvllm.worker.step_inputs import StepInputs
 
@@ -30,7 +31,8 @@ def model_step(
     `token_cache: i32[P, B]` holds the token id of every KV slot (penalties read it); `logits:
     f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
     engine's executables drop them); `plan`: the sampler's stages (sample/plan.py). With
-    speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions.
+    speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions
+    and `out.draft_logprobs` their logprobs, sampled as the sampler samples.
     """
     md = inputs.attn
     hidden, kv_cache = model.forward(
@@ -58,14 +60,26 @@ def model_step(
         plan=plan,
     )
     if inputs.drafts is not None:  # speculative decoding: verify the drafts
+        sample_fn = functools.partial(
+            sample_tokens,
+            bias_rows=bias_rows,
+            token_cache=token_cache,
+            max_logprobs=max_logprobs,
+            logprobs_mode=logprobs_mode,
+            plan=plan,
+        )
         # A sampler plan holds no conditional (on a GPU one waits for the host): score always.
-        targets = score_drafts(
+        targets, target_logprobs = score_drafts(
             hidden,
+            inputs.positions,
+            md.block_tables,
+            inputs.sampling,
             inputs.drafts,
             lambda h: model.logits(params, h),
+            sample_fn,
             branch_free=plan is not SamplerPlan.DYNAMIC,
         )
-        out = dataclasses.replace(out, draft_target_ids=targets)
+        out = dataclasses.replace(out, draft_target_ids=targets, draft_logprobs=target_logprobs)
     return out, logits, kv_cache, token_cache
 
 

@@ -88,6 +88,9 @@ def prepare_step_inputs(
     slot_mapping[:num_real_tokens] = page * block_size + pos % block_size
     seq_lens = per_seq(starts + lens, np.int32)
 
+    # A request with drafts samples the token after them (speculative decoding's bonus).
+    drafted = draft_token_ids or [[]] * num_real
+    num_outputs = [req.num_output_tokens + len(d) for req, d in zip(requests, drafted)]
     temperature = per_seq([p.temperature for p in params], np.float32)
     top_k = per_seq([max(p.top_k, 0) for p in params], np.int32)
     top_p = per_seq([p.top_p for p in params], np.float32, 1)
@@ -135,7 +138,7 @@ def prepare_step_inputs(
         top_p=top_p,
         min_p=min_p,
         seeds=per_seq([req.seed for req in requests], np.uint32),
-        output_index=per_seq([req.num_output_tokens for req in requests], np.int32),
+        output_index=per_seq(num_outputs, np.int32),
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
