@@ -9,6 +9,7 @@ def test_spec_decode_benchmark_compares_speculation_with_plain_decoding(tiny_lla
     )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("CPU: ")
-    rows = {line.split()[0]: line.split() for line in lines[3:]}
-    assert set(rows) == set(spec_decode.PROMPTS)
-    assert all(row[-1] == "True" for row in rows.values())  # float32: the same tokens
+    rows = {tuple(line.split()[:2]): line.split() for line in lines[3:]}
+    assert set(rows) == {(name, t) for name in spec_decode.PROMPTS for t in ("0", "0.7")}
+    # float32: the same tokens, greedy and seeded sampled
+    assert all(row[-1] == "True" for row in rows.values())

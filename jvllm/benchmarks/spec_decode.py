@@ -1,13 +1,14 @@
-"""Speculative decoding with n-gram drafts against plain decoding, at batch 1: one greedy
-request at a time, on a prompt whose answer repeats it (editing code) and on one whose answer
-does not (a story).
+"""Speculative decoding with n-gram drafts against plain decoding, at batch 1: one request at
+a time, greedy and sampled (seeded, temperature 0.7 unless --temperatures says otherwise), on a
+prompt whose answer repeats it (editing code) and on one whose answer does not (a story).
 
     python -m jvllm.benchmarks.spec_decode                    # the default model, bfloat16
-    python -m jvllm.benchmarks.spec_decode -k 5 --max-tokens 256
+    python -m jvllm.benchmarks.spec_decode -k 5 --max-tokens 256 --temperatures 0,0.7,1
 
-Prints, for each prompt, the output tok/s without and with speculation (the same engine
-options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens are the
-same. Each engine runs the prompt once untimed first, so that compiles are not counted, then
+Prints, for each prompt and temperature, the output tok/s without and with speculation (the
+same engine options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens
+are the same (a seeded sampled request's are, as a greedy one's, but for bfloat16's near ties).
+Each engine runs the prompt once untimed first, so that compiles are not counted, then
 --num-iters times, alternating with the other; the figures are medians.
 """
 
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs; medians")
+    parser.add_argument(
+        "--temperatures",
+        default="0,0.7",
+        help="comma-separated; 0 is greedy, the others sample with seed 0",
+    )
     args = parser.parse_args(argv)
     engine_kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": 8}
     speculative_config = {
@@ -70,30 +76,35 @@ def main(argv: list[str] | None = None) -> None:
     plain = LLM(args.model, **engine_kwargs)
     speculative = LLM(args.model, speculative_config=speculative_config, **engine_kwargs)
     stats = speculative.llm_engine.spec_decoding_stats
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     print(f"CPU: {cpu_name()}; {args.model or 'the default model'} in {args.dtype}, batch 1")
     print(f"speculative_config: {speculative_config}, {args.max_tokens} tokens a prompt")
     print(
-        f"{'prompt':<16} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+        f"{'prompt':<16} {'temp':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
         f"{'accepted':>9} {'same tokens':>11}"
     )
     for name, prompt in PROMPTS.items():
-        for llm in (plain, speculative):
-            timed_generate(llm, prompt, params)  # compiles
-        drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-        plain_times, spec_times = [], []
-        for _ in range(args.num_iters):  # alternating, so that both see the machine's drift
-            want, seconds = timed_generate(plain, prompt, params)
-            plain_times.append(seconds)
-            got, seconds = timed_generate(speculative, prompt, params)
-            spec_times.append(seconds)
-        plain_seconds, spec_seconds = statistics.median(plain_times), statistics.median(spec_times)
-        num_drafts = stats.num_draft_tokens - drafts
-        rate = (stats.num_accepted_tokens - accepted) / num_drafts if num_drafts else 0.0
-        print(
-            f"{name:<16} {len(want) / plain_seconds:>11.1f} {len(got) / spec_seconds:>10.1f} "
-            f"{plain_seconds / spec_seconds:>5.2f}x {rate:>8.0%} {got == want!s:>11}"
-        )
+        for temperature in temperatures:
+            params = SamplingParams(
+                temperature=temperature, seed=0, max_tokens=args.max_tokens, ignore_eos=True
+            )
+            for llm in (plain, speculative):
+                timed_generate(llm, prompt, params)  # compiles
+            drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+            plain_times, spec_times = [], []
+            for _ in range(args.num_iters):  # alternating, so that both see the machine's drift
+                want, seconds = timed_generate(plain, prompt, params)
+                plain_times.append(seconds)
+                got, seconds = timed_generate(speculative, prompt, params)
+                spec_times.append(seconds)
+            plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
+            num_drafts = stats.num_draft_tokens - drafts
+            rate = (stats.num_accepted_tokens - accepted) / num_drafts if num_drafts else 0.0
+            print(
+                f"{name:<16} {temperature:>4.2g} {len(want) / plain_s:>11.1f} "
+                f"{len(got) / spec_s:>10.1f} {plain_s / spec_s:>5.2f}x {rate:>8.0%} "
+                f"{got == want!s:>11}"
+            )
 
 
 if __name__ == "__main__":
