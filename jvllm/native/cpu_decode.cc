@@ -8,7 +8,8 @@
 // stores bfloat16 on CPU). Like the pure-JAX page walk it writes, over the rows of the tokens
 // the tiles read, each query's unnormalised result (max score, sum of exponentials, weighted
 // values) into arrays that come in and go out aliased; every other row keeps what it held.
-// Tiles are split among XLA's intra-op threads.
+// Tiles are split among XLA's intra-op threads. Heads of 64 and 128 values take a vector path
+// over the portable SIMD layer, other sizes a scalar loop that the compiler vectorises.
 
 #include <algorithm>
 #include <cmath>
@@ -18,7 +19,7 @@
 #include <vector>
 
 #include "parallel_for.h"
-#include "simd.h"
+#include "simd_lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,9 +28,9 @@ namespace {
 
 // H cache values in float32: float32 ones where they lie, bfloat16 bits converted into row
 // (copying float32 ones there took a call to memmove a row).
-inline const float* as_floats(const float* src, int64_t, float*) { return src; }
+inline const float* row_as_floats(const float* src, int64_t, float*) { return src; }
 
-inline const float* as_floats(const uint16_t* bf16_bits, int64_t H, float* __restrict row) {
+inline const float* row_as_floats(const uint16_t* bf16_bits, int64_t H, float* __restrict row) {
   for (int64_t h = 0; h < H; ++h) {
     const uint32_t bits = static_cast<uint32_t>(bf16_bits[h]) << 16;
     std::memcpy(row + h, &bits, sizeof(bits));
@@ -58,21 +59,20 @@ struct Shapes {
   int64_t num_kv_heads, num_pages, block_size, head_dim, group, max_pages;
 };
 
-// Attention of one tile's G query heads of one KV head -> max [G], sum [G], values out [G, H].
-// HD > 0 fixes the head size at compile time (the common 64 and 128), so the row loops
-// vectorise fully.
-template <int HD, typename T>
+// Attention of one tile's G query heads of one KV head -> max [G], sum [G], values out [G, H]:
+// any head size, one dot product at a time (heads of 64 and 128 take attend_head_vectors).
+template <typename T>
 void attend_head(const float* __restrict q, const T* __restrict keys,
                  const T* __restrict values, const int32_t* __restrict pages, int64_t kv_len,
                  const Shapes& s, float* __restrict max_out, float* __restrict sum_out,
                  float* __restrict out, std::vector<float>& scores) {
   const int64_t G = s.group, B = s.block_size;
-  const int64_t H = HD > 0 ? HD : s.head_dim;
+  const int64_t H = s.head_dim;
   scores.resize(static_cast<size_t>(G * kv_len + H));
   float* __restrict row = scores.data() + G * kv_len;  // one bfloat16 key or value row in float32
   for (int64_t pos = 0; pos < kv_len; ++pos) {
     const T* k = keys + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
-    const float* __restrict key = as_floats(k, H, row);
+    const float* __restrict key = row_as_floats(k, H, row);
     for (int64_t g = 0; g < G; ++g) {
       const float* __restrict qg = q + g * H;
       float dot = 0.f;
@@ -84,7 +84,7 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
   std::fill(out, out + G * H, 0.f);
   for (int64_t pos = 0; pos < kv_len; ++pos) {
     const T* v = values + (static_cast<int64_t>(pages[pos / B]) * B + pos % B) * H;
-    const float* __restrict value = as_floats(v, H, row);
+    const float* __restrict value = row_as_floats(v, H, row);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * kv_len + pos];
       float* __restrict og = out + g * H;
@@ -93,53 +93,36 @@ void attend_head(const float* __restrict q, const T* __restrict keys,
   }
 }
 
-#if defined(__AVX512F__)
-// With AVX-512 and a head size of 64 or 128 (32 W), the same attention in far fewer
-// instructions: each run of 32 values of a row loads as two float32 vectors, 16 lanes each
-// (bfloat16: the 32-bit words shifted left 16 bits are the even values, the words with their
-// low 16 bits cleared the odd ones: two instructions a run), the query heads' values are put
-// in the same lanes once, and the weighted values go back in order at the end. A key row's
-// products stay in 16 lanes until 16 positions are done, and one transposing sum makes their
-// 16 scores; the sums of up to 4 query heads stay in registers. Each row read asks for the
-// same row of the sequence's next page, which shuffled pages are slow to reach.
+// Heads of 64 or 128 values (W runs of 2 kLanes), over the portable SIMD layer (simd_lanes.h),
+// the same code for AVX-512, AVX2 and NEON (AVX-512 as fast as the intrinsics it replaced, AVX2
+// 1.4-2.2x faster than attend_head; docs/benchmarks/cpu_kernels.md): each run of a row loads as two vectors a and b (bfloat16: the 32-bit words shifted left 16
+// bits are the even values, the words with their low 16 bits cleared the odd ones: two
+// instructions a run), the query heads' values are put in the same lanes once, and the weighted
+// values go back in order at the end. A key row's products stay in kLanes lanes until kLanes
+// positions are done, and one transposing sum makes their kLanes scores; the sums of a group of
+// query heads stay in registers. Each row read asks for the same row of the sequence's next
+// page, which shuffled pages are slow to reach.
 
-// Lane i: first + step * i.
-inline __m512i from(int first, int step) {
-  const __m512i i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_mullo_epi32(_mm512_set1_epi32(step), i));
-}
-
-// Which of a run's 32 values the two vectors' lanes hold (as indices into 32 for
-// _mm512_permutex2var_ps), and the indices that put them back in order.
+// Which of a run's 2 kLanes values lane l of a and of b hold, and the loads that put them there.
 template <typename T>
-struct Lanes;
+struct Run;
 
 template <>
-struct Lanes<float> {
-  static void load(const float* p, __m512& a, __m512& b) {
-    a = _mm512_loadu_ps(p);
-    b = _mm512_loadu_ps(p + 16);
+struct Run<float> {
+  static constexpr int a_value(int l) { return l; }
+  static constexpr int b_value(int l) { return kLanes + l; }
+  JVLLM_INLINE static void load(const float* p, vf32& a, vf32& b) {
+    a = load_lanes(p);
+    b = load_lanes(p + kLanes);
   }
-  static __m512i a_values() { return from(0, 1); }
-  static __m512i b_values() { return from(16, 1); }
-  static __m512i first_16() { return a_values(); }
-  static __m512i last_16() { return b_values(); }
 };
 
 template <>
-struct Lanes<uint16_t> {  // bfloat16 bits
-  static void load(const uint16_t* p, __m512& a, __m512& b) {
-    const __m512i words = _mm512_loadu_si512(p);
-    a = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-    b = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF0000)));
-  }
-  static __m512i a_values() { return from(0, 2); }
-  static __m512i b_values() { return from(1, 2); }
-  static __m512i first_16() {
-    return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  }
-  static __m512i last_16() {
-    return _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+struct Run<uint16_t> {  // bfloat16 bits
+  static constexpr int a_value(int l) { return 2 * l; }
+  static constexpr int b_value(int l) { return 2 * l + 1; }
+  JVLLM_INLINE static void load(const uint16_t* p, vf32& a, vf32& b) {
+    load_bfloat16_pairs(p, a, b);
   }
 };
 
@@ -156,96 +139,82 @@ struct RowWalk {
       const char* ahead = reinterpret_cast<const char*>(
           head + (static_cast<int64_t>(pages[page + 1]) * block_size + offset) * row_size);
       for (int64_t byte = 0; byte < row_size * static_cast<int64_t>(sizeof(T)); byte += 64)
-        _mm_prefetch(ahead + byte, _MM_HINT_T0);
+        __builtin_prefetch(ahead + byte, 0, 3);
     }
     if (++offset == block_size) offset = 0, ++page;
     return row;
   }
 };
 
-// r[16] -> lane i the sum of r[i]'s lanes.
-inline __m512 transpose_sum(const __m512* r) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128 bits: lanes 0, 2 sum r[2i]'s, lanes 1, 3 r[2i + 1]'s
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
-                         _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128 bits: lane j sums r[4i + j]'s
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // 128-bit lane k of the result: b[k]'s four 128-bit lanes summed
-  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
-                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
-                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0x88),
-                       _mm512_shuffle_f32x4(b01, b23, 0xDD));
-}
-
-// Scores of NG query heads q [NG, 32 W] against the sequence's first kv_len keys ->
-// scores[g * stride + pos], written in runs of 16 (stride a multiple of 16).
+// Scores of NG query heads q [NG, 2 kLanes W] against the sequence's first kv_len keys ->
+// scores[g * stride + pos], written in runs of kLanes (stride a multiple of kLanes).
 template <typename T, int W, int NG>
-void scores_avx512(const float* q, RowWalk<T> keys, int64_t kv_len, float* scores,
-                   int64_t stride) {
-  __m512 qa[NG][W], qb[NG][W];
-  for (int g = 0; g < NG; ++g) {
-    for (int w = 0; w < W; ++w) {
-      const float* run = q + (g * W + w) * 32;
-      const __m512 lo = _mm512_loadu_ps(run), hi = _mm512_loadu_ps(run + 16);
-      qa[g][w] = _mm512_permutex2var_ps(lo, Lanes<T>::a_values(), hi);
-      qb[g][w] = _mm512_permutex2var_ps(lo, Lanes<T>::b_values(), hi);
+void head_scores(const float* q, RowWalk<T> keys, int64_t kv_len, float* scores,
+                 int64_t stride) {
+  vf32 qa[NG][W], qb[NG][W];
+  JVLLM_UNROLLED for (int g = 0; g < NG; ++g) {
+    JVLLM_UNROLLED for (int w = 0; w < W; ++w) {
+      const float* run = q + (g * W + w) * 2 * kLanes;
+      qa[g][w] = vf32([run](auto l) { return run[Run<T>::a_value(l)]; });
+      qb[g][w] = vf32([run](auto l) { return run[Run<T>::b_value(l)]; });
     }
   }
-  __m512 products[NG][16];
-  for (int64_t start = 0; start < kv_len; start += 16) {
-    const int64_t n = std::min<int64_t>(16, kv_len - start);
-    for (int64_t j = 0; j < 16; ++j) {
-      __m512 sum[NG];
-      for (int g = 0; g < NG; ++g) sum[g] = _mm512_setzero_ps();
+  vf32 products[NG][kLanes];
+  for (int64_t start = 0; start < kv_len; start += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, kv_len - start);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      vf32 sum[NG];
+      JVLLM_UNROLLED for (int g = 0; g < NG; ++g) sum[g] = 0.f;
       if (j < n) {
         const T* key = keys.next();
-        for (int w = 0; w < W; ++w) {
-          __m512 a, b;
-          Lanes<T>::load(key + 32 * w, a, b);
-          for (int g = 0; g < NG; ++g) {
-            sum[g] = _mm512_fmadd_ps(qa[g][w], a, sum[g]);
-            sum[g] = _mm512_fmadd_ps(qb[g][w], b, sum[g]);
+        JVLLM_UNROLLED for (int w = 0; w < W; ++w) {
+          vf32 a, b;
+          Run<T>::load(key + 2 * kLanes * w, a, b);
+          JVLLM_UNROLLED for (int g = 0; g < NG; ++g) {
+            sum[g] = multiply_add(qa[g][w], a, sum[g]);
+            sum[g] = multiply_add(qb[g][w], b, sum[g]);
           }
         }
       }
-      for (int g = 0; g < NG; ++g) products[g][j] = sum[g];
+      JVLLM_UNROLLED for (int g = 0; g < NG; ++g) products[g][j] = sum[g];
     }
-    for (int g = 0; g < NG; ++g)
-      _mm512_storeu_ps(scores + g * stride + start, transpose_sum(products[g]));
+    JVLLM_UNROLLED for (int g = 0; g < NG; ++g) {
+      transpose_sum(products[g]).copy_to(scores + g * stride + start, stdx::element_aligned);
+    }
   }
 }
 
-// out [NG, 32 W] = the sum over pos < kv_len of p[g * stride + pos] times value row pos.
+// out [NG, 2 kLanes W] = the sum over pos < kv_len of p[g * stride + pos] times value row pos
+// (of row_size values), runs [first, first + W) of each.
 template <typename T, int W, int NG>
-void values_avx512(const float* p, int64_t stride, RowWalk<T> values, int64_t kv_len,
-                   float* out) {
-  __m512 sa[NG][W], sb[NG][W];
-  for (int g = 0; g < NG; ++g)
-    for (int w = 0; w < W; ++w) sa[g][w] = sb[g][w] = _mm512_setzero_ps();
+void head_values(const float* p, int64_t stride, RowWalk<T> values, int64_t kv_len,
+                 int64_t first, int64_t row_size, float* out) {
+  vf32 sa[NG][W], sb[NG][W];
+  JVLLM_UNROLLED for (int g = 0; g < NG; ++g) {
+    JVLLM_UNROLLED for (int w = 0; w < W; ++w) sa[g][w] = sb[g][w] = 0.f;
+  }
   for (int64_t pos = 0; pos < kv_len; ++pos) {
-    const T* value = values.next();
-    for (int w = 0; w < W; ++w) {
-      __m512 a, b;
-      Lanes<T>::load(value + 32 * w, a, b);
-      for (int g = 0; g < NG; ++g) {
-        const __m512 weight = _mm512_set1_ps(p[g * stride + pos]);
-        sa[g][w] = _mm512_fmadd_ps(weight, a, sa[g][w]);
-        sb[g][w] = _mm512_fmadd_ps(weight, b, sb[g][w]);
+    const T* value = values.next() + 2 * kLanes * first;
+    JVLLM_UNROLLED for (int w = 0; w < W; ++w) {
+      vf32 a, b;
+      Run<T>::load(value + 2 * kLanes * w, a, b);
+      JVLLM_UNROLLED for (int g = 0; g < NG; ++g) {
+        const vf32 weight = p[g * stride + pos];
+        sa[g][w] = multiply_add(weight, a, sa[g][w]);
+        sb[g][w] = multiply_add(weight, b, sb[g][w]);
       }
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    for (int w = 0; w < W; ++w) {
-      float* run = out + (g * W + w) * 32;
-      _mm512_storeu_ps(run, _mm512_permutex2var_ps(sa[g][w], Lanes<T>::first_16(), sb[g][w]));
-      _mm512_storeu_ps(run + 16,
-                       _mm512_permutex2var_ps(sa[g][w], Lanes<T>::last_16(), sb[g][w]));
+  JVLLM_UNROLLED for (int g = 0; g < NG; ++g) {
+    JVLLM_UNROLLED for (int w = 0; w < W; ++w) {
+      float* run = out + g * row_size + 2 * kLanes * (first + w);
+      float a[kLanes], b[kLanes];
+      sa[g][w].copy_to(a, stdx::element_aligned);
+      sb[g][w].copy_to(b, stdx::element_aligned);
+      for (int l = 0; l < kLanes; ++l) {
+        run[Run<T>::a_value(l)] = a[l];
+        run[Run<T>::b_value(l)] = b[l];
+      }
     }
   }
 }
@@ -268,25 +237,35 @@ void in_groups(int64_t G, const Pass& pass) {
   }
 }
 
-// attend_head's results, head size 32 W.
+// Query heads whose scores a key row meets at once (AVX2's 2 and 3 were slower than 4), and
+// vectors of weighted values summed at once: half the registers.
+constexpr int kScoreHeads = 4;
+constexpr int kValueSums = kRegisters / 2;
+
+// attend_head's results, head size 2 kLanes W.
 template <typename T, int W>
-void attend_head_avx512(const float* q, const T* keys, const T* values, const int32_t* pages,
-                        int64_t kv_len, const Shapes& s, float* max_out, float* sum_out,
-                        float* out, std::vector<float>& scores) {
-  const int64_t stride = (kv_len + 15) / 16 * 16, H = 32 * W;
+void attend_head_vectors(const float* q, const T* keys, const T* values, const int32_t* pages,
+                         int64_t kv_len, const Shapes& s, float* max_out, float* sum_out,
+                         float* out, std::vector<float>& scores) {
+  const int64_t stride = (kv_len + kLanes - 1) / kLanes * kLanes, H = 2 * kLanes * W;
   scores.resize(static_cast<size_t>(s.group * stride));
   const int64_t num_pages = (kv_len + s.block_size - 1) / s.block_size;
   const RowWalk<T> key_rows{keys, pages, s.block_size, H, num_pages};
   const RowWalk<T> value_rows{values, pages, s.block_size, H, num_pages};
-  in_groups<4>(s.group, [&](auto n, int64_t g) {
-    scores_avx512<T, W, n>(q + g * H, key_rows, kv_len, scores.data() + g * stride, stride);
+  in_groups<kScoreHeads>(s.group, [&](auto n, int64_t g) {
+    head_scores<T, W, n>(q + g * H, key_rows, kv_len, scores.data() + g * stride, stride);
   });
   softmax(scores.data(), s.group, stride, kv_len, max_out, sum_out);
-  in_groups<8 / W>(s.group, [&](auto n, int64_t g) {  // 16 vectors of sums
-    values_avx512<T, W, n>(scores.data() + g * stride, stride, value_rows, kv_len, out + g * H);
-  });
+  // Each pass sums kValueSums vectors: the runs [first, first + kRuns) of n query heads.
+  constexpr int kRuns = std::min(W, kValueSums / 2);
+  static_assert(W % kRuns == 0);
+  for (int64_t first = 0; first < W; first += kRuns) {
+    in_groups<kValueSums / (2 * kRuns)>(s.group, [&](auto n, int64_t g) {
+      head_values<T, kRuns, n>(scores.data() + g * stride, stride, value_rows, kv_len, first, H,
+                               out + g * H);
+    });
+  }
 }
-#endif
 
 template <typename T>
 void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_keys,
@@ -304,27 +283,12 @@ void attend_tiles(int64_t first, int64_t last, const float* q, const T* layer_ke
       const int64_t n = row + kh * s.group, at = n * H;  // the head's first query, its values
       const T* keys = layer_keys + kh * head_stride;
       const T* values = layer_values + kh * head_stride;
-#if defined(__AVX512F__)
-      if (H == 64 || H == 128) {
-        (H == 64 ? attend_head_avx512<T, 2> : attend_head_avx512<T, 4>)(
-            q + at, keys, values, pages, kv_lens[t], s, max_out + n, sum_out + n, out + at,
-            scores);
-      } else {
-        attend_head<0>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
-                         sum_out + n, out + at, scores);
-      }
-#else
-      if (H == 64) {
-        attend_head<64>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
-                         sum_out + n, out + at, scores);
-      } else if (H == 128) {
-        attend_head<128>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
-                         sum_out + n, out + at, scores);
-      } else {
-        attend_head<0>(q + at, keys, values, pages, kv_lens[t], s, max_out + n,
-                         sum_out + n, out + at, scores);
-      }
-#endif
+      constexpr int kRun = 2 * kLanes;
+      const auto attend = H == 64    ? attend_head_vectors<T, 64 / kRun>
+                          : H == 128 ? attend_head_vectors<T, 128 / kRun>
+                                     : attend_head<T>;
+      attend(q + at, keys, values, pages, kv_lens[t], s, max_out + n, sum_out + n, out + at,
+             scores);
     }
   }
 }

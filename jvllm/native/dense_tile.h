@@ -20,18 +20,8 @@
 
 namespace jvllm {
 
-// The loops over a tile's rows, outputs and sums, unrolled so that its sums stay in registers
-// (GCC 12 kept AVX2's in memory, indexed by the loop).
-#define JVLLM_UNROLLED _Pragma("GCC unroll 16")
-
-// The target's vector registers: AVX-512's and ARM64's 32, AVX2's 16. The sums of a tile stay
-// in registers, a quarter of them (AVX2's bfloat16 products of 8 rows and of 2 x 4 tiles, which
-// spilled, took 2-5x longer).
-#if defined(__AVX512F__) || defined(__aarch64__)
-constexpr int kRegisters = 32;
-#else
-constexpr int kRegisters = 16;
-#endif
+// The sums of a tile stay in registers, a quarter of kRegisters (AVX2's bfloat16 products of 8
+// rows and of 2 x 4 tiles, which spilled, took 2-5x longer).
 constexpr int kAcc = 2;                       // vectors each (row, output) pair sums in
 constexpr int kStreamRows = 8;                // rows that meet one weight row at a time ...
 constexpr int kStreamGroup = kRegisters / 4;  // ... this many at once

@@ -1,8 +1,9 @@
 // The portable half of the CPU kernels' SIMD layer (simd.h says what the other half is):
 // std::experimental::simd's float vector of the machine and the loads that widen a weight's
 // bfloat16 or int8 values into it, which GCC compiles to x86's widening loads and NEON's shifts
-// by itself. Only the dense and int8 kernels include it (through dense_tile.h): a compiler
-// without <experimental/simd> (GCC before 11, libc++) builds the others.
+// by itself. The dense and int8 kernels include it (through dense_tile.h), and the decode
+// attention kernel: a compiler without <experimental/simd> (GCC before 11, libc++) builds the
+// others.
 #pragma once
 
 #include <cstdint>
@@ -18,10 +19,19 @@ namespace {
 // GCC 12 left one out of a kernel's loop, passing its vectors through memory (AVX2's bfloat16
 // products 14x slower).
 #define JVLLM_INLINE inline __attribute__((always_inline))
+// The loops over a tile's rows, outputs and sums, unrolled so that its sums stay in registers
+// (GCC 12 kept AVX2's in memory, indexed by the loop).
+#define JVLLM_UNROLLED _Pragma("GCC unroll 16")
 namespace stdx = std::experimental;
 using vf32 = stdx::native_simd<float>;
 using vu32 = stdx::rebind_simd_t<uint32_t, vf32>;
 constexpr int kLanes = vf32::size();
+// The target's vector registers: AVX-512's and ARM64's 32, AVX2's 16.
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
 
 JVLLM_INLINE vf32 as_floats(vu32 bits) { return stdx::__proposed::simd_bit_cast<vf32>(bits); }
 
@@ -54,17 +64,68 @@ JVLLM_INLINE vf32 load_lanes(const int8_t* p) {
 #endif
 }
 
-// a * b + c, rounded once where the CPU has FMA (std::fma elsewhere would be a library call a
-// lane).
+// a * b + c, rounded once where the CPU has FMA. Through the instruction itself: GCC 12's
+// stdx::fma is a call a vector for AVX-512 and NEON (with -ffast-math), its lanes' generator
+// left out of line (the decode kernel's AVX-512 scores 4x slower); and a * b + c is fused only
+// under -ffast-math, not in the builder's ISO C++.
 JVLLM_INLINE vf32 multiply_add(vf32 a, vf32 b, vf32 c) {
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
-  return stdx::fma(a, b, c);
+#if defined(__AVX512F__)
+  return vf32(_mm512_fmadd_ps(static_cast<__m512>(a), static_cast<__m512>(b),
+                              static_cast<__m512>(c)));
+#elif defined(__AVX__) && defined(__FMA__)
+  return vf32(_mm256_fmadd_ps(static_cast<__m256>(a), static_cast<__m256>(b),
+                              static_cast<__m256>(c)));
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  return vf32(vfmaq_f32(static_cast<float32x4_t>(c), static_cast<float32x4_t>(a),
+                        static_cast<float32x4_t>(b)));
 #else
   return a * b + c;
 #endif
 }
 
 JVLLM_INLINE float sum_lanes(vf32 v) { return stdx::reduce(v); }
+
+// r[kLanes] -> lane j the sum of r[j]'s lanes: kLanes sums of lanes at once, in a tree of
+// additions of lanes paired by shuffles (AVX2 and NEON's pairwise additions, AVX-512's unpacks),
+// where GCC makes no such tree of the portable line, one sum at a time (the decode kernel's
+// compute-bound scores 1.2x slower on AVX-512 that way, 1.05-1.1x on AVX2;
+// docs/benchmarks/cpu_kernels.md).
+JVLLM_INLINE vf32 transpose_sum(const vf32 (&r)[kLanes]) {
+#if defined(__AVX512F__)
+  __m512 a[8], b[4];
+  // per 128 bits: lanes 0, 2 sum r[2i]'s, lanes 1, 3 r[2i + 1]'s
+  JVLLM_UNROLLED for (int i = 0; i < 8; ++i) {
+    const __m512 x = static_cast<__m512>(r[2 * i]), y = static_cast<__m512>(r[2 * i + 1]);
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  JVLLM_UNROLLED for (int i = 0; i < 4; ++i) {  // per 128 bits: lane j sums r[4i + j]'s
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // 128-bit lane k of the result: b[k]'s four 128-bit lanes summed
+  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return vf32(_mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0x88),
+                            _mm512_shuffle_f32x4(b01, b23, 0xDD)));
+#elif defined(__AVX__)
+  __m256 v[8];
+  JVLLM_UNROLLED for (int i = 0; i < 8; ++i) v[i] = static_cast<__m256>(r[i]);
+  // per 128 bits: lane j sums r[j]'s (r[4 + j]'s) four lanes of that half
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return vf32(_mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                            _mm256_permute2f128_ps(low, high, 0x31)));
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  float32x4_t v[4];
+  JVLLM_UNROLLED for (int i = 0; i < 4; ++i) v[i] = static_cast<float32x4_t>(r[i]);
+  return vf32(vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])));
+#else
+  return vf32([&](auto j) { return stdx::reduce(r[j]); });
+#endif
+}
 
 // v's lanes rounded to the nearest bfloat16 (ties to even; finite lanes) as their 16 bits at dst.
 JVLLM_INLINE void store_bfloat16(vf32 v, uint16_t* dst) {
