@@ -151,7 +151,7 @@ class EngineArgs:
     task: str | None = None
     pooler_config: PoolerConfig | dict | None = None
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-    # "prompt_lookup_min": 1} drafts greedy requests' next k tokens from their own earlier
+    # "prompt_lookup_min": 1} drafts requests' next k tokens from their own earlier
     # tokens and verifies them in one step (core/spec_decode.py); None: no speculation.
     speculative_config: SpeculativeConfig | dict | None = None
     # Images (vLLM's names; core/engine_config.py's MultiModalConfig): {"image": k} caps a

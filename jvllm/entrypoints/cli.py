@@ -127,7 +127,7 @@ _ENGINE_FLAGS = {
     },
     "speculative_config": {
         "type": _json_object,
-        "help": 'n-gram drafts for greedy requests, e.g. \'{"method": "ngram", '
+        "help": 'n-gram speculative decoding, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
     },
     "enable_lora": {"action": "store_true", "help": "serve LoRA adapters (--lora-modules)"},
