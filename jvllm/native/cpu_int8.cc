@@ -134,7 +134,8 @@ inline void store_scaled(const int8_t* v, float scale, uint16_t* dst) {
 // 1.2x faster), into a buffer the calling thread keeps (a fresh one a call would fault its pages
 // in each step); past them, where the tiles read x again for each few weight rows, its bfloat16
 // widened in registers, half the bytes to read (a float32 copy of 64 rows outgrew the L1 cache:
-// AVX2's tiles 1.2x slower). The same sums either way.
+// AVX2's tiles 1.2x slower), in dense_tile.h's tiles in passes, where each widened value meets
+// more rows (widening, not the products, bounds them). The same sums either way.
 using Int8 = jvllm::Widened<float, int8_t>;
 using Int8Rows = jvllm::Widened<uint16_t, int8_t>;
 
@@ -156,7 +157,7 @@ void dense_rows(int64_t R, int64_t o_first, int64_t o_last, const uint16_t* x,
   if (widened != nullptr) {
     jvllm::dense_range<Int8>(R, o_first, o_last, widened, values, I, O, y);
   } else {
-    jvllm::dense_range<Int8Rows>(R, o_first, o_last, x, values, I, O, y);
+    jvllm::dense_range<Int8Rows, /*kInPasses=*/true>(R, o_first, o_last, x, values, I, O, y);
   }
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t o = o_first; o < o_last; ++o) y[r * O + o] *= scale[o];
