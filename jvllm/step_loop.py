@@ -233,14 +233,19 @@ class StepLoop:
         # A window as long as the requests may run (min_tokens is refused in prefill).
         limits = [window_limit(r, engine.max_model_len, engine.max_model_len) for r in self._rows]
         try:
-            block_ids = engine.lend_to_step_loop(self._rows, limits)
-            return self._state_over(block_ids, limits)
+            block_ids, window_block_ids = engine.lend_to_step_loop(self._rows, limits)
+            return self._state_over(block_ids, window_block_ids, limits)
         except BaseException:  # whatever failed, the engine takes its requests and blocks back
             self._abort_all()
             raise
 
-    def _state_over(self, block_ids: list[list[int]], limits: list[int]) -> DecodeState:
-        """The loop's state over the lent requests' blocks."""
+    def _state_over(
+        self,
+        block_ids: list[list[int]],
+        window_block_ids: list[list[list[int]]],
+        limits: list[int],
+    ) -> DecodeState:
+        """The loop's state over the lent requests' blocks (and windowed KV groups' tables)."""
         runner = self._runner
         num_rows = len(self._rows)
         bucket = runner.buckets.select(num_rows, num_rows)
@@ -253,6 +258,8 @@ class StepLoop:
             runner.max_pages,
             runner.config.vocab_size,
             runner.bias_rows.slots_for(self._rows),
+            num_kv_groups=runner.num_kv_groups,
+            window_block_ids=window_block_ids,
         )
         # Device arrays on the engine's mesh throughout, as loop.jit returns them: arrays
         # placed otherwise in the first call's state would make its second call compile again.

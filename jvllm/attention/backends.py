@@ -1,9 +1,12 @@
 """Choosing the attention implementation: "reference" (pure JAX) or "pallas" (kernels_pallas/)."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jvllm.attention import cpu_decode
 from jvllm.attention.reference import reference_attention
+from jvllm.core.kv_groups import KVCacheGroups
 
 ATTENTION_BACKENDS = ("reference", "pallas")
 
@@ -69,3 +72,16 @@ def get_attention(
             latent_dim=latent_dim,
         )
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+
+
+def in_kv_groups(attn, groups: KVCacheGroups):
+    """`attn` for a model whose layers are in hybrid KV groups (core/kv_groups.py): layer l
+    writes and reads row `layer_slot[l]` of the pages in its group's tables."""
+    slots = np.asarray(groups.layer_slot, np.int32)  # [L]
+    group_of = np.asarray(groups.layer_group, np.int32)  # [L]
+
+    def attn_in_group(layer, q, k, v, kv_cache, md, **options):
+        slot, group = jnp.asarray(slots)[layer], jnp.asarray(group_of)[layer]
+        return attn(slot, q, k, v, kv_cache, md.for_group(group), **options)
+
+    return attn_in_group

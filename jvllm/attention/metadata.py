@@ -19,6 +19,17 @@ class Tiles:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class GroupTables:
+    """Every KV group's block tables and slots, where the model's layers are in hybrid groups
+    (core/kv_groups.py): group 0's are the metadata's own; a windowed group's tables hold the
+    null page before its window."""
+
+    block_tables: jax.Array  # i32[G, S, M]
+    slot_mapping: jax.Array  # i32[G, T]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go in the paged KV cache and what each of them attends to.
 
@@ -41,6 +52,18 @@ class AttentionMetadata:
     # token's image, numbered within the step, -1 for every other token; None for any other
     # model (attention/image_ahead.py).
     image_groups: jax.Array | None = None
+    # Hybrid KV groups' tables (a layer attends with its group's: `for_group`); None when
+    # the layers are one group, whose tables are the ones above.
+    kv_groups: GroupTables | None = None
+
+    def for_group(self, group: jax.Array) -> "AttentionMetadata":
+        """The metadata of a layer in KV group `group` (i32[], possibly traced)."""
+        return dataclasses.replace(
+            self,
+            block_tables=self.kv_groups.block_tables[group],
+            slot_mapping=self.kv_groups.slot_mapping[group],
+            kv_groups=None,
+        )
 
     @property
     def is_decode(self) -> bool:

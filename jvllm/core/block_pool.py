@@ -12,6 +12,9 @@ ROOT_CACHE_ID = 0
 
 # What a block's KV depends on: (its parent's cache id, its token ids, its extra keys).
 CacheKey = tuple[int, tuple[int, ...], ExtraKeys]
+# A windowed group's block (core/kv_groups.py): (its group, the cache id of the first group's
+# block at its index).
+WindowKey = tuple[int, int]
 
 
 @dataclass(eq=False)
@@ -24,8 +27,8 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    cache_key: CacheKey | None = None
+    block_hash: BlockHash | WindowKey | None = None
+    cache_key: CacheKey | WindowKey | None = None
     cache_id: int | None = None
 
 
@@ -95,6 +98,19 @@ class BlockPool:
         block.block_hash, block.cache_key, block.cache_id = block_hash, key, self._num_registrations
         self._cached_blocks.setdefault(block_hash, []).append(block)
         return block.cache_id
+
+    def cache_window_block(self, block: KVCacheBlock, key: WindowKey) -> None:
+        """Register a windowed group's block under `key` (its group, and the cache id of the
+        first group's block at the same index: that id names the prefix exactly, the block's
+        own parent may be gone). A block already registered, or another with the same key,
+        leaves it as it is."""
+        if block.block_hash is None and self._find(key, key) is None:
+            block.block_hash = block.cache_key = key
+            self._cached_blocks.setdefault(key, []).append(block)
+
+    def get_window_block(self, key: WindowKey) -> KVCacheBlock | None:
+        """The windowed group's block registered under `key`, if not evicted since."""
+        return self._find(key, key)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop blocks from the front of the free queue, evicting their cached contents."""

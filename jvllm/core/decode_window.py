@@ -9,7 +9,7 @@ tokens past a stop.
 """
 
 from jvllm.core.config import SchedulerConfig
-from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request
 
 # Stop token ids a row carries into the window (the request's own plus the model's other EOS
@@ -80,5 +80,5 @@ def decode_window_limits(
             return None
         limits.append(window_limit(request, num_steps, config.max_model_len))
         num_tokens = request.num_computed_tokens + limits[-1]
-        num_blocks += cdiv(num_tokens, kv.block_size) - len(kv.get_block_ids(request.request_id))
+        num_blocks += kv.num_new_blocks(request, num_tokens)
     return limits if num_blocks <= kv.num_free_blocks else None

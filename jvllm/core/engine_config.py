@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jvllm.core.config import SchedulerConfig
+from jvllm.core.kv_groups import KVCacheGroups, kv_cache_groups
 from jvllm.pooler_config import PoolerConfig
 from jvllm.spec_decode.config import SpeculativeConfig
 
@@ -53,6 +54,10 @@ class CacheConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
+    # vLLM's: True keeps every page of a windowed layer, as a full-attention one's.
+    disable_hybrid_kv_cache_manager: bool
+    # The layers' groups (core/kv_groups.py); None until the worker has loaded the model.
+    kv_groups: KVCacheGroups | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +142,15 @@ class EngineConfig:
         attention_backend: str,
         max_image_tokens: int = 0,
         keep_images_whole: bool = False,
+        layer_windows: tuple[int | None, ...] = (),
     ) -> EngineConfig:
         """This config once the worker has loaded the model (its longest sequence known; the
         scheduler's checks run again on it) and found its devices (the attention backend
         where the user named none). `max_image_tokens` > 0: the model takes images of up to
         that many embeddings, and the encoder's budget and cache are vLLM's defaults, the step's
         token budget, or one image where that is more; `keep_images_whole`: the model's image
-        tokens attend to their whole image, so no step ends inside one."""
+        tokens attend to their whole image, so no step ends inside one. `layer_windows`: each
+        layer's sliding window (None: global), which the KV cache's groups follow."""
         replace = dataclasses.replace
         threshold = self.scheduler_config.long_prefill_token_threshold
         if keep_images_whole and 0 < threshold < max_image_tokens:
@@ -158,6 +165,12 @@ class EngineConfig:
         return replace(
             self,
             load_config=replace(self.load_config, max_model_len=max_model_len),
+            cache_config=replace(
+                self.cache_config,
+                kv_groups=kv_cache_groups(
+                    layer_windows, not self.cache_config.disable_hybrid_kv_cache_manager
+                ),
+            ),
             scheduler_config=replace(
                 self.scheduler_config,
                 max_model_len=max_model_len,

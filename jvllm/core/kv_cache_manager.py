@@ -2,6 +2,7 @@
 
 from jvllm.core.block_hash import NONE_HASH, ExtraKeys, get_hash_fn
 from jvllm.core.block_pool import ROOT_CACHE_ID, BlockPool, KVCacheBlock
+from jvllm.core.kv_groups import KVCacheGroups, blocks_to_hold, first_kept_block
 from jvllm.core.multimodal import overlapping
 from jvllm.core.request import Request
 
@@ -17,6 +18,13 @@ class KVCacheManager:
     With prefix caching, every full block is registered under a chain hash of its tokens
     (`hash_algo`, block_hash.py), so a later request with the same prefix, and the same
     `cache_salt`, reuses the blocks instead of recomputing them.
+
+    With hybrid `groups` (core/kv_groups.py), `req_to_blocks` is the first group's tables
+    (full attention), and each windowed group has a table of its own, as long, whose blocks
+    before its window are the null block: freed as the request's computed tokens pass them. A
+    windowed group's full blocks are registered under the first group's block at their index,
+    and a prefix hit is as long as every windowed group still holds the blocks its window reads
+    before the hit's end.
     """
 
     def __init__(
@@ -25,6 +33,7 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
+        groups: KVCacheGroups | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -34,6 +43,10 @@ class KVCacheManager:
         self._hash_fn = get_hash_fn(hash_algo)
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The windowed groups' windows, and each request's tables in them (groups 1, 2, ...).
+        self.groups = groups
+        self.windows: tuple[int, ...] = groups.windows[1:] if groups else ()
+        self.req_to_window_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         # For each leading block of a table already registered, the cache id that its next
         # block names as parent (block_pool.py: its own, or that of a block with the same KV).
         self._cache_ids: dict[str, list[int]] = {}
@@ -83,7 +96,30 @@ class KVCacheManager:
             if block is None:
                 break
             hit_blocks.append(block)
+        if self.windows:
+            del hit_blocks[self._longest_window_hit(hit_blocks) :]
         return hit_blocks, len(hit_blocks) * self.block_size
+
+    def _longest_window_hit(self, hit_blocks: list[KVCacheBlock]) -> int:
+        """The most of the first group's `hit_blocks` after which every windowed group still
+        holds, cached, the blocks its window reads."""
+        runs = []  # per windowed group: the run of cached blocks ending at each index
+        for group in range(1, len(self.windows) + 1):
+            run, group_runs = 0, []
+            for block in hit_blocks:
+                cached = self.block_pool.get_window_block((group, block.cache_id))
+                run = run + 1 if cached is not None else 0
+                group_runs.append(run)
+            runs.append(group_runs)
+        for num_hit in range(len(hit_blocks), 0, -1):
+            num_tokens = num_hit * self.block_size
+            if all(
+                group_runs[num_hit - 1]
+                >= num_hit - first_kept_block(num_tokens, window, self.block_size)
+                for group_runs, window in zip(runs, self.windows)
+            ):
+                return num_hit
+        return 0
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup in the hit counters."""
@@ -106,18 +142,39 @@ class KVCacheManager:
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_fresh = cdiv(num_total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total_tokens = num_computed + num_new_tokens
+        num_needed = cdiv(num_total_tokens, self.block_size)
+        num_fresh = num_needed - len(blocks) - len(new_computed_blocks)
+        window_hits, window_tables = [], []
+        if self.windows:
+            self._free_outside_windows(request.request_id, num_computed)
+            window_hits = self._window_hits(new_computed_blocks)
+            window_tables = self.req_to_window_blocks.get(
+                request.request_id, [[]] * len(self.windows)
+            )
+        num_window_fresh = [
+            max(num_needed - len(table) - len(hits), 0)
+            for table, hits in zip(window_tables, window_hits)
+        ]
+        all_hits = [b for hits in (new_computed_blocks, *window_hits) for b in hits if b.block_id]
         # Hits that sit in the free queue leave it when touched, so they do not count as free.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_fresh > self.num_free_blocks - num_free_hits:
+        num_free_hits = sum(1 for block in all_hits if block.ref_cnt == 0)
+        if num_fresh + sum(num_window_fresh) > self.num_free_blocks - num_free_hits:
             return None
 
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(all_hits)
         fresh_blocks = self.block_pool.get_new_blocks(max(num_fresh, 0))
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         blocks.extend(new_computed_blocks)
         blocks.extend(fresh_blocks)
+        if self.windows:
+            tables = self.req_to_window_blocks.setdefault(
+                request.request_id, [[] for _ in self.windows]
+            )
+            for table, hits, num in zip(tables, window_hits, num_window_fresh):
+                table.extend(hits)
+                table.extend(self.block_pool.get_new_blocks(num))
         if self.enable_prefix_caching:
             # Only tokens that exist can be hashed; the scheduled ones get their KV this step.
             self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens))
@@ -129,6 +186,46 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._cache_ids.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        for table in self.req_to_window_blocks.pop(request.request_id, []):
+            self.block_pool.free_blocks(b for b in reversed(table) if b.block_id)
+
+    def _free_outside_windows(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's windowed-group blocks that no query after its
+        `num_computed_tokens` reads: each becomes the null block in its table."""
+        null = self.block_pool.null_block
+        for table, window in zip(self.req_to_window_blocks.get(request_id, []), self.windows):
+            end = min(first_kept_block(num_computed_tokens, window, self.block_size), len(table))
+            # The blocks before the last freed one are null already: walk back to it.
+            start = end
+            while start > 0 and table[start - 1] is not null:
+                start -= 1
+            self.block_pool.free_blocks(table[start:end])
+            table[start:end] = [null] * (end - start)
+
+    def _window_hits(self, hit_blocks: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
+        """Each windowed group's blocks for the first group's prefix hit `hit_blocks` (as
+        get_computed_blocks found them): the null block before its window, then its cached
+        blocks."""
+        num_tokens = len(hit_blocks) * self.block_size
+        null, hits = self.block_pool.null_block, []
+        for group, window in enumerate(self.windows, 1):
+            first = min(first_kept_block(num_tokens, window, self.block_size), len(hit_blocks))
+            cached = [
+                self.block_pool.get_window_block((group, b.cache_id)) for b in hit_blocks[first:]
+            ]
+            if any(block is None for block in cached):
+                raise RuntimeError("a windowed group's prefix hit was evicted before allocation")
+            hits.append([null] * first + cached)
+        return hits
+
+    def num_blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` holds at once (kv_groups.blocks_to_hold)."""
+        return blocks_to_hold(self.groups, num_tokens, self.block_size, max_step_tokens)
+
+    def num_new_blocks(self, request: Request, num_tokens: int) -> int:
+        """At most the blocks the request takes to grow to `num_tokens`, in every group."""
+        num_blocks = len(self.req_to_blocks.get(request.request_id, []))
+        return (cdiv(num_tokens, self.block_size) - num_blocks) * (1 + len(self.windows))
 
     def uncache_uncomputed_blocks(self, request: Request) -> None:
         """Drop the prefix-cache entries of the blocks past `num_computed_tokens`: they were
@@ -137,10 +234,19 @@ class KVCacheManager:
         first = request.num_computed_tokens // self.block_size
         for block in blocks[first:]:
             self.block_pool.uncache(block)
+        for table in self.req_to_window_blocks.get(request.request_id, []):
+            for block in table[first:]:
+                self.block_pool.uncache(block)
         del self._cache_ids.get(request.request_id, [])[first:]
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's table in the first group (every group but the windowed ones)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def get_window_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's table in each windowed group (0: the null block); [] without them."""
+        tables = self.req_to_window_blocks.get(request_id, [])
+        return [[block.block_id for block in table] for table in tables]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; returns False (doing nothing) while requests hold blocks."""
@@ -150,6 +256,7 @@ class KVCacheManager:
         self._update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         cache_ids = self._cache_ids.setdefault(request.request_id, [])
+        tables = self.req_to_window_blocks.get(request.request_id, [])
         for i in range(len(cache_ids), num_tokens // self.block_size):
             cache_ids.append(
                 self.block_pool.cache_full_block(
@@ -160,6 +267,9 @@ class KVCacheManager:
                     self._extra_keys(request, i),
                 )
             )
+            for group, table in enumerate(tables, 1):
+                if table[i].block_id:  # not freed already (a step past its window)
+                    self.block_pool.cache_window_block(table[i], (group, cache_ids[i]))
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chain of full-block hashes to cover all its current tokens."""

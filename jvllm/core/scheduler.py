@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from jvllm.core.config import SchedulerConfig
 from jvllm.core.decode_window import decode_window_limits
 from jvllm.core.encoder_scheduler import EncoderScheduler
-from jvllm.core.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.core.scheduling_policy import enqueue, pick_victim
@@ -72,10 +72,12 @@ class Scheduler:
             # A step that had to preempt is short of blocks: admitting now would only thrash.
             if not output.preempted_requests:
                 self._schedule_waiting(output, token_budget)
+        kv = self.kv_cache_manager
         for request in output.scheduled_requests:
-            output.block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
-                request.request_id
-            )
+            output.block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+            if kv.windows:
+                window_ids = kv.get_window_block_ids(request.request_id)
+                output.window_block_ids[request.request_id] = window_ids
         if output.scheduled_requests:  # else no worker call: the next step takes them
             output.freed_encoder_hashes = self.encoder.cache.take_freed_hashes()
         logger.debug(
@@ -324,7 +326,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         has_outputs = request.num_output_tokens > 0
         num_tokens_needed = request.num_tokens + (0 if has_outputs else 1)
-        num_blocks_needed = cdiv(min(num_tokens_needed, self.config.max_model_len), kv.block_size)
+        num_blocks_needed = kv.num_blocks_to_hold(
+            min(num_tokens_needed, self.config.max_model_len), self.config.max_num_batched_tokens
+        )
         if request.num_prompt_tokens > self.config.max_model_len:
             status = RequestStatus.FINISHED_IGNORED
             message = (

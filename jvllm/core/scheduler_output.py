@@ -17,6 +17,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Each scheduled request's block table after this step's allocation.
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # With hybrid KV groups (core/kv_groups.py), its table in each windowed group; else empty.
+    window_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     preempted_requests: list[Request] = field(default_factory=list)
     # Requests finished by schedule() itself (FINISHED_IGNORED: they can never fit).
     finished_requests: list[Request] = field(default_factory=list)

@@ -28,6 +28,7 @@ _BOOLS = (
     "skip_tokenizer_init",
     "enable_sleep_mode",
     "enable_prefix_caching",
+    "disable_hybrid_kv_cache_manager",
     "enable_lora",
     "enable_expert_parallel",
 )

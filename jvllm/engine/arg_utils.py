@@ -68,6 +68,9 @@ class EngineArgs:
     # "sha256_cbor" (the same, over a portable serialization), or "builtin" (Python's hash():
     # fastest, not collision-resistant; the pool's exact comparison still keeps hits correct).
     prefix_caching_hash_algo: str = "sha256"
+    # vLLM's: True keeps every KV page of a model's sliding-window layers, as without the
+    # hybrid KV cache manager (core/kv_groups.py), which frees those their window passed.
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
@@ -212,7 +215,7 @@ class EngineArgs:
             pooler = resolve_pooler_config(self.pooler_config, self.model)
         return EngineConfig(
             load_config=self._group(LoadConfig),
-            cache_config=self._group(CacheConfig),
+            cache_config=self._group(CacheConfig, kv_groups=None),
             scheduler_config=scheduler,
             parallel_config=self._group(ParallelConfig),
             runner_config=self._group(

@@ -256,10 +256,13 @@ class LLMEngine:
         """Whether a jvllm.step_loop.StepLoop holds this engine's requests and KV arrays."""
         return self._step_loop_lease.is_held
 
-    def lend_to_step_loop(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+    def lend_to_step_loop(
+        self, requests: list[Request], limits: list[int]
+    ) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Take running `requests` out of the scheduler for a jvllm.step_loop.StepLoop, each
         given the KV blocks for `limits[i]` tokens in all (engine/step_loop_lease.py); the
-        engine takes no request until `end_step_loop`. -> each one's block ids."""
+        engine takes no request until `end_step_loop`. -> each one's block ids, and its
+        tables in the windowed KV groups."""
         return self._step_loop_lease.lend(requests, limits)
 
     def end_step_loop(self, request_ids: list[str]) -> None:

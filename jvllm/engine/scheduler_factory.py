@@ -17,6 +17,7 @@ def make_scheduler(config: EngineConfig, num_blocks: int, can_cache_prefix: bool
             cache.block_size,
             cache.enable_prefix_caching and can_cache_prefix,
             cache.prefix_caching_hash_algo,
+            cache.kv_groups,
         ),
         spec and DraftProposer(spec, config.max_model_len),
     )

@@ -12,9 +12,11 @@ class StepLoopLease:
         self._lent: list[Request] = []
         self.is_held = False  # between a loop's prefill and its finish
 
-    def lend(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+    def lend(
+        self, requests: list[Request], limits: list[int]
+    ) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Running `requests`, each with the blocks for `limits[i]` tokens in all -> each one's
-        block ids. ValueError where the cache cannot hold them (`take_back` then returns the
+        block ids, and its tables in the windowed KV groups (core/kv_groups.py). ValueError where the cache cannot hold them (`take_back` then returns the
         blocks they got, through the engine's abort)."""
         kv = self._scheduler.kv_cache_manager
         self._lent = list(requests)
@@ -27,7 +29,10 @@ class StepLoopLease:
         for request in requests:
             self._scheduler.running.remove(request)  # the loop decodes it, not engine.step()
         self.is_held = True
-        return [kv.get_block_ids(r.request_id) for r in requests]
+        return (
+            [kv.get_block_ids(r.request_id) for r in requests],
+            [kv.get_window_block_ids(r.request_id) for r in requests],
+        )
 
     def take_back(self) -> None:
         """The lent requests that have not finished go back to the scheduler's running ones."""

@@ -102,6 +102,10 @@ _ENGINE_FLAGS = {
     "seed": {"type": int, "help": "seed of the seeds of requests that set none"},
     "generation_config": {"help": "auto: the model's generation_config.json; vllm: ignore it"},
     "enable_prefix_caching": {"action": argparse.BooleanOptionalAction, "help": "reuse KV blocks"},
+    "disable_hybrid_kv_cache_manager": {
+        "action": "store_true",
+        "help": "keep every KV page of sliding-window layers",
+    },
     "prefix_caching_hash_algo": {
         "choices": list(PREFIX_CACHING_HASH_ALGOS),
         "help": "block hash of the prefix cache; builtin: fastest, not collision-resistant",

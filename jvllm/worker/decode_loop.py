@@ -76,12 +76,21 @@ def advance_inputs(
     positions = inputs.positions + active  # [S]
     pages = jnp.take_along_axis(md.block_tables, (positions // block_size)[:, None], axis=1)[:, 0]
     slot_mapping = jnp.where(active, pages * block_size + positions % block_size, 0)
+    kv_groups = md.kv_groups
+    if kv_groups is not None:  # every group's slots [G, S] the same way
+        column = (positions // block_size)[None, :, None]
+        pages = jnp.take_along_axis(kv_groups.block_tables, column, axis=2)[..., 0]
+        kv_groups = dataclasses.replace(
+            kv_groups,
+            slot_mapping=jnp.where(active, pages * block_size + positions % block_size, 0),
+        )
     (tiles,) = md.tiles  # one-query tiles; padding tiles read nothing and stay so
     grows = active[tiles.seq][:, None] & (tiles.kv_lens > 0)  # [NT, 1]
     attn = dataclasses.replace(
         md,
         image_groups=None if md.image_groups is None else jnp.full_like(md.image_groups, -1),
         slot_mapping=slot_mapping,
+        kv_groups=kv_groups,
         seq_lens=md.seq_lens + active,
         tiles=(dataclasses.replace(tiles, kv_lens=tiles.kv_lens + grows),),
     )

@@ -13,6 +13,7 @@ import jax
 
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import CacheConfig, RunnerConfig
+from jvllm.core.kv_groups import blocks_to_hold
 from jvllm.distributed.tensor_parallel import shard_config
 from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
 from jvllm.worker.kv_layout import KVCacheSpec
@@ -70,13 +71,17 @@ class KVCacheSize:
         )
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, spec: KVCacheSpec) -> int:
-    """K and V (or MLA's one latent row) of every layer for `block_size` tokens, a quantized
-    cache's scales included.
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, spec: KVCacheSpec, num_slots: int | None = None
+) -> int:
+    """K and V (or MLA's one latent row) of every layer (or of the `num_slots` layers a page
+    of hybrid KV groups holds, core/kv_groups.py) for `block_size` tokens, a quantized cache's
+    scales included.
     (The runner's token cache adds 4 bytes a token beside them, under 0.1% of this for real
     models: it is left to the headroom.)"""
     head_bytes = spec.head_bytes(config.head_dim)
-    num_rows = config.num_layers * config.kv_planes * config.num_kv_heads
+    num_layers = config.num_layers if num_slots is None else num_slots
+    num_rows = num_layers * config.kv_planes * config.num_kv_heads
     return num_rows * block_size * head_bytes
 
 
@@ -96,8 +101,11 @@ def size_kv_cache(
 
     Raises ValueError when the budget holds less than one request of max_model_len tokens (an
     exact `num_gpu_blocks_override` is taken as given: tests use tiny pools on purpose)."""
-    block_size = cache.block_size
-    bytes_per_block = kv_bytes_per_block(shard_config(config, num_shards), block_size, spec)
+    block_size, groups = cache.block_size, cache.kv_groups
+    num_slots = groups.num_slots if groups else None
+    bytes_per_block = kv_bytes_per_block(
+        shard_config(config, num_shards), block_size, spec, num_slots
+    )
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
         return KVCacheSize(
@@ -106,7 +114,9 @@ def size_kv_cache(
             f"num_gpu_blocks_override={num_blocks}",
             spec.name,
         )
-    pages_per_request = -(-max_model_len // block_size)
+    pages_per_request = blocks_to_hold(
+        groups, max_model_len, block_size, limits.max_num_batched_tokens
+    )
     needed = (pages_per_request + 1) * bytes_per_block  # one full request and the null block
     reserve = activation_reserve_bytes(config, limits.max_num_batched_tokens, limits.max_num_seqs)
     budget = _budget(cache, probe, reserve, needed * num_shards)

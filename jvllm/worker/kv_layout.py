@@ -58,13 +58,19 @@ def kv_cache_spec(
 
 
 def kv_cache_shape(
-    config: ModelConfig, num_blocks: int, block_size: int, num_shards: int = 1
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    num_shards: int = 1,
+    num_slots: int | None = None,
 ) -> tuple[int, ...]:
-    """[L, V, K, P, B, H] over all devices (V: config.kv_planes); K counts the repeated KV
-    heads when a model has fewer than its `num_shards` tensor-parallel devices
+    """[L, V, K, P, B, H] over all devices (V: config.kv_planes), L the `num_slots` layers a
+    page holds where the layers are in hybrid KV groups (core/kv_groups.py); K counts the
+    repeated KV heads when a model has fewer than its `num_shards` tensor-parallel devices
     (distributed/tensor_parallel.py)."""
     k = num_kv_heads(config, num_shards)
-    return (config.num_layers, config.kv_planes, k, num_blocks, block_size, config.head_dim)
+    num_layers = config.num_layers if num_slots is None else num_slots
+    return (num_layers, config.kv_planes, k, num_blocks, block_size, config.head_dim)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, shape: tuple[int, ...], sharding: Sharding) -> KVCache:

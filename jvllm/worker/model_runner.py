@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jvllm.attention.backends import get_attention
+from jvllm.attention.backends import get_attention, in_kv_groups
 from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
+from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
@@ -38,7 +39,7 @@ from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.step_compiler import StepCompiler, StepLayout, abstract_state
 from jvllm.worker.step_fn import model_step, single_step
-from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
+from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs, window_block_ids
 
 logger = init_logger(__name__)
 
@@ -52,13 +53,15 @@ class ModelRunner:
         *,
         num_blocks: int,
         mesh: Mesh | None = None,
+        kv_groups: KVCacheGroups | None = None,
     ):
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
         device. Every array the runner makes lies on the same devices. A `runner_config` with
         a `pooling_type` (pooler_config.py): its steps pool (`execute_pooling`), never sample.
         A `config` with max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the
         base model's, and the runner adds the empty slots. `num_speculative_tokens` > 0: every
-        "step" executable also scores the drafts' positions (worker/draft_scoring.py)."""
+        "step" executable also scores the drafts' positions (worker/draft_scoring.py).
+        `kv_groups`: the layers' KV groups (core/kv_groups.py); None: one group of all."""
         if runner_config.max_model_len is None or runner_config.attention_backend is None:
             raise ValueError("the runner takes a config the worker resolved (Worker.config)")
         block_size = runner_config.block_size
@@ -98,7 +101,9 @@ class ModelRunner:
         self.max_pages = math.ceil(max_blocks / chunk) * chunk
         self.kv_cache = allocate_kv_cache(
             kv_cache_spec(config.dtype, attention_backend, runner_config.kv_cache_dtype),
-            kv_cache_shape(config, num_blocks, block_size, num_shards),
+            kv_cache_shape(
+                config, num_blocks, block_size, num_shards, kv_groups and kv_groups.num_slots
+            ),
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
         self.token_cache = jnp.zeros(
@@ -119,6 +124,10 @@ class ModelRunner:
             max_image_tokens=image_num_embeds(config) if self.bidirectional_images else 0,
             latent_dim=config.option("kv_lora_rank") if config.kv_planes == 1 else None,
         )
+        # Hybrid KV groups: each step carries every group's tables.
+        self.num_kv_groups = kv_groups.num_groups if kv_groups else 1
+        if self.num_kv_groups > 1:
+            attn = in_kv_groups(attn, kv_groups)
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
         self.model = sharded_model(config, mesh, attn, self.layers_unstacked, self.params)
@@ -156,6 +165,7 @@ class ModelRunner:
                 config.vocab_size,
                 has_adapters=self.adapters is not None,
                 num_speculative_tokens=num_speculative_tokens,
+                num_kv_groups=self.num_kv_groups,
                 image_embeds=(
                     (config.hidden_size, config.dtype, self.encoder.has_rope_positions)
                     if self.encoder
@@ -297,6 +307,8 @@ class ModelRunner:
                 adapter_slots,
                 [drafts.get(r.request_id, []) for r in requests] if drafts else None,
                 self.num_speculative_tokens,
+                self.num_kv_groups,
+                window_block_ids(scheduler_output),
             )
             if self.encoder is not None:
                 inputs = self.encoder.with_images(inputs, requests, counts)
@@ -344,7 +356,14 @@ class ModelRunner:
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         bucket, _ = self.compiler.select_bucket(sum(counts), len(requests), "pool")
         layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
-        step = prepare_step_inputs(requests, counts, block_ids, *layout)
+        step = prepare_step_inputs(
+            requests,
+            counts,
+            block_ids,
+            *layout,
+            num_kv_groups=self.num_kv_groups,
+            window_block_ids=window_block_ids(scheduler_output),
+        )
         inputs = prepare_pool_inputs(step, requests, counts, self.pooling_type)
         exe = self.compiler.executable(bucket, "pool")
         pooled, self.kv_cache = exe(self.params, self.kv_cache, inputs)

@@ -33,6 +33,7 @@ class StepLayout:
     vocab_size: int
     has_adapters: bool  # the inputs carry each sequence's LoRA slot
     num_speculative_tokens: int = 0  # > 0: every "step" also scores the drafts' positions
+    num_kv_groups: int = 1  # > 1: the steps carry every hybrid KV group's tables
     # A model that takes images: its steps carry ImageEmbeds of (D, dtype, whether with
     # M-RoPE positions); None: none.
     image_embeds: tuple[int, str, bool] | None = None
@@ -141,6 +142,7 @@ class StepCompiler:
             layout.vocab_size,
             adapter_slots=np.zeros(0, np.int32) if layout.has_adapters else None,
             num_speculative_tokens=layout.num_speculative_tokens,
+            num_kv_groups=layout.num_kv_groups,
         )
         if layout.has_image_groups:
             groups = np.full(bucket.num_tokens, -1, np.int32)

@@ -6,8 +6,9 @@ import functools
 import jax
 import numpy as np
 
-from jvllm.attention.metadata import AttentionMetadata, build_tiles
+from jvllm.attention.metadata import AttentionMetadata, GroupTables, build_tiles
 from jvllm.core.request import Request
+from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.sample.metadata import SamplingMetadata
 from jvllm.sampling_params import GREEDY_TEMPERATURE
@@ -42,6 +43,8 @@ def prepare_step_inputs(
     adapter_slots: np.ndarray | None = None,
     draft_token_ids: list[list[int]] | None = None,
     num_speculative_tokens: int = 0,
+    num_kv_groups: int = 1,
+    window_block_ids: list[list[list[int]]] | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`.
 
@@ -50,7 +53,8 @@ def prepare_step_inputs(
     `adapter_slots` (i32, one per request, -1 for none) their LoRA slots, None where the
     engine serves no adapters. With speculation on (`num_speculative_tokens` > 0),
     `draft_token_ids` holds each request's drafts (None: none), the last of its scheduled
-    tokens."""
+    tokens. With `num_kv_groups` > 1 hybrid KV groups (core/kv_groups.py), `block_ids` are
+    each request's first-group table and `window_block_ids` its others'."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
     num_real = len(requests)
     params = [req.sampling_params for req in requests]
@@ -87,6 +91,11 @@ def prepare_step_inputs(
     page = block_tables[seq_of, pos // block_size]
     slot_mapping[:num_real_tokens] = page * block_size + pos % block_size
     seq_lens = per_seq(starts + lens, np.int32)
+    kv_groups = None
+    if num_kv_groups > 1:
+        kv_groups = _group_tables(
+            block_tables, window_block_ids or [], num_kv_groups, num_tokens, seq_of, pos, block_size
+        )
 
     # A request with drafts samples the token after them (speculative decoding's bonus).
     drafted = draft_token_ids or [[]] * num_real
@@ -131,6 +140,7 @@ def prepare_step_inputs(
             max_split_queries=1 + num_speculative_tokens,  # a request's last token and drafts
         ),
         adapter_slots=_per_token(adapter_slots, lens, num_tokens),
+        kv_groups=kv_groups,
     )
     sampling = SamplingMetadata(
         temperature=temperature,
@@ -162,6 +172,35 @@ def prepare_step_inputs(
             query_start_loc, draft_token_ids or [], bucket, num_speculative_tokens
         )
     return StepInputs(token_ids, positions, attn, sampling, drafts)
+
+
+def window_block_ids(scheduler_output: SchedulerOutput) -> list[list[list[int]]] | None:
+    """Each scheduled request's tables in the windowed KV groups, in row order; None without."""
+    tables = scheduler_output.window_block_ids
+    if not tables:
+        return None
+    return [tables[r.request_id] for r in scheduler_output.scheduled_requests]
+
+
+def _group_tables(
+    block_tables: np.ndarray,
+    window_block_ids: list[list[list[int]]],
+    num_groups: int,
+    num_tokens: int,
+    seq_of: np.ndarray,
+    pos: np.ndarray,
+    block_size: int,
+) -> GroupTables:
+    """Every group's tables i32[G, S, M] (group 0: `block_tables` [S, M]) and slots i32[G, T]
+    of the real tokens, `seq_of` and `pos` i32[t] (padding: the null page)."""
+    tables = np.zeros((num_groups, *block_tables.shape), np.int32)
+    tables[0] = block_tables
+    for s, groups in enumerate(window_block_ids):
+        for g, blocks in enumerate(groups, 1):
+            tables[g, s, : len(blocks)] = blocks
+    slots = np.zeros((num_groups, num_tokens), np.int32)
+    slots[:, : len(pos)] = tables[:, seq_of, pos // block_size] * block_size + pos % block_size
+    return GroupTables(tables, slots)
 
 
 def _per_token(values: np.ndarray | None, lens: np.ndarray, num_tokens: int) -> np.ndarray | None:

@@ -18,6 +18,7 @@ import jax
 
 from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
+from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.distributed.tensor_parallel import ParamPlacer
@@ -98,7 +99,9 @@ class Worker:
                 )
                 backend = "reference"
         whole = bool(model_config.option("bidirectional_images"))
-        self.config = config.resolved(max_model_len, backend, max_image_tokens, whole)
+        self.config = config.resolved(
+            max_model_len, backend, max_image_tokens, whole, model_config.layer_windows
+        )
         # A pooling model's config.json as a dict (vLLM's hf_config), for what the engine reads
         # from it beside the model (its matryoshka sizes); None for a GGUF, the default model,
         # or a generating engine.
@@ -145,7 +148,8 @@ class Worker:
             describe_weights(self.params, self.model_config.dtype),
             self.load_seconds,
             describe_placement(self.mesh, self.params, self.model_config),
-            size.describe(runner.block_size, per_device=self.mesh.size > 1),
+            size.describe(runner.block_size, per_device=self.mesh.size > 1)
+            + _describe_groups(config.cache_config.kv_groups),
         )
         return size.num_blocks
 
@@ -159,6 +163,7 @@ class Worker:
             self.config.runner_config,
             num_blocks=num_blocks,
             mesh=self.mesh,
+            kv_groups=self.config.cache_config.kv_groups,
         )
         return self.model_runner
 
@@ -232,6 +237,13 @@ class Worker:
         else:
             device_buffers.replace_params(runner, host)
         return set(host)
+
+
+def _describe_groups(groups: KVCacheGroups | None) -> str:
+    """The start-up log's words on hybrid KV groups (core/kv_groups.py); "" without."""
+    if groups is None or not groups.is_hybrid:
+        return ""
+    return f"; pages in {groups.describe()}, windowed groups keep their window's pages"
 
 
 def _is_adapter_slot(path: str) -> bool:
