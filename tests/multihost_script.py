@@ -3,7 +3,9 @@ the launcher's JAX_* variables set). Every process runs the same script: process
 its outputs as JSON after "RESULT "; a worker follows it inside LLM() and exits when it stops.
 
 argv: model directory, then "generate-then-wait" and the prompts as JSON (process 0 generates,
-waits 3 s, generates again), or "initialize-twice" and a coordinator address."""
+waits 3 s, generates again), "data-parallel" and the prompts (one rank a process: process 0
+prints each prompt's tokens and rank, then the same through LLM.generate), or
+"initialize-twice" and a coordinator address."""
 
 import json
 import sys
@@ -22,8 +24,25 @@ if mode == "initialize-twice":
         print("RESULT", json.dumps({"error": str(e)}), flush=True)
     sys.exit(0)
 prompts = json.loads(sys.argv[3])
-llm = LLM(model, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=4)
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+if mode == "data-parallel":
+    llm = LLM(model, dtype="float32", max_num_batched_tokens=32, data_parallel_size=2)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    ranks = [engine.rank_of(str(i)) for i in range(len(prompts))]
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    result = {
+        "tokens": [tokens[str(i)] for i in range(len(prompts))],
+        "ranks": ranks,
+        "generate": [o.outputs[0].token_ids for o in again],
+    }
+    print("RESULT", json.dumps(result), flush=True)
+    sys.exit(0)
+llm = LLM(model, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=4)
 outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 print("RESULT", json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
 if mode == "generate-then-wait":

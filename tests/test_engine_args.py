@@ -76,3 +76,16 @@ def test_each_component_gets_its_group_and_the_runner_the_schedulers_limits():
     assert resolved.scheduler_config.max_model_len == resolved.runner_config.max_model_len == 256
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.cache_config.block_size = 16
+
+
+def test_data_parallel_across_processes_takes_one_rank_a_process():
+    from jvllm.engine.data_parallel import make_engine
+
+    with pytest.raises(ValueError, match="data_parallel_size=3 over 2 processes"):
+        make_engine(
+            None,
+            data_parallel_size=3,
+            distributed_coordinator_address="127.0.0.1:1",
+            distributed_num_processes=2,
+            distributed_process_id=0,
+        )

@@ -110,3 +110,18 @@ def test_initializing_twice_is_refused(processes):
     processes.append(process)
     error = _result(process)["error"]
     assert "jax.distributed is already initialized in this process" in error
+
+
+def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(model_dir, processes):
+    """Each process an engine of its own (2 fake devices, T = 1 each), process 0 sending each
+    request to the least loaded rank and gathering every rank's outputs."""
+    port, prompts = _free_port(), json.dumps(PROMPTS)
+    worker = _start(1, port, model_dir, "data-parallel", prompts)
+    leader = _start(0, port, model_dir, "data-parallel", prompts)
+    processes += [worker, leader]
+    result = _result(leader)
+    expected = _one_device(model_dir)
+    assert result["tokens"] == result["generate"] == expected
+    assert result["ranks"] == [0, 1, 0]
+    assert leader.wait(timeout=60) == 0
+    assert worker.wait(timeout=60) == 0  # process 0's exit stopped it

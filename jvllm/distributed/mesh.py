@@ -43,13 +43,17 @@ def make_mesh(data_parallel_size: int = 1, tensor_parallel_size: int = 1, device
 def engine_mesh(
     tensor_parallel_size: int, data_parallel_size: int, data_parallel_rank: int | None
 ) -> Mesh:
-    """The [1, T] mesh one engine (one data-parallel replica) runs on."""
+    """The [1, T] mesh one engine (one data-parallel replica) runs on: with one replica a
+    process (several processes, data_parallel_size of them), its own process's devices."""
     if data_parallel_size > 1 and data_parallel_rank is None:
         raise ValueError(
             f"data_parallel_size={data_parallel_size}: an LLMEngine runs one replica, so it "
             "needs data_parallel_rank; LLM(...) and `jvllm serve` run them all "
             "(jvllm.engine.data_parallel.make_engine)"
         )
+    if data_parallel_size > 1 and data_parallel_size == jax.process_count():
+        local = [d for d in jax.devices() if d.process_index == data_parallel_rank]
+        return make_mesh(1, tensor_parallel_size, local)
     mesh = make_mesh(data_parallel_size, tensor_parallel_size)
     return replica_mesh(mesh, data_parallel_rank or 0)
 

@@ -103,6 +103,17 @@ def broadcast_commands(commands: list[tuple] | None) -> list[tuple]:
     return pickle.loads(buffer[:size].tobytes())
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj`, in process order, on every process: each pickles its own, the
+    lengths and then the bytes (padded to the longest's power of two) are all-gathered."""
+    payload = pickle.dumps(obj)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(payload)))).reshape(-1)
+    buffer = np.zeros(max(1024, 1 << (int(sizes.max()) - 1).bit_length()), np.uint8)
+    buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer))  # [P, N]
+    return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes.tolist())]
+
+
 def run_worker(engine: Any) -> None:
     """A worker's life: apply the leader's commands and step, until it says stop."""
     logger.info("worker process %d following process 0", jax.process_index())

@@ -20,6 +20,8 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.leader import LeaderEngine
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.process_data_parallel import ProcessDataParallelEngine, run_rank
+from jvllm.engine.replica_front import ReplicaFront
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
@@ -27,7 +29,9 @@ from jvllm.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 
-def make_engine(model: str | None = None, **kwargs) -> LLMEngine | DataParallelEngine:
+def make_engine(
+    model: str | None = None, **kwargs
+) -> LLMEngine | DataParallelEngine | ProcessDataParallelEngine:
     """On a worker process of a multi-process engine, this follows process 0 until it stops,
     then exits the process (SystemExit(0)): the same command serves every host."""
     # Every option checked before any replica loads.
@@ -41,25 +45,39 @@ def make_engine(model: str | None = None, **kwargs) -> LLMEngine | DataParallelE
         if parallel.data_parallel_size == 1:
             return LLMEngine(model, **kwargs)
         return DataParallelEngine(model, **kwargs)
-    if parallel.data_parallel_size > 1:
+    size = parallel.data_parallel_size
+    if size > 1 and size != distributed.num_processes:
         raise ValueError(
-            "data_parallel_size > 1 over several processes is not supported; spread "
-            "tensor_parallel_size over the hosts instead"
+            f"data_parallel_size={size} over {distributed.num_processes} processes: "
+            "data parallelism across processes runs one rank a process, so set "
+            "data_parallel_size to the number of processes (each rank's "
+            "tensor_parallel_size devices its own), or spread tensor_parallel_size over "
+            "the hosts with data_parallel_size=1"
         )
     if not jax.distributed.is_initialized():
         initialize(distributed)
+    if size > 1:
+        kwargs.pop("data_parallel_rank", None)
+        if distributed.process_id == 0:
+            return ProcessDataParallelEngine(model, **kwargs)
+        rank = distributed.process_id
+        run_rank(LLMEngine(model, **kwargs, data_parallel_rank=rank), rank)
+        raise SystemExit(0)
     if distributed.process_id == 0:
         return LeaderEngine(model, **kwargs)
     run_worker(LLMEngine(model, **kwargs))
     raise SystemExit(0)
 
 
-def replicas(engine: LLMEngine | DataParallelEngine) -> list[LLMEngine]:
-    """The LLMEngines that `engine` runs: itself, or its data-parallel replicas."""
-    return engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
+def replicas(engine) -> list[LLMEngine]:
+    """The LLMEngines that `engine` runs in this process: itself, or its data-parallel
+    replicas (across processes: process 0's rank)."""
+    if isinstance(engine, DataParallelEngine | ProcessDataParallelEngine):
+        return engine.replicas
+    return [engine]
 
 
-class DataParallelEngine:
+class DataParallelEngine(ReplicaFront):
     """LLMEngine's request API over `data_parallel_size` replicas."""
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -72,27 +90,11 @@ class DataParallelEngine:
         size = parallel.data_parallel_size
         kwargs.pop("data_parallel_rank", None)  # None here (from_engine_args passes every field)
         self.replicas = [LLMEngine(model, **kwargs, data_parallel_rank=r) for r in range(size)]
-        first = self.replicas[0]
-        # What every replica shares: the model, its tokenizer and limits.
-        self.engine_config = first.engine_config  # replica 0's; the others' differ in rank
-        self.model_config = first.model_config
-        self.tokenizer = first.tokenizer
-        self.generation_config = first.generation_config
-        self.max_model_len = first.max_model_len
+        self._share_first_replica()
         self._replica_of: dict[str, LLMEngine] = {}
         self._stepped: list[LLMEngine] = []  # the replicas the last step() ran
         self._pool = ThreadPoolExecutor(size, thread_name_prefix="jvllm-dp")
         logger.info("serving with %d data-parallel replicas", size)
-
-    def get_tokenizer(self):
-        return self.tokenizer
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        return self.replicas[0].get_default_sampling_params()
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.replicas[0].eos_token_ids
 
     def add_request(
         self,

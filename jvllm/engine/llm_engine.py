@@ -114,6 +114,27 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def check_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        lora_request=None,
+    ) -> None:
+        """Raise what add_request would for this request, enqueueing nothing: a front end's
+        check for an engine in another process (engine/process_data_parallel.py)."""
+        check_priority(priority, self.engine_config.scheduler_config.policy)
+        check_adapter(lora_request, self.model_runner.adapters)
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            return  # checked by the rank that pools it
+        params = self.get_default_sampling_params() if params is None else params
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        self._request_factory.make(
+            request_id, prompt, params, arrival_time, priority, lora_request, lambda _: False
+        )
+
     def add_request(
         self,
         request_id: str,

@@ -1,0 +1,165 @@
+"""Data parallelism across processes (vLLM's --data-parallel-size over hosts): one replica a
+process, each an LLMEngine on its own process's devices with its own scheduler, KV pool and
+prefix cache, behind process 0's front end.
+
+Process 0 takes every request (validated there, so nothing a rank refuses ever leaves it) and
+sends it to the least loaded rank (fewest unfinished requests, the lowest rank on a tie). Each
+step it broadcasts what changed (requests added to or aborted on a rank) with `jax.distributed`'s
+collectives (distributed/multihost.py); every process applies its rank's share, steps its own
+engine if it has work, and the step's outputs of every rank come back to process 0 in one
+all-gather. A rank's step runs no collective, so the ranks' steps overlap; only the two small
+exchanges a step are in lockstep.
+
+What this does not do yet (issue 47): a mixture of experts' layers across the ranks (experts
+spread over every process's devices, with dummy steps for ranks without work): each rank holds
+its model whole, or cut over its own devices' tensor or expert parallelism.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+
+from jvllm.distributed.multihost import broadcast_commands, gather_objects
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.leader import WorkersLostError
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.replica_front import ReplicaFront
+from jvllm.logger import init_logger
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class ProcessDataParallelEngine(ReplicaFront):
+    """LLMEngine's request API over `data_parallel_size` ranks, one a process: process 0's."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        kwargs.pop("data_parallel_rank", None)
+        local = LLMEngine(model, **kwargs, data_parallel_rank=0)
+        self.replicas = [local]  # the ones in this process
+        self._share_first_replica()
+        self.num_ranks = self.engine_config.parallel_config.data_parallel_size
+        self._requests_of: list[set[str]] = [set() for _ in range(self.num_ranks)]
+        self._pending: list[tuple] = []  # for the other ranks, sent with the next step
+        self._stopped = False
+        ref = weakref.ref(self)
+        atexit.register(lambda: (engine := ref()) and engine.stop_workers())
+        logger.info("serving with %d data-parallel ranks, one a process", self.num_ranks)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        lora_request=None,
+    ) -> None:
+        """LLMEngine.add_request on the least loaded rank; raises here, before anything is
+        sent, what any rank would refuse."""
+        if isinstance(request_id, str) and self.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        rank = min(range(self.num_ranks), key=lambda r: len(self._requests_of[r]))
+        local = self.replicas[0]
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        args = (request_id, prompt, params, arrival_time, priority, lora_request)
+        if rank == 0:
+            local.add_request(*args)
+        else:
+            local.check_request(*args)
+            self._pending.append(("add", rank, *args))
+        self._requests_of[rank].add(request_id)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            rank = self.rank_of(rid)
+            if rank is None:
+                continue
+            self._requests_of[rank].discard(rid)
+            if rank == 0:
+                self.replicas[0].abort_request(rid)
+            else:
+                self._pending.append(("abort", rank, rid))
+
+    def has_unfinished_requests(self) -> bool:
+        return any(self._requests_of) or bool(self._pending)
+
+    def has_request(self, request_id: str) -> bool:
+        return self.rank_of(request_id) is not None
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank running a live request; None for none."""
+        return next((r for r, ids in enumerate(self._requests_of) if request_id in ids), None)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(len(ids) for ids in self._requests_of)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every rank with work; their outputs in rank order."""
+        if self._stopped:
+            raise WorkersLostError("the worker processes were stopped; start every process anew")
+        commands, self._pending = [*self._pending, ("step",)], []
+        try:
+            broadcast_commands(commands)
+            gathered = gather_objects((_step(self.replicas[0]), []))
+        except Exception as e:
+            self._stopped = True
+            raise WorkersLostError(
+                "a data-parallel rank stopped answering (it exited, crashed or lost its "
+                f"connection): {type(e).__name__}: {e}. Restart every process"
+            ) from e
+        merged = [o for rank_outputs, _ in gathered for o in rank_outputs]
+        for request_id in (rid for _, failed in gathered for rid in failed):
+            for ids in self._requests_of:  # its rank refused it after all: logged there
+                ids.discard(request_id)
+        for output in merged:
+            if output.finished:
+                for ids in self._requests_of:
+                    ids.discard(output.request_id)
+        return merged
+
+    @property
+    def last_finished_requests(self) -> list:
+        """The requests of this process's rank that finished in the last step."""
+        return self.replicas[0].last_finished_requests
+
+    def stop_workers(self) -> None:
+        """Let the other ranks' processes end (once)."""
+        if not self._stopped:
+            self._stopped = True
+            broadcast_commands([("stop",)])
+
+
+def _step(engine: LLMEngine) -> list[RequestOutput]:
+    return engine.step() if engine.has_unfinished_requests() else []
+
+
+def run_rank(engine: LLMEngine, rank: int) -> None:
+    """A rank's life in a process other than 0: apply process 0's commands for this rank,
+    step, and send the outputs back, until it says stop."""
+    logger.info("data-parallel rank %d following process 0", rank)
+    while True:
+        try:
+            commands = broadcast_commands(None)
+        except Exception as e:
+            raise RuntimeError(
+                f"data-parallel rank {rank} lost process 0 (it exited or crashed without "
+                f"stopping the ranks): {type(e).__name__}: {e}"
+            ) from e
+        failed = []
+        for name, *args in commands:
+            if name == "stop":
+                logger.info("process 0 stopped; data-parallel rank %d ends", rank)
+                return
+            if name == "add" and args[0] == rank:
+                try:
+                    engine.add_request(*args[1:])
+                except (ValueError, TypeError) as e:  # process 0 checked it: not expected
+                    logger.error("rank %d refused request %s: %s", rank, args[1], e)
+                    failed.append(args[1])
+            elif name == "abort" and args[0] == rank:
+                engine.abort_request(args[1])
+        gather_objects((_step(engine), failed))
