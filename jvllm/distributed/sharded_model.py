@@ -21,7 +21,13 @@ from jvllm.config import ModelConfig
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shard_config
 from jvllm.layers.scan import unstack_specs
-from jvllm.models.model import compute_logits, forward, param_axes, param_shapes
+from jvllm.models.model import (
+    compute_logits,
+    forward,
+    forward_counting_experts,
+    param_axes,
+    param_shapes,
+)
 
 # The KV cache [L, V, K, P, B, H] is cut on its KV-head axis (a quantized cache's scales
 # [L, V, K, P, B] too: the spec is a prefix of both arrays).
@@ -35,6 +41,9 @@ class ShardedModel:
     forward: Callable
     # logits(params, hidden f32[S, D]) -> f32[S, V], whole on every device
     logits: Callable
+    # forward's arguments -> (hidden, kv_cache, expert counts i32[L_moe, E]): forward counting
+    # each MoE layer's routed tokens (models/model.py); None for a model without routed experts
+    forward_counting_experts: Callable | None = None
 
 
 def sharded_model(
@@ -48,6 +57,9 @@ def sharded_model(
         return ShardedModel(
             functools.partial(forward, config=config, attn=attn),
             functools.partial(compute_logits, config=config),
+            functools.partial(forward_counting_experts, config=config, attn=attn)
+            if config.num_experts
+            else None,
         )
     local = shard_config(config, num_shards)
     specs = param_specs(config)
@@ -55,11 +67,21 @@ def sharded_model(
         specs = unstack_specs(specs, param_axes(config), param_shapes(config))
     specs = params_in_specs(specs, params)
     whole = PartitionSpec()
+    in_specs = (specs, KV_CACHE_SPEC, whole, whole, whole, whole)
     mapped_forward = jax.shard_map(
         functools.partial(forward, config=local, attn=attn),
         mesh=mesh,
-        in_specs=(specs, KV_CACHE_SPEC, whole, whole, whole, whole),
+        in_specs=in_specs,
         out_specs=(whole, KV_CACHE_SPEC),
+        check_vma=False,
+    )
+    # Every device routes every token alike (expert parallelism too): its counts are the
+    # global ones, whole on each.
+    mapped_counting = jax.shard_map(
+        functools.partial(forward_counting_experts, config=local, attn=attn),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(whole, KV_CACHE_SPEC, whole),
         check_vma=False,
     )
 
@@ -72,7 +94,9 @@ def sharded_model(
     )
     # mm passed positionally: shard_map takes no keyword arguments.
     sharded_forward = lambda p, kv, t, pos, md, mm=None: mapped_forward(p, kv, t, pos, md, mm)
+    sharded_counting = lambda p, kv, t, pos, md, mm=None: mapped_counting(p, kv, t, pos, md, mm)
     return ShardedModel(
         sharded_forward,
         lambda params, hidden: gathered(params, hidden)[:, : config.vocab_size],
+        sharded_counting if config.num_experts else None,
     )

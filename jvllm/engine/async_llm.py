@@ -31,6 +31,7 @@ from jvllm.engine.stat_logger import (
     LoggingStatLogger,
     SchedulerStats,
     adapter_names,
+    expert_token_counts,
     spec_decoding_counts,
 )
 from jvllm.logger import init_logger
@@ -412,6 +413,7 @@ class AsyncLLM:
             running_lora_adapters=adapter_names(r for s in schedulers for r in s.running),
             waiting_lora_adapters=adapter_names(r for s in schedulers for r in s.waiting),
             **spec_decoding_counts(schedulers),
+            **expert_token_counts([replica.model_runner for replica in replicas(self.engine)]),
         )
 
     def _deliver_many(self, pairs: list[tuple[RequestStream, RequestOutput]], now: float) -> None:

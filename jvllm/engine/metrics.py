@@ -98,6 +98,8 @@ class _SchedulerCollector:
         yield self._family(
             c, "num_preemptions", "Preemptions (by recompute).", stats.num_preemptions
         )
+        if stats.expert_token_counts is not None:
+            yield self._expert_tokens(stats)
         config = self._async_llm.engine.engine_config
         if config.speculative_config is not None:  # vLLM's spec_decode_* counters
             yield from self._spec_decoding(stats)
@@ -111,6 +113,22 @@ class _SchedulerCollector:
                 time.time(),
             )
             yield info
+
+    def _expert_tokens(self, stats):
+        """Per layer and expert, what an expert placement is balanced by: L_moe x E series
+        (DeepSeek-V3's 58 x 256 = 14,848, a scrape of about 1.5 MB)."""
+        family = CounterMetricFamily(
+            f"{self._prefix}:moe_expert_tokens",
+            "Tokens routed to each expert of each MoE layer (a token counts once for each of "
+            "its top-k experts).",
+            labels=[*self._labels, "layer", "expert"],
+        )
+        model_name = self._labels["model_name"]
+        for i, row in enumerate(stats.expert_token_counts.tolist()):
+            layer = str(stats.first_moe_layer + i)
+            for expert, count in enumerate(row):
+                family.add_metric([model_name, layer, str(expert)], count)
+        return family
 
     def _spec_decoding(self, stats):
         c = CounterMetricFamily

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from jvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,6 +35,10 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # A model with routed experts: each MoE layer's (token, expert) assignments so far,
+    # i64[L_moe, E], row i layer first_moe_layer + i (worker/model_runner.py); None without.
+    expert_token_counts: np.ndarray | None = None
+    first_moe_layer: int = 0
 
 
 def spec_decoding_counts(schedulers) -> dict:
@@ -47,6 +53,18 @@ def spec_decoding_counts(schedulers) -> dict:
         "spec_num_draft_tokens": sum(s.num_draft_tokens for s in stats),
         "spec_num_accepted_tokens": sum(s.num_accepted_tokens for s in stats),
         "spec_num_accepted_tokens_per_pos": tuple(per_pos),
+    }
+
+
+def expert_token_counts(runners) -> dict:
+    """SchedulerStats' expert-count fields, summed over the data-parallel replicas' model
+    `runners` (none for a model without routed experts)."""
+    counts = [r.expert_token_counts for r in runners if r.expert_token_counts is not None]
+    if not counts:
+        return {}
+    return {
+        "expert_token_counts": counts[0] if len(counts) == 1 else sum(counts),
+        "first_moe_layer": runners[0].config.num_layers - counts[0].shape[0],
     }
 
 

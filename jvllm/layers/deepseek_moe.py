@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.moe import moe_mlp
@@ -99,6 +100,7 @@ class DeepseekMoE(nnx.Module):
         shared_f = config.shared_expert_intermediate_size
         self.shared_experts = GatedMLP(config, shared_f, sum_shards=False) if shared_f else None
         self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
         self.num_groups = config.option("n_group", 1)
         self.topk_group = config.option("topk_group", 1)
         self.renormalize = config.norm_topk_prob
@@ -120,6 +122,7 @@ class DeepseekMoE(nnx.Module):
             renormalize=self.renormalize,
             scaling_factor=self.scaling_factor,
         )
+        count_experts(experts, self.num_experts)
         first_expert = first_local_expert(self.num_local_experts, self.num_expert_shards)
         out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], first_expert)
         if self.shared_experts is not None:

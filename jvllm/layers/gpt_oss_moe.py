@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.moe import combine, group_by_expert, grouped_dense
 from jvllm.layers.parallel import first_local_expert, sum_over_shards
@@ -95,6 +96,7 @@ class GptOssMoE(nnx.Module):
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
         self.down_bias = param((config.num_experts, d), jnp.float32, ("experts", "embed"))
         self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
         self.alpha = config.option("swiglu_alpha")
         self.limit = config.option("swiglu_limit")
         self.num_shards = config.num_shards
@@ -104,6 +106,7 @@ class GptOssMoE(nnx.Module):
         """x f32[T, D] -> f32[T, D]."""
         logits = dense(x, self.router[...]) + self.router_bias[...]  # f32[T, E]
         weights, experts = route_top_logits(logits, self.top_k)  # [T, k] each
+        count_experts(experts, self.num_experts)
         out = gpt_oss_experts(
             x,
             weights,

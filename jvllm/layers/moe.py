@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.parallel import first_local_expert, sum_over_shards
@@ -174,6 +175,7 @@ class SparseMoE(nnx.Module):
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.num_experts = config.num_experts
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
         shared_f = config.shared_expert_intermediate_size
@@ -184,6 +186,7 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
+        count_experts(experts, self.num_experts)
         out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], self.first_expert())
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(dense(x, self.shared_gate[...][None]))  # [T, 1]

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jvllm.layers.expert_counts import add_stack, counted_layer
 from jvllm.logger import init_logger
 from jvllm.quantization import MixedGGUFWeight, QuantizedWeight, cpu_dense, is_quantized
 from jvllm.quantization.dot import dot_layer
@@ -171,15 +172,20 @@ def scan_layers(
 
     `layers` comes from stacked_layers, holding [L, ...] weights or unstack_layers' per-layer
     ones; `per_layer` is a pytree of [L, ...] arrays (e.g. each layer's sliding window) sliced
-    along with the weights. Returns the last carry.
+    along with the weights. Returns the last carry; the rows of expert counts its layers made
+    go to the forward's count (layers/expert_counts.py).
     """
     graphdef, state = nnx.split(layers)
     first = jax.tree.leaves(state, is_leaf=is_unstacked)[0]
     if is_unstacked(first):
+        rows = []
         for i in range(len(first.layers)):
             weights = jax.tree.map(lambda w, i=i: w.layers[i], state, is_leaf=is_unstacked)
             extra = jax.tree.map(lambda a, i=i: a[i], per_layer)
-            carry = body(nnx.merge(graphdef, weights), carry, jnp.int32(i), extra)
+            module = nnx.merge(graphdef, weights)
+            carry, row = counted_layer(functools.partial(body, module, carry, jnp.int32(i), extra))
+            rows.append(row)
+        add_stack(None if rows[0] is None else jnp.stack(rows))
         return carry
 
     def step(carry, xs):
@@ -189,10 +195,12 @@ def scan_layers(
         # loop, each step (a SmolLM2 decode step 15x slower on CPU).
         weights, layer = jax.lax.optimization_barrier((state, layer))
         weights = jax.tree.map(lambda w: _at_layer(w, layer), weights, is_leaf=is_quantized)
-        return body(nnx.merge(graphdef, weights), carry, layer, extra), None
+        # A layer's expert counts (layers/expert_counts.py) leave the scan as its output [L, E].
+        return counted_layer(lambda: body(nnx.merge(graphdef, weights), carry, layer, extra))
 
     layer_ids = jnp.arange(first.shape[0], dtype=jnp.int32)
-    carry, _ = jax.lax.scan(step, carry, (layer_ids, per_layer))
+    carry, rows = jax.lax.scan(step, carry, (layer_ids, per_layer))
+    add_stack(rows)
     return carry
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.moe import SparseMoE, moe_mlp, route
 from jvllm.layers.parallel import sum_over_shards
@@ -49,6 +50,7 @@ class UngatedSharedMoE(SparseMoE):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
+        count_experts(experts, self.num_experts)
         out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], self.first_expert())
         return sum_over_shards(out + self.shared_expert(x), self.num_shards)
 

@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.expert_counts import counting_experts, expert_counts
 from jvllm.layers.lora import adapter_tokens
 from jvllm.layers.scan import is_unstacked
 from jvllm.models.registry import model_class
@@ -84,6 +85,38 @@ def forward(
         if mm is None:
             return module(kv_cache, token_ids, positions, metadata, attn)
         return module(kv_cache, token_ids, positions, metadata, attn, mm=mm)
+
+
+def forward_counting_experts(
+    params: dict,
+    kv_cache: jax.Array,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    metadata: Any,
+    mm=None,
+    *,
+    config: ModelConfig,
+    attn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`forward`, and each MoE layer's count of its (token, expert) assignments of the step's
+    real tokens (metadata.query_start_loc[-1] of them) -> (hidden, kv_cache, i32[L_moe, E]),
+    the MoE layers in order (layers/expert_counts.py). For a model with routed experts."""
+    with counting_experts(metadata.query_start_loc[-1]) as counting:
+        hidden, kv_cache = forward(
+            params, kv_cache, token_ids, positions, metadata, mm, config=config, attn=attn
+        )
+    counts = expert_counts(counting)
+    if counts is None:
+        raise ValueError(f"{config.architecture} counted no routed experts in its forward")
+    return hidden, kv_cache, counts
+
+
+def num_moe_layers(config: ModelConfig) -> int:
+    """L_moe: the layers whose MLP routes to experts, the rows of forward_counting_experts'
+    counts. They come after any dense layers (the families refuse other mixes), so row i is
+    layer num_layers - L_moe + i. Each MoE family names its router param `router` [L, E, D]."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(param_shapes(config))
+    return sum(leaf.shape[0] for path, leaf in flat if path[-1].key == "router")
 
 
 def takes_images(config: ModelConfig) -> bool:

@@ -22,7 +22,7 @@ from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers
 from jvllm.logger import init_logger
 from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
-from jvllm.models.model import image_num_embeds, param_axes, takes_images
+from jvllm.models.model import image_num_embeds, num_moe_layers, param_axes, takes_images
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
@@ -186,6 +186,14 @@ class ModelRunner:
         # that the host's work did not hide).
         self.dispatch_seconds = 0.0
         self.device_wait_seconds = 0.0
+        # A model with routed experts: each MoE layer's (token, expert) assignments so far,
+        # i64[L_moe, E] (row i: layer num_layers - L_moe + i), from each step's counts; a new
+        # array each step, so a reader on another thread holds a consistent one.
+        self.expert_token_counts = (
+            np.zeros((num_moe_layers(config), config.num_experts), np.int64)
+            if self.model.forward_counting_experts
+            else None
+        )
 
     def _jitted(self, kind: str, plan: SamplerPlan):
         """The jitted entry point of a kind of executable, its sampler plan bound."""
@@ -335,6 +343,8 @@ class ModelRunner:
             inputs.sampling.any_prompt_logprobs
         )
         result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
+        if self.expert_token_counts is not None and not is_window:  # windows do not count
+            self.expert_token_counts = self.expert_token_counts + np.asarray(out.expert_counts)
         if scheduler_output.spec_token_ids:  # each request's accepted run, a list
             drafts = [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests]
             result.sampled_token_ids = accepted_token_ids(

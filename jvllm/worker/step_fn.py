@@ -7,11 +7,23 @@ jvllm.step_loop chain it.
 import dataclasses
 import functools
 
+import jax
+
 from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.sample.metadata import SamplerOutput
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step, sample_tokens
 from jvllm.worker.draft_scoring import score_drafts
 from jvllm.worker.step_inputs import StepInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CountedSamplerOutput(SamplerOutput):
+    """A step's SamplerOutput and, for a model with routed experts, each MoE layer's count of
+    the step's real tokens' assignments to each expert (layers/expert_counts.py)."""
+
+    expert_counts: jax.Array | None = None  # i32[L_moe, E]
 
 
 def model_step(
@@ -32,12 +44,15 @@ def model_step(
     f32[S, V]` are each sequence's raw last-position logits (the step loop hands them out; the
     engine's executables drop them); `plan`: the sampler's stages (sample/plan.py). With
     speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions
-    and `out.draft_logprobs` their logprobs, sampled as the sampler samples.
+    and `out.draft_logprobs` their logprobs, sampled as the sampler samples. A model with routed
+    experts returns a CountedSamplerOutput.
     """
     md = inputs.attn
-    hidden, kv_cache = model.forward(
-        params, kv_cache, inputs.token_ids, inputs.positions, md, inputs.mm
-    )
+    args = (params, kv_cache, inputs.token_ids, inputs.positions, md, inputs.mm)
+    if model.forward_counting_experts is None:
+        (hidden, kv_cache), expert_counts = model.forward(*args), None
+    else:
+        hidden, kv_cache, expert_counts = model.forward_counting_experts(*args)
     num_pages, block_size = token_cache.shape
     token_cache = (
         token_cache.reshape(-1)
@@ -80,6 +95,9 @@ def model_step(
             branch_free=plan is not SamplerPlan.DYNAMIC,
         )
         out = dataclasses.replace(out, draft_target_ids=targets, draft_logprobs=target_logprobs)
+    if expert_counts is not None:
+        fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+        out = CountedSamplerOutput(**fields, expert_counts=expert_counts)
     return out, logits, kv_cache, token_cache
 
 

@@ -1,0 +1,107 @@
+"""Per-expert token counts: every step of a model with routed experts counts its real tokens'
+(token, expert) assignments per MoE layer, the runner sums them, and /metrics shows them."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from family_parity import save_random_model
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jvllm import LLM, SamplingParams
+from jvllm.distributed.mesh import make_mesh
+from jvllm.distributed.sharded_model import sharded_model
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.metrics import ServingMetrics
+from jvllm.model_loader.hf_config import model_config_from_hf
+from jvllm.models.model import num_moe_layers
+
+VOCAB = 256
+TOP_K = 2
+# Layer 0 a dense MLP (its own stack, uncounted), layers 1 and 2 four experts each.
+QWEN3_MOE = transformers.Qwen3MoeConfig(
+    num_hidden_layers=3,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    moe_intermediate_size=48,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    num_experts=4,
+    num_experts_per_tok=TOP_K,
+    mlp_only_layers=[0],
+)
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43], [38, 32, 79, 50, 28]]
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """(the engine after PROMPTS, each sequence's tokens fed to the model, the HF model)."""
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    hf_model = save_random_model(path, QWEN3_MOE)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_batched_tokens=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    # The last token sampled is never fed back.
+    fed = [p + list(o.outputs[0].token_ids[:-1]) for p, o in zip(PROMPTS, outputs)]
+    return llm, fed, hf_model
+
+
+def _hf_counts(hf_model, sequences) -> np.ndarray:
+    """Each MoE layer's top-k picks of HF's router over `sequences`, counted -> [L_moe, E]."""
+    counts = np.zeros((2, QWEN3_MOE.num_experts), np.int64)
+    for tokens in sequences:
+        with torch.no_grad():
+            out = hf_model(torch.tensor([tokens]), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):  # the sparse layers' alone
+            picks = torch.topk(logits.float(), TOP_K, dim=-1).indices.numpy().reshape(-1)
+            counts[layer] += np.bincount(picks, minlength=QWEN3_MOE.num_experts)
+    return counts
+
+
+def test_expert_counts_equal_hf_routing_of_the_tokens_the_steps_fed(counted):
+    """Padding tokens of each bucket count nothing; every real one k times per MoE layer."""
+    llm, fed, hf_model = counted
+    counts = llm.llm_engine.model_runner.expert_token_counts
+    np.testing.assert_array_equal(counts, _hf_counts(hf_model, fed))
+    num_tokens = sum(len(s) for s in fed)
+    assert counts.sum() == num_tokens * TOP_K * 2
+
+
+def test_metrics_show_a_counter_per_moe_layer_and_expert(counted):
+    llm, _, _ = counted
+    engine = AsyncLLM(llm.llm_engine)
+    try:
+        text = generate_latest(ServingMetrics(engine, "qwen3-moe").registry).decode()
+    finally:
+        engine.shutdown()
+    (family,) = (
+        f for f in text_string_to_metric_families(text) if f.name == "jvllm:moe_expert_tokens"
+    )
+    assert family.type == "counter"
+    series = {
+        (s.labels["layer"], s.labels["expert"]): s.value
+        for s in family.samples
+        if s.name == "jvllm:moe_expert_tokens_total"
+    }
+    counts = llm.llm_engine.model_runner.expert_token_counts
+    assert series == {  # layer 0, dense, has no series
+        (str(layer), str(e)): counts[layer - 1, e] for layer in (1, 2) for e in range(4)
+    }
+    assert 'model_name="qwen3-moe"' in text
+
+
+def test_a_model_without_experts_counts_nothing():
+    """Its step runs the plain forward: no count traced, nothing returned."""
+    llama = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96
+    )
+    config = model_config_from_hf(llama, "float32")
+    assert num_moe_layers(config) == 0
+    model = sharded_model(config, make_mesh(), None, layers_unstacked=False, params={})
+    assert model.forward_counting_experts is None
+    assert num_moe_layers(model_config_from_hf(QWEN3_MOE, "float32")) == 2
