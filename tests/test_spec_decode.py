@@ -235,17 +235,27 @@ def test_default_model_repeating_text_matches_and_accepts(smollm2_llm):
     assert llm.llm_engine.spec_decoding_stats.acceptance_rate > 0.5
 
 
-def test_sampled_requests_get_drafts_unless_a_position_needs_its_own_processing():
-    def request(bad_words=(), **params) -> Request:
-        r = Request("r", [1, 2, 3], SamplingParams(temperature=0.7, **params), eos_token_id=2)
-        r.bad_words_token_ids = [list(w) for w in bad_words]
-        return r
+def test_drafts_end_where_a_position_would_ban_other_tokens():
+    """The step's bias row holds the bans of the request's next token: the drafts stop before
+    a position whose min_tokens or multi-token bad word bans differ. Prompt [5 7 8 9 4] and
+    output [5] propose [7 8 9]."""
+    proposer = DraftProposer(SpeculativeConfig(3, 4, 1), max_model_len=256)
 
-    assert can_draft(request(top_p=0.9, presence_penalty=1.0, logit_bias={5: 1.0}, logprobs=2))
-    assert can_draft(request(bad_words=[[7]], allowed_token_ids=[5, 7, 9]))
-    assert not can_draft(request(bad_words=[[7, 8]]))  # 8 banned only after 7
-    assert not can_draft(request(min_tokens=2))  # stop tokens banned only below it
-    structured = request()
+    def drafts(bad_words=(), **params) -> list[int]:
+        params = SamplingParams(temperature=0.7, max_tokens=16, **params)
+        request = Request("r", [5, 7, 8, 9, 4], params, eos_token_id=2)
+        request.bad_words_token_ids = [list(w) for w in bad_words]
+        request.append_output_token_ids(5)
+        return proposer.drafts_for(request, token_budget=64)
+
+    assert drafts(top_p=0.9, presence_penalty=1.0, logit_bias={5: 1.0}, logprobs=2) == [7, 8, 9]
+    assert drafts(bad_words=[[7]], allowed_token_ids=[5, 7, 8, 9]) == [7, 8, 9]
+    assert drafts(bad_words=[[8, 9]]) == [7]  # 9 is banned after 7 8
+    assert drafts(bad_words=[[5, 7, 8]]) == []  # 8 is banned after 5 7
+    assert drafts(min_tokens=3) == [7]  # EOS is banned at output positions 1 and 2 only
+    assert drafts(min_tokens=3, ignore_eos=True) == [7, 8, 9]  # nothing to ban
+    assert drafts(min_tokens=1) == [7, 8, 9]
+    structured = Request("s", [1, 2, 3], SamplingParams(temperature=0.7), eos_token_id=2)
     structured.structured_output = object()
     assert not can_draft(structured)
 
@@ -279,7 +289,8 @@ def _sampled_variants(loop: list[int]) -> list[SamplingParams]:
         {"presence_penalty": 0.3, "repetition_penalty": 1.2},
         {"logit_bias": {loop[0]: 0.3, loop[1]: -0.3}},
         {"allowed_token_ids": sorted({*loop, *range(3, 40)})},
-        {"min_tokens": 3},  # drafts only once it is reached
+        {"min_tokens": 2, "stop_token_ids": [loop[1]]},  # banned at the first 2 positions
+        {"bad_words": [" the F"]},  # tokens 260 426: 426 banned after 260
         {"logprobs": 2},
     ]
     return [_sampled(seed, max_tokens=24, **variant) for variant in variants for seed in (1, 2)]

@@ -16,24 +16,30 @@ import dataclasses
 import numpy as np
 
 from jvllm.core.request import Request
+from jvllm.core.token_bans import has_changing_bans, next_token_bans
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram_drafts
 
 
 def can_draft(request: Request) -> bool:
     """Whether verification can sample each draft position as the sampler would: every
-    generating request but those whose logit processing at a position depends on the tokens
-    before it in ways the step's one row per request does not follow. Those decode one token a
-    step beside the others: structured outputs (their grammar mask would have to advance over
-    each draft), multi-token bad words (a word's last token is banned only after the others),
-    and min_tokens not reached yet (stop tokens are banned only below it)."""
-    params = request.sampling_params
-    return (
-        request.num_output_tokens >= params.min_tokens
-        and all(len(word) == 1 for word in request.bad_words_token_ids)
-        and request.structured_output is None
-        and request.pooling_params is None
-    )
+    generating request but those with structured outputs (their grammar mask would have to
+    advance over each draft), which decode one token a step beside the others."""
+    return request.structured_output is None and request.pooling_params is None
+
+
+def _num_drafts_the_step_row_covers(request: Request, draft_token_ids: list[int]) -> int:
+    """How many of the drafts to keep so that every position they verify, the bonus's too,
+    bans what the request's next token bans: the step has one bias row per request
+    (worker/bias_rows.py). Stop tokens below min_tokens and a multi-token bad word's last
+    token are banned at some positions only; the drafts end before the first that differs."""
+    if not has_changing_bans(request):
+        return len(draft_token_ids)
+    bans = next_token_bans(request)
+    for n in range(1, len(draft_token_ids) + 1):
+        if next_token_bans(request, draft_token_ids[:n]) != bans:
+            return n - 1
+    return len(draft_token_ids)
 
 
 def accept_drafts(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
@@ -94,9 +100,10 @@ class DraftProposer:
         )
         if num_drafts < 1 or not can_draft(request):
             return []
-        return propose_ngram_drafts(
+        drafts = propose_ngram_drafts(
             np.asarray(request.all_token_ids, np.int64),
             self.config.prompt_lookup_min,
             self.config.prompt_lookup_max,
             num_drafts,
         )
+        return drafts[: _num_drafts_the_step_row_covers(request, drafts)]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.core.request import Request, RequestStatus
+from jvllm.core.token_bans import next_token_bans
 
 
 def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
@@ -50,27 +51,6 @@ def _static_row(request: Request, vocab_size: int) -> np.ndarray:
     return row
 
 
-def _dynamic_bans(request: Request) -> frozenset[int]:
-    """Tokens banned for the next position only: stop ids below min_tokens, and the last token of
-    a multi-token bad word whose other tokens end the output so far."""
-    params = request.sampling_params
-    bans = set()
-    if request.num_output_tokens < params.min_tokens:
-        bans.update(params.stop_token_ids)
-        if not params.ignore_eos and request.eos_token_id is not None:
-            bans.add(request.eos_token_id)
-    outputs = request.output_token_ids
-    for sequence in request.bad_words_token_ids:
-        prefix = sequence[:-1]
-        if (
-            prefix
-            and len(outputs) >= len(prefix)
-            and outputs[len(outputs) - len(prefix) :] == prefix
-        ):
-            bans.add(sequence[-1])
-    return frozenset(bans)
-
-
 def set_row(rows: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
     """rows f32[R, V] with rows[slot] = row f32[V]; the model runner jits it, `rows` donated."""
     return rows.at[slot].set(row)
@@ -99,7 +79,7 @@ class BiasRows:
             if owner is None:
                 owner = (request, self._free.pop(), _static_row(request, self.vocab_size), None)
             _, slot, static, sent = owner
-            bans = _dynamic_bans(request)
+            bans = next_token_bans(request)
             if bans != sent:
                 row = static.copy()
                 row[list(bans)] = -np.inf
