@@ -185,8 +185,8 @@ def test_speculative_config_is_checked():
 @pytest.mark.parametrize(("k", "num_blocks"), [(1, None), (3, None), (5, 14)])
 def test_greedy_tokens_equal_those_without_speculation(k, num_blocks, looping_model_dir, plain_llm):
     """A batch of greedy requests with seeded sampled, logprobs and penalties ones beside them,
-    all drafting, and one that drafts only once past its min_tokens, over chunked prefill;
-    then again, on prefix-cache hits. A stop token id,
+    all drafting, and one whose drafts stop short of its min_tokens (EOS is banned below it),
+    over chunked prefill; then again, on prefix-cache hits. A stop token id,
     max_tokens and a stop string are chosen inside an accepted run of their request run alone
     (in the batch the token budget may cut its drafts); another request meets EOS."""
     llm = LLM(
@@ -211,7 +211,7 @@ def test_greedy_tokens_equal_those_without_speculation(k, num_blocks, looping_mo
         SamplingParams(temperature=1.5, top_k=40, seed=7, max_tokens=40, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=40, min_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=30),
     ]
     prompts = [*PROMPTS, PROMPTS[1]] + [looping] * 7
     want = _tokens(plain_llm, prompts, params)
