@@ -40,11 +40,13 @@ def test_an_uneven_split_pads_the_last_windowed_group():
 
 
 @pytest.mark.parametrize(
-    "windows", [(None, None), (8, 8, 8), (None, 8)], ids=["global", "all windowed", "disabled"]
+    ("windows", "enable", "kept"),
+    [((None, None), True, None), ((8, 16, 8), True, 16), ((None, 8), False, None)],
+    ids=["global", "all windowed", "disabled"],
 )
-def test_one_kind_of_layer_or_disabled_is_one_group(windows):
-    groups = kv_cache_groups(windows, enable=windows != (None, 8))
-    assert groups.windows == (None,)
+def test_one_kind_of_layer_or_disabled_is_one_group(windows, enable, kept):
+    groups = kv_cache_groups(windows, enable)
+    assert groups.windows == (kept,)  # all windowed: the widest
     assert groups.layer_slot == tuple(range(len(windows)))
 
 
@@ -111,10 +113,28 @@ def test_a_hit_shortens_to_where_the_windowed_group_still_holds():
     assert kv.get_computed_blocks(again)[1] == 28  # blocks 5, 6 for a hit of 28
 
 
+@pytest.mark.parametrize("penalized", [False, True])
+def test_all_windowed_layers_free_blocks_unless_the_request_reads_its_history(penalized):
+    kv = KVCacheManager(64, B, True, groups=kv_cache_groups((W, W)))
+    params = Params(repetition_penalty=1.2 if penalized else 1.0)
+    request = Request("a", list(range(40)), params, eos_token_id=None)
+    _prefill_in_chunks(kv, request, chunk=8)
+    assert kv.allocate_slots(request, 1) is not None
+    table = kv.get_block_ids("a")
+    assert len(table) == 11
+    # The query at 40 sees 33..40: blocks 8.. (penalties read every token: all blocks).
+    assert table.count(0) == (0 if penalized else 8)
+    kv.free(request)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
 def test_never_fits_counts_the_window_not_the_whole_prompt():
     groups = kv_cache_groups((None, W))
     assert blocks_to_hold(groups, 400, B, max_step_tokens=16) == 100 + 7
     assert blocks_to_hold(None, 400, B, max_step_tokens=16) == 100
+    windowed = kv_cache_groups((W, W))
+    assert blocks_to_hold(windowed, 400, B, 16, keeps_history=False) == 7
+    assert blocks_to_hold(windowed, 400, B, 16, keeps_history=True) == 100
 
 
 # --- through the engine ---------------------------------------------------------------
@@ -134,11 +154,14 @@ def _long_prompts() -> list[list[int]]:
     return ragged_prompts(TINY["vocab_size"], lengths=(5, 30, 63, 90, 181))
 
 
-def _run(path: str, prompts, **kwargs):
+def _run(path: str, prompts, sampling: dict | None = None, **kwargs):
     """Greedy tokens, and each one's logprob (the random model repeats its tokens, whose
-    logprobs still follow every position's attention), and the engine's KV cache manager."""
+    logprobs still follow every position's attention), and the engine's KV cache manager;
+    `sampling`: more SamplingParams fields."""
     llm = LLM(path, dtype="float32", max_model_len=256, block_size=B, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, **(sampling or {})
+    )
     outputs = [
         o.outputs[0]
         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -170,6 +193,30 @@ def test_windowed_layers_free_their_pages_and_decode_the_same(gemma2):
     assert sum(1 for b in window_ids if b) <= -(-W // B) + 1
     assert len(window_ids) == num_full
     kv.free(request)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """Every layer windowed."""
+    path = tmp_path_factory.mktemp("mistral")
+    hf_model = save_random_model(path, transformers.MistralConfig(**TINY, sliding_window=W))
+    return str(path), hf_model
+
+
+def test_all_windowed_layers_free_their_pages_and_decode_the_same(mistral):
+    """Mistral v0.1's kind: one windowed group frees pages, except a request with penalties."""
+    path, hf_model = mistral
+    prompts = _long_prompts()
+    kept, kept_logprobs, _ = _run(path, prompts, disable_hybrid_kv_cache_manager=True)
+    freed, logprobs, kv = _run(path, prompts)
+    assert freed == kept == [hf_greedy_ignoring_eos(hf_model, p, 12) for p in prompts]
+    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-5)
+    assert kv.first_window == W
+    penalized = {"repetition_penalty": 1.3, "presence_penalty": 0.5}
+    assert (
+        _run(path, prompts, penalized)[0]
+        == _run(path, prompts, penalized, disable_hybrid_kv_cache_manager=True)[0]
+    )
 
 
 @pytest.mark.slow

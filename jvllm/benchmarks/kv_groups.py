@@ -6,8 +6,9 @@ against every page kept (`disable_hybrid_kv_cache_manager`), Gemma 3 and Gemma 2
 
 1. Paper: the engine's own KV cache manager (core/kv_cache_manager.py) takes a prompt of
    --input-len tokens in chunks of --max-num-batched-tokens, then its first decode step, for
-   Gemma 3 27B (62 layers, a 1024-token window on 5 layers of 6) and Gemma 2 9B (a 4096-token
-   window on alternate layers), bfloat16: the blocks it then holds, times a block's bytes.
+   Gemma 3 27B (62 layers, a 1024-token window on 5 layers of 6), Gemma 2 9B (a 4096-token
+   window on alternate layers) and Mistral 7B v0.1 (a 4096-token window on every layer; a
+   request without penalties), bfloat16: the blocks it then holds, times a block's bytes.
 2. Engine: two engines on Gemma 3's layer pattern and window with --num-layers layers and
    narrow widths (random weights), the same prompt: the KV bytes held once it is prefilled,
    read from the engine's pool, and the seconds the prefill took.
@@ -29,7 +30,7 @@ from jvllm.worker.kv_budget import kv_bytes_per_block
 from jvllm.worker.kv_layout import kv_cache_spec
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "model_configs")
-MODELS = ("gemma-3-27b", "gemma-2-9b")
+MODELS = ("gemma-3-27b", "gemma-2-9b", "mistral-7b-v0.1")
 MODES = ("hybrid", "every page")
 
 
@@ -43,7 +44,7 @@ def held_bytes_on_paper(model: str, input_len: int, chunk: int, block_size: int)
         groups = kv_cache_groups(config.layer_windows, enable=mode == "hybrid")
         num_blocks = 2 * -(-input_len // block_size) * groups.num_groups + 2
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, groups=groups)
-        request = Request("r", list(range(input_len)), Params(), eos_token_id=None)
+        request = Request("r", list(range(input_len)), Params(), eos_token_id=None)  # no penalties
         while request.num_computed_tokens < input_len:
             n = min(chunk, input_len - request.num_computed_tokens)
             kv.allocate_slots(request, n)

@@ -46,6 +46,8 @@ class KVCacheManager:
         # The windowed groups' windows, and each request's tables in them (groups 1, 2, ...).
         self.groups = groups
         self.windows: tuple[int, ...] = groups.windows[1:] if groups else ()
+        # Every layer windowed (core/kv_groups.py): the first group's window, None otherwise.
+        self.first_window: int | None = groups.windows[0] if groups else None
         self.req_to_window_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         # For each leading block of a table already registered, the cache id that its next
         # block names as parent (block_pool.py: its own, or that of a block with the same KV).
@@ -146,6 +148,8 @@ class KVCacheManager:
         num_total_tokens = num_computed + num_new_tokens
         num_needed = cdiv(num_total_tokens, self.block_size)
         num_fresh = num_needed - len(blocks) - len(new_computed_blocks)
+        if self.first_window is not None and not request.sampling_params.has_penalties:
+            self._free_outside(blocks, self.first_window, num_computed)
         window_hits, window_tables = [], []
         if self.windows:
             self._free_outside_windows(request.request_id, num_computed)
@@ -185,22 +189,27 @@ class KVCacheManager:
         first: a prefix's head is shared by more requests than its tail."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._cache_ids.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b.block_id)
         for table in self.req_to_window_blocks.pop(request.request_id, []):
             self.block_pool.free_blocks(b for b in reversed(table) if b.block_id)
 
     def _free_outside_windows(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the request's windowed-group blocks that no query after its
-        `num_computed_tokens` reads: each becomes the null block in its table."""
-        null = self.block_pool.null_block
+        `num_computed_tokens` reads."""
         for table, window in zip(self.req_to_window_blocks.get(request_id, []), self.windows):
-            end = min(first_kept_block(num_computed_tokens, window, self.block_size), len(table))
-            # The blocks before the last freed one are null already: walk back to it.
-            start = end
-            while start > 0 and table[start - 1] is not null:
-                start -= 1
-            self.block_pool.free_blocks(table[start:end])
-            table[start:end] = [null] * (end - start)
+            self._free_outside(table, window, num_computed_tokens)
+
+    def _free_outside(self, table: list[KVCacheBlock], window: int, num_computed: int) -> None:
+        """Free the blocks of `table` before a query at `num_computed` sees: each becomes the
+        null block in it."""
+        null = self.block_pool.null_block
+        end = min(first_kept_block(num_computed, window, self.block_size), len(table))
+        # The blocks before the last freed one are null already: walk back to it.
+        start = end
+        while start > 0 and table[start - 1] is not null:
+            start -= 1
+        self.block_pool.free_blocks(table[start:end])
+        table[start:end] = [null] * (end - start)
 
     def _window_hits(self, hit_blocks: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
         """Each windowed group's blocks for the first group's prefix hit `hit_blocks` (as
@@ -218,9 +227,13 @@ class KVCacheManager:
             hits.append([null] * first + cached)
         return hits
 
-    def num_blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
+    def num_blocks_to_hold(
+        self, num_tokens: int, max_step_tokens: int, keeps_history: bool = True
+    ) -> int:
         """The most blocks a request of `num_tokens` holds at once (kv_groups.blocks_to_hold)."""
-        return blocks_to_hold(self.groups, num_tokens, self.block_size, max_step_tokens)
+        return blocks_to_hold(
+            self.groups, num_tokens, self.block_size, max_step_tokens, keeps_history
+        )
 
     def num_new_blocks(self, request: Request, num_tokens: int) -> int:
         """At most the blocks the request takes to grow to `num_tokens`, in every group."""
@@ -258,6 +271,8 @@ class KVCacheManager:
         cache_ids = self._cache_ids.setdefault(request.request_id, [])
         tables = self.req_to_window_blocks.get(request.request_id, [])
         for i in range(len(cache_ids), num_tokens // self.block_size):
+            if not blocks[i].block_id:  # freed past its window before it was full: no more
+                break
             cache_ids.append(
                 self.block_pool.cache_full_block(
                     blocks[i],

@@ -10,9 +10,10 @@ window on (the earlier entries of that group's table are the null page).
 
 Gemma 3 (5 windowed layers to 1 global) has S = L / 6 and 6 groups: a 32k prompt holds the global
 layers' 2048 pages and each windowed group's ~W / B, about a sixth of what one table for all
-layers holds. A model with one kind of layer is one group of all its layers, as before; so is a
-model whose every layer is windowed, which keeps its pages: the sampler's token history
-(penalties) is read through the first group's table, which must hold every block."""
+layers holds. A model with one kind of layer is one group of all its layers, as before; a model
+whose every layer is windowed (Mistral v0.1, Starcoder2) is one windowed group, which frees the
+blocks its widest window passed, but not those of a request with penalties: the sampler's
+token history is read through the first group's table, which must then hold every block."""
 
 import collections
 import dataclasses
@@ -21,7 +22,9 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroups:
-    windows: tuple[int | None, ...]  # per group: None (keeps every block) or its window W
+    # per group: None (keeps every block) or its window W; the first group's W only where
+    # every layer is windowed
+    windows: tuple[int | None, ...]
     layer_group: tuple[int, ...]  # per layer: its group
     layer_slot: tuple[int, ...]  # per layer: its row of a page, the cache's leading axis
     num_slots: int  # S: the layers one page holds
@@ -30,11 +33,6 @@ class KVCacheGroups:
     def num_groups(self) -> int:
         return len(self.windows)
 
-    @property
-    def is_hybrid(self) -> bool:
-        """Whether some group frees the blocks its window no longer reads."""
-        return self.num_groups > 1
-
     def describe(self) -> str:
         """For the start-up log: the groups, and the layers a page holds."""
         counts = collections.Counter(self.windows)
@@ -42,7 +40,8 @@ class KVCacheGroups:
             ("full" if w is None else f"window {w}") + (f" x{n}" if n > 1 else "")
             for w, n in counts.items()
         ]
-        return f"{self.num_groups} KV groups ({', '.join(kinds)}) of {self.num_slots} layers"
+        plural = "s" if self.num_groups > 1 else ""
+        return f"{self.num_groups} KV group{plural} ({', '.join(kinds)}) of {self.num_slots} layers"
 
 
 def single_group(num_layers: int) -> KVCacheGroups:
@@ -54,10 +53,13 @@ def single_group(num_layers: int) -> KVCacheGroups:
 def kv_cache_groups(layer_windows: tuple[int | None, ...], enable: bool = True) -> KVCacheGroups:
     """The groups of a model whose layer l has sliding window `layer_windows[l]` (None: a
     global layer). Hybrid (the full layers first, then each window's layers in chunks of as
-    many) when `enable` and the model mixes global and windowed layers; else one group."""
+    many) when `enable` and the model mixes global and windowed layers; one group of the widest
+    window when `enable` and every layer is windowed; else one group that keeps every block."""
     full = [layer for layer, w in enumerate(layer_windows) if w is None]
-    if not enable or not full or len(full) == len(layer_windows):
+    if not enable or len(full) == len(layer_windows):
         return single_group(len(layer_windows))
+    if not full:
+        return dataclasses.replace(single_group(len(layer_windows)), windows=(max(layer_windows),))
     num_slots = len(full)
     members = [(None, full)]
     for window in sorted({w for w in layer_windows if w is not None}):
@@ -74,13 +76,19 @@ def kv_cache_groups(layer_windows: tuple[int | None, ...], enable: bool = True) 
 
 
 def blocks_to_hold(
-    groups: KVCacheGroups | None, num_tokens: int, block_size: int, max_step_tokens: int
+    groups: KVCacheGroups | None,
+    num_tokens: int,
+    block_size: int,
+    max_step_tokens: int,
+    keeps_history: bool = True,
 ) -> int:
     """The most blocks a request of `num_tokens` holds at once, in all groups, when a step
     computes up to `max_step_tokens` of them: a windowed group holds its window's and the
-    step's."""
+    step's; the first group every block where `keeps_history` (a request with penalties)."""
     num_blocks = -(-num_tokens // block_size)
     windows = groups.windows if groups else (None,)
+    if keeps_history:
+        windows = (None, *windows[1:])
     return sum(
         num_blocks
         if window is None

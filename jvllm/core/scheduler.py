@@ -327,7 +327,9 @@ class Scheduler:
         has_outputs = request.num_output_tokens > 0
         num_tokens_needed = request.num_tokens + (0 if has_outputs else 1)
         num_blocks_needed = kv.num_blocks_to_hold(
-            min(num_tokens_needed, self.config.max_model_len), self.config.max_num_batched_tokens
+            min(num_tokens_needed, self.config.max_model_len),
+            self.config.max_num_batched_tokens,
+            request.sampling_params.has_penalties,
         )
         if request.num_prompt_tokens > self.config.max_model_len:
             status = RequestStatus.FINISHED_IGNORED

@@ -241,7 +241,7 @@ class Worker:
 
 def _describe_groups(groups: KVCacheGroups | None) -> str:
     """The start-up log's words on hybrid KV groups (core/kv_groups.py); "" without."""
-    if groups is None or not groups.is_hybrid:
+    if groups is None or groups.windows == (None,):
         return ""
     return f"; pages in {groups.describe()}, windowed groups keep their window's pages"
 
