@@ -1,10 +1,16 @@
 """Per-expert token counts: every step of a model with routed experts counts its real tokens'
 (token, expert) assignments per MoE layer, the runner sums them, and /metrics shows them."""
 
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import _dense_causal_attn
 from family_parity import save_random_model
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -14,8 +20,10 @@ from jvllm.distributed.mesh import make_mesh
 from jvllm.distributed.sharded_model import sharded_model
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
+from jvllm.layers.scan import unstack_layers
+from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
-from jvllm.models.model import num_moe_layers
+from jvllm.models.model import forward_counting_experts, num_moe_layers, param_axes
 
 VOCAB = 256
 TOP_K = 2
@@ -39,11 +47,17 @@ MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def counted(tmp_path_factory):
-    """(the engine after PROMPTS, each sequence's tokens fed to the model, the HF model)."""
+def saved(tmp_path_factory):
+    """(the tiny model's directory, its HF model)."""
     path = tmp_path_factory.mktemp("qwen3_moe")
-    hf_model = save_random_model(path, QWEN3_MOE)
-    llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_batched_tokens=32)
+    return str(path), save_random_model(path, QWEN3_MOE)
+
+
+@pytest.fixture(scope="module")
+def counted(saved):
+    """(the engine after PROMPTS, each sequence's tokens fed to the model, the HF model)."""
+    path, hf_model = saved
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=32)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     # The last token sampled is never fed back.
@@ -70,6 +84,27 @@ def test_expert_counts_equal_hf_routing_of_the_tokens_the_steps_fed(counted):
     np.testing.assert_array_equal(counts, _hf_counts(hf_model, fed))
     num_tokens = sum(len(s) for s in fed)
     assert counts.sum() == num_tokens * TOP_K * 2
+
+
+def test_forward_counts_real_tokens_alike_with_the_layers_stacked_or_split(saved):
+    """The scan's rows and the unrolled layers' (a GPU's layout) are the same counts; the
+    padding tokens after query_start_loc[-1] count nothing."""
+    path, hf_model = saved
+    config, params = load_hf_dir(path, "float32")
+    real = PROMPTS[0][:9]
+    token_ids = jnp.asarray(real + [0] * 7, jnp.int32)  # 9 real tokens, then padding
+    metadata = types.SimpleNamespace(query_start_loc=jnp.asarray([0, len(real)], jnp.int32))
+    attn = functools.partial(_dense_causal_attn, sm_scale=config.sm_scale)
+
+    @jax.jit
+    def counts(params):
+        positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+        args = (params, jnp.zeros(()), token_ids, positions, metadata)
+        return forward_counting_experts(*args, config=config, attn=attn)[2]
+
+    expected = _hf_counts(hf_model, [real])
+    np.testing.assert_array_equal(counts(params), expected)
+    np.testing.assert_array_equal(counts(unstack_layers(params, param_axes(config))), expected)
 
 
 def test_metrics_show_a_counter_per_moe_layer_and_expert(counted):
