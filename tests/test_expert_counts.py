@@ -14,6 +14,10 @@ from conftest import _dense_causal_attn
 from family_parity import save_random_model
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_family_deepseek import _save as _save_deepseek
+from test_family_deepseek import v3_like
+from test_family_gpt_oss import _gpt_oss, _save_gpt_oss
+from test_family_olmoe_granitemoe_falcon import ENGINE_CONFIGS
 
 from jvllm import LLM, SamplingParams
 from jvllm.distributed.mesh import make_mesh
@@ -128,6 +132,32 @@ def test_metrics_show_a_counter_per_moe_layer_and_expert(counted):
         (str(layer), str(e)): counts[layer - 1, e] for layer in (1, 2) for e in range(4)
     }
     assert 'model_name="qwen3-moe"' in text
+
+
+# Each family's own routing (DeepSeek's grouped sigmoid after a dense layer, gpt-oss's biased
+# router, Granite's ungated shared expert): every real token counted k times a MoE layer.
+OTHER_FAMILIES = {
+    "deepseek_v3": lambda path: _save_deepseek(path, v3_like(num_hidden_layers=3)),
+    "gpt_oss": lambda path: _save_gpt_oss(path, _gpt_oss()),
+    "granitemoeshared": lambda path: save_random_model(path, ENGINE_CONFIGS["granitemoeshared"]()),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_every_moe_family_counts_each_real_token_k_times_a_moe_layer(tmp_path, name):
+    OTHER_FAMILIES[name](tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_batched_tokens=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(PROMPTS, greedy, use_tqdm=False)
+    config = llm.llm_engine.model_config
+    counts = llm.llm_engine.model_runner.expert_token_counts
+    num_fed = sum(len(p) + MAX_TOKENS - 1 for p in PROMPTS)
+    num_moe = num_moe_layers(config)
+    assert num_moe == config.num_layers - (name == "deepseek_v3")  # V3's first layer dense
+    assert counts.shape == (num_moe, config.num_experts)
+    assert counts.sum() == num_fed * config.num_experts_per_tok * num_moe
+    assert (counts.sum(axis=1) == num_fed * config.num_experts_per_tok).all()
 
 
 def test_a_model_without_experts_counts_nothing():
