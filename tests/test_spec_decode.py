@@ -23,7 +23,7 @@ from jvllm.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from jvllm.core.spec_decode import DraftProposer, accept_drafts, can_draft
+from jvllm.core.spec_decode import DraftProposer, accept_drafts
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram_drafts
@@ -237,14 +237,15 @@ def test_default_model_repeating_text_matches_and_accepts(smollm2_llm):
 
 def test_drafts_end_where_a_position_would_ban_other_tokens():
     """The step's bias row holds the bans of the request's next token: the drafts stop before
-    a position whose min_tokens or multi-token bad word bans differ. Prompt [5 7 8 9 4] and
-    output [5] propose [7 8 9]."""
+    a position whose min_tokens or multi-token bad word bans differ, and before the first its
+    grammar rejects. Prompt [5 7 8 9 4] and output [5] propose [7 8 9]."""
     proposer = DraftProposer(SpeculativeConfig(3, 4, 1), max_model_len=256)
 
-    def drafts(bad_words=(), **params) -> list[int]:
+    def drafts(bad_words=(), grammar=None, **params) -> list[int]:
         params = SamplingParams(temperature=0.7, max_tokens=16, **params)
         request = Request("r", [5, 7, 8, 9, 4], params, eos_token_id=2)
         request.bad_words_token_ids = [list(w) for w in bad_words]
+        request.structured_output = grammar
         request.append_output_token_ids(5)
         return proposer.drafts_for(request, token_budget=64)
 
@@ -255,9 +256,12 @@ def test_drafts_end_where_a_position_would_ban_other_tokens():
     assert drafts(min_tokens=3) == [7]  # EOS is banned at output positions 1 and 2 only
     assert drafts(min_tokens=3, ignore_eos=True) == [7, 8, 9]  # nothing to ban
     assert drafts(min_tokens=1) == [7, 8, 9]
-    structured = Request("s", [1, 2, 3], SamplingParams(temperature=0.7), eos_token_id=2)
-    structured.structured_output = object()
-    assert not can_draft(structured)
+
+    class TwoMoreTokens:  # a grammar that accepts two tokens more, whichever
+        def num_valid(self, token_ids: list[int]) -> int:
+            return min(len(token_ids), 2)
+
+    assert drafts(grammar=TwoMoreTokens()) == [7, 8]
 
 
 # Low enough that the tiny model's continuations still loop (drafts get accepted), high

@@ -3,6 +3,7 @@ sampled, and requests without one are untouched by those with one."""
 
 import json
 import re
+import types
 
 import jsonschema
 import numpy as np
@@ -310,6 +311,30 @@ def test_constrained_outputs_survive_preemption_windows_and_async_steps(tiny_lla
     assert tokens == expected
 
 
+@pytest.mark.slow  # two engines of a 49152-token vocabulary: 28 s on 2 cores
+def test_drafts_are_verified_against_the_grammar_at_each_position(tiny_llama_dir):
+    """n-gram speculation on constrained requests: drafts the grammar rejects are cut before
+    the step, and each draft position samples under its own mask (the grammar advanced over
+    the drafts before it), so greedy and seeded sampled texts equal a plain engine's."""
+    regex = "(( the)|( of)|( and)|( to)|( a)){1,40}"
+    so = StructuredOutputsParams(regex=regex)
+    params = [
+        SamplingParams(temperature=t, seed=s, max_tokens=24, structured_outputs=so)
+        for t in (0.0, 0.8)
+        for s in (1, 2)
+    ]
+    kwargs = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 8}
+    prompts = [[5, 6, 7]] * len(params)
+    plain = LLM(tiny_llama_dir, **kwargs).generate(prompts, params, use_tqdm=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = LLM(tiny_llama_dir, speculative_config=ngram, **kwargs)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    for output in outputs:
+        assert re.fullmatch(regex, output.outputs[0].text), output.outputs[0].text
+    assert llm.llm_engine.spec_decoding_stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [
@@ -374,6 +399,38 @@ def test_mask_agrees_with_the_matcher_on_random_token_walks(smollm2_llm):
                 break
 
 
+def test_draft_positions_are_masked_by_the_grammar_advanced_over_the_drafts_before(
+    smollm2_llm,
+):
+    """Speculative decoding's masks: after the request's own row (its bonus token's, past
+    every draft) one row per draft position, each the mask with the drafts before it taken;
+    the request's matcher is left where it was."""
+    from jvllm.structured_output.manager import GrammarState
+
+    manager = smollm2_llm.llm_engine.structured_outputs
+    template = manager.compile(StructuredOutputsParams(json=SCHEMAS["nested"]))
+    template.result(timeout=30)
+    state = GrammarState(template)
+    assert state.is_ready()
+    request = _Constrained(state)
+    walker = state.matcher.deep_copy()
+    masks, drafts = [], []  # the mask at each position of a walk of allowed tokens
+    for _ in range(4):
+        walking = _Constrained(types.SimpleNamespace(matcher=walker))
+        masks.append(manager.bitmask([walking], lambda r: True)[0])
+        bits = (masks[-1][:, None] >> np.arange(32)) & 1
+        drafts.append(int(np.flatnonzero(bits.reshape(-1))[-1]))  # its last allowed token
+        assert walker.consume_token(drafts[-1])
+    drafts.pop()  # the 4th position is the bonus's
+    mask = manager.bitmask([request], lambda r: True, {"r": drafts})
+    assert mask.shape == (1 + len(drafts), manager.num_words)
+    np.testing.assert_array_equal(mask[0], masks[-1])
+    np.testing.assert_array_equal(mask[1:], np.stack(masks[:-1]))
+    np.testing.assert_array_equal(manager.bitmask([request], lambda r: True)[0], masks[0])
+    assert state.num_valid(drafts) == len(drafts)
+
+
 class _Constrained:
     def __init__(self, state):
+        self.request_id = "r"
         self.structured_output = state

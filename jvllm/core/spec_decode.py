@@ -23,9 +23,9 @@ from jvllm.spec_decode.ngram import propose_ngram_drafts
 
 def can_draft(request: Request) -> bool:
     """Whether verification can sample each draft position as the sampler would: every
-    generating request but those with structured outputs (their grammar mask would have to
-    advance over each draft), which decode one token a step beside the others."""
-    return request.structured_output is None and request.pooling_params is None
+    generating request (a structured output's mask at each position comes from its grammar
+    advanced over the drafts before it, structured_output/manager.py)."""
+    return request.pooling_params is None
 
 
 def _num_drafts_the_step_row_covers(request: Request, draft_token_ids: list[int]) -> int:
@@ -106,4 +106,6 @@ class DraftProposer:
             self.config.prompt_lookup_max,
             num_drafts,
         )
+        if request.structured_output is not None:  # only drafts its grammar accepts
+            drafts = drafts[: request.structured_output.num_valid(drafts)]
         return drafts[: _num_drafts_the_step_row_covers(request, drafts)]

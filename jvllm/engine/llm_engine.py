@@ -328,7 +328,9 @@ class LLMEngine:
         block_ids = [scheduler_output.block_ids[r.request_id] for r in requests]
         if self.pooling is not None:
             return self.model_runner.execute_pooling(scheduler_output, block_ids)
-        bitmask = self.structured_outputs.bitmask(requests, scheduler_output.will_sample)
+        bitmask = self.structured_outputs.bitmask(
+            requests, scheduler_output.will_sample, scheduler_output.spec_token_ids
+        )
         return self.model_runner.execute_model(scheduler_output, block_ids, bitmask)
 
     def _update(

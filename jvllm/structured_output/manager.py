@@ -10,6 +10,7 @@ import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import llguidance
 import llguidance.hf
@@ -47,6 +48,10 @@ class GrammarState:
         except Exception as e:  # noqa: BLE001 - reported on the request, not raised
             self.error = f"the grammar failed to compile: {e}"
         return True
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept from here."""
+        return self.matcher.validate_tokens(token_ids)
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar rejects it."""
@@ -128,10 +133,21 @@ class StructuredOutputManager:
             logger.info("built the grammar tokenizer in %.1fs", time.perf_counter() - start)
         return self._tokenizer
 
-    def bitmask(self, requests: list, will_sample) -> np.ndarray | None:
+    def bitmask(
+        self, requests: list, will_sample, spec_token_ids: Mapping[str, list[int]] | None = None
+    ) -> np.ndarray | None:
         """i32[len(requests), ceil(V / 32)]: the allowed next tokens of each constrained request
         that samples in this step (`will_sample(request)`), all ones elsewhere; None when no
-        request needs a mask, so the step skips applying one."""
+        request needs a mask, so the step skips applying one.
+
+        With speculative decoding's drafts (`spec_token_ids`, request id -> drafts the grammar
+        accepts), a request's row is the mask after its drafts (its bonus token's), and one row
+        per draft follows the requests' rows, in request order: the mask at that draft's
+        position (worker/draft_scoring.py samples there)."""
+        drafts = [
+            (spec_token_ids or {}).get(request.request_id, []) if will_sample(request) else []
+            for request in requests
+        ]
         rows = [
             (request.structured_output.matcher, i)
             for i, request in enumerate(requests)
@@ -140,13 +156,23 @@ class StructuredOutputManager:
         if not rows:
             return None
         start = time.perf_counter()
-        mask = np.full((len(requests), self.num_words), -1, np.int32)
+        num_drafts = sum(len(d) for d in drafts)
+        mask = np.full((len(requests) + num_drafts, self.num_words), -1, np.int32)
+        drafted = [(matcher, i) for matcher, i in rows if drafts[i]]
+        rows = [(matcher, i) for matcher, i in rows if not drafts[i]]
         if len(rows) == 1:
             llguidance.numpy.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
-        else:
+        elif rows:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        draft_rows = np.cumsum([len(requests), *(len(d) for d in drafts)])  # each one's first
+        for matcher, i in drafted:  # one position after another, then back
+            for j, token_id in enumerate(drafts[i]):
+                llguidance.numpy.fill_next_token_bitmask(matcher, mask, int(draft_rows[i]) + j)
+                matcher.consume_token(token_id)
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, i)
+            matcher.rollback(len(drafts[i]))
         self.mask_seconds += time.perf_counter() - start
         return mask
 

@@ -13,6 +13,7 @@ of them a step, never the step's [T, V].
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ class DraftScoring:
     indices: jax.Array  # i32[NP] flat index (into the step's T tokens) of each scored position
     seq_index: jax.Array  # i32[NP] its request's row among the step's sequences
     num_tokens_before: jax.Array  # i32[NP] output tokens between it and its request's bonus
+    token_bitmask: jax.Array  # i32[NP, W] its grammar mask (structured outputs); -1: none
     any_drafts: jax.Array  # bool[] some request has drafts: else nothing is scored
 
 
@@ -42,9 +44,13 @@ def prepare_draft_scoring(
     draft_token_ids: list[list[int]],
     bucket: Bucket,
     num_speculative_tokens: int,
+    num_words: int,
+    token_bitmask: np.ndarray | None = None,
 ) -> DraftScoring:
     """The positions to score: of request s with k drafts, the first k of its query (its last
-    token's and its drafts' but the last), in request order; padding scores token 0."""
+    token's and its drafts' but the last), in request order; padding scores token 0.
+    `token_bitmask` i32[num drafts, W]: their grammar masks in that order (W = `num_words`),
+    None for none."""
     num_positions = num_scored_positions(bucket, num_speculative_tokens)
     indices = np.zeros(num_positions, np.int32)
     seq_index = np.zeros(num_positions, np.int32)
@@ -56,7 +62,20 @@ def prepare_draft_scoring(
         seq_index[at : at + k] = s
         num_tokens_before[at : at + k] = np.arange(k, 0, -1)
         at += k
-    return DraftScoring(indices, seq_index, num_tokens_before, np.bool_(at > 0))
+    if token_bitmask is None:
+        bitmask = _all_tokens_allowed(num_positions, num_words)
+    else:
+        bitmask = np.full((num_positions, num_words), -1, np.int32)
+        bitmask[: len(token_bitmask)] = token_bitmask
+    return DraftScoring(indices, seq_index, num_tokens_before, bitmask, np.bool_(at > 0))
+
+
+@functools.cache
+def _all_tokens_allowed(num_positions: int, num_words: int) -> np.ndarray:
+    """The draft masks of a step without structured outputs: one array a shape, never written."""
+    mask = np.full((num_positions, num_words), -1, np.int32)
+    mask.flags.writeable = False
+    return mask
 
 
 def score_drafts(
@@ -72,12 +91,14 @@ def score_drafts(
     """The target's token i32[NP] after each scored position of `hidden` f32[T, D] (at
     `positions` i32[T]), and its logprobs; `logits_fn(h f32[NP, D]) -> f32[NP, V]` is the
     model's LM head, `sample_fn(logits, md, *, block_tables, seq_lens)` the step's
-    `sample_tokens`, its other arguments bound. A step without drafts skips all of it (a
-    `lax.cond`), unless `branch_free`."""
+    `sample_tokens`, its other arguments bound; each row samples under its own grammar mask
+    (`drafts.token_bitmask`). A step without drafts skips all of it (a `lax.cond`), unless
+    `branch_free`."""
 
     def score():
         logits = logits_fn(hidden[drafts.indices])  # [NP, V]
         rows = take_rows(md, drafts.seq_index, drafts.num_tokens_before)
+        rows = dataclasses.replace(rows, token_bitmask=drafts.token_bitmask)
         seq_lens = positions[drafts.indices] + 1  # each row's history: up to its position
         return sample_fn(
             logits, rows, block_tables=block_tables[drafts.seq_index], seq_lens=seq_lens

@@ -277,7 +277,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """Run one scheduled step: the sampled token of every scheduled request, in order, and
         the logprobs that any of them asked for; a decode window's tokens as a list each.
-        `token_bitmask`: the requests' grammar masks (structured outputs), None for none."""
+        `token_bitmask`: the requests' grammar masks (structured outputs), then, with drafts,
+        their positions' (StructuredOutputManager.bitmask); None for none."""
         # The decode steps that follow this one: their compiles start now, beside this step's.
         requests = scheduler_output.scheduled_requests
         self.compiler.queue_decode_shapes(len(requests))
@@ -302,6 +303,9 @@ class ModelRunner:
             kind = "window" if is_window else "step"
             bucket, lent = self.compiler.select_bucket(sum(counts), num_reqs, kind)
             drafts = scheduler_output.spec_token_ids
+            draft_bitmask = None
+            if token_bitmask is not None and len(token_bitmask) > num_reqs:
+                token_bitmask, draft_bitmask = token_bitmask[:num_reqs], token_bitmask[num_reqs:]
             inputs = prepare_step_inputs(
                 requests,
                 counts,
@@ -317,6 +321,7 @@ class ModelRunner:
                 self.num_speculative_tokens,
                 self.num_kv_groups,
                 window_block_ids(scheduler_output),
+                draft_bitmask,
             )
             if self.encoder is not None:
                 inputs = self.encoder.with_images(inputs, requests, counts)

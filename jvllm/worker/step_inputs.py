@@ -45,6 +45,7 @@ def prepare_step_inputs(
     num_speculative_tokens: int = 0,
     num_kv_groups: int = 1,
     window_block_ids: list[list[list[int]]] | None = None,
+    draft_bitmask: np.ndarray | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens of `requests` (row order = request order) into `bucket`.
 
@@ -53,8 +54,10 @@ def prepare_step_inputs(
     `adapter_slots` (i32, one per request, -1 for none) their LoRA slots, None where the
     engine serves no adapters. With speculation on (`num_speculative_tokens` > 0),
     `draft_token_ids` holds each request's drafts (None: none), the last of its scheduled
-    tokens. With `num_kv_groups` > 1 hybrid KV groups (core/kv_groups.py), `block_ids` are
-    each request's first-group table and `window_block_ids` its others'."""
+    tokens, and `draft_bitmask` the grammar masks of the drafts' positions
+    (draft_scoring.prepare_draft_scoring), None for none. With `num_kv_groups` > 1 hybrid KV
+    groups (core/kv_groups.py), `block_ids` are each request's first-group table and
+    `window_block_ids` its others'."""
     num_tokens, num_seqs = bucket.num_tokens, bucket.num_seqs
     num_real = len(requests)
     params = [req.sampling_params for req in requests]
@@ -169,7 +172,12 @@ def prepare_step_inputs(
     drafts = None
     if num_speculative_tokens:
         drafts = prepare_draft_scoring(
-            query_start_loc, draft_token_ids or [], bucket, num_speculative_tokens
+            query_start_loc,
+            draft_token_ids or [],
+            bucket,
+            num_speculative_tokens,
+            bitmask.shape[1],
+            draft_bitmask,
         )
     return StepInputs(token_ids, positions, attn, sampling, drafts)
 
