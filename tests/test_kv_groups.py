@@ -158,7 +158,7 @@ def _run(path: str, prompts, sampling: dict | None = None, **kwargs):
     """Greedy tokens, and each one's logprob (the random model repeats its tokens, whose
     logprobs still follow every position's attention), and the engine's KV cache manager;
     `sampling`: more SamplingParams fields."""
-    llm = LLM(path, dtype="float32", max_model_len=256, block_size=B, **kwargs)
+    llm = LLM(path, dtype="float32", max_model_len=256, **{"block_size": B, **kwargs})
     params = SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, **(sampling or {})
     )
@@ -226,8 +226,10 @@ def test_all_windowed_layers_free_their_pages_and_decode_the_same(mistral):
         {"async_scheduling": True},
         {"num_gpu_blocks_override": 72, "max_num_batched_tokens": 32},  # preempts
         {"enable_prefix_caching": True, "max_num_batched_tokens": 16},
+        {"kv_cache_dtype": "int8"},
+        {"attention_backend": "pallas", "block_size": 8},  # interpreted kernels, pages of 8
     ],
-    ids=["async", "preemption", "prefix hits in chunks"],
+    ids=["async", "preemption", "prefix hits in chunks", "int8 KV", "pallas"],
 )
 def test_windowed_layers_decode_the_same_under(gemma2, kwargs):
     prompts = _long_prompts()
