@@ -48,6 +48,9 @@ QWEN3_MOE = transformers.Qwen3MoeConfig(
 )
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43], [38, 32, 79, 50, 28]]
 MAX_TOKENS = 4
+# Requests that end at different steps: the rows left behind in a decode window or a step run
+# ahead still compute, and must not count.
+RAGGED_MAX_TOKENS = [2, 7, 4]
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +60,20 @@ def saved(tmp_path_factory):
     return str(path), save_random_model(path, QWEN3_MOE)
 
 
+def _run(path: str, max_tokens: list[int], **engine_kwargs) -> tuple[LLM, list[list[int]]]:
+    """(the engine after PROMPTS, each sequence's tokens fed to the model)."""
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=32, **engine_kwargs)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    # The last token sampled is never fed back.
+    return llm, [p + list(o.outputs[0].token_ids[:-1]) for p, o in zip(PROMPTS, outputs)]
+
+
 @pytest.fixture(scope="module")
 def counted(saved):
     """(the engine after PROMPTS, each sequence's tokens fed to the model, the HF model)."""
     path, hf_model = saved
-    llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=32)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-    # The last token sampled is never fed back.
-    fed = [p + list(o.outputs[0].token_ids[:-1]) for p, o in zip(PROMPTS, outputs)]
-    return llm, fed, hf_model
+    return *_run(path, [MAX_TOKENS] * len(PROMPTS)), hf_model
 
 
 def _hf_counts(hf_model, sequences) -> np.ndarray:
@@ -90,14 +97,37 @@ def test_expert_counts_equal_hf_routing_of_the_tokens_the_steps_fed(counted):
     assert counts.sum() == num_tokens * TOP_K * 2
 
 
+@pytest.mark.slow
+def test_rows_that_stopped_in_a_decode_window_count_nothing(saved):
+    path, hf_model = saved
+    # Every shape compiled up front: a window runs only once its executable is ready.
+    llm, fed = _run(path, RAGGED_MAX_TOKENS, num_scheduler_steps=4, compile_all_buckets=True)
+    counts = llm.llm_engine.model_runner.expert_token_counts
+    np.testing.assert_array_equal(counts, _hf_counts(hf_model, fed))
+
+
+@pytest.mark.slow
+def test_a_step_run_ahead_counts_at_most_one_token_more_for_each_request_that_ended(saved):
+    """Async scheduling runs a request's next token before it is known to end (vLLM's does
+    too); the device routed that token, the engine drops it, and it counts."""
+    path, hf_model = saved
+    llm, fed = _run(path, RAGGED_MAX_TOKENS, async_scheduling=True, compile_all_buckets=True)
+    runner = llm.llm_engine.model_runner
+    assert runner.num_steps_ahead_used > 0
+    extra = runner.expert_token_counts - _hf_counts(hf_model, fed)
+    assert (extra >= 0).all()
+    assert (extra.sum(axis=1) <= len(PROMPTS) * TOP_K).all()
+
+
 def test_forward_counts_real_tokens_alike_with_the_layers_stacked_or_split(saved):
     """The scan's rows and the unrolled layers' (a GPU's layout) are the same counts; the
-    padding tokens after query_start_loc[-1] count nothing."""
+    padding tokens, which write the null page (slot 0), count nothing."""
     path, hf_model = saved
     config, params = load_hf_dir(path, "float32")
     real = PROMPTS[0][:9]
     token_ids = jnp.asarray(real + [0] * 7, jnp.int32)  # 9 real tokens, then padding
-    metadata = types.SimpleNamespace(query_start_loc=jnp.asarray([0, len(real)], jnp.int32))
+    slots = [16 + i for i in range(len(real))] + [0] * 7  # from page 1 on, then the null page
+    metadata = types.SimpleNamespace(slot_mapping=jnp.asarray(slots, jnp.int32))
     attn = functools.partial(_dense_causal_attn, sm_scale=config.sm_scale)
 
     @jax.jit

@@ -1,5 +1,5 @@
-"""Per-expert token counts: each MoE layer's (token, expert) assignments of a step's real tokens,
-counted on the device and returned from the forward beside the hidden states (vLLM's expert
+"""Per-expert token counts: each MoE layer's (token, expert) assignments of a step's tokens that
+the engine keeps, counted on the device and returned from the forward beside the hidden states (vLLM's expert
 load statistics, what an expert placement is balanced by).
 
 A family counts where it routes (`count_experts`, experts i32[T, k] -> one row i32[E]); the
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass
 class _Counting:
-    num_real_tokens: jax.Array  # i32[]: the step's tokens before its padding
+    is_counted: jax.Array  # bool[T]: the tokens the engine keeps
     stacks: list[jax.Array] = dataclasses.field(default_factory=list)  # i32[L_i, E] each
     layer: jax.Array | None = None  # i32[E]: the row of the layer being traced
 
@@ -38,11 +38,10 @@ _COUNTING: contextvars.ContextVar[_Counting | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def counting_experts(num_real_tokens: jax.Array) -> Iterator[_Counting]:
-    """While tracing a forward: count the routed experts of the first `num_real_tokens` i32[]
-    tokens (the attention metadata's query_start_loc[-1]); `expert_counts` of the yielded
-    value reads them once the forward is traced."""
-    counting = _Counting(num_real_tokens)
+def counting_experts(is_counted: jax.Array) -> Iterator[_Counting]:
+    """While tracing a forward: count the routed experts of the tokens `is_counted` bool[T];
+    `expert_counts` of the yielded value reads them once the forward is traced."""
+    counting = _Counting(is_counted)
     previous = _COUNTING.set(counting)
     try:
         yield counting
@@ -60,14 +59,13 @@ def expert_counts(counting: _Counting) -> jax.Array | None:
 
 def count_experts(experts: jax.Array, num_experts: int) -> None:
     """The layer being traced routed its tokens to experts i32[T, k] (the router's ids, of
-    `num_experts`): count each real token's k assignments, padding tokens not at all. Nothing
+    `num_experts`): count each counted token's k assignments, the others not at all. Nothing
     outside `counting_experts`."""
     counting = _COUNTING.get()
     if counting is None:
         return
-    is_real = jnp.arange(experts.shape[0]) < counting.num_real_tokens  # [T]
-    # Padding's assignments go to id E, which bincount drops.
-    ids = jnp.where(is_real[:, None], experts, num_experts).reshape(-1)  # [T*k]
+    # The uncounted tokens' assignments go to id E, which bincount drops.
+    ids = jnp.where(counting.is_counted[:, None], experts, num_experts).reshape(-1)  # [T*k]
     counting.layer = jnp.bincount(ids, length=num_experts).astype(jnp.int32)  # [E]
 
 

@@ -99,9 +99,13 @@ def forward_counting_experts(
     attn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward`, and each MoE layer's count of its (token, expert) assignments of the step's
-    real tokens (metadata.query_start_loc[-1] of them) -> (hidden, kv_cache, i32[L_moe, E]),
-    the MoE layers in order (layers/expert_counts.py). For a model with routed experts."""
-    with counting_experts(metadata.query_start_loc[-1]) as counting:
+    tokens that the engine keeps -> (hidden, kv_cache, i32[L_moe, E]), the MoE layers in order
+    (layers/expert_counts.py). For a model with routed experts.
+
+    A token is kept where it writes a KV slot off the null page (metadata.slot_mapping != 0):
+    not a bucket's padding, nor a row of a decode window or of a step run ahead that stopped,
+    which compute as the others do and write only the null page."""
+    with counting_experts(metadata.slot_mapping != 0) as counting:
         hidden, kv_cache = forward(
             params, kv_cache, token_ids, positions, metadata, mm, config=config, attn=attn
         )

@@ -144,6 +144,8 @@ class WindowOutput:
     topk_logprobs: jax.Array  # f32[k, S, K]
     sampled_logprobs: jax.Array  # f32[k, S]
     sampled_ranks: jax.Array  # i32[k, S]
+    # A model with routed experts: the steps' expert counts summed (step_fn.py), i32[L_moe, E]
+    expert_counts: jax.Array | None = None
 
 
 def run_window(
@@ -158,6 +160,7 @@ def run_window(
     num_steps: int,
     steps_per_check: int,
     max_logprobs: int,
+    expert_counts_shape: tuple[int, int] | None = None,
 ) -> tuple[WindowOutput, jax.Array, jax.Array]:
     """Up to `num_steps` decode steps in one call, until every row has stopped
     -> (WindowOutput, kv_cache, token_cache).
@@ -166,7 +169,8 @@ def run_window(
     that fixed trip count inside the window's while loop): on a GPU, XLA reads a while loop's
     predicate on the host, which waits for the stream to drain, and a fixed trip count needs
     no predicate. A row that stops inside such a run of steps writes nothing more; the steps
-    left after every row stopped are spent."""
+    left after every row stopped are spent. `expert_counts_shape`: (L_moe, E) of a model with
+    routed experts, whose steps' counts the window sums."""
     num_seqs, k = window.limits.shape[0], max(max_logprobs, 1)
     steps_per_check = min(steps_per_check, num_steps)
     active = window.limits > 0
@@ -178,6 +182,9 @@ def run_window(
         topk_logprobs=jnp.zeros((num_steps, num_seqs, k), jnp.float32),
         sampled_logprobs=jnp.zeros((num_steps, num_seqs), jnp.float32),
         sampled_ranks=jnp.zeros((num_steps, num_seqs), jnp.int32),
+        expert_counts=None
+        if expert_counts_shape is None
+        else jnp.zeros(expert_counts_shape, jnp.int32),
     )
 
     def one_step(j, state):
@@ -196,6 +203,10 @@ def run_window(
             topk_logprobs=put(out.topk_logprobs, step_out.topk_logprobs),
             sampled_logprobs=put(out.sampled_logprobs, step_out.sampled_logprobs),
             sampled_ranks=put(out.sampled_ranks, step_out.sampled_ranks),
+            # A stopped row writes the null page, which counts nothing (models/model.py).
+            expert_counts=None
+            if out.expert_counts is None
+            else out.expert_counts + step_out.expert_counts,
         )
         return carry, out
 

@@ -151,6 +151,14 @@ class ModelRunner:
         self.num_steps_ahead_dropped = 0
         # A model that takes images: its encoder and the images' embeddings.
         self.encoder = EncoderRunner(config) if takes_images(config) else None
+        # A model with routed experts: each MoE layer's (token, expert) assignments so far,
+        # i64[L_moe, E] (row i: layer num_layers - L_moe + i), from each step's counts; a new
+        # array each step, so a reader on another thread holds a consistent one.
+        self.expert_token_counts = (
+            np.zeros((num_moe_layers(config), config.num_experts), np.int64)
+            if self.model.forward_counting_experts
+            else None
+        )
         # What every executable is lowered for, fixed once the arrays exist.
         self._state_spec = abstract_state(
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows)
@@ -186,14 +194,6 @@ class ModelRunner:
         # that the host's work did not hide).
         self.dispatch_seconds = 0.0
         self.device_wait_seconds = 0.0
-        # A model with routed experts: each MoE layer's (token, expert) assignments so far,
-        # i64[L_moe, E] (row i: layer num_layers - L_moe + i), from each step's counts; a new
-        # array each step, so a reader on another thread holds a consistent one.
-        self.expert_token_counts = (
-            np.zeros((num_moe_layers(config), config.num_experts), np.int64)
-            if self.model.forward_counting_experts
-            else None
-        )
 
     def _jitted(self, kind: str, plan: SamplerPlan):
         """The jitted entry point of a kind of executable, its sampler plan bound."""
@@ -208,6 +208,9 @@ class ModelRunner:
                 num_steps=self.num_scheduler_steps,
                 steps_per_check=self.window_steps_per_check,
                 max_logprobs=self.max_logprobs,
+                expert_counts_shape=None
+                if self.expert_token_counts is None
+                else self.expert_token_counts.shape,
             )
         elif kind == "ahead":
             fn = functools.partial(next_decode_step, step=step)
@@ -348,7 +351,7 @@ class ModelRunner:
             inputs.sampling.any_prompt_logprobs
         )
         result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
-        if self.expert_token_counts is not None and not is_window:  # windows do not count
+        if self.expert_token_counts is not None:
             self.expert_token_counts = self.expert_token_counts + np.asarray(out.expert_counts)
         if scheduler_output.spec_token_ids:  # each request's accepted run, a list
             drafts = [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests]
