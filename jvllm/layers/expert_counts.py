@@ -1,6 +1,6 @@
 """Per-expert token counts: each MoE layer's (token, expert) assignments of a step's tokens that
-the engine keeps, counted on the device and returned from the forward beside the hidden states (vLLM's expert
-load statistics, what an expert placement is balanced by).
+the engine keeps, counted on the device and returned from the forward beside the hidden states
+(vLLM's expert load statistics, what an expert placement is balanced by).
 
 A family counts where it routes (`count_experts`, experts i32[T, k] -> one row i32[E]); the
 layer scan hands each layer's row out of its body as a scan output (`counted_layer`, stacked
