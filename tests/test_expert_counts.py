@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import _dense_causal_attn
+from conftest import _dense_causal_attn, scrape_metrics
 from family_parity import save_random_model
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from test_family_deepseek import _save as _save_deepseek
 from test_family_deepseek import v3_like
 from test_family_gpt_oss import _gpt_oss, _save_gpt_oss
@@ -24,6 +22,8 @@ from jvllm.distributed.mesh import make_mesh
 from jvllm.distributed.sharded_model import sharded_model
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
+from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.server_thread import ServerThread
 from jvllm.layers.scan import unstack_layers
 from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
@@ -142,26 +142,28 @@ def test_forward_counts_real_tokens_alike_with_the_layers_stacked_or_split(saved
 
 
 def test_metrics_show_a_counter_per_moe_layer_and_expert(counted):
+    """/metrics as a server serves it: one series per MoE layer and expert, the decoder
+    layer's index in `layer`, the values the runner summed."""
     llm, _, _ = counted
     engine = AsyncLLM(llm.llm_engine)
+    metrics = ServingMetrics(engine, "qwen3-moe")
+    server = ServerThread(build_app(engine, "qwen3-moe", None, metrics)).start()
     try:
-        text = generate_latest(ServingMetrics(engine, "qwen3-moe").registry).decode()
+        samples = scrape_metrics(server.url)
     finally:
+        server.stop()
         engine.shutdown()
-    (family,) = (
-        f for f in text_string_to_metric_families(text) if f.name == "jvllm:moe_expert_tokens"
-    )
-    assert family.type == "counter"
     series = {
-        (s.labels["layer"], s.labels["expert"]): s.value
-        for s in family.samples
-        if s.name == "jvllm:moe_expert_tokens_total"
+        (labels["layer"], labels["expert"]): value
+        for (name, pairs), value in samples.items()
+        if name == "jvllm:moe_expert_tokens_total"
+        for labels in [dict(pairs)]
+        if labels["model_name"] == "qwen3-moe"
     }
     counts = llm.llm_engine.model_runner.expert_token_counts
     assert series == {  # layer 0, dense, has no series
         (str(layer), str(e)): counts[layer - 1, e] for layer in (1, 2) for e in range(4)
     }
-    assert 'model_name="qwen3-moe"' in text
 
 
 # Each family's own routing (DeepSeek's grouped sigmoid after a dense layer, gpt-oss's biased
