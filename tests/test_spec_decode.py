@@ -389,3 +389,26 @@ def test_spec_decode_counters_reach_the_metrics(spec_llm):
     assert drafts + ".0" in scrape
     first = stats.num_accepted_tokens_per_pos[0]
     assert f'per_pos_total{{model_name="m",position="0"}} {first}.0' in scrape
+
+
+@pytest.mark.slow  # an adapter through PEFT and two engines: 40 s on 2 cores
+def test_drafts_verified_by_lora_adapters_give_the_tokens_without_speculation(
+    looping_model_dir, tmp_path
+):
+    """Each request's drafts checked against its own adapter's logits (q and v adapted: the
+    looping model still loops, so drafts are accepted), beside a base-model request."""
+    from test_lora import save_adapter
+
+    from jvllm.lora.request import LoRARequest
+
+    save_adapter(looping_model_dir, str(tmp_path), 1, r=8, target_modules=["q_proj", "v_proj"])
+    adapter = LoRARequest("qv", 1, str(tmp_path))
+    lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": ngram(3)})):
+        llm = LLM(looping_model_dir, **ENGINE_KWARGS, **lora, **extra)
+        got = llm.generate(PROMPTS, params, lora_request=[adapter, None] * 2, use_tqdm=False)
+        outputs[name] = [list(o.outputs[0].token_ids) for o in got]
+    assert outputs["spec"] == outputs["plain"]
+    assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
