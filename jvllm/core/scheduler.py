@@ -184,11 +184,17 @@ class Scheduler:
                 index += 1
                 continue
             drafts = self._drafts(request, num_new_tokens, token_budget)
+            lookahead = self._num_lookahead(
+                request, request.num_computed_tokens, num_new_tokens, len(drafts)
+            )
             while (
-                self.kv_cache_manager.allocate_slots(request, num_new_tokens + len(drafts)) is None
+                self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens + len(drafts) + lookahead
+                )
+                is None
             ):
-                if drafts:  # short of blocks: decode without drafts before preempting anyone
-                    drafts = []
+                if drafts or lookahead:  # short of blocks: decode plainly before preempting
+                    drafts, lookahead = [], 0
                     continue
                 victim = pick_victim(self.running, self.config.policy)
                 if victim.request_id in output.num_scheduled_tokens:  # scheduled this step: undo
@@ -219,6 +225,17 @@ class Scheduler:
             token_budget -= num_new_tokens
             index += 1
         return token_budget
+
+    def _num_lookahead(
+        self, request: Request, num_computed: int, num_new_tokens: int, num_drafts: int = 0
+    ) -> int:
+        """KV slots past the step's tokens (and drafts) for a request that samples in it: a
+        draft model writes its KV at the positions of the drafts it then proposes (vLLM's
+        num_lookahead_tokens), within max_model_len."""
+        if self.drafter is None or num_computed + num_new_tokens != request.num_tokens:
+            return 0
+        room = self.config.max_model_len - request.num_tokens - num_drafts
+        return max(0, min(self.drafter.num_lookahead_tokens, room))
 
     def _drafts(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
         """Speculative drafts for a request that decodes (computes its last token) this step."""
@@ -266,7 +283,13 @@ class Scheduler:
             if num_new_tokens == 0:  # its next image does not fit this step (encoder_scheduler)
                 self.encoder.undo(request, encode, output)
                 break
-            if kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
+            lookahead = self._num_lookahead(request, num_hit_tokens, num_new_tokens)
+            if kv.allocate_slots(
+                request, num_new_tokens + lookahead, hit_blocks, num_hit_tokens
+            ) is None and (
+                lookahead == 0  # else again without: the request proposes fewer drafts
+                or kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None
+            ):
                 self.encoder.undo(request, encode, output)
                 break  # FCFS: nobody overtakes the head of the queue.
             if encode:
@@ -308,6 +331,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.encoder.cache.release_all(request)
         request.status = RequestStatus.PREEMPTED
+        if self.drafter is not None:
+            self.drafter.discard(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -391,6 +416,8 @@ class Scheduler:
         return False
 
     def _free_finished(self, request: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.discard(request.request_id)
         self.kv_cache_manager.free(request)
         self.encoder.cache.release_all(request)
         del self.requests[request.request_id]

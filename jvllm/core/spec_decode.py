@@ -1,5 +1,7 @@
 """Speculative decoding on the host: which requests get drafts, how many, and what the target
-model's tokens accept of them. The drafts themselves come from spec_decode/ngram.py.
+model's tokens accept of them. The drafts themselves come from spec_decode/ngram.py, or from
+a draft model (worker/draft_model.py), whose proposals the engine hands over after each step
+(`set_proposals`).
 
 A decoding request with drafts d1..dk computes its last token and the drafts in one step; the
 target's token at each of those positions is t0..tk, sampled as decoding one token at a time
@@ -85,6 +87,26 @@ class DraftProposer:
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
         )
+        # A draft model's proposals: request id -> (the request's num_tokens they follow,
+        # drafts); used once, and only while the request still has that many tokens.
+        self._proposals: dict[str, tuple[int, list[int]]] = {}
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.config.method == "draft_model"
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request that samples this step needs past its tokens (vLLM's)."""
+        return self.config.num_lookahead_tokens
+
+    def set_proposals(self, proposals: dict[str, tuple[int, list[int]]]) -> None:
+        """A draft model's drafts after a step (ModelRunner.propose_drafts)."""
+        self._proposals.update(proposals)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request's proposal (it finished or was preempted)."""
+        self._proposals.pop(request_id, None)
 
     def drafts_for(self, request: Request, token_budget: int) -> list[int]:
         """Up to num_speculative_tokens drafts for a request that decodes this step, within
@@ -98,14 +120,21 @@ class DraftProposer:
             self.max_model_len - request.num_tokens - 1,
             token_budget - 1,
         )
+        if self.uses_draft_model:
+            num_tokens, proposed = self._proposals.pop(request.request_id, (-1, []))
+            if num_tokens != request.num_tokens:  # none, or one for a length it has left
+                return []
         if num_drafts < 1 or not can_draft(request):
             return []
-        drafts = propose_ngram_drafts(
-            np.asarray(request.all_token_ids, np.int64),
-            self.config.prompt_lookup_min,
-            self.config.prompt_lookup_max,
-            num_drafts,
-        )
+        if self.uses_draft_model:
+            drafts = proposed[:num_drafts]
+        else:
+            drafts = propose_ngram_drafts(
+                np.asarray(request.all_token_ids, np.int64),
+                self.config.prompt_lookup_min,
+                self.config.prompt_lookup_max,
+                num_drafts,
+            )
         if request.structured_output is not None:  # only drafts its grammar accepts
             drafts = drafts[: request.structured_output.num_valid(drafts)]
         return drafts[: _num_drafts_the_step_row_covers(request, drafts)]

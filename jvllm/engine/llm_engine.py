@@ -7,6 +7,7 @@ import numpy as np
 
 from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler_output import SchedulerOutput
+from jvllm.core.spec_decode import can_draft
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import (
     PromptType,
@@ -314,7 +315,26 @@ class LLMEngine:
         if self.pooling is not None:
             return self._pooling_outputs(scheduler_output, runner_output)
         sampled, finished = self._update(scheduler_output, runner_output)
+        self._propose_drafts(scheduler_output)
         return self._process_outputs(scheduler_output, sampled, finished)
+
+    def _propose_drafts(self, scheduler_output: SchedulerOutput) -> None:
+        """A draft model's drafts for the requests that sampled and decode next (vLLM v1
+        proposes after each step too); the scheduler hands them over at their next decode."""
+        drafter = self.scheduler.drafter
+        if drafter is None or not drafter.uses_draft_model:
+            return
+        decoding = [
+            (r, scheduler_output.block_ids[r.request_id])
+            for r in scheduler_output.scheduled_requests
+            if not r.is_finished
+            and r.num_computed_tokens == r.num_tokens - 1
+            and r.num_output_tokens > 0
+            and can_draft(r)
+        ]
+        if decoding:
+            requests, block_ids = zip(*decoding)
+            drafter.set_proposals(self.model_runner.propose_drafts(list(requests), list(block_ids)))
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | np.ndarray | None:
         """Run the model on the scheduled tokens and sample (pool: f32[num_reqs, D])."""

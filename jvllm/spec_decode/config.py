@@ -3,24 +3,37 @@
 import dataclasses
 from collections.abc import Mapping
 
-# The drafting methods served; vLLM's others ("eagle", "medusa", "mtp", a draft model) need a
-# second model.
-SPECULATIVE_METHODS = ("ngram",)
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# The drafting methods served; vLLM's others ("eagle", "eagle3", "medusa", "mtp") are not yet.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# "hf_overrides" is jvllm's, the engine option's for the draft's config (e.g. a draft that is
+# the target's first layers: {"num_hidden_layers": 4}).
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "hf_overrides",
+)
 # vLLM's lookup window when neither bound is given.
 _DEFAULT_PROMPT_LOOKUP = 5
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """n-gram drafting: each decoding request's last n tokens (n from `prompt_lookup_max` down
-    to `prompt_lookup_min`) are looked up earlier in its prompt and output, and the (up to)
-    `num_speculative_tokens` tokens that followed them are its drafts."""
+    """ "ngram": each decoding request's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) are looked up earlier in its prompt and output, and the (up to)
+    `num_speculative_tokens` tokens that followed them are its drafts.
+    "draft_model": a smaller model of the same vocabulary (`model`, loaded as the engine's
+    `model` is, with `hf_overrides` on its config) proposes them greedily
+    (worker/draft_model.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    model: str | None = None
+    hf_overrides: Mapping | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -37,6 +50,22 @@ class SpeculativeConfig:
                 "speculative_config prompt_lookup_max must be >= prompt_lookup_min, got "
                 f"{self.prompt_lookup_max} < {self.prompt_lookup_min}"
             )
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError(
+                "speculative_config method 'draft_model' needs model, the draft's path (a "
+                f"directory or a .gguf file), got {self.model!r}"
+            )
+        if self.method != "draft_model" and (self.model, self.hf_overrides) != (None, None):
+            raise ValueError(
+                "speculative_config model and hf_overrides are for method 'draft_model', "
+                f"not {self.method!r}"
+            )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its scheduled tokens (vLLM's): a draft model writes
+        its KV at the positions of the drafts it proposes after the step."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 def as_speculative_config(value) -> SpeculativeConfig | None:
@@ -67,4 +96,6 @@ def as_speculative_config(value) -> SpeculativeConfig | None:
         num_speculative_tokens=value["num_speculative_tokens"],
         prompt_lookup_max=lookup_min if lookup_max is None else lookup_max,
         prompt_lookup_min=lookup_max if lookup_min is None else lookup_min,
+        model=value.get("model"),
+        hf_overrides=value.get("hf_overrides"),
     )

@@ -93,11 +93,15 @@ def size_kv_cache(
     max_model_len: int,
     probe: MemoryProbe,
     num_shards: int = 1,
+    draft_config: ModelConfig | None = None,
 ) -> KVCacheSize:
     """The pool's block count (null block included) for a cache stored as `spec` says, and
     where it came from. With `num_shards` tensor-parallel devices the bytes are one device's
     (its 1/T of the KV heads); a CPU's host memory is shared by its devices, so each gets 1/T
     of the host's budget. `limits`: the step's (max_num_batched_tokens, max_num_seqs).
+
+    A `draft_config` (speculative decoding's draft model) keeps its KV in pages of the same
+    ids (worker/draft_model.py): a block's bytes are both models'.
 
     Raises ValueError when the budget holds less than one request of max_model_len tokens (an
     exact `num_gpu_blocks_override` is taken as given: tests use tiny pools on purpose)."""
@@ -106,6 +110,10 @@ def size_kv_cache(
     bytes_per_block = kv_bytes_per_block(
         shard_config(config, num_shards), block_size, spec, num_slots
     )
+    if draft_config is not None:
+        bytes_per_block += kv_bytes_per_block(
+            shard_config(draft_config, num_shards), block_size, spec
+        )
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
         return KVCacheSize(

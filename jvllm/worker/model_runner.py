@@ -16,6 +16,7 @@ from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
+from jvllm.core.request import Request
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
@@ -32,6 +33,7 @@ from jvllm.worker.decode_loop import (
     run_window,
     window_steps_per_check,
 )
+from jvllm.worker.draft_model import DraftModel, prepare_proposal, propose_greedy
 from jvllm.worker.draft_scoring import accepted_token_ids, run_logprobs
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
@@ -54,6 +56,7 @@ class ModelRunner:
         num_blocks: int,
         mesh: Mesh | None = None,
         kv_groups: KVCacheGroups | None = None,
+        draft: DraftModel | None = None,
     ):
         """`params` already lie on `mesh` (the loaders place them); None: JAX's default
         device. Every array the runner makes lies on the same devices. A `runner_config` with
@@ -61,7 +64,9 @@ class ModelRunner:
         A `config` with max_loras > 0 serves LoRA adapters (jvllm/lora/): `params` are the
         base model's, and the runner adds the empty slots. `num_speculative_tokens` > 0: every
         "step" executable also scores the drafts' positions (worker/draft_scoring.py).
-        `kv_groups`: the layers' KV groups (core/kv_groups.py); None: one group of all."""
+        `kv_groups`: the layers' KV groups (core/kv_groups.py); None: one group of all.
+        `draft`: speculative decoding's draft model (worker/draft_model.py), its params on
+        `mesh`; its KV cache is allocated here over the same pages."""
         if runner_config.max_model_len is None or runner_config.attention_backend is None:
             raise ValueError("the runner takes a config the worker resolved (Worker.config)")
         block_size = runner_config.block_size
@@ -106,6 +111,10 @@ class ModelRunner:
             ),
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft = self.draft_model = None
+        if draft is not None:
+            self._init_draft(draft, num_blocks, attention_backend, runner_config.kv_cache_dtype)
         self.token_cache = jnp.zeros(
             (num_blocks, block_size), jnp.int32, device=replicated(mesh)
         )  # [P, B]
@@ -136,13 +145,13 @@ class ModelRunner:
             model=self.model,
             max_logprobs=max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
+            draft_model=self.draft_model,
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
         self.window_steps_per_check = window_steps_per_check()
         # Async scheduling: one more executable per decode bucket, the step after a step.
         self.async_scheduling = async_scheduling = runner_config.async_scheduling
-        self.num_speculative_tokens = num_speculative_tokens
         # On a GPU, a step runs the executable of its sampler plan once that is compiled (in
         # the background, on the plan's first step) and the DYNAMIC one until then.
         self.sampler_plans = use_sampler_plans()
@@ -165,7 +174,7 @@ class ModelRunner:
         )
         self.compiler = StepCompiler(
             buckets,
-            self._state_spec,
+            (self._step_params(), *self._state_spec[1:]),
             self._jitted,
             StepLayout(
                 block_size,
@@ -194,6 +203,68 @@ class ModelRunner:
         # that the host's work did not hide).
         self.dispatch_seconds = 0.0
         self.device_wait_seconds = 0.0
+
+    def _init_draft(
+        self, draft: DraftModel, num_blocks: int, attention_backend: str, kv_cache_dtype: str
+    ) -> None:
+        """The draft's params (layers split as the target's), its KV cache over the same
+        pages (the runner's kv_cache becomes the pair (target's, draft's)), its model and its
+        proposal step."""
+        config, mesh = draft.config, self.mesh
+        params = draft.params
+        if self.layers_unstacked:
+            params = unstack_layers(params, param_axes(config))
+        self.draft = DraftModel(config, params)
+        draft_kv = allocate_kv_cache(
+            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
+            kv_cache_shape(config, num_blocks, self.block_size, mesh.shape[TP_AXIS]),
+            NamedSharding(mesh, KV_CACHE_SPEC),
+        )
+        self.kv_cache = (self.kv_cache, draft_kv)
+        attn = get_attention(
+            attention_backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap
+        )
+        self.draft_model = sharded_model(config, mesh, attn, self.layers_unstacked, params)
+        propose = functools.partial(
+            propose_greedy,
+            model=self.draft_model,
+            num_steps=self.num_speculative_tokens,
+            block_size=self.block_size,
+        )
+        self._propose = jax.jit(propose, donate_argnums=1)
+
+    def _step_params(self):
+        """The params argument of the step executables: the target's, or (target's,
+        draft's) with a draft model."""
+        return self.params if self.draft is None else (self.params, self.draft.params)
+
+    def propose_drafts(
+        self, requests: list[Request], block_ids: list[list[int]]
+    ) -> dict[str, tuple[int, list[int]]]:
+        """The draft model's greedy drafts for `requests`, which will decode next (each has
+        computed all but its last token, the one just sampled, at position p): request id ->
+        (its num_tokens now, up to num_speculative_tokens drafts), fewer where its blocks end
+        before p + k (no lookahead slots). One jitted call for all of them."""
+        proposal = prepare_proposal(
+            requests,
+            block_ids,
+            self.num_speculative_tokens,
+            self.buckets,
+            self.block_size,
+            self.max_pages,
+            self.config.vocab_size,
+        )
+        if proposal is None:
+            return {}
+        requests, num_steps, inputs, steps_per_row = proposal
+        target_kv, draft_kv = self.kv_cache
+        drafts, draft_kv = self._propose(self.draft.params, draft_kv, inputs, steps_per_row)
+        self.kv_cache = (target_kv, draft_kv)
+        drafts = np.asarray(drafts)
+        return {
+            r.request_id: (r.num_tokens, drafts[s, :n].tolist())
+            for s, (r, n) in enumerate(zip(requests, num_steps))
+        }
 
     def _jitted(self, kind: str, plan: SamplerPlan):
         """The jitted entry point of a kind of executable, its sampler plan bound."""
@@ -260,7 +331,7 @@ class ModelRunner:
         for tiles in dummy.attn.tiles:  # padding token 0, in every group: its output is dropped
             tiles.kv_lens[0, 0] = 1
         _, self.kv_cache, self.token_cache = self.compiler.executable(bucket)(
-            self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, dummy
+            self._step_params(), self.kv_cache, self.token_cache, self.bias_rows.rows, dummy
         )
         self.warmup_seconds += time.perf_counter() - start
 
@@ -331,7 +402,8 @@ class ModelRunner:
             any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
             if lent:
                 plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent
-            args = [self.params, self.kv_cache, self.token_cache, self.bias_rows.rows, inputs]
+            args = [self._step_params(), self.kv_cache, self.token_cache, self.bias_rows.rows]
+            args.append(inputs)
             if is_window:
                 limits = [scheduler_output.window_limits[r.request_id] for r in requests]
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))

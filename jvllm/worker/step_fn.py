@@ -37,6 +37,7 @@ def model_step(
     max_logprobs: int,
     logprobs_mode: str = "raw_logprobs",
     plan: SamplerPlan = SamplerPlan.DYNAMIC,
+    draft_model: ShardedModel | None = None,
 ):
     """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
 
@@ -45,9 +46,17 @@ def model_step(
     engine's executables drop them); `plan`: the sampler's stages (sample/plan.py). With
     speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions
     and `out.draft_logprobs` their logprobs, sampled as the sampler samples. A model with routed
-    experts returns a CountedSamplerOutput.
+    experts returns a CountedSamplerOutput. With a `draft_model` (speculative decoding's
+    "draft_model" method), `params` and `kv_cache` are (target's, draft's) pairs, and the draft's
+    forward writes its KV at the step's tokens too (worker/draft_model.py).
     """
     md = inputs.attn
+    if draft_model is not None:
+        (params, draft_params), (kv_cache, draft_kv) = params, kv_cache
+        # Its KV alone: the hidden states are dropped, no LM head runs.
+        _, draft_kv = draft_model.forward(
+            draft_params, draft_kv, inputs.token_ids, inputs.positions, md, None
+        )
     args = (params, kv_cache, inputs.token_ids, inputs.positions, md, inputs.mm)
     if model.forward_counting_experts is None:
         (hidden, kv_cache), expert_counts = model.forward(*args), None
@@ -98,6 +107,8 @@ def model_step(
     if expert_counts is not None:
         fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
         out = CountedSamplerOutput(**fields, expert_counts=expert_counts)
+    if draft_model is not None:
+        kv_cache = (kv_cache, draft_kv)
     return out, logits, kv_cache, token_cache
 
 

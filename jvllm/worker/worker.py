@@ -31,8 +31,10 @@ from jvllm.model_loader.loader import expected_dtype
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
 from jvllm.quantization import cpu_dense, describe_weights, is_quantized
+from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.worker import device_buffers
 from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.draft_model import DraftModel, check_draft
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
@@ -71,6 +73,7 @@ class Worker:
             load.hf_overrides,
             parallel.enable_expert_parallel,
         )
+        self.draft = self._load_draft(config.speculative_config, load, parallel)
         self.load_seconds = time.perf_counter() - self._start
         model_config = self.model_config
         max_model_len = model_config.checked_max_model_len(load.max_model_len)
@@ -112,10 +115,29 @@ class Worker:
         self.hf_config = (
             read_config_json(load.model, load.hf_overrides) if is_pooling and is_hf_dir else None
         )
+        if self.draft is not None:
+            groups = self.config.cache_config.kv_groups
+            has_windows = groups is not None and groups.windows != (None,)
+            check_draft(self.model_config, self.draft.config, has_windows)
         self.model_runner: ModelRunner | None = None
         # While the weights sleep: param path -> host copy (sleep level 2: only what
         # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
         self._sleeping_params: device_buffers.HostParams | None = None
+
+    def _load_draft(self, spec: SpeculativeConfig | None, load, parallel) -> DraftModel | None:
+        """speculative_config's draft model (method "draft_model"), on the target's mesh in
+        the target's dtype, without a tokenizer: it must share the target's."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        config, params, _ = load_model(
+            spec.model,
+            self.model_config.dtype,
+            mesh=self.mesh,
+            skip_tokenizer_init=True,
+            hf_overrides=spec.hf_overrides,
+            enable_expert_parallel=parallel.enable_expert_parallel,
+        )
+        return DraftModel(config, params)
 
     @staticmethod
     def _build_kernels_early(config: EngineConfig, backend: str) -> None:
@@ -141,6 +163,7 @@ class Worker:
             config.max_model_len,
             probe_memory(),
             self.mesh.size,
+            self.draft and self.draft.config,
         )
         logger.info(
             "loaded %s (%s) in %.1fs%s; KV cache: %s",
@@ -164,7 +187,9 @@ class Worker:
             num_blocks=num_blocks,
             mesh=self.mesh,
             kv_groups=self.config.cache_config.kv_groups,
+            draft=self.draft,
         )
+        self.draft = None  # the runner holds it
         return self.model_runner
 
     def compile_or_warm_up_model(self) -> None:

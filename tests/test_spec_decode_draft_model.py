@@ -1,0 +1,88 @@
+"""Speculative decoding with a draft model (speculative_config method "draft_model"): greedy
+float32 and seeded sampled requests get exactly the tokens they get without speculation, a
+draft equal to the target has its drafts accepted, and a draft of another vocabulary is refused.
+"""
+
+import pytest
+import test_spec_decode as ngram_tests
+import transformers
+from family_parity import TINY_SHAPES, save_random_model
+
+from jvllm import LLM, SamplingParams
+from jvllm.engine.arg_utils import EngineArgs
+
+ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
+# The n-gram tests' fixtures: a tiny random Llama whose greedy continuations loop, and it plain.
+looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
+
+
+def draft_model(path: str, k: int = 3, **extra) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **extra}
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory) -> str:
+    """A one-layer random Llama of the target's vocabulary: its drafts are mostly wrong."""
+    path = str(tmp_path_factory.mktemp("draft_llama"))
+    shapes = {**TINY_SHAPES, "num_hidden_layers": 1}
+    save_random_model(path, transformers.LlamaConfig(**shapes, tie_word_embeddings=False), seed=3)
+    return path
+
+
+def _batch():
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.2, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
+    return [*PROMPTS, PROMPTS[1]], [greedy] * len(PROMPTS) + [seeded]
+
+
+def test_the_target_as_its_own_draft_gives_the_same_tokens_and_is_accepted(
+    looping_model_dir, plain_llm
+):
+    """Greedy requests over chunked prefill, then a seeded sampled one beside them: the
+    target drafting for itself is right at every greedy position."""
+    llm = LLM(looping_model_dir, speculative_config=draft_model(looping_model_dir), **ENGINE_KWARGS)
+    prompts, params = _batch()
+    greedy = params[: len(PROMPTS)]
+    assert _tokens(llm, PROMPTS, greedy) == _tokens(plain_llm, PROMPTS, greedy)
+    stats = llm.llm_engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 20
+    assert stats.acceptance_rate > 0.95
+    assert _tokens(llm, prompts, params) == _tokens(plain_llm, prompts, params)
+
+
+@pytest.mark.slow
+def test_another_draft_gives_the_same_tokens(looping_model_dir, plain_llm, other_draft_dir):
+    """A one-layer draft that rarely agrees, in a KV cache small enough to preempt."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=draft_model(other_draft_dir, k=2),
+        num_gpu_blocks_override=14,
+        **ENGINE_KWARGS,
+    )
+    prompts, params = _batch()
+    assert _tokens(llm, prompts, params) == _tokens(plain_llm, prompts, params)
+    assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 0
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_draft_model_options_are_checked(looping_model_dir):
+    with pytest.raises(ValueError, match="method 'draft_model' needs model"):
+        EngineArgs(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="are for method 'draft_model'"):
+        EngineArgs(speculative_config={**draft_model("x"), "method": "ngram"})
+    with pytest.raises(ValueError, match="speculative_config does not run with"):
+        EngineArgs(speculative_config=draft_model("x"), num_scheduler_steps=4)
+    with pytest.raises(ValueError, match="speculative_config does not run with"):
+        EngineArgs(speculative_config=draft_model("x"), async_scheduling=True)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(looping_model_dir, tmp_path):
+    shapes = {**TINY_SHAPES, "num_hidden_layers": 1, "vocab_size": 640}
+    save_random_model(str(tmp_path), transformers.LlamaConfig(**shapes))
+    with pytest.raises(ValueError, match="vocabulary of 640 tokens, the target 512"):
+        LLM(looping_model_dir, speculative_config=draft_model(str(tmp_path)), **ENGINE_KWARGS)
