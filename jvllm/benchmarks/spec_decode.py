@@ -1,9 +1,14 @@
-"""Speculative decoding with n-gram drafts against plain decoding, at batch 1: one request at
-a time, greedy and sampled (seeded, temperature 0.7 unless --temperatures says otherwise), on a
+"""Speculative decoding (n-gram drafts, or a draft model) against plain decoding, at batch 1:
+one request at a time, greedy and sampled (seeded, temperature 0.7 unless --temperatures says otherwise), on a
 prompt whose answer repeats it (editing code) and on one whose answer does not (a story).
 
     python -m jvllm.benchmarks.spec_decode                    # the default model, bfloat16
     python -m jvllm.benchmarks.spec_decode -k 5 --max-tokens 256 --temperatures 0,0.7,1
+    python -m jvllm.benchmarks.spec_decode --method draft_model --draft-layers 8
+
+`--method draft_model` drafts with the target's first --draft-layers layers, its final norm and
+its LM head (the same checkpoint loaded with hf_overrides={"num_hidden_layers": N}: the loader
+keeps the first N layers), unless --draft-model names another model.
 
 Prints, for each prompt and temperature, the output tok/s without and with speculation (the
 same engine options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens
@@ -18,6 +23,7 @@ import time
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.startup import cpu_name
+from jvllm.model_loader.default_model import DEFAULT_MODEL
 
 _CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -55,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="None: the default model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft-model", default=None, help="None: the target's first layers")
+    parser.add_argument("--draft-layers", type=int, default=8, help="of the derived draft")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=192)
@@ -68,11 +77,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     engine_kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": 8}
     speculative_config = {
-        "method": "ngram",
+        "method": args.method,
         "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
     }
+    if args.method == "ngram":
+        speculative_config["prompt_lookup_max"] = args.prompt_lookup_max
+        speculative_config["prompt_lookup_min"] = args.prompt_lookup_min
+    elif args.draft_model is not None:
+        speculative_config["model"] = args.draft_model
+    else:
+        speculative_config["model"] = args.model or DEFAULT_MODEL
+        speculative_config["hf_overrides"] = {"num_hidden_layers": args.draft_layers}
     plain = LLM(args.model, **engine_kwargs)
     speculative = LLM(args.model, speculative_config=speculative_config, **engine_kwargs)
     stats = speculative.llm_engine.spec_decoding_stats
