@@ -3,13 +3,21 @@ float32 and seeded sampled requests get exactly the tokens they get without spec
 draft equal to the target has its drafts accepted, and a draft of another vocabulary is refused.
 """
 
+import functools
+
 import pytest
 import test_spec_decode as ngram_tests
 import transformers
 from family_parity import TINY_SHAPES, save_random_model
 
 from jvllm import LLM, SamplingParams
+from jvllm.core import KVCacheManager, Request, Scheduler, SchedulerConfig
+from jvllm.core.spec_decode import DraftProposer
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.model_loader.hf import read_hf_config
+from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.worker.kv_budget import MemoryProbe, size_kv_cache
+from jvllm.worker.kv_layout import kv_cache_spec
 
 ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
 # The n-gram tests' fixtures: a tiny random Llama whose greedy continuations loop, and it plain.
@@ -86,3 +94,40 @@ def test_a_draft_of_another_vocabulary_is_refused(looping_model_dir, tmp_path):
     save_random_model(str(tmp_path), transformers.LlamaConfig(**shapes))
     with pytest.raises(ValueError, match="vocabulary of 640 tokens, the target 512"):
         LLM(looping_model_dir, speculative_config=draft_model(str(tmp_path)), **ENGINE_KWARGS)
+
+
+def test_a_draft_models_proposals_get_lookahead_slots_and_serve_their_length_only():
+    """The prefill and each verify step allocate k slots past the request's tokens (and
+    drafts) for the draft's KV at the positions it proposes; a proposal serves the request
+    only while it has the length the proposal was made for."""
+    config = SpeculativeConfig(3, 5, 5, method="draft_model", model="draft")
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+        KVCacheManager(num_blocks=32, block_size=4),
+        DraftProposer(config, max_model_len=64),
+    )
+    params = SamplingParams(temperature=0, max_tokens=16)
+    request = Request("r", [1, 2, 3, 4], params, eos_token_id=None)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert len(output.block_ids["r"]) == 2  # 4 tokens and 3 lookahead slots
+    scheduler.update_from_output(output, {"r": 9})
+    scheduler.drafter.set_proposals({"r": (request.num_tokens, [7, 8, 6])})
+    output = scheduler.schedule()
+    assert output.spec_token_ids == {"r": [7, 8, 6]}
+    assert len(output.block_ids["r"]) == 3  # positions up to 4 + 3 drafts + 3 lookahead
+    scheduler.update_from_output(output, {"r": [7, 5]})
+    scheduler.drafter.set_proposals({"r": (request.num_tokens - 1, [1, 1, 1])})  # stale
+    assert scheduler.schedule().spec_token_ids == {}
+
+
+def test_the_kv_budget_counts_both_models_bytes_a_block(looping_model_dir):
+    config = read_hf_config(looping_model_dir, "float32")
+    engine_config = EngineArgs(kv_cache_memory_bytes=1 << 20).create_engine_config()
+    spec = kv_cache_spec("float32", "reference")
+    probe = MemoryProbe("cpu", None, "")
+    size = functools.partial(
+        size_kv_cache, engine_config.cache_config, engine_config.runner_config, config, spec
+    )
+    alone, with_draft = size(512, probe), size(512, probe, draft_config=config)
+    assert with_draft.num_blocks == alone.num_blocks // 2
