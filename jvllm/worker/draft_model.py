@@ -23,7 +23,7 @@ import numpy as np
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
-from jvllm.worker.buckets import BucketSpec
+from jvllm.worker.buckets import Bucket, BucketSpec
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
@@ -59,10 +59,10 @@ def prepare_proposal(
     block_size: int,
     max_pages: int,
     vocab_size: int,
-) -> tuple[list[Request], list[int], StepInputs, np.ndarray] | None:
+) -> tuple[list[Request], list[int], Bucket, StepInputs, np.ndarray] | None:
     """The inputs of `propose_greedy` for requests that decode next (each has computed all but
-    its last token, at position p) -> (the requests that get drafts, how many each, a decode
-    bucket's inputs, i32[S] steps a row); None when none has a slot at p. A request proposes
+    its last token, at position p) -> (the requests that get drafts, how many each, the decode
+    bucket, its inputs, i32[S] steps a row); None when none has a slot at p. A request proposes
     as many drafts as its blocks have slots from p on, at most k."""
     capacity = [len(b) * block_size - r.num_computed_tokens for r, b in zip(requests, block_ids)]
     rows = [i for i, c in enumerate(capacity) if c >= 1]
@@ -82,7 +82,7 @@ def prepare_proposal(
     )
     steps_per_row = np.ones(bucket.num_seqs, np.int32)  # padding rows write the null page
     steps_per_row[: len(rows)] = num_steps
-    return requests, num_steps, inputs, steps_per_row
+    return requests, num_steps, bucket, inputs, steps_per_row
 
 
 def propose_greedy(

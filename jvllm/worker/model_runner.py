@@ -232,6 +232,19 @@ class ModelRunner:
             block_size=self.block_size,
         )
         self._propose = jax.jit(propose, donate_argnums=1)
+        self._draft_state_spec = abstract_state((params, draft_kv))
+        # One proposal executable a decode bucket: compile_all's, or compiled on first use.
+        self._proposal_executables: dict[Bucket, jax.stages.Compiled] = {}
+
+    def _proposal_executable(self, bucket: Bucket) -> jax.stages.Compiled:
+        exe = self._proposal_executables.get(bucket)
+        if exe is None:
+            layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
+            padding = prepare_step_inputs([], [], [], *layout)
+            steps = np.ones(bucket.num_seqs, np.int32)
+            exe = self._propose.lower(*self._draft_state_spec, padding, steps).compile()
+            self._proposal_executables[bucket] = exe
+        return exe
 
     def _step_params(self):
         """The params argument of the step executables: the target's, or (target's,
@@ -256,9 +269,10 @@ class ModelRunner:
         )
         if proposal is None:
             return {}
-        requests, num_steps, inputs, steps_per_row = proposal
+        requests, num_steps, bucket, inputs, steps_per_row = proposal
         target_kv, draft_kv = self.kv_cache
-        drafts, draft_kv = self._propose(self.draft.params, draft_kv, inputs, steps_per_row)
+        exe = self._proposal_executable(bucket)
+        drafts, draft_kv = exe(self.draft.params, draft_kv, inputs, steps_per_row)
         self.kv_cache = (target_kv, draft_kv)
         drafts = np.asarray(drafts)
         return {
@@ -298,6 +312,10 @@ class ModelRunner:
         start = time.perf_counter()
         self.compiler.compile_all(progress, self._warm_up)
         self._compile_set_bias_row()
+        if self.draft is not None:  # the draft's proposal step, for each decode bucket
+            for bucket in self.buckets.all_buckets():
+                if bucket.is_decode:
+                    self._proposal_executable(bucket)
         compiled = time.perf_counter()
         jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
         self.warmup_seconds += time.perf_counter() - compiled
