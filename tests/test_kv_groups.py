@@ -9,9 +9,11 @@ import transformers
 from family_parity import TINY_SHAPES, hf_greedy_ignoring_eos, ragged_prompts, save_random_model
 
 from jvllm import LLM, SamplingParams
+from jvllm.core.config import SchedulerConfig
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.kv_groups import blocks_to_hold, kv_cache_groups
 from jvllm.core.request import Request
+from jvllm.core.scheduler import Scheduler
 from jvllm.sampling_params import SamplingParams as Params
 from jvllm.step_loop import StepLoop
 
@@ -258,3 +260,32 @@ def test_a_step_loop_decodes_over_every_groups_tables(gemma2):
     looped = loop.finish(state, jnp.stack(tokens), jnp.stack(active))
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert looped == [o.outputs[0].token_ids for o in outputs]
+
+
+def test_an_all_windowed_prefix_hit_takes_only_its_windows_blocks():
+    """A hit on a prompt that filled most of the pool: the request takes the blocks from its
+    window on (holding every hit block, more than the window the never-fits check counted, it
+    waited at the head of the queue for blocks that never came)."""
+    kv = KVCacheManager(16, B, True, groups=kv_cache_groups((W, W)))
+    scheduler = Scheduler(SchedulerConfig(max_model_len=128, max_num_batched_tokens=24), kv)
+    prompt = list(range(40))  # 10 blocks of the 15, each freed as the window passed it
+    for request_id, tokens in (("a", prompt), ("b", prompt + list(range(100, 124)))):
+        request = Request(request_id, tokens, Params(max_tokens=1), eos_token_id=None)
+        scheduler.add_request(request)
+        for _ in range(10):
+            output = scheduler.schedule()
+            if request_id == "b" and not request.num_output_tokens:  # its first step: the hit
+                assert output.num_scheduled_tokens == {"b": 24}
+                # The query at 40 sees 33..: blocks 8.. (the others never taken).
+                table = kv.req_to_blocks["b"]
+                assert [b.block_id for b in table[:8]] == [0] * 8
+                assert all(b.block_id for b in table[8:])
+                # Its fresh blocks are registered after the hit's, as any request's.
+                assert all(block.cache_id is not None for block in table[8:])
+            scheduler.update_from_output(
+                output, {r.request_id: 1 for r in output.scheduled_requests}
+            )
+            if request.is_finished:
+                break
+        assert request.is_finished
+    assert kv.num_free_blocks == kv.num_usable_blocks

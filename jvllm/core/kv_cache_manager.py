@@ -142,7 +142,7 @@ class KVCacheManager:
         Returns the fresh blocks (possibly an empty list), or None, changing nothing, when the
         free queue is too short. Test the result with `is None`.
         """
-        new_computed_blocks = new_computed_blocks or []
+        new_computed_blocks = hits = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total_tokens = num_computed + num_new_tokens
@@ -150,6 +150,7 @@ class KVCacheManager:
         num_fresh = num_needed - len(blocks) - len(new_computed_blocks)
         if self.first_window is not None and not request.sampling_params.has_penalties:
             self._free_outside(blocks, self.first_window, num_computed)
+            new_computed_blocks = self._hits_in_window(hits)
         window_hits, window_tables = [], []
         if self.windows:
             self._free_outside_windows(request.request_id, num_computed)
@@ -170,6 +171,8 @@ class KVCacheManager:
         self.block_pool.touch(all_hits)
         fresh_blocks = self.block_pool.get_new_blocks(max(num_fresh, 0))
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks is not hits:  # the hit's cache ids: its next blocks' parents
+            self._cache_ids[request.request_id] = [block.cache_id for block in hits]
         blocks.extend(new_computed_blocks)
         blocks.extend(fresh_blocks)
         if self.windows:
@@ -210,6 +213,17 @@ class KVCacheManager:
             start -= 1
         self.block_pool.free_blocks(table[start:end])
         table[start:end] = [null] * (end - start)
+
+    def _hits_in_window(self, hit_blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """An all-windowed model's prefix hit as the request takes it: the null block before
+        its window (holding every hit block would be more than the never-fits check counted,
+        and a request at the head of the queue could wait for blocks forever), then the hit's
+        blocks. `hit_blocks` itself where the window reaches the first."""
+        num_tokens = len(hit_blocks) * self.block_size
+        first = first_kept_block(num_tokens, self.first_window, self.block_size)
+        if not first:
+            return hit_blocks
+        return [self.block_pool.null_block] * first + hit_blocks[first:]
 
     def _window_hits(self, hit_blocks: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
         """Each windowed group's blocks for the first group's prefix hit `hit_blocks` (as
