@@ -33,7 +33,8 @@ from jvllm.worker.decode_loop import (
     run_window,
     window_steps_per_check,
 )
-from jvllm.worker.draft_model import DraftModel, prepare_proposal, propose_greedy
+from jvllm.worker.draft_model import DraftModel
+from jvllm.worker.draft_runner import DraftRunner
 from jvllm.worker.draft_scoring import accepted_token_ids, run_logprobs
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
@@ -112,9 +113,21 @@ class ModelRunner:
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
         self.num_speculative_tokens = num_speculative_tokens
-        self.draft = self.draft_model = None
-        if draft is not None:
-            self._init_draft(draft, num_blocks, attention_backend, runner_config.kv_cache_dtype)
+        self.draft = None
+        if draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
+            self.draft = DraftRunner(
+                draft,
+                mesh,
+                layers_unstacked=self.layers_unstacked,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_pages=self.max_pages,
+                buckets=buckets,
+                attention_backend=attention_backend,
+                kv_cache_dtype=runner_config.kv_cache_dtype,
+                num_speculative_tokens=num_speculative_tokens,
+            )
+            self.kv_cache = (self.kv_cache, self.draft.kv_cache)
         self.token_cache = jnp.zeros(
             (num_blocks, block_size), jnp.int32, device=replicated(mesh)
         )  # [P, B]
@@ -145,7 +158,7 @@ class ModelRunner:
             model=self.model,
             max_logprobs=max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
-            draft_model=self.draft_model,
+            draft_model=None if self.draft is None else self.draft.model,
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
@@ -204,48 +217,6 @@ class ModelRunner:
         self.dispatch_seconds = 0.0
         self.device_wait_seconds = 0.0
 
-    def _init_draft(
-        self, draft: DraftModel, num_blocks: int, attention_backend: str, kv_cache_dtype: str
-    ) -> None:
-        """The draft's params (layers split as the target's), its KV cache over the same
-        pages (the runner's kv_cache becomes the pair (target's, draft's)), its model and its
-        proposal step."""
-        config, mesh = draft.config, self.mesh
-        params = draft.params
-        if self.layers_unstacked:
-            params = unstack_layers(params, param_axes(config))
-        self.draft = DraftModel(config, params)
-        draft_kv = allocate_kv_cache(
-            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
-            kv_cache_shape(config, num_blocks, self.block_size, mesh.shape[TP_AXIS]),
-            NamedSharding(mesh, KV_CACHE_SPEC),
-        )
-        self.kv_cache = (self.kv_cache, draft_kv)
-        attn = get_attention(
-            attention_backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap
-        )
-        self.draft_model = sharded_model(config, mesh, attn, self.layers_unstacked, params)
-        propose = functools.partial(
-            propose_greedy,
-            model=self.draft_model,
-            num_steps=self.num_speculative_tokens,
-            block_size=self.block_size,
-        )
-        self._propose = jax.jit(propose, donate_argnums=1)
-        self._draft_state_spec = abstract_state((params, draft_kv))
-        # One proposal executable a decode bucket: compile_all's, or compiled on first use.
-        self._proposal_executables: dict[Bucket, jax.stages.Compiled] = {}
-
-    def _proposal_executable(self, bucket: Bucket) -> jax.stages.Compiled:
-        exe = self._proposal_executables.get(bucket)
-        if exe is None:
-            layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
-            padding = prepare_step_inputs([], [], [], *layout)
-            steps = np.ones(bucket.num_seqs, np.int32)
-            exe = self._propose.lower(*self._draft_state_spec, padding, steps).compile()
-            self._proposal_executables[bucket] = exe
-        return exe
-
     def _step_params(self):
         """The params argument of the step executables: the target's, or (target's,
         draft's) with a draft model."""
@@ -254,31 +225,11 @@ class ModelRunner:
     def propose_drafts(
         self, requests: list[Request], block_ids: list[list[int]]
     ) -> dict[str, tuple[int, list[int]]]:
-        """The draft model's greedy drafts for `requests`, which will decode next (each has
-        computed all but its last token, the one just sampled, at position p): request id ->
-        (its num_tokens now, up to num_speculative_tokens drafts), fewer where its blocks end
-        before p + k (no lookahead slots). One jitted call for all of them."""
-        proposal = prepare_proposal(
-            requests,
-            block_ids,
-            self.num_speculative_tokens,
-            self.buckets,
-            self.block_size,
-            self.max_pages,
-            self.config.vocab_size,
-        )
-        if proposal is None:
-            return {}
-        requests, num_steps, bucket, inputs, steps_per_row = proposal
+        """The draft model's drafts for `requests`, which will decode next (DraftRunner.propose)."""
         target_kv, draft_kv = self.kv_cache
-        exe = self._proposal_executable(bucket)
-        drafts, draft_kv = exe(self.draft.params, draft_kv, inputs, steps_per_row)
+        proposals, draft_kv = self.draft.propose(requests, block_ids, draft_kv)
         self.kv_cache = (target_kv, draft_kv)
-        drafts = np.asarray(drafts)
-        return {
-            r.request_id: (r.num_tokens, drafts[s, :n].tolist())
-            for s, (r, n) in enumerate(zip(requests, num_steps))
-        }
+        return proposals
 
     def _jitted(self, kind: str, plan: SamplerPlan):
         """The jitted entry point of a kind of executable, its sampler plan bound."""
@@ -315,7 +266,7 @@ class ModelRunner:
         if self.draft is not None:  # the draft's proposal step, for each decode bucket
             for bucket in self.buckets.all_buckets():
                 if bucket.is_decode:
-                    self._proposal_executable(bucket)
+                    self.draft.executable(bucket)
         compiled = time.perf_counter()
         jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
         self.warmup_seconds += time.perf_counter() - compiled
