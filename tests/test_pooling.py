@@ -136,3 +136,23 @@ def test_runner_options_are_checked(model_dir):
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.embed(PROMPTS[0], use_tqdm=False)
+
+
+def test_check_request_refuses_what_add_request_would(model_dir):
+    """A data-parallel front end checks a request for a rank in another process with
+    check_request (engine/process_data_parallel.py): what the rank would refuse must raise
+    there, or the request is lost with no output and no error."""
+    engine = LLM(model_dir, runner="pooling", **CHUNKED).llm_engine
+    too_long = {"prompt_token_ids": list(range(1, MAX_MODEL_LEN + 2))}
+    for prompt, params in [
+        (too_long, PoolingParams()),
+        ({"prompt_token_ids": [1, 2]}, PoolingParams(dimensions=8)),  # not matryoshka
+        ({"prompt_token_ids": [1, 2]}, SamplingParams()),
+    ]:
+        with pytest.raises(ValueError):
+            engine.add_request("a", prompt, params)
+        with pytest.raises(ValueError):
+            engine.check_request("a", prompt, params)
+    with pytest.raises(TypeError):
+        engine.check_request(7, {"prompt_token_ids": [1, 2]}, PoolingParams())
+    assert not engine.has_unfinished_requests()

@@ -126,10 +126,15 @@ class LLMEngine:
     ) -> None:
         """Raise what add_request would for this request, enqueueing nothing: a front end's
         check for an engine in another process (engine/process_data_parallel.py)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         check_priority(priority, self.engine_config.scheduler_config.policy)
         check_adapter(lora_request, self.model_runner.adapters)
         if self.pooling is not None or isinstance(params, PoolingParams):
-            return  # checked by the rank that pools it
+            self._make_pooling_request(
+                request_id, prompt, params, arrival_time, priority, lora_request
+            )
+            return
         params = self.get_default_sampling_params() if params is None else params
         arrival_time = time.time() if arrival_time is None else arrival_time
         self._request_factory.make(
@@ -166,9 +171,12 @@ class LLMEngine:
         check_priority(priority, self.engine_config.scheduler_config.policy)
         check_adapter(lora_request, self.model_runner.adapters)
         if self.pooling is not None or isinstance(params, PoolingParams):
-            if lora_request is not None:
-                raise ValueError("LoRA adapters do not serve embeddings: pass lora_request=None")
-            self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
+            request = self._make_pooling_request(
+                request_id, prompt, params, arrival_time, priority, lora_request
+            )
+            self._requests[request_id] = request
+            self.pooling.add_request(request)
+            self.scheduler.add_request(request)
             return
         arrival_time = time.time() if arrival_time is None else arrival_time
         in_use = lambda i: i in self._requests or i in self._children
@@ -189,8 +197,13 @@ class LLMEngine:
             len(requests),
         )
 
-    def _add_pooling_request(self, request_id, prompt, params, arrival_time, priority) -> None:
-        """A request whose prompt is pooled into one vector (runner="pooling" only)."""
+    def _make_pooling_request(
+        self, request_id, prompt, params, arrival_time, priority, lora_request
+    ) -> Request:
+        """A checked request whose prompt is pooled into one vector (runner="pooling" only),
+        not enqueued."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters do not serve embeddings: pass lora_request=None")
         if self.pooling is None:
             raise ValueError(
                 "PoolingParams need an embedding engine: start it with runner='pooling' "
@@ -198,7 +211,7 @@ class LLMEngine:
             )
         check_no_images(prompt, "pooling requests take no images")
         _, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
-        request = self.pooling.make_request(
+        return self.pooling.make_request(
             request_id,
             prompt_token_ids,
             params,
@@ -206,9 +219,6 @@ class LLMEngine:
             priority,
             prompt_cache_salt(prompt),
         )
-        self._requests[request_id] = request
-        self.pooling.add_request(request)
-        self.scheduler.add_request(request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the defaults of the model's generation_config.json."""
