@@ -1,5 +1,6 @@
 """Sizing the KV cache: options, the device's memory stats, the host's free memory."""
 
+import dataclasses
 import logging
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 from jvllm import LLM
 from jvllm.attention.backends import default_backend
 from jvllm.benchmarks import mla as mla_benchmark
+from jvllm.core.kv_groups import kv_cache_groups
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.hf import read_hf_config
@@ -276,3 +278,16 @@ def test_activation_reserve_bounds_the_compiled_steps_temporaries(
         if analysis is None:
             pytest.skip(f"XLA gives no memory analysis on {jax.default_backend()}")
         assert analysis.temp_size_in_bytes <= reserve, bucket
+
+
+def test_the_largest_max_model_len_counts_the_windowed_groups_pages(config):
+    """Hybrid KV groups (core/kv_groups.py): a request holds its full group's pages and its
+    windowed groups' too, so the length a too-small cache suggests is what those fit."""
+    per_block = kv_bytes_per_block(config, 16, F32, num_slots=1)
+    args = EngineArgs(kv_cache_memory_bytes=20 * per_block, max_num_batched_tokens=16)
+    engine_config = args.create_engine_config()
+    cache = dataclasses.replace(engine_config.cache_config, kv_groups=kv_cache_groups((None, 16)))
+    with pytest.raises(ValueError) as error:
+        size_kv_cache(cache, engine_config.runner_config, config, F32, 512, _cpu(GIB))
+    # 19 blocks besides the null block: 256 tokens' 16 and the window's 3 (304 would need 22).
+    assert "the largest max_model_len is 256" in str(error.value)

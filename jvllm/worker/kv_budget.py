@@ -13,7 +13,7 @@ import jax
 
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import CacheConfig, RunnerConfig
-from jvllm.core.kv_groups import blocks_to_hold
+from jvllm.core.kv_groups import KVCacheGroups, blocks_to_hold
 from jvllm.distributed.tensor_parallel import shard_config
 from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
 from jvllm.worker.kv_layout import KVCacheSpec
@@ -135,8 +135,15 @@ def size_kv_cache(
             source=f"{budget.source}; 1/{num_shards} each for the devices sharing the host",
         )
     if budget.num_bytes < needed:
+        largest = _largest_max_model_len(
+            budget.num_bytes // bytes_per_block - 1,
+            groups,
+            block_size,
+            limits.max_num_batched_tokens,
+            max_model_len,
+        )
         raise ValueError(
-            _too_small_message(budget, needed, bytes_per_block, block_size, max_model_len)
+            _too_small_message(budget, needed, bytes_per_block, block_size, max_model_len, largest)
         )
     source = budget.source
     num_blocks = budget.num_bytes // bytes_per_block
@@ -266,17 +273,41 @@ def activation_reserve_bytes(
     return _FLOAT32_BYTES * (sampler + prompt_logprobs + layer + bias_rows)
 
 
+def _largest_max_model_len(
+    num_blocks: int,
+    groups: KVCacheGroups | None,
+    block_size: int,
+    max_step_tokens: int,
+    max_model_len: int,
+) -> int:
+    """The longest max_model_len below `max_model_len` whose one request holds at most
+    `num_blocks` in all its KV groups (kv_groups.blocks_to_hold, which grows with it)."""
+    shortest, longest = 0, max_model_len
+    while shortest < longest:
+        length = (shortest + longest + 1) // 2
+        if blocks_to_hold(groups, length, block_size, max_step_tokens) <= num_blocks:
+            shortest = length
+        else:
+            longest = length - 1
+    return shortest
+
+
 def _too_small_message(
-    budget: KVBudget, needed: int, bytes_per_block: int, block_size: int, max_model_len: int
+    budget: KVBudget,
+    needed: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    largest: int,
 ) -> str:
-    """vLLM's wording: what one request needs, what there is, and what to change."""
+    """vLLM's wording: what one request needs, what there is, and what to change (`largest`:
+    the longest max_model_len the budget holds, 0 for none)."""
     message = (
         f"To serve at least one request of max_model_len={max_model_len} tokens, the KV cache "
         f"needs {_human_bytes(needed, 2)} ({needed // bytes_per_block} blocks of {block_size} tokens, "
         f"the null block included), more than the {_human_bytes(budget.num_bytes, 2)} available "
         f"({budget.source})."
     )
-    largest = (budget.num_bytes // bytes_per_block - 1) * block_size
     if largest > 0:
         message += f" Based on the available memory, the largest max_model_len is {largest}."
     return message + f" Try {budget.remedy} or decreasing max_model_len."
