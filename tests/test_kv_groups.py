@@ -184,7 +184,7 @@ def test_windowed_layers_free_their_pages_and_decode_the_same(gemma2):
     )
     hybrid, logprobs, kv = _run(path, prompts, **kwargs)
     assert hybrid == kept == [hf_greedy_ignoring_eos(hf_model, p, 12) for p in prompts]
-    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-5)
+    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-4)
     assert kv.windows == (W,) and kept_kv.windows == ()
     longest = max(prompts, key=len)
     request = Request("long", longest, Params(max_tokens=1), eos_token_id=None)
@@ -212,7 +212,7 @@ def test_all_windowed_layers_free_their_pages_and_decode_the_same(mistral):
     kept, kept_logprobs, _ = _run(path, prompts, disable_hybrid_kv_cache_manager=True)
     freed, logprobs, kv = _run(path, prompts)
     assert freed == kept == [hf_greedy_ignoring_eos(hf_model, p, 12) for p in prompts]
-    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-5)
+    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-4)
     assert kv.first_window == W
     penalized = {"repetition_penalty": 1.3, "presence_penalty": 0.5}
     assert (
@@ -241,7 +241,7 @@ def test_windowed_layers_decode_the_same_under(gemma2, kwargs):
     )
     hybrid, logprobs, _ = _run(gemma2[0], prompts, **kwargs)
     assert hybrid == kept
-    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-5)
+    np.testing.assert_allclose(logprobs, kept_logprobs, atol=1e-4)
 
 
 @pytest.mark.slow
