@@ -18,9 +18,11 @@ its model whole, or cut over its own devices' tensor or expert parallelism.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import time
 import weakref
 
+from jvllm.core.request import RequestStatus
 from jvllm.distributed.multihost import broadcast_commands, gather_objects
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.leader import WorkersLostError
@@ -44,6 +46,7 @@ class ProcessDataParallelEngine(ReplicaFront):
         self.num_ranks = self.engine_config.parallel_config.data_parallel_size
         self._requests_of: list[set[str]] = [set() for _ in range(self.num_ranks)]
         self._pending: list[tuple] = []  # for the other ranks, sent with the next step
+        self._last_finished: list = []
         self._stopped = False
         ref = weakref.ref(self)
         atexit.register(lambda: (engine := ref()) and engine.stop_workers())
@@ -104,27 +107,45 @@ class ProcessDataParallelEngine(ReplicaFront):
         commands, self._pending = [*self._pending, ("step",)], []
         try:
             broadcast_commands(commands)
-            gathered = gather_objects((_step(self.replicas[0]), []))
         except Exception as e:
-            self._stopped = True
-            raise WorkersLostError(
-                "a data-parallel rank stopped answering (it exited, crashed or lost its "
-                f"connection): {type(e).__name__}: {e}. Restart every process"
-            ) from e
-        merged = [o for rank_outputs, _ in gathered for o in rank_outputs]
-        for request_id in (rid for _, failed in gathered for rid in failed):
+            raise self._lost(e) from e
+        local = self.replicas[0]
+        report, error = _step_and_report(local, [])  # the ranks' gather waits for this one
+        try:
+            gathered = gather_objects(report)
+        except Exception as e:
+            raise self._lost(e) from e
+        if error is not None:
+            raise error
+        for rank, (_, _, _, rank_error) in enumerate(gathered):
+            if rank_error is not None:
+                self._stopped = True
+                raise WorkersLostError(f"data-parallel rank {rank}'s step failed: {rank_error}")
+        merged = [o for outputs, _, _, _ in gathered for o in outputs]
+        for request_id in (rid for _, refused, _, _ in gathered for rid in refused):
             for ids in self._requests_of:  # its rank refused it after all: logged there
                 ids.discard(request_id)
         for output in merged:
             if output.finished:
                 for ids in self._requests_of:
                     ids.discard(output.request_id)
+        remote = [record for _, _, records, _ in gathered[1:] for record in records]
+        self._last_finished = [*local.last_finished_requests, *remote]
         return merged
+
+    def _lost(self, e: Exception) -> WorkersLostError:
+        """Stop: a collective with the ranks failed (`e`) -> the error to raise."""
+        self._stopped = True
+        return WorkersLostError(
+            "a data-parallel rank stopped answering (it exited, crashed or lost its "
+            f"connection): {type(e).__name__}: {e}. Restart every process"
+        )
 
     @property
     def last_finished_requests(self) -> list:
-        """The requests of this process's rank that finished in the last step."""
-        return self.replicas[0].last_finished_requests
+        """The requests that finished in the last step: this process's rank's, and the other
+        ranks' as FinishedRecords (what LLM reads of a failed one)."""
+        return self._last_finished
 
     def stop_workers(self) -> None:
         """Let the other ranks' processes end (once)."""
@@ -133,8 +154,29 @@ class ProcessDataParallelEngine(ReplicaFront):
             broadcast_commands([("stop",)])
 
 
-def _step(engine: LLMEngine) -> list[RequestOutput]:
-    return engine.step() if engine.has_unfinished_requests() else []
+@dataclasses.dataclass(frozen=True)
+class FinishedRecord:
+    """A request another rank finished: its id, status and message."""
+
+    request_id: str
+    status: RequestStatus
+    status_message: str | None
+
+
+def _step_and_report(engine: LLMEngine, refused: list[str]):
+    """Step the rank's engine if it has work -> (what the ranks' gather carries: its outputs,
+    the requests it refused, a record of each request it finished, its step's error as text;
+    the error itself, None when the step did not fail)."""
+    try:
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+    except Exception as e:
+        logger.exception("data-parallel rank's step failed")
+        return ([], refused, [], f"{type(e).__name__}: {e}"), e
+    records = [
+        FinishedRecord(r.request_id, r.status, r.status_message)
+        for r in engine.last_finished_requests
+    ]
+    return (outputs, refused, records, None), None
 
 
 def run_rank(engine: LLMEngine, rank: int) -> None:
@@ -149,7 +191,7 @@ def run_rank(engine: LLMEngine, rank: int) -> None:
                 f"data-parallel rank {rank} lost process 0 (it exited or crashed without "
                 f"stopping the ranks): {type(e).__name__}: {e}"
             ) from e
-        failed = []
+        refused = []
         for name, *args in commands:
             if name == "stop":
                 logger.info("process 0 stopped; data-parallel rank %d ends", rank)
@@ -159,7 +201,10 @@ def run_rank(engine: LLMEngine, rank: int) -> None:
                     engine.add_request(*args[1:])
                 except (ValueError, TypeError) as e:  # process 0 checked it: not expected
                     logger.error("rank %d refused request %s: %s", rank, args[1], e)
-                    failed.append(args[1])
+                    refused.append(args[1])
             elif name == "abort" and args[0] == rank:
                 engine.abort_request(args[1])
-        gather_objects((_step(engine), failed))
+        report, error = _step_and_report(engine, refused)
+        gather_objects(report)
+        if error is not None:  # process 0 stops the engine on it
+            raise error
