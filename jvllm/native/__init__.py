@@ -144,7 +144,12 @@ def _cpu() -> str:
 def _target_flags() -> list[str]:
     """The compiler's target flags that JVLLM_NATIVE_ISA asks for, where this CPU runs them;
     else (logged) the machine's own."""
-    isa = os.environ.get(NATIVE_ISA_ENV, "native")
+    return _flags_for(os.environ.get(NATIVE_ISA_ENV, "native"))
+
+
+@functools.cache
+def _flags_for(isa: str) -> list[str]:
+    """_target_flags for a JVLLM_NATIVE_ISA value, its warning logged once, not once a build."""
     if isa not in _ISA_FLAGS:
         logger.warning(
             "%s=%s is none of %s: building for this CPU", NATIVE_ISA_ENV, isa, list(_ISA_FLAGS)
