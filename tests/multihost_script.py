@@ -3,8 +3,9 @@ the launcher's JAX_* variables set). Every process runs the same script: process
 its outputs as JSON after "RESULT "; a worker follows it inside LLM() and exits when it stops.
 
 argv: model directory, then "generate-then-wait" and the prompts as JSON (process 0 generates,
-waits 3 s, generates again), "data-parallel" and the prompts (one rank a process: process 0
-prints each prompt's tokens and rank, then the same through LLM.generate), or
+waits 3 s, generates again), "data-parallel", the prompts and more engine options as JSON
+(one rank a process: process 0 prints each prompt's tokens and rank, then the same through
+LLM.generate), or
 "initialize-twice" and a coordinator address."""
 
 import json
@@ -26,7 +27,8 @@ if mode == "initialize-twice":
 prompts = json.loads(sys.argv[3])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 if mode == "data-parallel":
-    llm = LLM(model, dtype="float32", max_num_batched_tokens=32, data_parallel_size=2)
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    llm = LLM(model, dtype="float32", max_num_batched_tokens=32, data_parallel_size=2, **options)
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)

@@ -10,7 +10,8 @@ import sys
 import time
 
 import pytest
-from family_parity import TP_VOCAB, ragged_prompts, save_tp_llama
+import transformers
+from family_parity import TINY_SHAPES, TP_VOCAB, ragged_prompts, save_random_model, save_tp_llama
 
 from jvllm import LLM, SamplingParams
 
@@ -25,6 +26,16 @@ PROMPTS = ragged_prompts(TP_VOCAB, lengths=(3, 17, 40))
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tp_llama(tmp_path_factory.mktemp("multihost"), 2, tie=True)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("multihost_moe")
+    config = transformers.MixtralConfig(
+        **{**TINY_SHAPES, "vocab_size": TP_VOCAB}, num_local_experts=4, num_experts_per_tok=2
+    )
+    save_random_model(path, config)
+    return str(path)
 
 
 def _free_port() -> int:
@@ -112,15 +123,21 @@ def test_initializing_twice_is_refused(processes):
     assert "jax.distributed is already initialized in this process" in error
 
 
-def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(model_dir, processes):
-    """Each process an engine of its own (2 fake devices, T = 1 each), process 0 sending each
-    request to the least loaded rank and gathering every rank's outputs."""
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe, experts over each rank's 2"])
+def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
+    model_dir, moe_dir, processes, moe
+):
+    """Each process an engine of its own (2 fake devices: T = 1, or the MoE's experts placed
+    whole over both), process 0 sending each request to the least loaded rank and gathering
+    every rank's outputs."""
+    path = moe_dir if moe else model_dir
+    options = {"tensor_parallel_size": 2, "enable_expert_parallel": True} if moe else {}
     port, prompts = _free_port(), json.dumps(PROMPTS)
-    worker = _start(1, port, model_dir, "data-parallel", prompts)
-    leader = _start(0, port, model_dir, "data-parallel", prompts)
+    worker = _start(1, port, path, "data-parallel", prompts, json.dumps(options))
+    leader = _start(0, port, path, "data-parallel", prompts, json.dumps(options))
     processes += [worker, leader]
     result = _result(leader)
-    expected = _one_device(model_dir)
+    expected = _one_device(path)
     assert result["tokens"] == result["generate"] == expected
     assert result["ranks"] == [0, 1, 0]
     assert leader.wait(timeout=60) == 0
