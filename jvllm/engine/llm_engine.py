@@ -126,20 +126,8 @@ class LLMEngine:
     ) -> None:
         """Raise what add_request would for this request, enqueueing nothing: a front end's
         check for an engine in another process (engine/process_data_parallel.py)."""
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        check_priority(priority, self.engine_config.scheduler_config.policy)
-        check_adapter(lora_request, self.model_runner.adapters)
-        if self.pooling is not None or isinstance(params, PoolingParams):
-            self._make_pooling_request(
-                request_id, prompt, params, arrival_time, priority, lora_request
-            )
-            return
-        params = self.get_default_sampling_params() if params is None else params
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        self._request_factory.make(
-            request_id, prompt, params, arrival_time, priority, lora_request, lambda _: False
-        )
+        args = (request_id, prompt, params, arrival_time, priority, lora_request)
+        self._make_requests(*args, is_in_use=lambda _: False)
 
     def add_request(
         self,
@@ -162,27 +150,15 @@ class LLMEngine:
                 "finish the loop before adding requests"
             )
         self.sleep_mode.check_awake()
-        if params is None and self.pooling is None:
-            params = self.get_default_sampling_params()
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._requests or request_id in self._children:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        check_priority(priority, self.engine_config.scheduler_config.policy)
-        check_adapter(lora_request, self.model_runner.adapters)
+        args = (request_id, prompt, params, arrival_time, priority, lora_request)
+        in_use = lambda i: i in self._requests or i in self._children
+        parent, requests = self._make_requests(*args, is_in_use=in_use)
         if self.pooling is not None or isinstance(params, PoolingParams):
-            request = self._make_pooling_request(
-                request_id, prompt, params, arrival_time, priority, lora_request
-            )
+            (request,) = requests
             self._requests[request_id] = request
             self.pooling.add_request(request)
             self.scheduler.add_request(request)
             return
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        in_use = lambda i: i in self._requests or i in self._children
-        parent, requests = self._request_factory.make(
-            request_id, prompt, params, arrival_time, priority, lora_request, in_use
-        )
         if parent is not None:
             self._children[request_id] = parent.child_ids
             self._parent_of.update((c, request_id) for c in parent.child_ids)
@@ -195,6 +171,27 @@ class LLMEngine:
             request_id,
             requests[0].num_prompt_tokens,
             len(requests),
+        )
+
+    def _make_requests(
+        self, request_id, prompt, params, arrival_time, priority, lora_request, *, is_in_use
+    ):
+        """Every check of add_request, and the requests it would enqueue -> (the parent of
+        n > 1 samples or None, the requests); `is_in_use(id)`: whether an id is taken."""
+        if params is None and self.pooling is None:
+            params = self.get_default_sampling_params()
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if is_in_use(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self.engine_config.scheduler_config.policy)
+        check_adapter(lora_request, self.model_runner.adapters)
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            args = (request_id, prompt, params, arrival_time, priority, lora_request)
+            return None, [self._make_pooling_request(*args)]
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        return self._request_factory.make(
+            request_id, prompt, params, arrival_time, priority, lora_request, is_in_use
         )
 
     def _make_pooling_request(
