@@ -150,7 +150,7 @@ class KVCacheManager:
         num_fresh = num_needed - len(blocks) - len(new_computed_blocks)
         if self.first_window is not None and not request.sampling_params.has_penalties:
             self._free_outside(blocks, self.first_window, num_computed)
-            new_computed_blocks = self._hits_in_window(hits)
+            new_computed_blocks = self._hits_in_window(hits, self.first_window)
         window_hits, window_tables = [], []
         if self.windows:
             self._free_outside_windows(request.request_id, num_computed)
@@ -214,13 +214,14 @@ class KVCacheManager:
         self.block_pool.free_blocks(table[start:end])
         table[start:end] = [null] * (end - start)
 
-    def _hits_in_window(self, hit_blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """An all-windowed model's prefix hit as the request takes it: the null block before
-        its window (holding every hit block would be more than the never-fits check counted,
-        and a request at the head of the queue could wait for blocks forever), then the hit's
-        blocks. `hit_blocks` itself where the window reaches the first."""
+    def _hits_in_window(self, hit_blocks: list[KVCacheBlock], window: int) -> list[KVCacheBlock]:
+        """A prefix hit's blocks as a group of sliding `window` takes them: the null block
+        before the window (an all-windowed model's first group holding every hit block would
+        hold more than the never-fits check counted, and a request at the head of the queue
+        could wait for blocks forever), then the hit's blocks; `hit_blocks` itself where the
+        window reaches the first."""
         num_tokens = len(hit_blocks) * self.block_size
-        first = first_kept_block(num_tokens, self.first_window, self.block_size)
+        first = min(first_kept_block(num_tokens, window, self.block_size), len(hit_blocks))
         if not first:
             return hit_blocks
         return [self.block_pool.null_block] * first + hit_blocks[first:]
@@ -229,16 +230,17 @@ class KVCacheManager:
         """Each windowed group's blocks for the first group's prefix hit `hit_blocks` (as
         get_computed_blocks found them): the null block before its window, then its cached
         blocks."""
-        num_tokens = len(hit_blocks) * self.block_size
-        null, hits = self.block_pool.null_block, []
+        hits = []
         for group, window in enumerate(self.windows, 1):
-            first = min(first_kept_block(num_tokens, window, self.block_size), len(hit_blocks))
             cached = [
-                self.block_pool.get_window_block((group, b.cache_id)) for b in hit_blocks[first:]
+                block
+                if not block.block_id
+                else self.block_pool.get_window_block((group, block.cache_id))
+                for block in self._hits_in_window(hit_blocks, window)
             ]
             if any(block is None for block in cached):
                 raise RuntimeError("a windowed group's prefix hit was evicted before allocation")
-            hits.append([null] * first + cached)
+            hits.append(cached)
         return hits
 
     def num_blocks_to_hold(
