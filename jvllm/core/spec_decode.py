@@ -19,7 +19,7 @@ import numpy as np
 
 from jvllm.core.request import Request
 from jvllm.core.token_bans import has_changing_bans, next_token_bans
-from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram_drafts
 
 
@@ -93,7 +93,7 @@ class DraftProposer:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.config.method == "draft_model"
+        return self.config.method in MODEL_METHODS
 
     @property
     def num_lookahead_tokens(self) -> int:

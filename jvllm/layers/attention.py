@@ -43,13 +43,16 @@ class Attention(nnx.Module):
         *,
         rope: bool = True,
         output_bias: bool = False,
+        input_size: int | None = None,
     ):
+        """`input_size`: q|k|v's input features where not the hidden size (an EAGLE-3 head's
+        layer reads its token's embedding and hidden state side by side: 2D)."""
         d, h, n, k = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
         dtype = jnp.dtype(config.dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.dtype = dtype
         self.qkv = Linear(
-            d,
+            input_size or d,
             (n + 2 * k) * h,
             ("heads", "embed"),
             dtype=dtype,

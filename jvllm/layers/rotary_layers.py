@@ -9,6 +9,7 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.layers.attention import AttentionFn, layer_windows
+from jvllm.layers.hidden_capture import capture_layer_input
 from jvllm.layers.rotary import rope_cos_sin
 from jvllm.layers.scan import num_stacked_layers, scan_layers
 
@@ -66,6 +67,7 @@ def run_rotary_layers(
             layer_sin = jnp.where(extra["use_rope"], layer_sin, 0.0)
         window = extra["window"]
         layer = layer + first_layer if first_layer else layer
+        capture_layer_input(layer, x)  # a draft head's (EAGLE-3) read of the layer's input
         return layer_module(x, layer, layer_cos, layer_sin, window, kv_cache, metadata, attn)
 
     return scan_layers(layers, body, (x, kv_cache), per_layer=per_layer)

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jvllm.layers.expert_counts import add_stack, counted_layer
+from jvllm.layers.hidden_capture import active_capture
 from jvllm.logger import init_logger
 from jvllm.quantization import MixedGGUFWeight, QuantizedWeight, cpu_dense, is_quantized
 from jvllm.quantization.dot import dot_layer
@@ -188,18 +189,27 @@ def scan_layers(
         add_stack(None if rows[0] is None else jnp.stack(rows))
         return carry
 
+    # Layers' inputs captured for a draft head (layers/hidden_capture.py) ride in the carry.
+    capture = active_capture()
+
     def step(carry, xs):
         layer, extra = xs
+        if capture is not None:
+            carry, capture.rows = carry
         # The barrier ties the stacked weights to the layer index, so that XLA cannot hoist
         # work on them out of the loop: it converted every bfloat16 layer to float32 before the
         # loop, each step (a SmolLM2 decode step 15x slower on CPU).
         weights, layer = jax.lax.optimization_barrier((state, layer))
         weights = jax.tree.map(lambda w: _at_layer(w, layer), weights, is_leaf=is_quantized)
         # A layer's expert counts (layers/expert_counts.py) leave the scan as its output [L, E].
-        return counted_layer(lambda: body(nnx.merge(graphdef, weights), carry, layer, extra))
+        carry, row = counted_layer(lambda: body(nnx.merge(graphdef, weights), carry, layer, extra))
+        return (carry if capture is None else (carry, capture.rows)), row
 
     layer_ids = jnp.arange(first.shape[0], dtype=jnp.int32)
-    carry, rows = jax.lax.scan(step, carry, (layer_ids, per_layer))
+    init = carry if capture is None else (carry, capture.rows)
+    carry, rows = jax.lax.scan(step, init, (layer_ids, per_layer))
+    if capture is not None:
+        carry, capture.rows = carry
     add_stack(rows)
     return carry
 

@@ -29,6 +29,7 @@ from jvllm.model_loader.hf import (
     resolve_dtype,
 )
 from jvllm.model_loader.quant_config import check_requested_method, checkpoint_quantization
+from jvllm.models.registry import is_draft_head
 from jvllm.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
 
@@ -87,6 +88,7 @@ def load_model(
     skip_tokenizer_init: bool = False,
     hf_overrides: HFOverrides = None,
     enable_expert_parallel: bool = False,
+    draft_head: bool = False,
 ) -> tuple[ModelConfig, dict, Any | None]:
     """Load (config, params as jax arrays, tokenizer) from one of:
 
@@ -112,6 +114,9 @@ def load_model(
     model's is then not even read).
 
     hf_overrides: vLLM's, config keys replaced before the model is built (hf.apply_hf_overrides).
+
+    draft_head: `model` is a draft head (an EAGLE-3 checkpoint, models/registry.py), which
+    speculative decoding loads beside its target; any other load refuses one.
     """
     resolve_dtype(dtype, {})  # reject a bad dtype before any slow work
     if load_format not in LOAD_FORMATS:
@@ -120,6 +125,16 @@ def load_model(
     config, params, own_tokenizer = _load(
         model, dtype, load_format, mesh, quantization, hf_overrides, enable_expert_parallel
     )
+    if is_draft_head(config.architecture) != draft_head:
+        raise ValueError(
+            f"{model} is an EAGLE-3 draft head ({config.architecture}): serve its target model "
+            f"with speculative_config={{'method': 'eagle3', 'model': {model!r}, "
+            "'num_speculative_tokens': 3}"
+            if not draft_head
+            else f"speculative_config's model {model} is a {config.architecture}, not an "
+            "EAGLE-3 head (LlamaForCausalLMEagle3); for a whole draft model use method "
+            "'draft_model'"
+        )
     if skip_tokenizer_init:
         tokenizer = None
     else:

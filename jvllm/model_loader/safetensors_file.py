@@ -27,6 +27,7 @@ _DTYPES = {
     "I8": np.int8,  # int8 weights and zero points (compressed-tensors)
     "U8": np.uint8,  # packed quantized weights (MXFP4's blocks and scales)
     "F8_E4M3": ml_dtypes.float8_e4m3fn,  # FP8 checkpoints' weights
+    "BOOL": np.bool_,  # an EAGLE-3 head's t2d (the draft vocabulary's members)
 }
 _ALIGNMENT = 64  # where the data starts in a file we write: aligned for whoever maps it
 

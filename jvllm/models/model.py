@@ -115,6 +115,22 @@ def forward_counting_experts(
     return hidden, kv_cache, counts
 
 
+def module_method(params: dict, method: str, *args, config: ModelConfig):
+    """`method` of the module of `config` holding `params`, called with `args`: a draft
+    head's computations (models/eagle3.py), which are not a model's forward."""
+    return getattr(_module(params, config), method)(*args)
+
+
+def token_embeddings(params: dict, token_ids: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """token_ids i32[T] -> their rows of the model's embedding table f32[T, D], unscaled (an
+    EAGLE-3 head embeds its tokens with its target's table); a ValueError for a family that
+    keeps its table elsewhere."""
+    embed = getattr(_module(params, config), "embed", None)
+    if embed is None:
+        raise ValueError(f"{config.architecture} keeps no token embedding table named embed")
+    return embed(token_ids)
+
+
 def num_moe_layers(config: ModelConfig) -> int:
     """L_moe: the layers whose MLP routes to experts, the rows of forward_counting_experts'
     counts. They come after any dense layers (the families refuse other mixes), so row i is

@@ -49,6 +49,12 @@ _MODELS = {
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# Draft heads: speculative_config's `model` for a method that drafts from the target's hidden
+# states, never an engine's own model (they take the target's rows, not tokens alone).
+_DRAFT_HEADS = {
+    "LlamaForCausalLMEagle3": ("eagle3", "Eagle3Head"),
+    "Eagle3LlamaForCausalLM": ("eagle3", "Eagle3Head"),
+}
 # HF's base models (no LM head), as embedding checkpoints ship them (Qwen3-Embedding,
 # e5-mistral): each runs as its causal LM's family, whose tensor names lose their first
 # component in such a checkpoint (model_loader/base_model.py). Not Phi's or GPT-J's (their LM
@@ -137,8 +143,12 @@ def architecture_of(hf_config: dict) -> str | None:
     return _ARCHITECTURE_BY_MODEL_TYPE.get(hf_config.get("model_type"))
 
 
+def is_draft_head(architecture: str | None) -> bool:
+    return architecture in _DRAFT_HEADS
+
+
 def check_supported(architecture: str | None, model_type: str | None = None) -> None:
-    if architecture not in _MODELS:
+    if architecture not in _MODELS and architecture not in _DRAFT_HEADS:
         what = f"architecture {architecture!r}"
         if architecture is None:
             what = f"a config.json without `architectures` and with model_type {model_type!r}"
@@ -151,5 +161,5 @@ def check_supported(architecture: str | None, model_type: str | None = None) -> 
 
 def model_class(architecture: str) -> type:
     check_supported(architecture)
-    module, name = _MODELS[architecture]
+    module, name = _MODELS.get(architecture) or _DRAFT_HEADS[architecture]
     return getattr(importlib.import_module(f"jvllm.models.{module}"), name)

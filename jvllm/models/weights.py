@@ -118,6 +118,21 @@ class CheckpointWeights:
             raise ValueError(self._mismatch([name], [x.shape], spec.shape, transform))
         self._set(path, self._place(path, aligned_copy(x, spec.dtype)))
 
+    def concatenated(self, path: str, names: list[str]) -> None:
+        """The param at `path` is the tensors `names` concatenated along their first axis (an
+        unstacked fused projection, e.g. a draft head's q|k|v)."""
+        spec = self._spec(path)
+        pieces = [self._get(n) for n in names]
+        x = np.concatenate(pieces, axis=0)
+        if tuple(x.shape) != tuple(spec.shape):
+            raise ValueError(self._mismatch(names, [p.shape for p in pieces], spec.shape))
+        self._set(path, self._place(path, aligned_copy(x, spec.dtype)))
+
+    def value(self, path: str, x: np.ndarray) -> None:
+        """The param at `path` is `x`, which the checkpoint leaves to its default."""
+        spec = self._spec(path)
+        self._set(path, self._place(path, aligned_copy(np.broadcast_to(x, spec.shape), spec.dtype)))
+
     def stacked(
         self,
         path: str,

@@ -3,8 +3,10 @@
 import dataclasses
 from collections.abc import Mapping
 
-# The drafting methods served; vLLM's others ("eagle", "eagle3", "medusa", "mtp") are not yet.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The drafting methods served; vLLM's others ("eagle", "medusa", "mtp") are not yet.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+# The methods whose drafts a model on the device proposes after each step (`model` its path).
+MODEL_METHODS = ("draft_model", "eagle3")
 # "hf_overrides" is jvllm's, the engine option's for the draft's config (e.g. a draft that is
 # the target's first layers: {"num_hidden_layers": 4}).
 _FIELDS = (
@@ -26,7 +28,9 @@ class SpeculativeConfig:
     `num_speculative_tokens` tokens that followed them are its drafts.
     "draft_model": a smaller model of the same vocabulary (`model`, loaded as the engine's
     `model` is, with `hf_overrides` on its config) proposes them greedily
-    (worker/draft_model.py)."""
+    (worker/draft_model.py).
+    "eagle3": an EAGLE-3 head (`model`, its HF checkpoint) proposes them from the target's
+    hidden states (worker/eagle.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int
@@ -50,22 +54,22 @@ class SpeculativeConfig:
                 "speculative_config prompt_lookup_max must be >= prompt_lookup_min, got "
                 f"{self.prompt_lookup_max} < {self.prompt_lookup_min}"
             )
-        if self.method == "draft_model" and not isinstance(self.model, str):
+        if self.method in MODEL_METHODS and not isinstance(self.model, str):
             raise ValueError(
-                "speculative_config method 'draft_model' needs model, the draft's path (a "
+                f"speculative_config method {self.method!r} needs model, the draft's path (a "
                 f"directory or a .gguf file), got {self.model!r}"
             )
-        if self.method != "draft_model" and (self.model, self.hf_overrides) != (None, None):
+        if self.method not in MODEL_METHODS and (self.model, self.hf_overrides) != (None, None):
             raise ValueError(
-                "speculative_config model and hf_overrides are for method 'draft_model', "
+                f"speculative_config model and hf_overrides are for methods {MODEL_METHODS}, "
                 f"not {self.method!r}"
             )
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots a request needs past its scheduled tokens (vLLM's): a draft model writes
-        its KV at the positions of the drafts it proposes after the step."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        """KV slots a request needs past its scheduled tokens (vLLM's): a draft model (or
+        head) writes its KV at the positions of the drafts it proposes after the step."""
+        return self.num_speculative_tokens if self.method in MODEL_METHODS else 0
 
 
 def as_speculative_config(value) -> SpeculativeConfig | None:

@@ -30,24 +30,36 @@ from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
 
 @dataclasses.dataclass
 class DraftModel:
-    """A loaded draft: its config and params (on the target's mesh)."""
+    """A loaded draft: its config and params (on the target's mesh), and the speculative
+    method it drafts for: "draft_model", or "eagle3" (an EAGLE-3 head, worker/eagle.py)."""
 
     config: ModelConfig
     params: dict
+    method: str = "draft_model"
 
 
-def check_draft(target: ModelConfig, draft: ModelConfig, has_windows: bool) -> None:
+def check_draft(
+    target: ModelConfig, draft: "DraftModel", has_windows: bool, num_shards: int
+) -> None:
     """A ValueError for a draft the target cannot take drafts from (`has_windows`: the
-    target's KV has windowed groups, core/kv_groups.py)."""
-    if draft.vocab_size != target.vocab_size:
+    target's KV has windowed groups, core/kv_groups.py; `num_shards`: its tensor-parallel
+    devices)."""
+    method = draft.method
+    if draft.config.vocab_size != target.vocab_size:
         raise ValueError(
-            f"speculative_config's draft model has a vocabulary of {draft.vocab_size} tokens, "
-            f"the target {target.vocab_size}: method 'draft_model' needs the same tokenizer"
+            f"speculative_config's {method} model has a vocabulary of "
+            f"{draft.config.vocab_size} tokens, the target {target.vocab_size}: method "
+            f"{method!r} needs the target's tokenizer"
         )
-    if has_windows or any(w is not None for w in draft.layer_windows or ()):
+    if has_windows or any(w is not None for w in draft.config.layer_windows or ()):
         raise ValueError(
-            "speculative_config method 'draft_model' does not run with sliding-window layers "
+            f"speculative_config method {method!r} does not run with sliding-window layers "
             "(hybrid KV groups) in the target or the draft yet"
+        )
+    if method == "eagle3" and num_shards > 1:
+        raise ValueError(
+            "speculative_config method 'eagle3' does not run under tensor parallelism yet; "
+            "use tensor_parallel_size=1, or method 'ngram' / 'draft_model'"
         )
 
 

@@ -32,6 +32,10 @@ class DraftScoring:
     num_tokens_before: jax.Array  # i32[NP] output tokens between it and its request's bonus
     token_bitmask: jax.Array  # i32[NP, W] its grammar mask (structured outputs); -1: none
     any_drafts: jax.Array  # bool[] some request has drafts: else nothing is scored
+    # i32[S] each sequence's token after its last scheduled one where the step does not sample
+    # it (a prompt chunk short of the prompt's end), -1 where it does: a draft head's input
+    # (worker/eagle.py)
+    next_token_ids: jax.Array
 
 
 def num_scored_positions(bucket: Bucket, num_speculative_tokens: int) -> int:
@@ -46,11 +50,13 @@ def prepare_draft_scoring(
     num_speculative_tokens: int,
     num_words: int,
     token_bitmask: np.ndarray | None = None,
+    next_token_ids: list[int] | None = None,
 ) -> DraftScoring:
     """The positions to score: of request s with k drafts, the first k of its query (its last
     token's and its drafts' but the last), in request order; padding scores token 0.
     `token_bitmask` i32[num drafts, W]: their grammar masks in that order (W = `num_words`),
-    None for none."""
+    None for none. `next_token_ids`: each request's DraftScoring.next_token_ids (None: all
+    -1)."""
     num_positions = num_scored_positions(bucket, num_speculative_tokens)
     indices = np.zeros(num_positions, np.int32)
     seq_index = np.zeros(num_positions, np.int32)
@@ -67,7 +73,10 @@ def prepare_draft_scoring(
     else:
         bitmask = np.full((num_positions, num_words), -1, np.int32)
         bitmask[: len(token_bitmask)] = token_bitmask
-    return DraftScoring(indices, seq_index, num_tokens_before, bitmask, np.bool_(at > 0))
+    next_ids = np.full(bucket.num_seqs, -1, np.int32)
+    if next_token_ids:
+        next_ids[: len(next_token_ids)] = next_token_ids
+    return DraftScoring(indices, seq_index, num_tokens_before, bitmask, np.bool_(at > 0), next_ids)
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from jvllm.worker.decode_loop import (
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.draft_runner import DraftRunner
 from jvllm.worker.draft_scoring import accepted_token_ids, run_logprobs
+from jvllm.worker.eagle_runner import EagleRunner
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
@@ -114,19 +115,23 @@ class ModelRunner:
         )
         self.num_speculative_tokens = num_speculative_tokens
         self.draft = None
-        if draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
-            self.draft = DraftRunner(
-                draft,
-                mesh,
-                layers_unstacked=self.layers_unstacked,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                max_pages=self.max_pages,
-                buckets=buckets,
-                attention_backend=attention_backend,
-                kv_cache_dtype=runner_config.kv_cache_dtype,
-                num_speculative_tokens=num_speculative_tokens,
-            )
+        if draft is not None:
+            layout = {
+                "num_blocks": num_blocks,
+                "block_size": block_size,
+                "max_pages": self.max_pages,
+                "buckets": buckets,
+                "attention_backend": attention_backend,
+                "kv_cache_dtype": runner_config.kv_cache_dtype,
+                "num_speculative_tokens": num_speculative_tokens,
+            }
+            if draft.method == "eagle3":
+                self.draft = EagleRunner(draft, config, params, mesh, **layout)
+            else:
+                self.draft = DraftRunner(
+                    draft, mesh, layers_unstacked=self.layers_unstacked, **layout
+                )
+        if self.draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
             self.kv_cache = (self.kv_cache, self.draft.kv_cache)
         self.token_cache = jnp.zeros(
             (num_blocks, block_size), jnp.int32, device=replicated(mesh)
@@ -158,7 +163,8 @@ class ModelRunner:
             model=self.model,
             max_logprobs=max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
-            draft_model=None if self.draft is None else self.draft.model,
+            draft_model=self.draft.model if isinstance(self.draft, DraftRunner) else None,
+            draft_head=self.draft.head if isinstance(self.draft, EagleRunner) else None,
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
@@ -225,9 +231,13 @@ class ModelRunner:
     def propose_drafts(
         self, requests: list[Request], block_ids: list[list[int]]
     ) -> dict[str, tuple[int, list[int]]]:
-        """The draft model's drafts for `requests`, which will decode next (DraftRunner.propose)."""
+        """The draft model's (or head's) drafts for `requests`, which will decode next
+        (DraftRunner.propose, EagleRunner.propose)."""
         target_kv, draft_kv = self.kv_cache
-        proposals, draft_kv = self.draft.propose(requests, block_ids, draft_kv)
+        if isinstance(self.draft, EagleRunner):
+            proposals, draft_kv = self.draft.propose(requests, block_ids, self.params, draft_kv)
+        else:
+            proposals, draft_kv = self.draft.propose(requests, block_ids, draft_kv)
         self.kv_cache = (target_kv, draft_kv)
         return proposals
 
@@ -378,6 +388,8 @@ class ModelRunner:
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
             exe = self.compiler.executable(bucket, kind, plan)
             out, self.kv_cache, self.token_cache = exe(*args)
+            if isinstance(self.draft, EagleRunner):
+                self.draft.keep_state(out.draft_state, requests)
         if (
             self.async_scheduling
             and can_run_ahead(scheduler_output, block_ids, self.block_size)

@@ -4,16 +4,19 @@ ModelRunner binds its statics and jits it; the decode windows, the step run ahea
 jvllm.step_loop chain it.
 """
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 
 from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.layers.hidden_capture import capturing_layer_inputs
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step, sample_tokens
 from jvllm.worker.draft_scoring import score_drafts
+from jvllm.worker.eagle import DraftHead, HeadState, head_in_step
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -21,9 +24,11 @@ from jvllm.worker.step_inputs import StepInputs
 @dataclasses.dataclass(frozen=True)
 class CountedSamplerOutput(SamplerOutput):
     """A step's SamplerOutput and, for a model with routed experts, each MoE layer's count of
-    the step's real tokens' assignments to each expert (layers/expert_counts.py)."""
+    the step's real tokens' assignments to each expert (layers/expert_counts.py); with a draft
+    head, what the step leaves its proposal (worker/eagle.py), which stays on the device."""
 
     expert_counts: jax.Array | None = None  # i32[L_moe, E]
+    draft_state: HeadState | None = None
 
 
 def model_step(
@@ -38,6 +43,7 @@ def model_step(
     logprobs_mode: str = "raw_logprobs",
     plan: SamplerPlan = SamplerPlan.DYNAMIC,
     draft_model: ShardedModel | None = None,
+    draft_head: DraftHead | None = None,
 ):
     """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
 
@@ -48,20 +54,31 @@ def model_step(
     and `out.draft_logprobs` their logprobs, sampled as the sampler samples. A model with routed
     experts returns a CountedSamplerOutput. With a `draft_model` (speculative decoding's
     "draft_model" method), `params` and `kv_cache` are (target's, draft's) pairs, and the draft's
-    forward writes its KV at the step's tokens too (worker/draft_model.py).
+    forward writes its KV at the step's tokens too (worker/draft_model.py). With a
+    `draft_head` (EAGLE-3) they are (target's, head's) pairs the same way: the head runs over
+    the step's positions once it has sampled, and the output (a CountedSamplerOutput) holds
+    its `draft_state` (worker/eagle.py).
     """
     md = inputs.attn
-    if draft_model is not None:
+    if draft_model is not None or draft_head is not None:
         (params, draft_params), (kv_cache, draft_kv) = params, kv_cache
+    if draft_model is not None:
         # Its KV alone: the hidden states are dropped, no LM head runs.
         _, draft_kv = draft_model.forward(
             draft_params, draft_kv, inputs.token_ids, inputs.positions, md, None
         )
     args = (params, kv_cache, inputs.token_ids, inputs.positions, md, inputs.mm)
-    if model.forward_counting_experts is None:
-        (hidden, kv_cache), expert_counts = model.forward(*args), None
-    else:
-        hidden, kv_cache, expert_counts = model.forward_counting_experts(*args)
+    capture = contextlib.nullcontext()
+    if draft_head is not None:  # the head reads the rows entering some of the target's layers
+        num_tokens = inputs.token_ids.shape[0]
+        capture = capturing_layer_inputs(
+            draft_head.layer_ids, num_tokens, draft_head.target_hidden_size
+        )
+    with capture as captured:
+        if model.forward_counting_experts is None:
+            (hidden, kv_cache), expert_counts = model.forward(*args), None
+        else:
+            hidden, kv_cache, expert_counts = model.forward_counting_experts(*args)
     num_pages, block_size = token_cache.shape
     token_cache = (
         token_cache.reshape(-1)
@@ -104,10 +121,22 @@ def model_step(
             branch_free=plan is not SamplerPlan.DYNAMIC,
         )
         out = dataclasses.replace(out, draft_target_ids=targets, draft_logprobs=target_logprobs)
-    if expert_counts is not None:
+    draft_state = None
+    if draft_head is not None:
+        draft_kv, draft_state = head_in_step(
+            draft_head,
+            params,
+            draft_params,
+            draft_kv,
+            inputs,
+            captured.rows,
+            out.sampled_token_ids,
+            out.draft_target_ids,
+        )
+    if expert_counts is not None or draft_state is not None:
         fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
-        out = CountedSamplerOutput(**fields, expert_counts=expert_counts)
-    if draft_model is not None:
+        out = CountedSamplerOutput(**fields, expert_counts=expert_counts, draft_state=draft_state)
+    if draft_model is not None or draft_head is not None:
         kv_cache = (kv_cache, draft_kv)
     return out, logits, kv_cache, token_cache
 

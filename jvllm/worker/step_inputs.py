@@ -178,6 +178,10 @@ def prepare_step_inputs(
             num_speculative_tokens,
             bitmask.shape[1],
             draft_bitmask,
+            [
+                req.all_token_ids[start + n] if start + n < req.num_tokens else -1
+                for req, start, n in zip(requests, first, num_scheduled)
+            ],
         )
     return StepInputs(token_ids, positions, attn, sampling, drafts)
 

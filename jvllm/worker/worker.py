@@ -20,7 +20,7 @@ from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.cpu_malloc import keep_freed_memory
-from jvllm.distributed.mesh import describe_placement, engine_mesh
+from jvllm.distributed.mesh import describe_placement, engine_mesh, num_shards
 from jvllm.distributed.tensor_parallel import ParamPlacer
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
@@ -31,7 +31,7 @@ from jvllm.model_loader.loader import expected_dtype
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
 from jvllm.quantization import cpu_dense, describe_weights, is_quantized
-from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from jvllm.worker import device_buffers
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.draft_model import DraftModel, check_draft
@@ -118,16 +118,17 @@ class Worker:
         if self.draft is not None:
             groups = self.config.cache_config.kv_groups
             has_windows = groups is not None and groups.windows != (None,)
-            check_draft(self.model_config, self.draft.config, has_windows)
+            check_draft(self.model_config, self.draft, has_windows, num_shards(self.mesh))
         self.model_runner: ModelRunner | None = None
         # While the weights sleep: param path -> host copy (sleep level 2: only what
         # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
         self._sleeping_params: device_buffers.HostParams | None = None
 
     def _load_draft(self, spec: SpeculativeConfig | None, load, parallel) -> DraftModel | None:
-        """speculative_config's draft model (method "draft_model"), on the target's mesh in
-        the target's dtype, without a tokenizer: it must share the target's."""
-        if spec is None or spec.method != "draft_model":
+        """speculative_config's draft model (method "draft_model") or EAGLE-3 head ("eagle3"),
+        on the target's mesh in the target's dtype, without a tokenizer: it must share the
+        target's."""
+        if spec is None or spec.method not in MODEL_METHODS:
             return None
         config, params, _ = load_model(
             spec.model,
@@ -136,8 +137,9 @@ class Worker:
             skip_tokenizer_init=True,
             hf_overrides=spec.hf_overrides,
             enable_expert_parallel=parallel.enable_expert_parallel,
+            draft_head=spec.method == "eagle3",
         )
-        return DraftModel(config, params)
+        return DraftModel(config, params, spec.method)
 
     @staticmethod
     def _build_kernels_early(config: EngineConfig, backend: str) -> None:

@@ -1,0 +1,235 @@
+"""Speculative decoding with an EAGLE-3 head (speculative_config method "eagle3"), built from its
+HF config and random weights: its drafts equal an independent NumPy EAGLE-3 over HF's hidden
+states of the target, and greedy and seeded requests get exactly the tokens they get without
+speculation.
+"""
+
+import json
+import os
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_spec_decode as ngram_tests
+import torch
+import transformers
+from family_parity import TINY_SHAPES
+from safetensors.numpy import save_file
+
+from jvllm import LLM, SamplingParams
+from jvllm.worker.eagle import last_kept_and_next_tokens
+
+ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
+looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
+EPS, THETA = 1e-6, 10000.0
+
+
+def save_eagle3_head(path: str, *, layer_ids, draft_vocab: int, seed: int) -> dict:
+    """An EAGLE-3 checkpoint for a TINY_SHAPES target, as the published heads lay theirs out
+    (midlayer.*, fc, norm, lm_head over a draft vocabulary, d2t and t2d) -> its tensors."""
+    rng = np.random.default_rng(seed)
+    d, f, vocab = TINY_SHAPES["hidden_size"], TINY_SHAPES["intermediate_size"], 512
+    n, k = TINY_SHAPES["num_attention_heads"], TINY_SHAPES["num_key_value_heads"]
+    h = d // n
+    normal = lambda *shape: rng.normal(0.0, 0.15, shape).astype(np.float32)
+    norm = lambda: rng.uniform(0.5, 1.5, d).astype(np.float32)
+    target_ids = np.sort(rng.choice(vocab, draft_vocab, replace=False))
+    t2d = np.zeros(vocab, bool)
+    t2d[target_ids] = True
+    tensors = {
+        "fc.weight": normal(d, 3 * d),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
+        "midlayer.self_attn.q_proj.weight": normal(n * h, 2 * d),
+        "midlayer.self_attn.k_proj.weight": normal(k * h, 2 * d),
+        "midlayer.self_attn.v_proj.weight": normal(k * h, 2 * d),
+        "midlayer.self_attn.o_proj.weight": normal(d, n * h),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "midlayer.mlp.gate_proj.weight": normal(f, d),
+        "midlayer.mlp.up_proj.weight": normal(f, d),
+        "midlayer.mlp.down_proj.weight": normal(d, f),
+        "norm.weight": norm(),
+        "lm_head.weight": rng.normal(0.0, 0.5, (draft_vocab, d)).astype(np.float32),
+        "d2t": (target_ids - np.arange(draft_vocab)).astype(np.int64),
+        "t2d": t2d,
+    }
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **{key: TINY_SHAPES[key] for key in ("hidden_size", "intermediate_size", "vocab_size")},
+        "num_attention_heads": n,
+        "num_key_value_heads": k,
+        "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": EPS,
+        "rope_theta": THETA,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return tensors
+
+
+def _rms(x, w):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * w
+
+
+def _rope(x, positions):  # x [T, heads, H], rotate-half
+    h = x.shape[-1]
+    inv = 1.0 / THETA ** (np.arange(0, h, 2) / h)
+    angles = positions[:, None] * inv[None]  # [T, H/2]
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    x1, x2 = x[..., : h // 2], x[..., h // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class ReferenceHead:
+    """EAGLE-3's head in NumPy, over whole positions with its own K/V lists."""
+
+    def __init__(self, tensors: dict, embedding: np.ndarray):
+        self.w = {name: np.asarray(t, np.float64) for name, t in tensors.items()}
+        self.embedding = np.asarray(embedding, np.float64)
+        self.keys, self.values = [], []
+
+    def step(self, tokens, hidden, positions):
+        """The next tokens i32[t], hidden rows [t, D] at `positions` -> (drafts, pre-norm)."""
+        w, m = self.w, "midlayer."
+        n, k = TINY_SHAPES["num_attention_heads"], TINY_SHAPES["num_key_value_heads"]
+        x = np.concatenate(
+            [
+                _rms(self.embedding[tokens], w[m + "input_layernorm.weight"]),
+                _rms(hidden, w[m + "hidden_norm.weight"]),
+            ],
+            axis=-1,
+        )
+        q = (x @ w[m + "self_attn.q_proj.weight"].T).reshape(len(tokens), n, -1)
+        key = (x @ w[m + "self_attn.k_proj.weight"].T).reshape(len(tokens), k, -1)
+        value = (x @ w[m + "self_attn.v_proj.weight"].T).reshape(len(tokens), k, -1)
+        q, key = _rope(q, positions), _rope(key, positions)
+        self.keys.extend(key)
+        self.values.extend(value)
+        keys, values = np.stack(self.keys), np.stack(self.values)  # [P, K, H]
+        keys, values = np.repeat(keys, n // k, axis=1), np.repeat(values, n // k, axis=1)
+        scores = np.einsum("tnh,pnh->tnp", q, keys) / np.sqrt(q.shape[-1])
+        scores = np.where(
+            np.arange(len(keys))[None, None] <= positions[:, None, None], scores, -1e30
+        )
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("tnp,pnh->tnh", probs, values).reshape(len(tokens), -1)
+        residual = hidden + attn @ w[m + "self_attn.o_proj.weight"].T
+        y = _rms(residual, w[m + "post_attention_layernorm.weight"])
+        gate, up = y @ w[m + "mlp.gate_proj.weight"].T, y @ w[m + "mlp.up_proj.weight"].T
+        prenorm = residual + (gate / (1 + np.exp(-gate)) * up) @ w[m + "mlp.down_proj.weight"].T
+        draft_ids = np.argmax(_rms(prenorm, w["norm.weight"]) @ w["lm_head.weight"].T, axis=-1)
+        return (draft_ids + w["d2t"][draft_ids]).astype(int), prenorm
+
+
+def reference_drafts(target_dir, tensors, layer_ids, prompt, num_drafts) -> list[int]:
+    """The head's drafts after a greedy prefill of `prompt`: HF's target gives the rows entering
+    `layer_ids` and the next token; the head runs over the prompt's positions, then drafts."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), output_hidden_states=True)
+    rows = np.concatenate([out.hidden_states[i][0].double().numpy() for i in layer_ids], -1)
+    next_token = int(out.logits[0, -1].argmax())
+    head = ReferenceHead(tensors, model.model.embed_tokens.weight.detach().numpy())
+    hidden = rows @ head.w["fc.weight"].T
+    positions = np.arange(len(prompt))
+    drafts, prenorm = head.step(np.asarray([*prompt[1:], next_token]), hidden, positions)
+    tokens, row = [int(drafts[-1])], prenorm[-1:]
+    for i in range(num_drafts - 1):
+        draft, row = head.step(np.asarray(tokens[-1:]), row, np.asarray([len(prompt) + i]))
+        tokens.append(int(draft[0]))
+    return tokens
+
+
+def eagle3(path: str, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": path, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> tuple[str, dict]:
+    path = str(tmp_path_factory.mktemp("eagle3_head"))
+    return path, save_eagle3_head(path, layer_ids=(0, 1, 1), draft_vocab=200, seed=5)
+
+
+def test_eagle3_drafts_equal_a_reference_head_over_hf_hidden_states(looping_model_dir, head):
+    """After a prefill, and after each step that verified drafts, the drafts proposed for the
+    next step are the NumPy head's over the whole sequence so far: the target's rows entering
+    layers 0, 1, 1, the tokens shifted by one, the head's KV (its rows at rejected drafts'
+    positions recomputed), its pre-norm row carried through k - 1 more steps, and d2t's map."""
+    path, tensors = head
+    llm = LLM(looping_model_dir, speculative_config=eagle3(path, k=4), **ENGINE_KWARGS)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate([PROMPTS[0], PROMPTS[3]]):
+        request_id = f"r{i}"
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        outputs, num_checked = [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():  # a prefill (one chunk) or a verification, then proposals
+                outputs = list(out.outputs[0].token_ids)
+            proposal = engine.scheduler.drafter._proposals.get(request_id)
+            if proposal is None:
+                continue
+            sequence = [*prompt, *outputs[:-1]]  # the last output is the one not computed yet
+            assert proposal[1] == reference_drafts(
+                looping_model_dir, tensors, (0, 1, 1), sequence, 4
+            )
+            num_checked += 1
+        assert num_checked >= 3
+
+
+def test_eagle3_gives_the_tokens_of_no_speculation(looping_model_dir, plain_llm, head):
+    """Greedy requests (chunked prefill: the 45-token prompt takes two steps beside others),
+    then a seeded sampled one beside them."""
+    llm = LLM(looping_model_dir, speculative_config=eagle3(head[0]), **ENGINE_KWARGS)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.2, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
+    prompts, params = [*PROMPTS, PROMPTS[1]], [greedy] * len(PROMPTS) + [seeded]
+    tokens = lambda engine: [
+        list(o.outputs[0].token_ids) for o in engine.generate(prompts, params, use_tqdm=False)
+    ]
+    assert tokens(llm) == tokens(plain_llm)
+    assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 20
+
+
+def test_the_head_reads_the_token_after_each_position_and_drafts_after_the_kept_ones():
+    """A step of a verification (t, d1, d2, d3 whose target tokens accept d1 and d2), a prompt
+    chunk short of its prompt's end, and a padding row: the head's input token at each position
+    is the target's there (d1, d2, the correction, the bonus), the chunk's own next ones and
+    the prompt's next; its drafts start after the last accepted draft and the chunk's end."""
+    md = SimpleNamespace(
+        seq_lens=jnp.asarray([13, 9, 0]),
+        logits_indices=jnp.asarray([3, 6, 6]),  # padding points at the last real token
+        query_start_loc=jnp.asarray([0, 4, 7, 7]),
+    )
+    drafts = SimpleNamespace(
+        indices=jnp.asarray([0, 1, 2, 0]),
+        seq_index=jnp.asarray([0, 0, 0, 0]),
+        num_tokens_before=jnp.asarray([3, 2, 1, 0]),  # the last entry is padding
+        next_token_ids=jnp.asarray([-1, 42, -1]),
+    )
+    inputs = SimpleNamespace(
+        token_ids=jnp.asarray([7, 10, 11, 12, 20, 21, 22, 0]), attn=md, drafts=drafts
+    )
+    sampled, targets = jnp.asarray([55, 66, 77]), jnp.asarray([10, 11, 99, 0])
+    last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
+    assert last_kept[:2].tolist() == [2, 6]
+    assert next_tokens[:7].tolist() == [10, 11, 99, 55, 21, 22, 42]
+
+
+def test_an_eagle3_head_is_refused_as_the_engines_model_and_a_model_as_a_head(
+    looping_model_dir, head
+):
+    with pytest.raises(ValueError, match="is an EAGLE-3 draft head .* speculative_config"):
+        LLM(head[0], **ENGINE_KWARGS)
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        LLM(looping_model_dir, speculative_config=eagle3(looping_model_dir), **ENGINE_KWARGS)
+    with pytest.raises(ValueError, match="method 'eagle3' needs model"):
+        LLM(looping_model_dir, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
