@@ -1,11 +1,9 @@
-"""Speculative decoding with an EAGLE-3 head (speculative_config method "eagle3"), built from its
-HF config and random weights: its drafts equal an independent NumPy EAGLE-3 over HF's hidden
-states of the target, and greedy and seeded requests get exactly the tokens they get without
-speculation.
+"""Speculative decoding with an EAGLE-3 head (speculative_config method "eagle3"), a checkpoint
+of random weights in the published layout (benchmarks/random_heads.py): its drafts equal an
+independent NumPy EAGLE-3 over HF's hidden states of the target, and greedy and seeded requests
+get exactly the tokens they get without speculation.
 """
 
-import json
-import os
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -15,63 +13,15 @@ import test_spec_decode as ngram_tests
 import torch
 import transformers
 from family_parity import TINY_SHAPES
-from safetensors.numpy import save_file
 
 from jvllm import LLM, SamplingParams
+from jvllm.benchmarks.random_heads import save_random_eagle3_head
+from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.worker.eagle import last_kept_and_next_tokens
 
 ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
 looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
 EPS, THETA = 1e-6, 10000.0
-
-
-def save_eagle3_head(path: str, *, layer_ids, draft_vocab: int, seed: int) -> dict:
-    """An EAGLE-3 checkpoint for a TINY_SHAPES target, as the published heads lay theirs out
-    (midlayer.*, fc, norm, lm_head over a draft vocabulary, d2t and t2d) -> its tensors."""
-    rng = np.random.default_rng(seed)
-    d, f, vocab = TINY_SHAPES["hidden_size"], TINY_SHAPES["intermediate_size"], 512
-    n, k = TINY_SHAPES["num_attention_heads"], TINY_SHAPES["num_key_value_heads"]
-    h = d // n
-    normal = lambda *shape: rng.normal(0.0, 0.15, shape).astype(np.float32)
-    norm = lambda: rng.uniform(0.5, 1.5, d).astype(np.float32)
-    target_ids = np.sort(rng.choice(vocab, draft_vocab, replace=False))
-    t2d = np.zeros(vocab, bool)
-    t2d[target_ids] = True
-    tensors = {
-        "fc.weight": normal(d, 3 * d),
-        "midlayer.input_layernorm.weight": norm(),
-        "midlayer.hidden_norm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": normal(n * h, 2 * d),
-        "midlayer.self_attn.k_proj.weight": normal(k * h, 2 * d),
-        "midlayer.self_attn.v_proj.weight": normal(k * h, 2 * d),
-        "midlayer.self_attn.o_proj.weight": normal(d, n * h),
-        "midlayer.post_attention_layernorm.weight": norm(),
-        "midlayer.mlp.gate_proj.weight": normal(f, d),
-        "midlayer.mlp.up_proj.weight": normal(f, d),
-        "midlayer.mlp.down_proj.weight": normal(d, f),
-        "norm.weight": norm(),
-        "lm_head.weight": rng.normal(0.0, 0.5, (draft_vocab, d)).astype(np.float32),
-        "d2t": (target_ids - np.arange(draft_vocab)).astype(np.int64),
-        "t2d": t2d,
-    }
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        **{key: TINY_SHAPES[key] for key in ("hidden_size", "intermediate_size", "vocab_size")},
-        "num_attention_heads": n,
-        "num_key_value_heads": k,
-        "num_hidden_layers": 1,
-        "draft_vocab_size": draft_vocab,
-        "rms_norm_eps": EPS,
-        "rope_theta": THETA,
-        "max_position_embeddings": 512,
-        "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
-    }
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return tensors
 
 
 def _rms(x, w):
@@ -155,7 +105,11 @@ def eagle3(path: str, k: int = 3) -> dict:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory) -> tuple[str, dict]:
     path = str(tmp_path_factory.mktemp("eagle3_head"))
-    return path, save_eagle3_head(path, layer_ids=(0, 1, 1), draft_vocab=200, seed=5)
+    target = model_config_from_hf({**TINY_SHAPES, "architectures": ["LlamaForCausalLM"]}, "float32")
+    tensors = save_random_eagle3_head(
+        path, target, draft_vocab_size=200, layer_ids=(0, 1, 1), seed=5
+    )
+    return path, tensors
 
 
 def test_eagle3_drafts_equal_a_reference_head_over_hf_hidden_states(looping_model_dir, head):

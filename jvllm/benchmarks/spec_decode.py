@@ -1,27 +1,37 @@
-"""Speculative decoding (n-gram drafts, or a draft model) against plain decoding, at batch 1:
-one request at a time, greedy and sampled (seeded, temperature 0.7 unless --temperatures says otherwise), on a
-prompt whose answer repeats it (editing code) and on one whose answer does not (a story).
+"""Speculative decoding (n-gram drafts, a draft model, or an EAGLE-3 head) against plain
+decoding, at batch 1: one request at a time, greedy and sampled (seeded, temperature 0.7 unless
+--temperatures says otherwise), on a prompt whose answer repeats it (editing code) and on one
+whose answer does not (a story).
 
     python -m jvllm.benchmarks.spec_decode                    # the default model, bfloat16
     python -m jvllm.benchmarks.spec_decode -k 5 --max-tokens 256 --temperatures 0,0.7,1
     python -m jvllm.benchmarks.spec_decode --method draft_model --draft-layers 8
+    python -m jvllm.benchmarks.spec_decode --method eagle3
 
 `--method draft_model` drafts with the target's first --draft-layers layers, its final norm and
 its LM head (the same checkpoint loaded with hf_overrides={"num_hidden_layers": N}: the loader
-keeps the first N layers), unless --draft-model names another model.
+keeps the first N layers), unless --draft-model names another model. `--method eagle3` drafts
+with the EAGLE-3 head --draft-model names, else with one of random weights of the target's
+shapes (benchmarks/random_heads.py; a draft vocabulary of 32000 ids): its drafts are almost
+never accepted, so each round gives one token and its cost is what speculation adds.
 
 Prints, for each prompt and temperature, the output tok/s without and with speculation (the
 same engine options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens
-are the same (a seeded sampled request's are, as a greedy one's, but for bfloat16's near ties).
+are the same (a seeded sampled request's are, as a greedy one's, but for bfloat16's near ties);
+then a round's cost (a verification of k + 1 rows, the draft's work) over a plain decode
+step's, and the speed-up it implies where k drafts are each accepted at 60% and 80%: the
+expected tokens a round, (1 - a^(k+1)) / (1 - a), over that cost.
 Each engine runs the prompt once untimed first, so that compiles are not counted, then
 --num-iters times, alternating with the other; the figures are medians.
 """
 
 import argparse
 import statistics
+import tempfile
 import time
 
 from jvllm import LLM, SamplingParams
+from jvllm.benchmarks.random_heads import save_random_eagle3_head
 from jvllm.benchmarks.startup import cpu_name
 from jvllm.model_loader.default_model import DEFAULT_MODEL
 
@@ -61,8 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="None: the default model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
-    parser.add_argument("--draft-model", default=None, help="None: the target's first layers")
+    parser.add_argument("--method", choices=("ngram", "draft_model", "eagle3"), default="ngram")
+    parser.add_argument(
+        "--draft-model", default=None, help="None: the target's first layers, or a random head"
+    )
     parser.add_argument("--draft-layers", type=int, default=8, help="of the derived draft")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
@@ -85,13 +97,25 @@ def main(argv: list[str] | None = None) -> None:
         speculative_config["prompt_lookup_min"] = args.prompt_lookup_min
     elif args.draft_model is not None:
         speculative_config["model"] = args.draft_model
-    else:
+    elif args.method == "draft_model":
         speculative_config["model"] = args.model or DEFAULT_MODEL
         speculative_config["hf_overrides"] = {"num_hidden_layers": args.draft_layers}
     plain = LLM(args.model, **engine_kwargs)
+    if args.method == "eagle3" and args.draft_model is None:
+        speculative_config["model"] = head_dir = tempfile.mkdtemp(prefix="jvllm_eagle3_")
+        target = plain.llm_engine.model_config
+        # EAGLE-3's layers (2, L/2, L - 3), kept inside a shallow target's.
+        layers = tuple(
+            min(max(i, 0), target.num_layers - 1)
+            for i in (2, target.num_layers // 2, target.num_layers - 3)
+        )
+        save_random_eagle3_head(
+            head_dir, target, draft_vocab_size=min(32000, target.vocab_size), layer_ids=layers
+        )
     speculative = LLM(args.model, speculative_config=speculative_config, **engine_kwargs)
     stats = speculative.llm_engine.spec_decoding_stats
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    k, rounds = args.num_speculative_tokens, []
     print(f"CPU: {cpu_name()}; {args.model or 'the default model'} in {args.dtype}, batch 1")
     print(f"speculative_config: {speculative_config}, {args.max_tokens} tokens a prompt")
     print(
@@ -120,6 +144,20 @@ def main(argv: list[str] | None = None) -> None:
                 f"{len(got) / spec_s:>10.1f} {plain_s / spec_s:>5.2f}x {rate:>8.0%} "
                 f"{got == want!s:>11}"
             )
+            rounds.append(round_cost(len(got), spec_s, rate, k) / (plain_s / len(want)))
+    cost = statistics.median(rounds)
+    implied = "; ".join(f"{a:.0%}: {tokens_a_round(a, k) / cost:.2f}x" for a in (0.6, 0.8))
+    print(f"a round costs {cost:.2f} plain decode steps (median); implied speed-up at {implied}")
+
+
+def tokens_a_round(acceptance: float, k: int) -> float:
+    """Expected tokens a round of k drafts gives, each accepted at `acceptance` after the last."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def round_cost(num_tokens: int, seconds: float, acceptance: float, k: int) -> float:
+    """Seconds a round, from a run's tokens and time at its measured acceptance."""
+    return seconds / (num_tokens / tokens_a_round(acceptance, k))
 
 
 if __name__ == "__main__":
