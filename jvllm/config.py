@@ -87,6 +87,11 @@ class ModelConfig:
     # E / num_shards of them (`num_local_experts`), and its MoE layers run only their
     # assignments.
     is_expert_parallel: bool = False
+    # > 1 (a shard's config, under expert parallelism): the MoE layers run across this many
+    # data-parallel ranks, the mesh's "data" axis (distributed/data_parallel_moe.py): each holds
+    # E / (num_data_ranks * num_shards) experts, gathers every rank's tokens over "data" and
+    # reduce-scatters the outputs back; attention and the dense layers stay a rank's own.
+    num_data_ranks: int = 1
     # LoRA adapter slots of the projections that take adapters (layers/lora.py), each of up to
     # max_lora_rank; 0: none, and the params hold no adapter weights.
     max_loras: int = 0
@@ -164,9 +169,10 @@ class ModelConfig:
 
     @property
     def num_expert_shards(self) -> int:
-        """The devices the routed experts are spread over, each whole on one: num_shards under
-        expert parallelism, else 1 (a device holds every expert, or a slice of each)."""
-        return self.num_shards if self.is_expert_parallel else 1
+        """The devices the routed experts are spread over, each whole on one: num_shards (times
+        num_data_ranks) under expert parallelism, else 1 (a device holds every expert, or a
+        slice of each)."""
+        return self.num_shards * self.num_data_ranks if self.is_expert_parallel else 1
 
     @property
     def num_local_experts(self) -> int:

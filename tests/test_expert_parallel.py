@@ -2,6 +2,8 @@
 the held experts' partial sums, which add up over the devices to the whole layer. The engines
 over fake devices are in scale_out/test_expert_parallel.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +41,8 @@ def _qwen2_moe(num_experts: int = 8) -> transformers.Qwen2MoeConfig:
 def test_expert_stacks_are_cut_by_expert_and_the_rest_as_under_tensor_parallelism():
     config = _config(_qwen2_moe())
     mlp = param_specs(config)["layers"]["mlp"]
-    assert mlp["gate_up"] == mlp["down"] == P(None, "model", None, None)  # [L, E, ., .]
+    # [L, E, ., .]: over a replica's [1, T] mesh, or every device of the D x T one
+    assert mlp["gate_up"] == mlp["down"] == P(None, ("data", "model"), None, None)
     assert mlp["router"] == P(None, None, None)  # every device routes every token
     assert mlp["shared_expert"]["gate_up"]["weight"] == P(None, "model", None)  # its F cut
     assert mlp["shared_expert"]["down"]["weight"] == P(None, None, "model")
@@ -54,7 +57,7 @@ def test_gpt_oss_expert_biases_follow_their_experts_and_the_down_biases_stay_who
         **{**TINY_SHAPES, "intermediate_size": 32}, head_dim=16, num_local_experts=4
     )
     mlp = param_specs(_config(gpt_oss, 2))["layers"]["mlp"]
-    assert mlp["gate_up_bias"] == P(None, "model", None)
+    assert mlp["gate_up_bias"] == P(None, ("data", "model"), None)
     assert mlp["down_bias"] == mlp["router"] == P(None, None, None)
     assert mlp["router_bias"] == P(None, None)
 
@@ -122,6 +125,17 @@ def test_gpt_oss_held_experts_partial_sums_add_up_to_the_whole_layer():
 def test_experts_that_do_not_divide_over_the_devices_are_refused():
     with pytest.raises(ValueError, match=r"enable_expert_parallel=True places each of .* 6 routed"):
         _config(_qwen2_moe(num_experts=6))
+
+
+def test_experts_across_data_parallel_ranks_divide_over_every_device():
+    """D = 2 ranks of T = 1: 8 experts, 4 a device; 6 experts over D x T = 4 are refused."""
+    config = expert_parallel_config(model_config_from_hf(_qwen2_moe(), "float32"), 1, True, 2)
+    assert config.is_expert_parallel and config.num_local_experts == 8  # the whole model's
+    assert dataclasses.replace(config, num_data_ranks=2).num_local_experts == 4  # a device's
+    with pytest.raises(
+        ValueError, match=r"data_parallel_size=2 .* 6 routed .* tensor_parallel_size = 4 devices"
+    ):
+        expert_parallel_config(model_config_from_hf(_qwen2_moe(6), "float32"), 2, True, 2)
 
 
 def test_without_experts_or_on_one_device_it_is_a_logged_no_op(capsys):

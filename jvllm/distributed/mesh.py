@@ -68,6 +68,11 @@ def num_shards(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[TP_AXIS]
 
 
+def num_ranks(mesh: Mesh | None) -> int:
+    """D: the rows of `mesh`'s "data" axis (1 without a mesh, and on a replica's own mesh)."""
+    return 1 if mesh is None else mesh.shape[DP_AXIS]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A whole copy of the array on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())
@@ -87,10 +92,11 @@ def describe_placement(mesh: Mesh, params, config: ModelConfig) -> str:
         if shard.device == device
     )
     experts = ""
-    if config.is_expert_parallel:
-        num_local = config.num_experts // mesh.shape[TP_AXIS]
+    if config.is_expert_parallel:  # over every device of the mesh (EXPERT_PARALLEL_RULES)
+        num_local = config.num_experts // mesh.size
         experts = f", routed experts placed whole: {num_local} of {config.num_experts} a device"
+    ranks = f"data_parallel_size={mesh.shape[DP_AXIS]}, " if mesh.shape[DP_AXIS] > 1 else ""
     return (
-        f" on {mesh.size} devices (tensor_parallel_size={mesh.shape[TP_AXIS]}{experts}), "
+        f" on {mesh.size} devices ({ranks}tensor_parallel_size={mesh.shape[TP_AXIS]}{experts}), "
         f"{weight_bytes / 2**20:.1f} MiB of weights per device"
     )

@@ -14,7 +14,7 @@ from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.moe import moe_mlp
-from jvllm.layers.parallel import first_local_expert, sum_over_shards
+from jvllm.layers.parallel import experts_over_ranks, first_local_expert, sum_over_shards
 from jvllm.layers.params import param
 
 # HF's `topk_method`s: V2's two softmax routers, and V3's sigmoid one (which HF's V3 model
@@ -107,6 +107,7 @@ class DeepseekMoE(nnx.Module):
         self.scaling_factor = config.option("routed_scaling_factor", 1.0)
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
+        self.num_data_ranks = config.num_data_ranks
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
@@ -123,8 +124,11 @@ class DeepseekMoE(nnx.Module):
             scaling_factor=self.scaling_factor,
         )
         count_experts(experts, self.num_experts)
-        first_expert = first_local_expert(self.num_local_experts, self.num_expert_shards)
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], first_expert)
+        first = first_local_expert(
+            self.num_local_experts, self.num_expert_shards, self.num_data_ranks
+        )
+        run = lambda x, w, e: moe_mlp(x, w, e, self.gate_up[...], self.down[...], first)
+        out = experts_over_ranks(run, x, weights, experts, self.num_data_ranks)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return sum_over_shards(out, self.num_shards)  # [T, D]

@@ -20,7 +20,7 @@ from jvllm.config import ModelConfig
 from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.moe import combine, group_by_expert, grouped_dense
-from jvllm.layers.parallel import first_local_expert, sum_over_shards
+from jvllm.layers.parallel import experts_over_ranks, first_local_expert, sum_over_shards
 from jvllm.layers.params import param
 
 
@@ -101,22 +101,27 @@ class GptOssMoE(nnx.Module):
         self.limit = config.option("swiglu_limit")
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
+        self.num_data_ranks = config.num_data_ranks
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
         logits = dense(x, self.router[...]) + self.router_bias[...]  # f32[T, E]
         weights, experts = route_top_logits(logits, self.top_k)  # [T, k] each
         count_experts(experts, self.num_experts)
-        out = gpt_oss_experts(
+        first = first_local_expert(
+            self.num_local_experts, self.num_expert_shards, self.num_data_ranks
+        )
+        run = lambda x, w, e: gpt_oss_experts(
             x,
-            weights,
-            experts,
+            w,
+            e,
             self.gate_up[...],
             self.gate_up_bias[...],
             self.down[...],
             self.alpha,
             self.limit,
-            first_local_expert(self.num_local_experts, self.num_expert_shards),
+            first,
         )
+        out = experts_over_ranks(run, x, weights, experts, self.num_data_ranks)
         out = sum_over_shards(out, self.num_shards)  # [T, D]
         return out + jnp.einsum("tk,tkd->td", weights, self.down_bias[...][experts])

@@ -22,7 +22,7 @@ from jvllm.config import ModelConfig
 from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
-from jvllm.layers.parallel import first_local_expert, sum_over_shards
+from jvllm.layers.parallel import experts_over_ranks, first_local_expert, sum_over_shards
 from jvllm.layers.params import param
 from jvllm.quantization import ExpertWeight, is_quantized
 
@@ -178,6 +178,7 @@ class SparseMoE(nnx.Module):
         self.num_experts = config.num_experts
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
+        self.num_data_ranks = config.num_data_ranks
         shared_f = config.shared_expert_intermediate_size
         # Its partial sum joins the experts' before their one all-reduce.
         self.shared_expert = GatedMLP(config, shared_f, sum_shards=False) if shared_f else None
@@ -187,12 +188,17 @@ class SparseMoE(nnx.Module):
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
         count_experts(experts, self.num_experts)
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], self.first_expert())
+        out = self.routed_experts(x, weights, experts)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(dense(x, self.shared_gate[...][None]))  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return sum_over_shards(out, self.num_shards)
 
-    def first_expert(self) -> jax.Array | None:
-        """The router's id of this device's first expert under expert parallelism, else None."""
-        return first_local_expert(self.num_local_experts, self.num_expert_shards)
+    def routed_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """This device's experts' partial sums f32[T, D] for the routes `route` gave x, its
+        rank's tokens (across data-parallel ranks, run on every rank's: experts_over_ranks)."""
+        first = first_local_expert(
+            self.num_local_experts, self.num_expert_shards, self.num_data_ranks
+        )
+        run = lambda x, w, e: moe_mlp(x, w, e, self.gate_up[...], self.down[...], first)
+        return experts_over_ranks(run, x, weights, experts, self.num_data_ranks)

@@ -2,11 +2,14 @@
 row-parallel projection (attention's o, the MLP's down, a MoE layer's experts) or a
 vocab-sharded embedding lookup. The layer runs inside `shard_map` over the mesh's "model" axis
 (distributed/tensor_parallel.py); with one shard it runs as it is, with no collective. Under
-expert parallelism a MoE layer also asks which of the experts its device holds."""
+expert parallelism a MoE layer also asks which of the experts its device holds, and across
+data-parallel ranks (distributed/data_parallel_moe.py) runs its experts on every rank's tokens."""
+
+from collections.abc import Callable
 
 import jax
 
-from jvllm.layers.params import TP_AXIS
+from jvllm.layers.params import DP_AXIS, TP_AXIS
 
 
 def sum_over_shards(x: jax.Array, num_shards: int) -> jax.Array:
@@ -14,10 +17,32 @@ def sum_over_shards(x: jax.Array, num_shards: int) -> jax.Array:
     return x if num_shards == 1 else jax.lax.psum(x, TP_AXIS)
 
 
-def first_local_expert(num_local_experts: int, num_expert_shards: int) -> jax.Array | None:
+def first_local_expert(
+    num_local_experts: int, num_expert_shards: int, num_data_ranks: int = 1
+) -> jax.Array | None:
     """Under expert parallelism over `num_expert_shards` devices (distributed/expert_parallel.py),
     the router's id i32[] of this device's first expert: device i holds experts
-    [i E/T, (i + 1) E/T). None where the layer holds every expert."""
+    [i E/T, (i + 1) E/T), i counting the "model" axis, or with `num_data_ranks` > 1 the
+    (data, model) devices row by row. None where the layer holds every expert."""
     if num_expert_shards == 1:
         return None
-    return jax.lax.axis_index(TP_AXIS) * num_local_experts
+    axes = (DP_AXIS, TP_AXIS) if num_data_ranks > 1 else TP_AXIS
+    return jax.lax.axis_index(axes) * num_local_experts
+
+
+def experts_over_ranks(
+    run: Callable[..., jax.Array],
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    num_data_ranks: int,
+) -> jax.Array:
+    """run(x f32[T, D], weights f32[T, k], experts i32[T, k]) -> this device's experts' partial
+    sums f32[T, D], for this rank's T tokens. Across `num_data_ranks` > 1 ranks: every rank's
+    tokens and routes gathered over "data" ([R T, ...]), run on the device's experts, and the
+    partial sums reduce-scattered back, each rank its own T rows summed over the ranks (the
+    "model" axis's sum is the layer's own all-reduce, as without ranks)."""
+    if num_data_ranks == 1:
+        return run(x, weights, experts)
+    everyone = jax.lax.all_gather((x, weights, experts), DP_AXIS, tiled=True)
+    return jax.lax.psum_scatter(run(*everyone), DP_AXIS, scatter_dimension=0, tiled=True)

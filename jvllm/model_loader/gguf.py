@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.expert_parallel import expert_parallel_config
-from jvllm.distributed.mesh import num_shards
+from jvllm.distributed.mesh import num_ranks, num_shards
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.model_loader.dequantize import dequantize
 from jvllm.model_loader.gguf_arch import GLOBAL_NAMES, architecture_of, hf_config_of
@@ -174,7 +174,9 @@ def load_gguf(
     hf_config, tensors = gguf_as_hf(read_gguf(path), path)
     hf_config = apply_hf_overrides(hf_config, hf_overrides)
     config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
-    config = expert_parallel_config(config, num_shards(mesh), enable_expert_parallel)
+    config = expert_parallel_config(
+        config, num_shards(mesh), enable_expert_parallel, num_ranks(mesh)
+    )
     if keep_packed:
         _check_packable(tensors, path)
         # Under tensor parallelism each device gets its share of the blocks (place_blocks).

@@ -15,7 +15,7 @@ import numpy as np
 
 from jvllm.config import DTYPE_CHOICES, ModelConfig
 from jvllm.distributed.expert_parallel import expert_parallel_config
-from jvllm.distributed.mesh import num_shards
+from jvllm.distributed.mesh import num_ranks, num_shards
 from jvllm.distributed.tensor_parallel import placer
 from jvllm.logger import init_logger
 from jvllm.model_loader.base_model import stored_name, without_missing_head
@@ -112,7 +112,9 @@ def load_hf_dir(
     hf_config = read_config_json(path, overrides)
     quantization = checkpoint_quantization(hf_config)
     config = model_config_from_hf(hf_config, resolve_dtype(dtype, hf_config))
-    config = expert_parallel_config(config, num_shards(mesh), enable_expert_parallel)
+    config = expert_parallel_config(
+        config, num_shards(mesh), enable_expert_parallel, num_ranks(mesh)
+    )
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights (other formats are not supported)")

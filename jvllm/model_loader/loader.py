@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.expert_parallel import expert_parallel_config
-from jvllm.distributed.mesh import num_shards
+from jvllm.distributed.mesh import num_ranks, num_shards
 from jvllm.model_loader.default_model import (
     DEFAULT_MODEL,
     default_model_dir,
@@ -215,7 +215,9 @@ def _load(
         own_tokenizer = functools.partial(_load_dir_tokenizer, model, is_default_model)
         if load_format == "dummy":
             config = read_hf_config(model, dtype, hf_overrides)
-            config = expert_parallel_config(config, num_shards(mesh), enable_expert_parallel)
+            config = expert_parallel_config(
+                config, num_shards(mesh), enable_expert_parallel, num_ranks(mesh)
+            )
             return config, dummy_params(config, mesh=mesh), own_tokenizer
         config, params = load_hf_dir(model, dtype, mesh, hf_overrides, enable_expert_parallel)
         return config, params, own_tokenizer

@@ -22,7 +22,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.mlp import GatedMLP
-from jvllm.layers.moe import SparseMoE, moe_mlp, route
+from jvllm.layers.moe import SparseMoE, route
 from jvllm.layers.parallel import sum_over_shards
 from jvllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _normalize_granite
 from jvllm.models.weights import CheckpointWeights
@@ -51,7 +51,7 @@ class UngatedSharedMoE(SparseMoE):
         """x f32[T, D] -> f32[T, D]."""
         weights, experts = route(x, self.router[...], self.top_k, self.renormalize)
         count_experts(experts, self.num_experts)
-        out = moe_mlp(x, weights, experts, self.gate_up[...], self.down[...], self.first_expert())
+        out = self.routed_experts(x, weights, experts)
         return sum_over_shards(out + self.shared_expert(x), self.num_shards)
 
 

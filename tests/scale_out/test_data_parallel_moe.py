@@ -1,0 +1,163 @@
+"""MoE layers across data-parallel ranks on fake CPU devices (distributed/data_parallel_moe.py):
+one SPMD step over the (data, model) mesh runs D ranks' batches, each with its own KV pages, the
+experts spread over all D x T devices, and gives each rank what its batch gives alone on one
+device: a prefill step, then a decode step reading the pages the first wrote (the two ranks use
+the same page ids, each in its own pool), with a rank that has nothing to run."""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from family_parity import ragged_prompts, save_random_model
+from jax.sharding import NamedSharding
+from test_expert_parallel import FAMILIES
+from test_family_deepseek import _save as _save_deepseek
+from test_family_deepseek import v3_like
+from test_family_gpt_oss import _save_gpt_oss
+
+from jvllm.attention.backends import get_attention
+from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, data_parallel_model
+from jvllm.distributed.mesh import make_mesh
+from jvllm.model_loader.loader import load_model
+from jvllm.models.model import compute_logits, forward
+from jvllm.sampling_params import SamplingParams
+from jvllm.worker.buckets import Bucket
+from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.step_inputs import prepare_step_inputs
+
+BLOCK_SIZE, NUM_PAGES, MAX_PAGES = 8, 13, 8  # pages a rank, its own ids from 1 (0: null)
+PREFILL = Bucket(num_tokens=64, num_seqs=4, tile_q=16)
+DECODE = Bucket(num_tokens=4, num_seqs=4, tile_q=1)
+VOCAB = 511
+# Each rank's prompts: rank 1 runs one, rank 0 three; at the decode step rank 1 has none.
+PROMPTS = (ragged_prompts(VOCAB, lengths=(3, 17, 30)), ragged_prompts(VOCAB, (21,), seed=1))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    @functools.cache
+    def save(name: str) -> str:
+        path = tmp_path_factory.mktemp(name)
+        if name == "deepseek_v3":
+            _save_deepseek(path, v3_like())
+        else:
+            save = _save_gpt_oss if name == "gpt_oss" else save_random_model
+            save(path, FAMILIES[name]())
+        return str(path)
+
+    return save
+
+
+def _requests(prompts: list[list[int]], is_decode: bool):
+    """What prepare_step_inputs reads of a request: prefilling `prompts`, or decoding one more
+    token (id 7) after each."""
+    greedy = SamplingParams(temperature=0.0)
+    return [
+        types.SimpleNamespace(
+            all_token_ids=[*p, 7],
+            prompt_token_ids=p,
+            num_prompt_tokens=len(p),
+            num_computed_tokens=len(p) if is_decode else 0,
+            num_output_tokens=int(is_decode),
+            sampling_params=greedy,
+            seed=0,
+        )
+        for p in prompts
+    ]
+
+
+def _step_inputs(prompts: list[list[int]], is_decode: bool):
+    """The step of `prompts` in their bucket, sequence s on pages from 1 + 4 s (4 a sequence)."""
+    bucket = DECODE if is_decode else PREFILL
+    requests = _requests(prompts, is_decode)
+    num_scheduled = [1 if is_decode else len(p) for p in prompts]
+    block_ids = [list(range(1 + 4 * s, 1 + 4 * s + 4)) for s in range(len(prompts))]
+    return prepare_step_inputs(
+        requests, num_scheduled, block_ids, bucket, BLOCK_SIZE, MAX_PAGES, VOCAB
+    )
+
+
+def _alone(path: str, steps) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One device running one rank's `steps` in turn on its own KV -> (hidden, logits) each."""
+    config, params, _ = load_model(path, "float32", skip_tokenizer_init=True)
+    attn = get_attention("reference", config.sm_scale)
+    shape = kv_cache_shape(config, NUM_PAGES, BLOCK_SIZE)
+    kv = allocate_kv_cache(kv_cache_spec("float32", "reference"), shape, jax.devices()[0])
+    run = jax.jit(functools.partial(forward, config=config, attn=attn))
+    out = []
+    for inputs in steps:
+        hidden, kv = run(params, kv, inputs.token_ids, inputs.positions, inputs.attn)
+        logits = compute_logits(params, hidden[inputs.attn.logits_indices], config=config)
+        out.append((np.asarray(hidden), np.asarray(logits)))
+    return out
+
+
+def _across_ranks(path: str, d: int, t: int, steps):
+    """The D ranks' steps, stacked, as one SPMD step each over the D x T mesh -> the model,
+    the params, and (hidden [D, ...], logits [D, ...]) each step."""
+    mesh = make_mesh(d, t)
+    config, params, _ = load_model(
+        path, "float32", mesh=mesh, skip_tokenizer_init=True, enable_expert_parallel=True
+    )
+    model = data_parallel_model(
+        config, mesh, get_attention("reference", config.sm_scale), False, params
+    )
+    shape = kv_cache_shape(config, d * NUM_PAGES, BLOCK_SIZE, t)
+    sharding = NamedSharding(mesh, KV_CACHE_SPEC)
+    kv = allocate_kv_cache(kv_cache_spec("float32", "reference"), shape, sharding)
+    run = jax.jit(model.forward)
+    out = []
+    for ranks in steps:
+        stacked = jax.tree.map(lambda *a: np.stack(a), *ranks)
+        hidden, kv = run(params, kv, stacked.token_ids, stacked.positions, stacked.attn)
+        rows = jnp.take_along_axis(hidden, stacked.attn.logits_indices[..., None], axis=1)
+        out.append((np.asarray(hidden), np.asarray(model.logits(params, rows))))
+    return config, params, out
+
+
+def _experts_a_device(params) -> set[int]:
+    """The routed experts each device holds of each MoE layer stack (gate_up [L, E, D, 2F])."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    stacks = [a for path, a in flat if jax.tree_util.keystr(path).endswith("['gate_up']")]
+    stacks = [a for a in stacks if a.ndim == 4]  # not a dense MLP's fused gate_up
+    return {shard.data.shape[1] for a in stacks for shard in a.addressable_shards}
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "t"),
+    [
+        ("mixtral", 2, 1),
+        ("mixtral", 2, 2),
+        ("qwen2_moe", 2, 2),
+        ("deepseek_v3", 2, 2),
+        ("gpt_oss", 2, 2),
+    ],
+)
+def test_each_rank_gets_what_its_batch_gives_alone_on_one_device(model_dir, name, d, t):
+    """Mixtral's 8 experts, 4 or 2 a device; Qwen2-MoE's 4, 1 a device, and its gated shared
+    expert cut over "model", run on the rank's own tokens; DeepSeek-V3's grouped sigmoid router,
+    shared expert and MLA's latent cache; gpt-oss's expert biases, whole or by expert."""
+    path = model_dir(name)
+    prompts = [PROMPTS[r % 2] for r in range(d)]
+    steps = [
+        [_step_inputs(prompts[r], False) for r in range(d)],
+        # Rank 1 has nothing to decode: a batch of padding, which writes only the null page.
+        [_step_inputs(prompts[r] if r == 0 else [], True) for r in range(d)],
+    ]
+    config, params, spread = _across_ranks(path, d, t, steps)
+    experts_a_device = config.num_experts // (d * t)
+    assert _experts_a_device(params) == {experts_a_device}
+    for r in range(d):
+        alone = _alone(path, [step[r] for step in steps])
+        for (hidden, logits), (one_hidden, one_logits), step in zip(spread, alone, steps):
+            num_real = int(step[r].attn.query_start_loc[-1])
+            num_seqs = len(prompts[r]) if step is steps[0] or r == 0 else 0
+            np.testing.assert_allclose(
+                hidden[r, :num_real], one_hidden[:num_real], rtol=1e-5, atol=1e-5
+            )
+            np.testing.assert_allclose(
+                logits[r, :num_seqs], one_logits[:num_seqs], rtol=1e-5, atol=1e-5
+            )
