@@ -20,6 +20,7 @@ from jvllm.layers.gpt_oss_moe import gpt_oss_experts
 from jvllm.layers.moe import group_by_expert, moe_mlp, route
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_shapes
+from jvllm.worker.rank_group_worker import check_rank_group, runs_moe_across_ranks
 
 
 def _config(hf_config, num_shards: int = 4):
@@ -136,6 +137,26 @@ def test_experts_across_data_parallel_ranks_divide_over_every_device():
         ValueError, match=r"data_parallel_size=2 .* 6 routed .* tensor_parallel_size = 4 devices"
     ):
         expert_parallel_config(model_config_from_hf(_qwen2_moe(6), "float32"), 2, True, 2)
+
+
+def test_moe_layers_run_across_ranks_only_for_an_moe_checkpoint_with_the_option(tmp_path):
+    """Data parallelism runs one group of ranks for a mixture of experts with
+    enable_expert_parallel; a dense model, or no option, runs independent replicas."""
+    _qwen2_moe().save_pretrained(tmp_path / "moe")
+    transformers.LlamaConfig(**TINY_SHAPES).save_pretrained(tmp_path / "dense")
+    config = lambda name, **kwargs: EngineArgs(
+        str(tmp_path / name), data_parallel_size=2, **kwargs
+    ).create_engine_config()
+    assert runs_moe_across_ranks(config("moe", enable_expert_parallel=True))
+    assert not runs_moe_across_ranks(config("moe"))
+    assert not runs_moe_across_ranks(config("dense", enable_expert_parallel=True))
+    check_rank_group(config("moe", enable_expert_parallel=True))
+    with pytest.raises(ValueError, match=r"does not take async_scheduling, enable_sleep_mode yet"):
+        check_rank_group(
+            config(
+                "moe", enable_expert_parallel=True, async_scheduling=True, enable_sleep_mode=True
+            )
+        )
 
 
 def test_without_experts_or_on_one_device_it_is_a_logged_no_op(capsys):

@@ -6,6 +6,13 @@ loaded replica (fewest unfinished requests, the lowest rank on a tie) and steps 
 replica at once, each in its own thread: a replica's host work and device calls release the
 GIL while XLA runs, so the replicas' devices work side by side.
 
+For a mixture of experts with enable_expert_parallel the replicas are the ranks of one group
+instead (vLLM's data-parallel attention with expert parallelism, worker/rank_group.py): each
+keeps its own scheduler, KV pool, prefix cache and requests, but the model is loaded once over
+the D x T mesh, its experts spread over every device, and every step of the front steps every
+rank, their steps run as ONE jitted call whose MoE layers reach across the ranks (a rank with
+nothing to run steps padding, so that the collectives line up).
+
 `make_engine` is what LLM and the server construct: an LLMEngine when D = 1, else this.
 """
 
@@ -25,6 +32,7 @@ from jvllm.engine.replica_front import ReplicaFront
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
+from jvllm.worker.rank_group_worker import RankGroupWorker, runs_moe_across_ranks
 
 logger = init_logger(__name__)
 
@@ -81,7 +89,8 @@ class DataParallelEngine(ReplicaFront):
     """LLMEngine's request API over `data_parallel_size` replicas."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        parallel = EngineArgs(model=model, **kwargs).create_engine_config().parallel_config
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        parallel = config.parallel_config
         if parallel.data_parallel_rank is not None:
             raise ValueError(
                 "data_parallel_rank picks the one replica an LLMEngine runs; the "
@@ -89,12 +98,23 @@ class DataParallelEngine(ReplicaFront):
             )
         size = parallel.data_parallel_size
         kwargs.pop("data_parallel_rank", None)  # None here (from_engine_args passes every field)
-        self.replicas = [LLMEngine(model, **kwargs, data_parallel_rank=r) for r in range(size)]
+        # The ranks of one group whose MoE layers reach across them, or independent replicas.
+        self.group = RankGroupWorker(config) if runs_moe_across_ranks(config) else None
+        self.replicas = [
+            LLMEngine(
+                model,
+                worker=self.group and self.group.rank_worker(r),
+                **kwargs,
+                data_parallel_rank=r,
+            )
+            for r in range(size)
+        ]
         self._share_first_replica()
         self._replica_of: dict[str, LLMEngine] = {}
         self._stepped: list[LLMEngine] = []  # the replicas the last step() ran
         self._pool = ThreadPoolExecutor(size, thread_name_prefix="jvllm-dp")
-        logger.info("serving with %d data-parallel replicas", size)
+        what = "ranks whose MoE layers run across them" if self.group else "replicas"
+        logger.info("serving with %d data-parallel %s", size, what)
 
     def add_request(
         self,
@@ -129,17 +149,40 @@ class DataParallelEngine(ReplicaFront):
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica with work, side by side; their outputs in rank order."""
+        """One step of every replica with work, side by side; their outputs in rank order. The
+        ranks of a group step all at once, those without work too (worker/rank_group.py)."""
+        if self.group is not None:
+            outputs = self._step_group()
+        else:
+            outputs = self._step_busy()
+        for output in outputs:
+            if output.finished:
+                self._replica_of.pop(output.request_id, None)
+        return outputs
+
+    def _step_busy(self) -> list[RequestOutput]:
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         self._stepped = busy
         if len(busy) == 1:
             outputs = busy[0].step()
         else:
             outputs = [o for step in self._pool.map(LLMEngine.step, busy) for o in step]
-        for output in outputs:
-            if output.finished:
-                self._replica_of.pop(output.request_id, None)
         return outputs
+
+    def _step_group(self) -> list[RequestOutput]:
+        """Every rank's engine steps in its own thread; the ranks' scheduled steps run as one
+        once each has handed its step over or stepped without one."""
+        runner = self.group.group_runner()
+        runner.begin_step()
+
+        def step_rank(rank: int) -> list[RequestOutput]:
+            try:
+                return self.replicas[rank].step()
+            finally:
+                runner.finish(rank)
+
+        self._stepped = self.replicas
+        return [o for step in self._pool.map(step_rank, range(len(self.replicas))) for o in step]
 
     @property
     def last_finished_requests(self) -> list:

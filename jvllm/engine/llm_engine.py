@@ -39,9 +39,12 @@ class LLMEngine:
     """vLLM's EngineCore and LLMEngine in one: the scheduler, the structured-output manager,
     the requests and their outputs, over a Worker that owns the device (worker/worker.py)."""
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, *, worker=None, **kwargs):
+        """`worker`: a device side made elsewhere for this engine's config, a Worker's view
+        (one rank of a group whose MoE layers run across data-parallel ranks,
+        worker/rank_group_worker.py); None: the engine's own Worker."""
         config = EngineArgs(model=model, **kwargs).create_engine_config()
-        self.worker = worker = Worker(config)
+        self.worker = worker = worker or Worker(config)
         # The config resolved against the model (max_model_len, the attention backend).
         self.engine_config = config = worker.config
         self.model_config = worker.model_config  # the loaded model's architecture

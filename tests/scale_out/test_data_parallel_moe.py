@@ -18,6 +18,7 @@ from test_family_deepseek import _save as _save_deepseek
 from test_family_deepseek import v3_like
 from test_family_gpt_oss import _save_gpt_oss
 
+from jvllm import LLM
 from jvllm.attention.backends import get_attention
 from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, data_parallel_model
 from jvllm.distributed.mesh import make_mesh
@@ -161,3 +162,37 @@ def test_each_rank_gets_what_its_batch_gives_alone_on_one_device(model_dir, name
             np.testing.assert_allclose(
                 logits[r, :num_seqs], one_logits[:num_seqs], rtol=1e-5, atol=1e-5
             )
+
+
+ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 4}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t):
+    """data_parallel_size=2 with enable_expert_parallel: two ranks, each its own scheduler and
+    pages, every step of both one jitted call with Mixtral's 8 experts spread over the 2 t
+    devices; five ragged prompts (rank 0 gets three, rank 1 two, and runs out first, stepping
+    padding) decode greedily as one device decodes them."""
+    path = model_dir("mixtral")
+    prompts = ragged_prompts(VOCAB)
+    expected = _greedy(LLM(path, **ENGINE_KWARGS), prompts)
+    llm = LLM(
+        path,
+        data_parallel_size=2,
+        tensor_parallel_size=t,
+        enable_expert_parallel=True,
+        **ENGINE_KWARGS,
+    )
+    assert _greedy(llm, prompts) == expected
+    engine = llm.llm_engine
+    group = engine.group.group_runner()
+    assert group.num_group_steps > 0
+    assert _experts_a_device(group.params) == {8 // (2 * t)}
+    # Both ranks ran tokens: each counted its own tokens' routes.
+    assert all(counts.sum() > 0 for counts in group.expert_token_counts)

@@ -1,0 +1,333 @@
+"""The D data-parallel ranks of a mixture of experts stepping as one (vLLM's data-parallel
+attention with expert parallelism over data x tensor): every step of every rank runs in ONE
+jitted call over the ("data", "model") mesh, whose MoE layers spread the experts over all
+D x T devices and exchange the ranks' tokens (distributed/data_parallel_moe.py).
+
+Each rank keeps its own engine (scheduler, KV pool and prefix cache, requests, logit-bias
+rows); its runner here (`RankRunner`) is what that engine's LLMEngine steps. A step of the
+group: every rank's engine steps in its own thread (engine/data_parallel_moe.py); a rank that
+scheduled tokens hands them over (`RankRunner.execute_model`) and waits; once every rank has
+handed its step over or stepped without one, the last of them pads every rank's step to one
+bucket (a rank with nothing contributes a step of padding, which writes only its null page),
+runs the group's step and gives each rank its rows back.
+
+The device arrays: the KV cache [L, V, K, D P, B, H] and the token cache [D P, B] hold each
+rank's P pages on its row of devices; each rank's bias rows [R, V] lie on its own row and join
+the step as one [D R, V] array without a copy. Inside the step each device runs
+worker/step_fn.py's step body on its rank's inputs, sampling included: the step is the one
+every engine runs, with the model's MoE layers reaching across the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jvllm.attention.backends import get_attention, in_kv_groups
+from jvllm.attention.reference import pages_per_chunk
+from jvllm.config import ModelConfig
+from jvllm.core.engine_config import RunnerConfig
+from jvllm.core.kv_groups import KVCacheGroups
+from jvllm.core.scheduler_output import SchedulerOutput
+from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC, rank_config
+from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, replica_mesh, replicated
+from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
+from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
+from jvllm.worker.bias_rows import BiasRows, set_row
+from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
+from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
+from jvllm.worker.step_fn import model_step, single_step
+from jvllm.worker.step_inputs import prepare_step_inputs, window_block_ids
+
+
+def _rank_model(config: ModelConfig, attn, vocab_size: int) -> ShardedModel:
+    """The model as one device of a rank runs it inside the group's shard_map: its rank's
+    tensor-parallel shard `config`, logits gathered whole (`vocab_size`) over its T devices."""
+
+    def logits(params, hidden):
+        local = compute_logits(params, hidden, config=config)  # [S, V/T]
+        whole = jax.lax.all_gather(local, TP_AXIS, axis=1, tiled=True)  # [S, padded V]
+        return whole[:, :vocab_size]
+
+    return ShardedModel(
+        functools.partial(forward, config=config, attn=attn),
+        logits,
+        functools.partial(forward_counting_experts, config=config, attn=attn),
+    )
+
+
+@dataclasses.dataclass
+class _Step:
+    """One rank's step handed to the group: what its runner would have run alone."""
+
+    scheduler_output: SchedulerOutput
+    block_ids: list[list[int]]
+    token_bitmask: np.ndarray | None
+
+
+class RankGroupRunner:
+    """The group's device side: the params on the D x T mesh, every rank's KV and token
+    pages, the jitted step, and the hand-over of the ranks' steps."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        runner_config: RunnerConfig,
+        *,
+        num_blocks: int,
+        mesh: Mesh,
+        kv_groups: KVCacheGroups | None = None,
+    ):
+        """`config` and `params` as load_model gives them on `mesh` (the experts placed over
+        its D x T devices); `num_blocks`: each rank's KV pool (null block included)."""
+        self.config, self.params, self.mesh = config, params, mesh
+        self.num_ranks = num_ranks = mesh.shape[DP_AXIS]
+        block_size = self.block_size = runner_config.block_size
+        self.buckets = BucketSpec(runner_config.max_num_batched_tokens, runner_config.max_num_seqs)
+        # As ModelRunner's: the reference backend's page chunks tile the block tables exactly.
+        chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
+        max_blocks = math.ceil(runner_config.max_model_len / block_size)
+        self.max_pages = math.ceil(max_blocks / chunk) * chunk
+        self.num_kv_groups = kv_groups.num_groups if kv_groups else 1
+        spec = kv_cache_spec(
+            config.dtype, runner_config.attention_backend, runner_config.kv_cache_dtype
+        )
+        shape = kv_cache_shape(
+            config,
+            num_ranks * num_blocks,
+            block_size,
+            mesh.shape[TP_AXIS],
+            kv_groups and kv_groups.num_slots,
+        )
+        self.kv_cache = allocate_kv_cache(spec, shape, NamedSharding(mesh, KV_CACHE_SPEC))
+        self.token_cache = jnp.zeros(
+            (num_ranks * num_blocks, block_size), jnp.int32, device=NamedSharding(mesh, RANKS_SPEC)
+        )  # [D P, B]
+        set_bias_row = jax.jit(set_row, donate_argnums=0)
+        self.bias_rows = [
+            BiasRows(
+                runner_config.max_num_seqs + 1,
+                config.vocab_size,
+                set_bias_row,
+                replicated(replica_mesh(mesh, r)),
+            )
+            for r in range(num_ranks)
+        ]
+        attn = get_attention(
+            runner_config.attention_backend,
+            sm_scale=config.sm_scale,
+            logit_softcap=config.attn_logit_softcap,
+            latent_dim=config.option("kv_lora_rank") if config.kv_planes == 1 else None,
+        )
+        if self.num_kv_groups > 1:
+            attn = in_kv_groups(attn, kv_groups)
+        self._step = self._jit_step(config, attn, runner_config)
+        # Each rank's MoE layers' (token, expert) assignments of its own tokens, i64[L_moe, E].
+        self.expert_token_counts = [
+            np.zeros((num_moe_layers(config), config.num_experts), np.int64)
+            for _ in range(num_ranks)
+        ]
+        self._hand_over = threading.Condition()
+        self._steps: dict[int, _Step] = {}
+        self._pending: set[int] = set()
+        self._results: dict[int, ModelRunnerOutput | BaseException] = {}
+        self.num_group_steps = 0
+
+    def _jit_step(self, config: ModelConfig, attn, runner_config: RunnerConfig):
+        """jit of the group's step: (params, kv_cache, token_cache, bias_rows [D R, V],
+        inputs with a leading [D]) -> (SamplerOutput with a leading [D], kv_cache,
+        token_cache), the caches donated."""
+        step = functools.partial(
+            model_step,
+            model=_rank_model(rank_config(config, self.mesh), attn, config.vocab_size),
+            max_logprobs=runner_config.max_logprobs,
+            logprobs_mode=runner_config.logprobs_mode,
+        )
+
+        def rank_step(params, kv_cache, token_cache, bias_rows, inputs):
+            inputs = jax.tree.map(lambda a: a[0], inputs)
+            out, kv_cache, token_cache = single_step(
+                params, kv_cache, token_cache, bias_rows, inputs, step=step
+            )
+            return jax.tree.map(lambda a: a[None], out), kv_cache, token_cache
+
+        specs = params_in_specs(param_specs(config), self.params)
+        mapped = jax.shard_map(
+            rank_step,
+            mesh=self.mesh,
+            in_specs=(specs, KV_CACHE_SPEC, RANKS_SPEC, RANKS_SPEC, RANKS_SPEC),
+            out_specs=(RANKS_SPEC, KV_CACHE_SPEC, RANKS_SPEC),
+            check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=(1, 2))
+
+    def rank_runner(self, rank: int) -> RankRunner:
+        return RankRunner(self, rank)
+
+    def begin_step(self) -> None:
+        """Before the ranks' engines step: every rank is to hand its step over or finish."""
+        with self._hand_over:
+            self._pending = set(range(self.num_ranks))
+
+    def finish(self, rank: int) -> None:
+        """Rank `rank`'s engine stepped (whether or not it handed a step over)."""
+        with self._hand_over:
+            self._arrive(rank)
+
+    def execute(self, rank: int, step: _Step) -> ModelRunnerOutput:
+        """Rank `rank`'s step, run in the group's once every rank has arrived."""
+        with self._hand_over:
+            if rank in self._steps or rank not in self._pending:
+                raise RuntimeError(f"rank {rank} handed over a step outside its group's step")
+            self._steps[rank] = step
+            self._arrive(rank)
+            while rank not in self._results:
+                self._hand_over.wait()
+            result = self._results.pop(rank)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _arrive(self, rank: int) -> None:
+        """Under the lock: the last rank to arrive runs the group's step and wakes the rest."""
+        if rank not in self._pending:
+            return
+        self._pending.discard(rank)
+        if self._pending or not self._steps:
+            return
+        steps, self._steps = self._steps, {}
+        try:
+            self._results.update(self._run(steps))
+        except Exception as error:  # noqa: BLE001 - every rank's engine fails its own requests
+            self._results.update((r, error) for r in steps)
+        self._hand_over.notify_all()
+
+    def _run(self, steps: dict[int, _Step]) -> dict[int, ModelRunnerOutput]:
+        """The ranks' steps (the others padding) in one bucket, run as one."""
+        counts = {
+            r: [s.scheduler_output.num_scheduled_tokens[q.request_id] for q in _requests(s)]
+            for r, s in steps.items()
+        }
+        bucket = self._bucket([(sum(c), len(c)) for c in counts.values()])
+        layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
+        ranks = []
+        for r in range(self.num_ranks):
+            if r not in steps:
+                ranks.append(
+                    prepare_step_inputs([], [], [], *layout, num_kv_groups=self.num_kv_groups)
+                )
+                continue
+            step = steps[r]
+            requests = _requests(step)
+            ranks.append(
+                prepare_step_inputs(
+                    requests,
+                    counts[r],
+                    step.block_ids,
+                    *layout,
+                    bias_slots=self.bias_rows[r].slots_for(requests),
+                    token_bitmask=step.token_bitmask,
+                    num_kv_groups=self.num_kv_groups,
+                    window_block_ids=window_block_ids(step.scheduler_output),
+                )
+            )
+        inputs = jax.tree.map(lambda *a: np.stack(a), *ranks)
+        out, self.kv_cache, self.token_cache = self._step(
+            self.params, self.kv_cache, self.token_cache, self._joint_bias_rows(), inputs
+        )
+        self.num_group_steps += 1
+        out = jax.tree.map(np.asarray, out)
+        results = {}
+        for r, step in steps.items():
+            rank_out = jax.tree.map(lambda a, r=r: a[r], out)
+            num_reqs = len(counts[r])
+            sampling = jax.tree.map(lambda a, r=r: a[r], inputs.sampling)
+            results[r] = fetch_output(
+                rank_out,
+                list(range(num_reqs)),
+                False,
+                bool(sampling.any_logprobs),
+                bool(sampling.any_prompt_logprobs),
+            )
+            self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
+        return results
+
+    def _bucket(self, sizes: list[tuple[int, int]]) -> Bucket:
+        """The one bucket of the ranks' steps of (tokens, sequences) `sizes`: a decode bucket
+        only where every rank decodes one token a sequence."""
+        num_tokens, num_seqs = max(t for t, _ in sizes), max(s for _, s in sizes)
+        if all(t == s for t, s in sizes):
+            return self.buckets.select(num_seqs, num_seqs)
+        return next(b for b in self.buckets.fitting(num_tokens, num_seqs) if not b.is_decode)
+
+    def _joint_bias_rows(self) -> jax.Array:
+        """The ranks' bias rows [R, V], each on its rank's devices, as one [D R, V] array cut
+        over "data" (their buffers as they are)."""
+        rows = [b.rows for b in self.bias_rows]
+        num_slots, vocab = rows[0].shape
+        shards = [s.data for r in rows for s in r.addressable_shards]
+        return jax.make_array_from_single_device_arrays(
+            (self.num_ranks * num_slots, vocab), NamedSharding(self.mesh, RANKS_SPEC), shards
+        )
+
+
+def _requests(step: _Step) -> list:
+    return step.scheduler_output.scheduled_requests
+
+
+class _NoCompiler:
+    """What the engine asks a runner's compiler: the group's step compiles on first use (one
+    executable a bucket, jax.jit's), nothing in the background."""
+
+    lockstep = False
+    compile_wait_seconds = 0.0
+
+    def cancel_compiles(self) -> None:
+        pass
+
+    def wait_for_compiles(self) -> None:
+        pass
+
+
+class RankRunner:
+    """One rank's view of the group, what its LLMEngine runs as its model runner."""
+
+    adapters = None  # LoRA is refused across ranks
+    encoder = None  # and so are images
+
+    def __init__(self, group: RankGroupRunner, rank: int):
+        self.group, self.rank = group, rank
+        self.config = group.config
+        self.compiler = _NoCompiler()
+        self.dispatch_seconds = self.device_wait_seconds = 0.0
+
+    @property
+    def params(self):
+        return self.group.params
+
+    @property
+    def kv_cache(self):
+        return self.group.kv_cache
+
+    @property
+    def expert_token_counts(self) -> np.ndarray:
+        return self.group.expert_token_counts[self.rank]
+
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        block_ids: list[list[int]],
+        token_bitmask: np.ndarray | None = None,
+    ) -> ModelRunnerOutput:
+        """ModelRunner.execute_model's contract: this rank's step, run in the group's."""
+        return self.group.execute(self.rank, _Step(scheduler_output, block_ids, token_bitmask))

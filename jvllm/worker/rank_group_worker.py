@@ -1,0 +1,182 @@
+"""The Worker of a group of data-parallel ranks whose MoE layers run across them
+(worker/rank_group.py): it loads the model once onto the D x T mesh (the routed experts placed
+over every device, the rest replicated over the ranks), sizes each rank's KV pool, and makes
+the group's runner; each rank's LLMEngine gets a `RankWorker`, the view of the group that the
+engine reaches the device through, as it would its own Worker."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from jvllm.attention.backends import default_backend, prepare_backend
+from jvllm.core.engine_config import EngineConfig
+from jvllm.cpu_malloc import keep_freed_memory
+from jvllm.distributed.mesh import describe_placement, make_mesh
+from jvllm.logger import init_logger
+from jvllm.model_loader import load_model
+from jvllm.model_loader.generation_config import load_generation_config
+from jvllm.model_loader.hf import read_hf_config
+from jvllm.models.model import takes_images
+from jvllm.quantization import describe_weights
+from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.kv_budget import probe_memory, size_kv_cache
+from jvllm.worker.kv_layout import kv_cache_spec
+from jvllm.worker.rank_group import RankGroupRunner, RankRunner
+
+logger = init_logger(__name__)
+
+
+def runs_moe_across_ranks(config: EngineConfig) -> bool:
+    """Whether data parallelism runs one group of ranks whose MoE layers reach across them:
+    data_parallel_size > 1 with enable_expert_parallel, for a checkpoint directory whose
+    config.json has routed experts. Otherwise (a dense model; a GGUF file) the ranks are
+    independent replicas, each with its own experts as enable_expert_parallel places them."""
+    load, parallel = config.load_config, config.parallel_config
+    if parallel.data_parallel_size == 1 or not parallel.enable_expert_parallel:
+        return False
+    model = load.model
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        return False
+    return read_hf_config(model, overrides=load.hf_overrides).num_experts > 0
+
+
+def check_rank_group(config: EngineConfig) -> None:
+    """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
+    step is the plain one (no decode windows, steps run ahead, drafts, adapters, pooling or
+    sleep mode)."""
+    runner = config.runner_config
+    refused = {
+        "speculative_config": config.speculative_config is not None,
+        "num_scheduler_steps > 1": runner.num_scheduler_steps > 1,
+        "async_scheduling": runner.async_scheduling,
+        "enable_lora": config.lora_config is not None,
+        "runner='pooling'": config.pooler_config is not None,
+        "enable_sleep_mode": config.load_config.enable_sleep_mode,
+    }
+    named = [name for name, is_set in refused.items() if is_set]
+    if named:
+        raise ValueError(
+            f"data_parallel_size={config.parallel_config.data_parallel_size} with "
+            "enable_expert_parallel runs the ranks' MoE layers across them, one step for all, "
+            f"which does not take {', '.join(named)} yet; leave it unset, or leave "
+            "enable_expert_parallel off for independent replicas"
+        )
+
+
+class RankGroupWorker:
+    def __init__(self, config: EngineConfig):
+        """Load the model of `config` (data_parallel_size D, enable_expert_parallel) onto the
+        D x T mesh; `self.config` is `config` resolved against the model, for every rank."""
+        keep_freed_memory()  # before anything starts JAX's threads
+        load, runner = config.load_config, config.runner_config
+        self.generation_config = load_generation_config(
+            load.generation_config, load.model, load.override_generation_config
+        )
+        enable_compilation_cache()
+        start = time.perf_counter()
+        backend = runner.attention_backend or default_backend()
+        prepare_backend(backend, runner.kv_cache_dtype, runner.block_size)
+        parallel = config.parallel_config
+        self.mesh = make_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
+        check_rank_group(config)
+        model_config, self.params, self.tokenizer = load_model(
+            load.model,
+            load.dtype,
+            load.load_format,
+            self.mesh,
+            load.quantization,
+            load.tokenizer,
+            load.skip_tokenizer_init,
+            load.hf_overrides,
+            enable_expert_parallel=True,
+        )
+        self.load_seconds = time.perf_counter() - start
+        if takes_images(model_config):
+            raise ValueError(
+                f"{model_config.architecture} takes images, which data-parallel ranks whose "
+                "MoE layers run across them do not yet; leave enable_expert_parallel off"
+            )
+        max_model_len = model_config.checked_max_model_len(load.max_model_len)
+        self.model_config = model_config.for_max_model_len(max_model_len)
+        self.model_config.check_can_generate()
+        self.config = config.resolved(
+            max_model_len, backend, layer_windows=model_config.layer_windows
+        )
+        self.num_blocks = self._size_kv_cache()
+        self.runner: RankGroupRunner | None = None
+
+    def _size_kv_cache(self) -> int:
+        """Each rank's KV pool (null block included), its T devices holding it; on a CPU,
+        whose host memory every rank's devices share, 1/D of what one rank would get."""
+        config, runner = self.config, self.config.runner_config
+        spec = kv_cache_spec(
+            self.model_config.dtype, runner.attention_backend, runner.kv_cache_dtype
+        )
+        num_ranks, num_shards = self.mesh.devices.shape
+        probe, cache = probe_memory(), config.cache_config
+        size = size_kv_cache(
+            cache, runner, self.model_config, spec, config.max_model_len, probe, num_shards
+        )
+        num_blocks = size.num_blocks
+        is_sized = cache.num_gpu_blocks_override is not None or cache.kv_cache_memory_bytes
+        if probe.backend == "cpu" and not is_sized:
+            num_blocks = max(num_blocks // num_ranks, 2)
+        logger.info(
+            "loaded %s (%s) in %.1fs%s; %d data-parallel ranks whose MoE layers run across "
+            "them, each a KV pool of %d blocks",
+            config.load_config.model or "the default model",
+            describe_weights(self.params, self.model_config.dtype),
+            self.load_seconds,
+            describe_placement(self.mesh, self.params, self.model_config),
+            num_ranks,
+            num_blocks,
+        )
+        return num_blocks
+
+    def group_runner(self) -> RankGroupRunner:
+        """The group's runner, made on the first rank's call; the params go over to it."""
+        if self.runner is None:
+            params, self.params = self.params, None
+            self.runner = RankGroupRunner(
+                self.model_config,
+                params,
+                self.config.runner_config,
+                num_blocks=self.num_blocks,
+                mesh=self.mesh,
+                kv_groups=self.config.cache_config.kv_groups,
+            )
+        return self.runner
+
+    def rank_worker(self, rank: int) -> RankWorker:
+        return RankWorker(self, rank)
+
+
+class RankWorker:
+    """Rank `rank`'s Worker, as its LLMEngine uses one: the group's resolved config, model and
+    tokenizer, its own KV pool's size, and its view of the group's runner."""
+
+    hf_config = None  # a generating engine's
+    draft = None
+
+    def __init__(self, group: RankGroupWorker, rank: int):
+        self.group, self.rank = group, rank
+        self.config = group.config
+        self.model_config = group.model_config
+        self.tokenizer = group.tokenizer
+        self.generation_config = group.generation_config
+        self.load_seconds = group.load_seconds
+        self.model_runner: RankRunner | None = None
+
+    def determine_num_blocks(self) -> int:
+        return self.group.num_blocks
+
+    def initialize_runner(self, num_blocks: int) -> RankRunner:
+        self.model_runner = self.group.group_runner().rank_runner(self.rank)
+        return self.model_runner
+
+    def compile_or_warm_up_model(self) -> None:
+        """Nothing ahead: the group's step compiles on first use, one executable a bucket."""
+
+    def drop_images(self, hashes: list[str]) -> None:
+        """Images are refused across ranks: none to drop."""
