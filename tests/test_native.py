@@ -1,8 +1,11 @@
-"""Native CPU kernels (jvllm/native/) on a machine that cannot build them: each keeps its
-pure-JAX path and says how to fix it."""
+"""Native CPU kernels (jvllm/native/): on a machine that cannot build them each keeps its
+pure-JAX path and says how to fix it; on one that can, the engine starts the builds its model
+needs before the load, and a first use waits for a build in flight rather than keeping the
+pure-JAX path."""
 
 import logging
 import shutil
+import threading
 
 import jax.numpy as jnp
 import pytest
@@ -10,7 +13,7 @@ from conftest import join_native_builds
 
 from jvllm import native
 from jvllm.attention import cpu_decode
-from jvllm.quantization import cpu_dense, cpu_gguf, cpu_int8, cpu_int_group
+from jvllm.quantization import build_kernels_early, cpu_dense, cpu_gguf, cpu_int8, cpu_int_group
 
 _KERNELS = {
     "decode attention": (cpu_decode, lambda: cpu_decode.supports(jnp.zeros((1, 2, 1, 1, 1, 1)))),
@@ -81,3 +84,56 @@ def test_a_background_build_that_fails_leaves_the_warning_to_the_first_use(tmp_p
         assert len(records) == 1 and "install a C++ compiler" in records[0].getMessage()
     finally:
         cpu_decode._register.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="builds with the system C++ compiler")
+def test_a_first_use_waits_for_the_build_in_flight_and_gets_the_kernel(tmp_path, monkeypatch):
+    """A step traced while its kernel still builds in the background (the engine's early
+    build) gets the kernel, not the pure-JAX path for the step's life."""
+    source = tmp_path / "tiny.cc"
+    source.write_text(
+        '#include "xla/ffi/api/ffi.h"\n'
+        'extern "C" const char* JvllmIsa() { return "test"; }\n'
+        "static xla::ffi::Error nothing() { return xla::ffi::Error::Success(); }\n"
+        "XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmTestWaitTarget, nothing, xla::ffi::Ffi::Bind());\n"
+    )
+    gate = tmp_path / "gate"  # the compiler starts only once it exists
+    compiler = tmp_path / "slow-g++"
+    compiler.write_text(f'#!/bin/sh\nwhile [ ! -e {gate} ]; do sleep 0.01; done\nexec g++ "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setitem(native.SOURCES, "tiny", source)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
+    native.build_in_background("tiny", "a test kernel", [])
+    registered = []
+    first_use = threading.Thread(
+        target=lambda: registered.append(
+            native.register_targets("tiny", ("JvllmTestWaitTarget",), "a test kernel", [])
+        )
+    )
+    first_use.start()
+    first_use.join(0.5)
+    assert first_use.is_alive() and registered == []  # waiting, not giving up
+    gate.touch()
+    first_use.join()
+    join_native_builds()
+    assert registered == [True]
+    assert len(list((tmp_path / "cache").glob("tiny-*.so"))) == 1  # built once
+
+
+@pytest.mark.parametrize(
+    "quantization, dtype, kernels",
+    [
+        (None, "float32", ["cpu_dense"]),
+        ("gguf", "float32", ["cpu_gguf"]),  # packed weights never reach the float kernel
+        ("gguf", "bfloat16", ["cpu_gguf"]),
+        ("int8", "bfloat16", ["cpu_int8", "cpu_dense"]),
+    ],
+)
+def test_the_engine_starts_building_the_matmul_kernels_its_weights_use(
+    quantization, dtype, kernels, monkeypatch
+):
+    started = []
+    monkeypatch.setattr(native, "build_in_background", lambda kernel, *_: started.append(kernel))
+    build_kernels_early(quantization, dtype)
+    assert started == kernels

@@ -54,17 +54,19 @@ HEADERS = (
     _DIR / "simd.h",
     _DIR / "simd_lanes.h",
 )
-# One build of a source at a time: the engine's background build and the thread tracing a step
-# may both reach a kernel first, and the second then finds the library built. Different
-# kernels build side by side (each a compiler process of its own).
-_BUILD_LOCKS: dict[str, threading.Lock] = defaultdict(threading.Lock)
+# One build of a source with its flags at a time: the engine's background build and the thread
+# tracing a step may both reach a kernel first, and the second waits for the build in flight
+# (a step traced then still gets the kernel, never the pure-JAX path for its life) and finds
+# the library built. Different kernels, and one kernel's builds with different flags, build
+# side by side (each a compiler process of its own).
+_BUILD_LOCKS: dict[tuple[str, ...], threading.Lock] = defaultdict(threading.Lock)
 _LOCKS_LOCK = threading.Lock()
 
 
 def register_targets(kernel: str, targets: tuple[str, ...], what: str, flags: list[str]) -> bool:
     """Build `kernel`'s source (once per key) and register its handler symbols `targets` for
     XLA:CPU; False (logged, naming `what` the kernel does) where that cannot be done."""
-    with _build_lock(kernel):
+    with _build_lock(kernel, flags):
         library = _build(SOURCES[kernel], what, flags)
     if library is None:
         return False
@@ -106,15 +108,15 @@ def build_in_background(kernel: str, what: str, flags: list[str]) -> None:
     model. A build that fails here says nothing; register_targets tries again and says why."""
 
     def build():
-        with _build_lock(kernel):
+        with _build_lock(kernel, flags):
             _build(SOURCES[kernel], what, flags, warn=False)
 
     threading.Thread(target=build, name="jvllm-native-build", daemon=True).start()
 
 
-def _build_lock(kernel: str) -> threading.Lock:
+def _build_lock(kernel: str, flags: list[str]) -> threading.Lock:
     with _LOCKS_LOCK:
-        return _BUILD_LOCKS[kernel]
+        return _BUILD_LOCKS[kernel, *flags]
 
 
 def cpu_has(flag: str) -> bool:

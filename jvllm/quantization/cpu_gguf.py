@@ -11,8 +11,10 @@ llama.cpp's speed on the same file on the Xeon, about 1.0x on the EPYC; BENCHMAR
 
 More rows go to XLA's matmul of the layer dequantized by the kernel's loop, at memory speed
 (XLA's own dequantization of a Q4_1 [3072, 576] layer took 1.5 ms, 4.4 in bfloat16, against
-the 64-row matmul's 1.2). It is built on first use (jvllm/native/); a machine without a
-compiler, or JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX path, which computes the same products.
+the 64-row matmul's 1.2). It is built on first use (jvllm/native/), once for each model dtype
+(a build of one compiles half the templates), and early where the engine is to load a packed
+GGUF (build_early); a machine without a compiler, or JVLLM_CPU_GGUF_KERNEL=0, keeps the pure-JAX
+path, which computes the same products.
 """
 
 import functools
@@ -37,12 +39,7 @@ def _target(kind: str, qtype: int, dtype: str) -> str:
 
 def supports(dtype: str) -> bool:
     """Whether rows times a GGUF weight used in `dtype` can go through the kernel here."""
-    return (
-        dtype in _DTYPES
-        and jax.default_backend() == "cpu"
-        and not native.is_switched_off("JVLLM_CPU_GGUF_KERNEL", _WHAT)
-        and _register()
-    )
+    return dtype in _DTYPES and _is_on() and _register(dtype)
 
 
 def dense(
@@ -51,7 +48,7 @@ def dense(
     """x f32[R, I] (values of the model dtype) @ W.T -> f32[R, O], W [O, I] at `layer` of
     `fields` (each [L, O, nb, ...]): up to MAX_ROWS rows in the kernel, more in XLA's matmul of
     W dequantized by the kernel's loop (the same values). Only where `supports(dtype)`."""
-    if not _register():
+    if not _register(dtype):
         raise RuntimeError("the CPU GGUF kernel could not be built (see the log)")
     # In the format's field order: a dict that went through jit comes back with sorted keys.
     ordered = [fields[name] for name in BLOCK_FORMATS[Q(qtype)].fields.names]
@@ -65,14 +62,28 @@ def dense(
     return dot_rows(x, w)
 
 
-@functools.cache
-def _register() -> bool:
-    targets = tuple(
-        _target(kind, int(q), d)
-        for kind in ("Dense", "Dequantize")
-        for q in PACKED_QTYPES
-        for d in _DTYPES
+def build_early(dtype: str) -> None:
+    """Start building the kernel for a packed GGUF model of `dtype`, so that tracing the first
+    step finds it built rather than waiting seconds for the compiler."""
+    if dtype in _DTYPES and _is_on():
+        native.build_in_background(_KERNEL, _WHAT, _flags(dtype))
+
+
+def _is_on() -> bool:
+    return jax.default_backend() == "cpu" and not native.is_switched_off(
+        "JVLLM_CPU_GGUF_KERNEL", _WHAT
     )
+
+
+def _flags(dtype: str) -> list[str]:
     # No contraction of a product and a sum into one rounding: the dequantized values must be
-    # gguf's bit for bit.
-    return native.register_targets(_KERNEL, targets, _WHAT, ["-ffp-contract=off"])
+    # gguf's bit for bit. And only `dtype`'s handlers (cpu_gguf.cc's JVLLM_GGUF_BF16).
+    return ["-ffp-contract=off", f"-DJVLLM_GGUF_BF16={int(dtype == 'bfloat16')}"]
+
+
+@functools.cache
+def _register(dtype: str) -> bool:
+    targets = tuple(
+        _target(kind, int(q), dtype) for kind in ("Dense", "Dequantize") for q in PACKED_QTYPES
+    )
+    return native.register_targets(_KERNEL, targets, _WHAT, _flags(dtype))

@@ -41,8 +41,7 @@ def supports(values: jax.Array, dtype: str) -> bool:
         and dtype == "bfloat16"
         and values.shape[-1] % 32 == 0
         and values.shape[-2] % 4 == 0
-        and jax.default_backend() == "cpu"
-        and not native.is_switched_off("JVLLM_CPU_INT8_KERNEL", _WHAT)
+        and _is_on()
         and _register()
     )
 
@@ -61,6 +60,19 @@ def dense(x: jax.Array, values: jax.Array, scale: jax.Array, layer: jax.Array) -
         return jax.ffi.ffi_call(_TARGETS[0], result)(x, layer, values, scale)
     result = jax.ShapeDtypeStruct((num_out, num_in), jnp.bfloat16)
     return dot_rows(x, jax.ffi.ffi_call(_TARGETS[1], result)(layer, values, scale))
+
+
+def build_early(dtype: str) -> None:
+    """Start building the kernel for an int8 model of `dtype` that will use it, so that tracing
+    the first step finds it built rather than waiting seconds for the compiler."""
+    if dtype == "bfloat16" and _is_on():
+        native.build_in_background(_KERNEL, _WHAT, [])
+
+
+def _is_on() -> bool:
+    return jax.default_backend() == "cpu" and not native.is_switched_off(
+        "JVLLM_CPU_INT8_KERNEL", _WHAT
+    )
 
 
 @functools.cache
