@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jvllm.config import ModelConfig
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shard_config
+from jvllm.layers.hidden_capture import active_capture, capturing_layer_inputs
 from jvllm.layers.scan import unstack_specs
 from jvllm.models.model import (
     compute_logits,
@@ -68,22 +69,6 @@ def sharded_model(
     specs = params_in_specs(specs, params)
     whole = PartitionSpec()
     in_specs = (specs, KV_CACHE_SPEC, whole, whole, whole, whole)
-    mapped_forward = jax.shard_map(
-        functools.partial(forward, config=local, attn=attn),
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=(whole, KV_CACHE_SPEC),
-        check_vma=False,
-    )
-    # Every device routes every token alike (expert parallelism too): its counts are the
-    # global ones, whole on each.
-    mapped_counting = jax.shard_map(
-        functools.partial(forward_counting_experts, config=local, attn=attn),
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=(whole, KV_CACHE_SPEC, whole),
-        check_vma=False,
-    )
 
     def local_logits(params, hidden):
         logits = compute_logits(params, hidden, config=local)  # [S, V/T]
@@ -92,11 +77,55 @@ def sharded_model(
     gathered = jax.shard_map(
         local_logits, mesh=mesh, in_specs=(specs, whole), out_specs=whole, check_vma=False
     )
-    # mm passed positionally: shard_map takes no keyword arguments.
-    sharded_forward = lambda p, kv, t, pos, md, mm=None: mapped_forward(p, kv, t, pos, md, mm)
-    sharded_counting = lambda p, kv, t, pos, md, mm=None: mapped_counting(p, kv, t, pos, md, mm)
+    # Every device routes every token alike (expert parallelism too): its expert counts are
+    # the global ones, whole on each.
+    capturing = functools.partial(_capturing, mesh=mesh, in_specs=in_specs)
     return ShardedModel(
-        sharded_forward,
+        capturing(forward, config=local, attn=attn, out_specs=(whole, KV_CACHE_SPEC)),
         lambda params, hidden: gathered(params, hidden)[:, : config.vocab_size],
-        sharded_counting if config.num_experts else None,
+        capturing(
+            forward_counting_experts,
+            config=local,
+            attn=attn,
+            out_specs=(whole, KV_CACHE_SPEC, whole),
+        )
+        if config.num_experts
+        else None,
     )
+
+
+def _capturing(fn, *, config: ModelConfig, attn, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """`fn` (forward or forward_counting_experts) inside shard_map over the "model" axis, taking
+    its arguments positionally; when the caller traces it under a capture of layers' inputs
+    (layers/hidden_capture.py, an EAGLE-3 head's), the rows are captured inside and leave as
+    one more output, whole on every device (the hidden states are replicated)."""
+    mapped = jax.shard_map(
+        functools.partial(fn, config=config, attn=attn),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+    )
+
+    def capture_inside(layer_ids, *args):
+        num_tokens = args[2].shape[0]
+        with capturing_layer_inputs(layer_ids, num_tokens, config.hidden_size) as capture:
+            out = fn(*args, config=config, attn=attn)
+        return (*out, capture.rows)
+
+    def call(params, kv_cache, token_ids, positions, metadata, mm=None):
+        args = (params, kv_cache, token_ids, positions, metadata, mm)
+        outer = active_capture()
+        if outer is None:
+            return mapped(*args)
+        *out, rows = jax.shard_map(
+            functools.partial(capture_inside, outer.layer_ids),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(*out_specs, PartitionSpec()),
+            check_vma=False,
+        )(*args)
+        outer.rows, outer.is_marked = rows, True
+        return tuple(out)
+
+    return call

@@ -112,8 +112,10 @@ class Eagle3Head(nnx.Module):
         return self.final_norm(prenorm), prenorm, kv_cache
 
     def draft_tokens(self, normed: jax.Array) -> jax.Array:
-        """normed f32[S, D] -> each row's most likely token, as the target's id i32[S]."""
-        draft_ids = jnp.argmax(self.lm_head(normed), axis=-1).astype(jnp.int32)
+        """normed f32[S, D] -> each row's most likely token, as the target's id i32[S] (a
+        draft vocabulary padded to cut over T devices keeps its padding out)."""
+        logits = self.lm_head(normed)[:, : self.config.option("draft_vocab_size")]
+        draft_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return draft_ids + self.d2t[...][draft_ids]
 
     @classmethod

@@ -38,12 +38,9 @@ class DraftModel:
     method: str = "draft_model"
 
 
-def check_draft(
-    target: ModelConfig, draft: "DraftModel", has_windows: bool, num_shards: int
-) -> None:
+def check_draft(target: ModelConfig, draft: "DraftModel", has_windows: bool) -> None:
     """A ValueError for a draft the target cannot take drafts from (`has_windows`: the
-    target's KV has windowed groups, core/kv_groups.py; `num_shards`: its tensor-parallel
-    devices)."""
+    target's KV has windowed groups, core/kv_groups.py)."""
     method = draft.method
     if draft.config.vocab_size != target.vocab_size:
         raise ValueError(
@@ -55,11 +52,6 @@ def check_draft(
         raise ValueError(
             f"speculative_config method {method!r} does not run with sliding-window layers "
             "(hybrid KV groups) in the target or the draft yet"
-        )
-    if method == "eagle3" and num_shards > 1:
-        raise ValueError(
-            "speculative_config method 'eagle3' does not run under tensor parallelism yet; "
-            "use tensor_parallel_size=1, or method 'ngram' / 'draft_model'"
         )
 
 

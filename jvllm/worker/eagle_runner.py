@@ -2,16 +2,20 @@
 worker/eagle.py): its params, its KV cache over the target's pages, what the target's step
 runs of it, and its jitted proposal step, one executable a decode bucket."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from jvllm.attention.backends import get_attention
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
+from jvllm.distributed.mesh import TP_AXIS
+from jvllm.distributed.sharded_model import KV_CACHE_SPEC
+from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shard_config
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.eagle import HeadState, draft_head, propose_eagle
@@ -25,12 +29,28 @@ class EagleRunner(ProposalRunner):
         self, draft: DraftModel, target: ModelConfig, target_params, mesh: Mesh, **layout
     ) -> None:
         """The head's params and KV cache, `head` for the target's step, and its proposal
-        step, which embeds with the target's `target_params`; `layout`: ProposalRunner's."""
+        step, which embeds with the target's `target_params`; `layout`: ProposalRunner's.
+        Under tensor parallelism the head's layer is cut as the target's layers are (its
+        heads and MLP over the "model" axis, its KV cache on its KV heads), inside a shard_map
+        of its own; its fc and LM head run outside, as XLA partitions them."""
         config = draft.config
         super().__init__(config, mesh, **layout)
         self.params = draft.params
         attn = get_attention(layout["attention_backend"], sm_scale=config.sm_scale)
         self.head = draft_head(config, target, attn)
+        num_shards = mesh.shape[TP_AXIS]
+        if num_shards > 1:
+            local = draft_head(shard_config(config, num_shards), target, attn)
+            specs = params_in_specs(param_specs(config), self.params)
+            whole = PartitionSpec()
+            forward = jax.shard_map(
+                local.forward,
+                mesh=mesh,
+                in_specs=(specs, KV_CACHE_SPEC, whole, whole, whole, whole),
+                out_specs=(whole, whole, KV_CACHE_SPEC),
+                check_vma=False,
+            )
+            self.head = dataclasses.replace(self.head, forward=forward)
         propose = functools.partial(
             propose_eagle,
             head=self.head,
