@@ -88,6 +88,9 @@ class DecodeState:
     bias_rows: jax.Array
     stops: WindowInputs  # limits i32[S] (tokens a row may still sample), stop_token_ids i32[S, W]
     carry: DecodeCarry  # kv_cache, token_cache, inputs (the next step's), num_sampled, active
+    # A model with routed experts: the loop's steps' (token, expert) assignments summed,
+    # i32[L_moe, E] (layers/expert_counts.py), which finish() adds to the engine's; None else.
+    expert_counts: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +111,11 @@ class StepLoop:
             raise ValueError(  # noqa: TRY004 - a bad setting of the engine, as vLLM reports it
                 "the step loop drives one engine replica: build the LLM with "
                 "data_parallel_size=1 (tensor_parallel_size may be any)"
+            )
+        if self.engine.engine_config.speculative_config is not None:
+            raise ValueError(
+                "the step loop does not run with speculative_config (its steps decode one "
+                "token a row); build the LLM without it"
             )
         self._runner = self.engine.model_runner
         self._requests: list[Request] = []  # every prompt's request, in prompt order
@@ -172,9 +180,12 @@ class StepLoop:
         carry, out, logits, token_ids = decode_step(
             self._runner.step, state.params, state.bias_rows, state.stops, state.carry, choose
         )
-        return dataclasses.replace(state, carry=carry), StepOutput(
-            token_ids, state.carry.active, logits, out
-        )
+        counts = state.expert_counts
+        if counts is not None:
+            counts = counts + out.expert_counts
+        # A token counts where its row was decoding before the step.
+        step_out = StepOutput(token_ids, state.carry.active, logits, out)
+        return dataclasses.replace(state, carry=carry, expert_counts=counts), step_out
 
     def jit(self, fn: Callable) -> Callable:
         """`jax.jit(fn)` for `fn(state, *args)`, donating the state's arrays but its params,
@@ -217,6 +228,10 @@ class StepLoop:
         runner = self._runner
         runner.kv_cache, runner.token_cache = state.carry.kv_cache, state.carry.token_cache
         runner.bias_rows.rows = state.bias_rows
+        if state.expert_counts is not None:
+            runner.expert_token_counts = runner.expert_token_counts + np.asarray(
+                state.expert_counts
+            )
         token_ids, active = np.asarray(token_ids), np.asarray(active)
         outputs = {r.request_id: list(r.output_token_ids) for r in self._requests}
         for row, request in enumerate(self._rows):
@@ -272,7 +287,10 @@ class StepLoop:
             on_mesh(np.zeros(bucket.num_seqs, np.int32)),
             on_mesh(np.asarray(stops.limits) > 0),
         )
-        state = DecodeState(runner.params, runner.bias_rows.rows, stops, carry)
+        counts = runner.expert_token_counts
+        if counts is not None:
+            counts = on_mesh(np.zeros(counts.shape, np.int32))
+        state = DecodeState(runner.params, runner.bias_rows.rows, stops, carry, counts)
         self._shardings = jax.tree.map(
             lambda x: x.sharding, dataclasses.replace(state, params=None)
         )

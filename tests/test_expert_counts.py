@@ -28,6 +28,7 @@ from jvllm.layers.scan import unstack_layers
 from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import forward_counting_experts, num_moe_layers, param_axes
+from jvllm.step_loop import StepLoop
 
 VOCAB = 256
 TOP_K = 2
@@ -117,6 +118,28 @@ def test_a_step_run_ahead_counts_at_most_one_token_more_for_each_request_that_en
     extra = runner.expert_token_counts - _hf_counts(hf_model, fed)
     assert (extra >= 0).all()
     assert (extra.sum(axis=1) <= len(PROMPTS) * TOP_K).all()
+
+
+def test_a_step_loops_steps_count_as_the_engines_do(saved):
+    """Prefill in the engine, then decode steps in a StepLoop (rows that stop keep stepping,
+    writing the null page): after finish() the runner's counts are HF's routing of every token
+    fed."""
+    path, hf_model = saved
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=32)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in RAGGED_MAX_TOKENS
+    ]
+    loop = StepLoop(llm)
+    state = loop.prefill(PROMPTS, params)
+    tokens, active = [], []
+    for _ in range(max(RAGGED_MAX_TOKENS)):
+        state, out = loop.step(state)
+        tokens.append(out.token_ids)
+        active.append(out.active)
+    outputs = loop.finish(state, jnp.stack(tokens), jnp.stack(active))
+    fed = [p + o[:-1] for p, o in zip(PROMPTS, outputs)]
+    counts = llm.llm_engine.model_runner.expert_token_counts
+    np.testing.assert_array_equal(counts, _hf_counts(hf_model, fed))
 
 
 def test_forward_counts_real_tokens_alike_with_the_layers_stacked_or_split(saved):

@@ -163,3 +163,10 @@ def test_a_failure_after_the_blocks_are_lent_gives_them_back(llm, monkeypatch):
     assert not engine.held_by_step_loop and not engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_usable_blocks
     assert _run_loop(llm, greedy, num_steps=6, steps_per_call=6) == _generate(llm, greedy)
+
+
+def test_an_engine_that_speculates_is_refused(tiny_llama_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64, speculative_config=spec)
+    with pytest.raises(ValueError, match="does not run with speculative_config"):
+        StepLoop(llm)
