@@ -37,10 +37,12 @@ if mode == "data-parallel":
     while engine.has_unfinished_requests():
         tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    group = engine._group  # the MoE layers' group of ranks, if they step as one
     result = {
         "tokens": [tokens[str(i)] for i in range(len(prompts))],
         "ranks": ranks,
         "generate": [o.outputs[0].token_ids for o in again],
+        "group_steps": group and group.num_group_steps,
     }
     print("RESULT", json.dumps(result), flush=True)
     sys.exit(0)

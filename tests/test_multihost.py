@@ -123,15 +123,21 @@ def test_initializing_twice_is_refused(processes):
     assert "jax.distributed is already initialized in this process" in error
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe, experts over each rank's 2"])
+@pytest.mark.parametrize(
+    ("moe", "t"),
+    [(False, 1), (True, 1), (True, 2)],
+    ids=["dense", "moe, experts over the 2 ranks' devices", "moe, T=2, experts over all 4"],
+)
 def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
-    model_dir, moe_dir, processes, moe
+    model_dir, moe_dir, processes, moe, t
 ):
-    """Each process an engine of its own (2 fake devices: T = 1, or the MoE's experts placed
-    whole over both), process 0 sending each request to the least loaded rank and gathering
-    every rank's outputs."""
+    """Each process a rank with an engine of its own (2 fake devices each), process 0 sending
+    each request to the least loaded rank and gathering every rank's outputs. A dense model's
+    ranks step independently; the MoE's (enable_expert_parallel) are one group: its 4 experts
+    spread over both processes' devices, every step of the two ranks one SPMD call whose MoE
+    layers exchange their tokens, rank 1 stepping padding once its one request is done."""
     path = moe_dir if moe else model_dir
-    options = {"tensor_parallel_size": 2, "enable_expert_parallel": True} if moe else {}
+    options = {"tensor_parallel_size": t, "enable_expert_parallel": True} if moe else {}
     port, prompts = _free_port(), json.dumps(PROMPTS)
     worker = _start(1, port, path, "data-parallel", prompts, json.dumps(options))
     leader = _start(0, port, path, "data-parallel", prompts, json.dumps(options))
@@ -140,5 +146,9 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
     expected = _one_device(path)
     assert result["tokens"] == result["generate"] == expected
     assert result["ranks"] == [0, 1, 0]
+    if moe:  # every step one call of the group
+        assert result["group_steps"] > 0
+    else:
+        assert result["group_steps"] is None
     assert leader.wait(timeout=60) == 0
     assert worker.wait(timeout=60) == 0  # process 0's exit stopped it

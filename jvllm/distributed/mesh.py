@@ -58,6 +58,24 @@ def engine_mesh(
     return replica_mesh(mesh, data_parallel_rank or 0)
 
 
+def rank_group_mesh(data_parallel_size: int, tensor_parallel_size: int) -> Mesh:
+    """The D x T mesh of data-parallel ranks that step as one (worker/rank_group.py): across
+    processes (one rank a process), row r the first T devices of process r; in one process,
+    make_mesh's."""
+    if data_parallel_size > 1 and data_parallel_size == jax.process_count():
+        rows = [
+            [d for d in jax.devices() if d.process_index == r][:tensor_parallel_size]
+            for r in range(data_parallel_size)
+        ]
+        if any(len(row) < tensor_parallel_size for row in rows):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs that many devices in each "
+                f"of the {data_parallel_size} processes, one data-parallel rank each{_CPU_HINT}"
+            )
+        return Mesh(np.array(rows, dtype=object), (DP_AXIS, TP_AXIS))
+    return make_mesh(data_parallel_size, tensor_parallel_size)
+
+
 def replica_mesh(mesh: Mesh, rank: int) -> Mesh:
     """Data-parallel replica `rank`'s own [1, T] mesh: one row of `mesh`."""
     return Mesh(mesh.devices[rank : rank + 1], mesh.axis_names)
@@ -84,7 +102,7 @@ def describe_placement(mesh: Mesh, params, config: ModelConfig) -> str:
     device holds."""
     if mesh.size == 1:
         return ""
-    device = mesh.devices.flat[0]
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     weight_bytes = sum(
         shard.data.nbytes
         for leaf in jax.tree.leaves(params)

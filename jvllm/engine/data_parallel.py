@@ -27,7 +27,11 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.leader import LeaderEngine
 from jvllm.engine.llm_engine import LLMEngine
-from jvllm.engine.process_data_parallel import ProcessDataParallelEngine, run_rank
+from jvllm.engine.process_data_parallel import (
+    ProcessDataParallelEngine,
+    rank_engine,
+    run_rank,
+)
 from jvllm.engine.replica_front import ReplicaFront
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
@@ -69,7 +73,8 @@ def make_engine(
         if distributed.process_id == 0:
             return ProcessDataParallelEngine(model, **kwargs)
         rank = distributed.process_id
-        run_rank(LLMEngine(model, **kwargs, data_parallel_rank=rank), rank)
+        engine, group = rank_engine(model, rank, **kwargs)
+        run_rank(engine, rank, group)
         raise SystemExit(0)
     if distributed.process_id == 0:
         return LeaderEngine(model, **kwargs)

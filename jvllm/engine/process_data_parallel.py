@@ -10,9 +10,12 @@ engine if it has work, and the step's outputs of every rank come back to process
 all-gather. A rank's step runs no collective, so the ranks' steps overlap; only the two small
 exchanges a step are in lockstep.
 
-What this does not do yet (issue 47): a mixture of experts' layers across the ranks (experts
-spread over every process's devices, with dummy steps for ranks without work): each rank holds
-its model whole, or cut over its own devices' tensor or expert parallelism.
+For a mixture of experts with enable_expert_parallel the ranks are one group instead
+(worker/rank_group.py): the experts spread over every process's devices, and every step every
+process steps its rank, work or not, in one SPMD call whose MoE layers reach across the ranks
+(a rank without work steps padding), after a small exchange of the ranks' step sizes. The
+other ranks hold their model whole, or cut over their own devices' tensor or expert
+parallelism, and step only with work.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import weakref
 
 from jvllm.core.request import RequestStatus
 from jvllm.distributed.multihost import broadcast_commands, gather_objects
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.leader import WorkersLostError
 from jvllm.engine.llm_engine import LLMEngine
@@ -31,6 +35,8 @@ from jvllm.engine.replica_front import ReplicaFront
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
+from jvllm.worker.rank_group import RankGroupRunner
+from jvllm.worker.rank_group_worker import RankGroupWorker, runs_moe_across_ranks
 
 logger = init_logger(__name__)
 
@@ -40,7 +46,7 @@ class ProcessDataParallelEngine(ReplicaFront):
 
     def __init__(self, model: str | None = None, **kwargs):
         kwargs.pop("data_parallel_rank", None)
-        local = LLMEngine(model, **kwargs, data_parallel_rank=0)
+        local, self._group = rank_engine(model, 0, **kwargs)
         self.replicas = [local]  # the ones in this process
         self._share_first_replica()
         self.num_ranks = self.engine_config.parallel_config.data_parallel_size
@@ -110,7 +116,8 @@ class ProcessDataParallelEngine(ReplicaFront):
         except Exception as e:
             raise self._lost(e) from e
         local = self.replicas[0]
-        report, error = _step_and_report(local, [])  # the ranks' gather waits for this one
+        # The ranks' gather waits for this one.
+        report, error = _step_and_report(local, [], self._group)
         try:
             gathered = gather_objects(report)
         except Exception as e:
@@ -163,12 +170,26 @@ class FinishedRecord:
     status_message: str | None
 
 
-def _step_and_report(engine: LLMEngine, refused: list[str]):
-    """Step the rank's engine if it has work -> (what the ranks' gather carries: its outputs,
-    the requests it refused, a record of each request it finished, its step's error as text;
-    the error itself, None when the step did not fail)."""
+def rank_engine(model: str | None, rank: int, **kwargs) -> tuple[LLMEngine, RankGroupRunner | None]:
+    """Rank `rank`'s engine in this process, and the runner of the group of ranks it steps in
+    where their MoE layers run across them (None: an independent replica)."""
+    config = EngineArgs(model=model, **kwargs, data_parallel_rank=rank).create_engine_config()
+    if not runs_moe_across_ranks(config):
+        return LLMEngine(model, **kwargs, data_parallel_rank=rank), None
+    group = RankGroupWorker(config)
+    engine = LLMEngine(model, worker=group.rank_worker(rank), **kwargs, data_parallel_rank=rank)
+    return engine, group.group_runner()
+
+
+def _step_and_report(engine: LLMEngine, refused: list[str], group: RankGroupRunner | None):
+    """Step the rank's engine if it has work, or in its `group` always -> (what the ranks'
+    gather carries: its outputs, the requests it refused, a record of each request it
+    finished, its step's error as text; the error itself, None when the step did not fail)."""
     try:
-        outputs = engine.step() if engine.has_unfinished_requests() else []
+        if group is not None:
+            outputs = _step_in_group(engine, group)
+        else:
+            outputs = engine.step() if engine.has_unfinished_requests() else []
     except Exception as e:
         logger.exception("data-parallel rank's step failed")
         return ([], refused, [], f"{type(e).__name__}: {e}"), e
@@ -179,9 +200,20 @@ def _step_and_report(engine: LLMEngine, refused: list[str]):
     return (outputs, refused, records, None), None
 
 
-def run_rank(engine: LLMEngine, rank: int) -> None:
+def _step_in_group(engine: LLMEngine, group: RankGroupRunner) -> list[RequestOutput]:
+    """The process's rank's step of the group's: every process's, work or not."""
+    (rank,) = group.local_ranks
+    group.begin_step()
+    try:
+        return engine.step()
+    finally:
+        group.finish(rank)
+
+
+def run_rank(engine: LLMEngine, rank: int, group: RankGroupRunner | None = None) -> None:
     """A rank's life in a process other than 0: apply process 0's commands for this rank,
-    step, and send the outputs back, until it says stop."""
+    step (in its `group`, where the ranks' MoE layers run across them), and send the outputs
+    back, until it says stop."""
     logger.info("data-parallel rank %d following process 0", rank)
     while True:
         try:
@@ -204,7 +236,7 @@ def run_rank(engine: LLMEngine, rank: int) -> None:
                     refused.append(args[1])
             elif name == "abort" and args[0] == rank:
                 engine.abort_request(args[1])
-        report, error = _step_and_report(engine, refused)
+        report, error = _step_and_report(engine, refused, group)
         gather_objects(report)
         if error is not None:  # process 0 stops the engine on it
             raise error

@@ -11,6 +11,11 @@ handed its step over or stepped without one, the last of them pads every rank's 
 bucket (a rank with nothing contributes a step of padding, which writes only its null page),
 runs the group's step and gives each rank its rows back.
 
+Across processes (jax.distributed, one rank a process: engine/process_data_parallel.py) the
+group is the same SPMD program: each process holds its rank's row of the mesh and its engine,
+and before each group step the processes exchange their ranks' step sizes (a small all-gather)
+so that every one pads to the same bucket, and steps, work or not.
+
 The device arrays: the KV cache [L, V, K, D P, B, H] and the token cache [D P, B] hold each
 rank's P pages on its row of devices; each rank's bias rows [R, V] lie on its own row and join
 the step as one [D R, V] array without a copy. Inside the step each device runs
@@ -38,6 +43,7 @@ from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC, rank_config
 from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, replica_mesh, replicated
+from jvllm.distributed.multihost import gather_objects
 from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
 from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
@@ -92,6 +98,10 @@ class RankGroupRunner:
         its D x T devices); `num_blocks`: each rank's KV pool (null block included)."""
         self.config, self.params, self.mesh = config, params, mesh
         self.num_ranks = num_ranks = mesh.shape[DP_AXIS]
+        # The ranks whose devices (a row of the mesh) are this process's: every rank in one
+        # process, one a process across processes.
+        here = jax.process_index()
+        self.local_ranks = [r for r in range(num_ranks) if mesh.devices[r, 0].process_index == here]
         block_size = self.block_size = runner_config.block_size
         self.buckets = BucketSpec(runner_config.max_num_batched_tokens, runner_config.max_num_seqs)
         # As ModelRunner's: the reference backend's page chunks tile the block tables exactly.
@@ -114,15 +124,15 @@ class RankGroupRunner:
             (num_ranks * num_blocks, block_size), jnp.int32, device=NamedSharding(mesh, RANKS_SPEC)
         )  # [D P, B]
         set_bias_row = jax.jit(set_row, donate_argnums=0)
-        self.bias_rows = [
-            BiasRows(
+        self.bias_rows = {
+            r: BiasRows(
                 runner_config.max_num_seqs + 1,
                 config.vocab_size,
                 set_bias_row,
                 replicated(replica_mesh(mesh, r)),
             )
-            for r in range(num_ranks)
-        ]
+            for r in self.local_ranks
+        }
         attn = get_attention(
             runner_config.attention_backend,
             sm_scale=config.sm_scale,
@@ -132,11 +142,12 @@ class RankGroupRunner:
         if self.num_kv_groups > 1:
             attn = in_kv_groups(attn, kv_groups)
         self._step = self._jit_step(config, attn, runner_config)
-        # Each rank's MoE layers' (token, expert) assignments of its own tokens, i64[L_moe, E].
-        self.expert_token_counts = [
-            np.zeros((num_moe_layers(config), config.num_experts), np.int64)
-            for _ in range(num_ranks)
-        ]
+        # Each local rank's MoE layers' (token, expert) assignments of its own tokens,
+        # i64[L_moe, E].
+        self.expert_token_counts = {
+            r: np.zeros((num_moe_layers(config), config.num_experts), np.int64)
+            for r in self.local_ranks
+        }
         self._hand_over = threading.Condition()
         self._steps: dict[int, _Step] = {}
         self._pending: set[int] = set()
@@ -177,7 +188,7 @@ class RankGroupRunner:
     def begin_step(self) -> None:
         """Before the ranks' engines step: every rank is to hand its step over or finish."""
         with self._hand_over:
-            self._pending = set(range(self.num_ranks))
+            self._pending = set(self.local_ranks)
 
     def finish(self, rank: int) -> None:
         """Rank `rank`'s engine stepped (whether or not it handed a step over)."""
@@ -199,11 +210,12 @@ class RankGroupRunner:
         return result
 
     def _arrive(self, rank: int) -> None:
-        """Under the lock: the last rank to arrive runs the group's step and wakes the rest."""
+        """Under the lock: the last local rank to arrive runs the group's step (across processes
+        every process does, its ranks' steps or not) and wakes the rest."""
         if rank not in self._pending:
             return
         self._pending.discard(rank)
-        if self._pending or not self._steps:
+        if self._pending or not (self._steps or jax.process_count() > 1):
             return
         steps, self._steps = self._steps, {}
         try:
@@ -213,15 +225,20 @@ class RankGroupRunner:
         self._hand_over.notify_all()
 
     def _run(self, steps: dict[int, _Step]) -> dict[int, ModelRunnerOutput]:
-        """The ranks' steps (the others padding) in one bucket, run as one."""
+        """The local ranks' steps (the others padding) in one bucket, run as one."""
         counts = {
             r: [s.scheduler_output.num_scheduled_tokens[q.request_id] for q in _requests(s)]
             for r, s in steps.items()
         }
-        bucket = self._bucket([(sum(c), len(c)) for c in counts.values()])
+        sizes = [(sum(c), len(c)) for c in counts.values()]
+        if jax.process_count() > 1:  # every process's ranks' steps pick the bucket
+            sizes = [size for sizes in gather_objects(sizes) for size in sizes]
+            if not sizes:
+                return {}  # no rank of any process has a step
+        bucket = self._bucket(sizes)
         layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
         ranks = []
-        for r in range(self.num_ranks):
+        for r in self.local_ranks:
             if r not in steps:
                 ranks.append(
                     prepare_step_inputs([], [], [], *layout, num_kv_groups=self.num_kv_groups)
@@ -241,17 +258,22 @@ class RankGroupRunner:
                     window_block_ids=window_block_ids(step.scheduler_output),
                 )
             )
-        inputs = jax.tree.map(lambda *a: np.stack(a), *ranks)
+        local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...] each
         out, self.kv_cache, self.token_cache = self._step(
-            self.params, self.kv_cache, self.token_cache, self._joint_bias_rows(), inputs
+            self.params,
+            self.kv_cache,
+            self.token_cache,
+            self._joint_bias_rows(),
+            self._global(local),
         )
         self.num_group_steps += 1
-        out = jax.tree.map(np.asarray, out)
+        out = jax.tree.map(self._local_rows, out)  # [local ranks, ...] each, on the host
         results = {}
         for r, step in steps.items():
-            rank_out = jax.tree.map(lambda a, r=r: a[r], out)
+            i = self.local_ranks.index(r)
+            rank_out = jax.tree.map(lambda a, i=i: a[i], out)
             num_reqs = len(counts[r])
-            sampling = jax.tree.map(lambda a, r=r: a[r], inputs.sampling)
+            sampling = jax.tree.map(lambda a, i=i: a[i], local.sampling)
             results[r] = fetch_output(
                 rank_out,
                 list(range(num_reqs)),
@@ -270,10 +292,25 @@ class RankGroupRunner:
             return self.buckets.select(num_seqs, num_seqs)
         return next(b for b in self.buckets.fitting(num_tokens, num_seqs) if not b.is_decode)
 
+    def _global(self, local):
+        """The local ranks' stacked inputs -> the group's, every array [D, ...] cut over
+        "data" (within one process, the arrays as they are: the step places them)."""
+        if jax.process_count() == 1:
+            return local
+        sharding = NamedSharding(self.mesh, RANKS_SPEC)
+        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), local)
+
+    def _local_rows(self, array: jax.Array) -> np.ndarray:
+        """An output [D, ...] -> the local ranks' rows on the host, in local_ranks' order."""
+        rows = {}
+        for shard in array.addressable_shards:
+            rows.setdefault(shard.index[0].start or 0, shard.data)
+        return np.stack([np.asarray(rows[r])[0] for r in self.local_ranks])
+
     def _joint_bias_rows(self) -> jax.Array:
-        """The ranks' bias rows [R, V], each on its rank's devices, as one [D R, V] array cut
-        over "data" (their buffers as they are)."""
-        rows = [b.rows for b in self.bias_rows]
+        """The local ranks' bias rows [R, V], each on its rank's devices, as the group's one
+        [D R, V] array cut over "data" (their buffers as they are)."""
+        rows = [self.bias_rows[r].rows for r in self.local_ranks]
         num_slots, vocab = rows[0].shape
         shards = [s.data for r in rows for s in r.addressable_shards]
         return jax.make_array_from_single_device_arrays(

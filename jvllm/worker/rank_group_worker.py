@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import time
 
+import jax
+
 from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.cpu_malloc import keep_freed_memory
-from jvllm.distributed.mesh import describe_placement, make_mesh
+from jvllm.distributed.mesh import describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
@@ -78,7 +80,7 @@ class RankGroupWorker:
         backend = runner.attention_backend or default_backend()
         prepare_backend(backend, runner.kv_cache_dtype, runner.block_size)
         parallel = config.parallel_config
-        self.mesh = make_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
+        self.mesh = rank_group_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
         check_rank_group(config)
         model_config, self.params, self.tokenizer = load_model(
             load.model,
@@ -107,8 +109,9 @@ class RankGroupWorker:
         self.runner: RankGroupRunner | None = None
 
     def _size_kv_cache(self) -> int:
-        """Each rank's KV pool (null block included), its T devices holding it; on a CPU,
-        whose host memory every rank's devices share, 1/D of what one rank would get."""
+        """Each rank's KV pool (null block included), its T devices holding it; on a CPU
+        whose host memory every rank's devices share (one process), 1/D of what one rank
+        would get."""
         config, runner = self.config, self.config.runner_config
         spec = kv_cache_spec(
             self.model_config.dtype, runner.attention_backend, runner.kv_cache_dtype
@@ -120,7 +123,7 @@ class RankGroupWorker:
         )
         num_blocks = size.num_blocks
         is_sized = cache.num_gpu_blocks_override is not None or cache.kv_cache_memory_bytes
-        if probe.backend == "cpu" and not is_sized:
+        if probe.backend == "cpu" and not is_sized and jax.process_count() == 1:
             num_blocks = max(num_blocks // num_ranks, 2)
         logger.info(
             "loaded %s (%s) in %.1fs%s; %d data-parallel ranks whose MoE layers run across "

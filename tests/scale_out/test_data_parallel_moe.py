@@ -195,4 +195,4 @@ def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t):
     assert group.num_group_steps > 0
     assert _experts_a_device(group.params) == {8 // (2 * t)}
     # Both ranks ran tokens: each counted its own tokens' routes.
-    assert all(counts.sum() > 0 for counts in group.expert_token_counts)
+    assert all(counts.sum() > 0 for counts in group.expert_token_counts.values())
