@@ -139,10 +139,19 @@ def test_eagle3_drafts_equal_a_reference_head_over_hf_hidden_states(looping_mode
         assert num_checked >= 3
 
 
-def test_eagle3_gives_the_tokens_of_no_speculation(looping_model_dir, plain_llm, head):
+@pytest.mark.parametrize(
+    "num_blocks", [None, pytest.param(14, marks=pytest.mark.slow, id="preempting")]
+)
+def test_eagle3_gives_the_tokens_of_no_speculation(num_blocks, looping_model_dir, plain_llm, head):
     """Greedy requests (chunked prefill: the 45-token prompt takes two steps beside others),
-    then a seeded sampled one beside them."""
-    llm = LLM(looping_model_dir, speculative_config=eagle3(head[0]), **ENGINE_KWARGS)
+    then a seeded sampled one beside them; also in a KV cache small enough to preempt (a
+    resumed request's head KV is recomputed with its target's)."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=eagle3(head[0]),
+        num_gpu_blocks_override=num_blocks,
+        **ENGINE_KWARGS,
+    )
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=1.2, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
     prompts, params = [*PROMPTS, PROMPTS[1]], [greedy] * len(PROMPTS) + [seeded]
@@ -151,6 +160,8 @@ def test_eagle3_gives_the_tokens_of_no_speculation(looping_model_dir, plain_llm,
     ]
     assert tokens(llm) == tokens(plain_llm)
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 20
+    if num_blocks is not None:
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
 
 def test_the_head_reads_the_token_after_each_position_and_drafts_after_the_kept_ones():
