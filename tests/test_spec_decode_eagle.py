@@ -98,6 +98,20 @@ def reference_drafts(target_dir, tensors, layer_ids, prompt, num_drafts) -> list
     return tokens
 
 
+def proposals_after_each_step(engine, request_id: str, prompt: list[int], params):
+    """Runs a request of `prompt` alone to its end; after each step (a prefill chunk or a
+    verification) that left it drafts, yields (the tokens computed so far, the next token,
+    which is not yet, the drafts proposed after it)."""
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs = list(out.outputs[0].token_ids)
+        proposal = engine.scheduler.drafter._proposals.get(request_id)
+        if proposal is not None:
+            yield [*prompt, *outputs[:-1]], outputs[-1], proposal[1]
+
+
 def eagle3(path: str, k: int = 3) -> dict:
     return {"method": "eagle3", "model": path, "num_speculative_tokens": k}
 
@@ -122,19 +136,9 @@ def test_eagle3_drafts_equal_a_reference_head_over_hf_hidden_states(looping_mode
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate([PROMPTS[0], PROMPTS[3]]):
-        request_id = f"r{i}"
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        outputs, num_checked = [], 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():  # a prefill (one chunk) or a verification, then proposals
-                outputs = list(out.outputs[0].token_ids)
-            proposal = engine.scheduler.drafter._proposals.get(request_id)
-            if proposal is None:
-                continue
-            sequence = [*prompt, *outputs[:-1]]  # the last output is the one not computed yet
-            assert proposal[1] == reference_drafts(
-                looping_model_dir, tensors, (0, 1, 1), sequence, 4
-            )
+        num_checked = 0
+        for sequence, _, drafts in proposals_after_each_step(engine, f"r{i}", prompt, params):
+            assert drafts == reference_drafts(looping_model_dir, tensors, (0, 1, 1), sequence, 4)
             num_checked += 1
         assert num_checked >= 3
 

@@ -25,6 +25,7 @@ from jvllm.model_loader.quant_config import CheckpointQuantization, checkpoint_q
 from jvllm.model_loader.quantized_tensors import has_quantized, read_quantized
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.models.model import load_checkpoint_weights
+from jvllm.models.registry import model_class
 from jvllm.quantization.host_weights import HostQuantized
 
 logger = init_logger(__name__)
@@ -209,6 +210,10 @@ def _warn_unread(path: str, config: ModelConfig, names: list[str]) -> None:
     """A warning naming the checkpoint's tensors the model never read: a bias or a norm that
     jvllm's model of the architecture lacks, whose outputs would then differ from HF's."""
     names = [n for n in names if not _NEVER_READ.search(n)]
+    # A family's tensors that another part reads (DeepSeek-V3's MTP layer, a draft head).
+    read_elsewhere = getattr(model_class(config.architecture), "is_read_elsewhere", None)
+    if read_elsewhere is not None:
+        names = [n for n in names if not read_elsewhere(config, n)]
     if config.tie_word_embeddings:
         names = [n for n in names if n != "lm_head.weight"]
     if names:

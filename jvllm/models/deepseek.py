@@ -16,8 +16,9 @@ As HF's DeepseekV2/V3 models read their config.json:
   the rope scaling has a type and mscale_all_dim;
 - V3's own FP8 release (block-scaled e4m3, quantization_config quant_method "fp8") loads as
   model_loader/quant_config.py reads it, its weights kept in fp8;
-- V3's multi-token-prediction layers (num_nextn_predict_layers, saved after the last layer)
-  are not loaded: HF skips them too.
+- V3's multi-token-prediction layer (num_nextn_predict_layers, saved after the last layer) is
+  not part of this model (HF's skips it too): speculative decoding's "mtp" method loads it as a
+  draft head (models/deepseek_mtp.py).
 
 The KV cache holds MLA's latent (one row of kv_lora_rank + qk_rope_head_dim a token and layer),
 or with JVLLM_MLA_DISABLE=1 (vLLM's VLLM_MLA_DISABLE) the decompressed per-head keys and values:
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +226,13 @@ def _normalize(cfg: dict) -> dict:
     return cfg
 
 
+def rotary_config(config: ModelConfig) -> ModelConfig:
+    """The config the layers' rotary (cos, sin) are computed from: rotary embeddings turn the
+    qk_rope_head_dim dims of a head, at their own frequencies."""
+    rope_dim = config.option("qk_rope_head_dim")
+    return dataclasses.replace(config, head_dim=rope_dim, partial_rotary_factor=1.0)
+
+
 class DeepseekDecoderLayer(nnx.Module):
     """A pre-norm block: MLA, then a dense gated MLP or the experts."""
 
@@ -263,19 +272,23 @@ class DeepseekForCausalLM(nnx.Module):
 
     def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn):
         """token_ids i32[T], positions i32[T] -> (post-norm hidden f32[T, D], kv_cache)."""
-        # Rotary embeddings turn the qk_rope_head_dim dims of a head, at their own frequencies.
-        rope_dim = self.config.option("qk_rope_head_dim")
-        rope_config = dataclasses.replace(self.config, head_dim=rope_dim, partial_rotary_factor=1.0)
         x = self.embed(token_ids)  # [T, D]
         for stack, first_layer in ((self.dense_layers, 0), (self.moe_layers, self.num_dense)):
             if stack is not None:
-                args = (stack, x, kv_cache, positions, rope_config, metadata, attn)
+                args = (stack, x, kv_cache, positions, rotary_config(self.config), metadata, attn)
                 x, kv_cache = run_rotary_layers(*args, first_layer=first_layer)
         return self.final_norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden f32[S, D] (already final-normed) -> logits f32[S, V]."""
         return self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+
+    @staticmethod
+    def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
+        """Whether the checkpoint's tensor `name` is an MTP layer's (after the last layer),
+        which speculative decoding's "mtp" method reads (models/deepseek_mtp.py)."""
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        return layer is not None and int(layer[1]) >= config.num_layers
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:
@@ -284,16 +297,16 @@ class DeepseekForCausalLM(nnx.Module):
         num_dense = config.option("first_k_dense_replace")
         if num_dense:
             weights.set_layers(0, num_dense)
-            _load_layers(config, weights, "dense_layers.", is_moe=False)
+            load_layers(config, weights, "dense_layers.", is_moe=False)
         if config.num_layers > num_dense:
             weights.set_layers(num_dense, config.num_layers - num_dense)
-            _load_layers(config, weights, "moe_layers.", is_moe=True)
+            load_layers(config, weights, "moe_layers.", is_moe=True)
         weights.tensor("final_norm.weight", "model.norm.weight")
         if not config.tie_word_embeddings:
             weights.tensor("lm_head.weight", "lm_head.weight")
 
 
-def _load_layers(config: ModelConfig, weights: CheckpointWeights, stack: str, is_moe: bool):
+def load_layers(config: ModelConfig, weights: CheckpointWeights, stack: str, is_moe: bool):
     """One stack's params (`stack`: its path prefix) from the layers weights.set_layers names."""
     layer = lambda path, *names: weights.stacked(stack + path, names)
     layer("input_norm.weight", "input_layernorm.weight")

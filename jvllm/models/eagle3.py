@@ -48,6 +48,8 @@ def aux_layer_ids(head: ModelConfig, target: ModelConfig) -> tuple[int, ...]:
 
 class Eagle3Head(nnx.Module):
     is_draft_head = True  # speculative_config's model, never an engine's own (registry.py)
+    # The target layers whose inputs it reads (worker/eagle.py).
+    target_layer_ids = staticmethod(aux_layer_ids)
 
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:

@@ -54,7 +54,11 @@ SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 _DRAFT_HEADS = {
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3Head"),
     "Eagle3LlamaForCausalLM": ("eagle3", "Eagle3Head"),
+    "DeepSeekMTPModel": ("deepseek_mtp", "DeepseekMTPHead"),  # vLLM's name
 }
+# Speculative decoding's "mtp" method: a target architecture -> the head that reads the
+# multi-token-prediction layers its checkpoints keep.
+_MTP_HEADS = {"DeepseekV3ForCausalLM": "DeepSeekMTPModel"}
 # HF's base models (no LM head), as embedding checkpoints ship them (Qwen3-Embedding,
 # e5-mistral): each runs as its causal LM's family, whose tensor names lose their first
 # component in such a checkpoint (model_loader/base_model.py). Not Phi's or GPT-J's (their LM
@@ -145,6 +149,19 @@ def architecture_of(hf_config: dict) -> str | None:
 
 def is_draft_head(architecture: str | None) -> bool:
     return architecture in _DRAFT_HEADS
+
+
+def mtp_head_architecture(target_architecture: str | None) -> str:
+    """The draft head of method "mtp" for a target of `target_architecture`; a ValueError for
+    a family whose checkpoints keep no MTP layers jvllm reads."""
+    head = _MTP_HEADS.get(target_architecture)
+    if head is None:
+        raise ValueError(
+            f"speculative_config method 'mtp' drafts with the multi-token-prediction layers of "
+            f"the target's checkpoint; supported targets: {', '.join(_MTP_HEADS)}, got "
+            f"{target_architecture}"
+        )
+    return head
 
 
 def check_supported(architecture: str | None, model_type: str | None = None) -> None:

@@ -3,10 +3,14 @@
 import dataclasses
 from collections.abc import Mapping
 
-# The drafting methods served; vLLM's others ("eagle", "medusa", "mtp") are not yet.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+# The drafting methods served; vLLM's others ("eagle", "medusa", ...) are not yet.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# vLLM's older names of a method, accepted as it does (its "deepseek_mtp" is now "mtp").
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 # The methods whose drafts a model on the device proposes after each step (`model` its path).
-MODEL_METHODS = ("draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3", "mtp")
+# Of those, the heads that draft from the target's hidden states (worker/eagle.py).
+HEAD_METHODS = ("eagle3", "mtp")
 # "hf_overrides" is jvllm's, the engine option's for the draft's config (e.g. a draft that is
 # the target's first layers: {"num_hidden_layers": 4}).
 _FIELDS = (
@@ -30,7 +34,10 @@ class SpeculativeConfig:
     `model` is, with `hf_overrides` on its config) proposes them greedily
     (worker/draft_model.py).
     "eagle3": an EAGLE-3 head (`model`, its HF checkpoint) proposes them from the target's
-    hidden states (worker/eagle.py)."""
+    hidden states (worker/eagle.py).
+    "mtp": the multi-token-prediction layer of the target's checkpoint (DeepSeek-V3's; `model`
+    None: the target's own path) proposes them from the target's final hidden states
+    (models/deepseek_mtp.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int
@@ -54,7 +61,10 @@ class SpeculativeConfig:
                 "speculative_config prompt_lookup_max must be >= prompt_lookup_min, got "
                 f"{self.prompt_lookup_max} < {self.prompt_lookup_min}"
             )
-        if self.method in MODEL_METHODS and not isinstance(self.model, str):
+        is_own_checkpoint = self.method == "mtp" and self.model is None  # the target's path
+        if self.method in MODEL_METHODS and not isinstance(self.model, str | None):
+            raise ValueError(f"speculative_config model must be a path (a str), got {self.model!r}")
+        if self.method in MODEL_METHODS and self.model is None and not is_own_checkpoint:
             raise ValueError(
                 f"speculative_config method {self.method!r} needs model, the draft's path (a "
                 f"directory or a .gguf file), got {self.model!r}"
@@ -96,7 +106,7 @@ def as_speculative_config(value) -> SpeculativeConfig | None:
     if lookup_max is None and lookup_min is None:
         lookup_max = lookup_min = _DEFAULT_PROMPT_LOOKUP
     return SpeculativeConfig(
-        method=value["method"],
+        method=METHOD_ALIASES.get(value["method"], value["method"]),
         num_speculative_tokens=value["num_speculative_tokens"],
         prompt_lookup_max=lookup_min if lookup_max is None else lookup_max,
         prompt_lookup_min=lookup_max if lookup_min is None else lookup_min,

@@ -1,18 +1,21 @@
-"""Speculative decoding's "eagle3" method on the device: an EAGLE-3 head (models/eagle3.py)
-drafting from the target's hidden states.
+"""Speculative decoding's draft heads on the device: an EAGLE-3 head ("eagle3",
+models/eagle3.py) drafting from the rows entering three of the target's layers, or a
+DeepSeek-V3 MTP layer ("mtp", models/deepseek_mtp.py) drafting from the target's final hidden
+states. Both are one decoder layer over (the next token's embedding, a hidden row), so one
+machinery runs them; `DraftHead` binds either's computations.
 
-The head's KV cache is its own one layer, [1, V, K_h, P, B, H_h], over the target's page ids
-(as a draft model's: worker/draft_model.py). Its row at position j is computed from the target's
-rows entering three layers at j and the embedding of the token AT j + 1, so inside the target's
-step (step_fn.model_step), once the step has sampled, `head_in_step` runs the head over every
-position of the step: the next token of a position is the one scheduled after it, the step's
-sample at a sequence's last position (or the prompt's next token, for a chunk short of its
-prompt's end), and at a position that verifies a draft the target's token there (a rejected
-draft's successors are recomputed by the steps that compute them). The head's output at each
-sequence's last kept position (after the drafts it accepted) is the first draft, and its
-pre-norm row is what the next draft step reads in place of the target's rows: the step hands
-both out (`HeadState`). After the step, `propose_eagle` runs the head k - 1 more decode steps
-from there for the requests that decode next, one jitted call for all of them.
+The head's KV cache is its own one layer, [1, V, K_h, P, B, H_h] (MLA's latent rows for an MTP
+layer), over the target's page ids (as a draft model's: worker/draft_model.py). Its row at
+position j is computed from the target's rows at j and the embedding of the token AT j + 1, so
+inside the target's step (step_fn.model_step), once the step has sampled, `head_in_step` runs
+the head over every position of the step: the next token of a position is the one scheduled
+after it, the step's sample at a sequence's last position (or the prompt's next token, for a
+chunk short of its prompt's end), and at a position that verifies a draft the target's token
+there (a rejected draft's successors are recomputed by the steps that compute them). The
+head's output at each sequence's last kept position (after the drafts it accepted) is the first
+draft, and its pre-norm row is what the next draft step reads in place of the target's rows:
+the step hands both out (`HeadState`). After the step, `propose_eagle` runs the head k - 1 more
+decode steps from there for the requests that decode next, one jitted call for all of them.
 
 Every draft is the head's argmax, deterministic, so the verification keeps the target's
 distribution exactly (worker/draft_scoring.py), greedy and seeded alike.
@@ -26,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.config import ModelConfig
-from jvllm.models.eagle3 import aux_layer_ids
 from jvllm.models.model import module_method, token_embeddings
+from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.step_inputs import StepInputs
 
@@ -43,13 +46,15 @@ class HeadState:
 
 @dataclasses.dataclass(frozen=True)
 class DraftHead:
-    """An EAGLE-3 head's computations, its config and its target's bound."""
+    """A draft head's computations, its config and its target's bound."""
 
-    layer_ids: tuple[int, ...]  # the target layers whose inputs it reads
+    # The target layers whose inputs it reads (EAGLE-3), or None: the target's final hidden
+    # states (the forward's output rows, an MTP layer's).
+    layer_ids: tuple[int, ...] | None
     target_hidden_size: int  # D_t
     # embed(target params, token_ids i32[T]) -> f32[T, D] rows of the target's table
     embed: Callable
-    # combine(head params, rows f32[3, T, D_t]) -> f32[T, D_h]
+    # combine(head params, rows f32[3, T, D_t] or f32[T, D_t] as layer_ids says) -> f32[T, D_h]
     combine: Callable
     # forward(head params, kv, embeds, hidden, positions, metadata) -> (normed, prenorm, kv)
     forward: Callable
@@ -62,7 +67,7 @@ def draft_head(head: ModelConfig, target: ModelConfig, attn) -> DraftHead:
         return lambda params, *args: module_method(params, method, *args, *last, config=head)
 
     return DraftHead(
-        aux_layer_ids(head, target),
+        model_class(head.architecture).target_layer_ids(head, target),
         target.hidden_size,
         functools.partial(token_embeddings, config=target),
         call("combine"),
@@ -103,20 +108,21 @@ def head_in_step(
     head_params,
     head_kv,
     inputs: StepInputs,
-    layer_rows: jax.Array,
+    target_rows: jax.Array,
     sampled: jax.Array,
     targets: jax.Array,
 ):
-    """The head over a step's positions (module docstring), `layer_rows` f32[3, T, D_t] the
-    target's rows entering its layers `head.layer_ids` -> (head_kv, HeadState)."""
+    """The head over a step's positions (module docstring), `target_rows` the target's rows
+    the head reads (f32[3, T, D_t] entering its layers `head.layer_ids`, or its final hidden
+    states f32[T, D_t]) -> (head_kv, HeadState)."""
     last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
     embeds = head.embed(target_params, next_tokens)  # [T, D]
-    hidden = head.combine(head_params, layer_rows)  # [T, D_h]
+    hidden = head.combine(head_params, target_rows)  # [T, D_h]
     normed, prenorm, head_kv = head.forward(
         head_params, head_kv, embeds, hidden, inputs.positions, inputs.attn
     )
     first = head.draft_tokens(head_params, normed[last_kept])  # [S]
-    return head_kv, HeadState(first, prenorm[last_kept])
+    return head_kv, HeadState(first, prenorm[last_kept].astype(jnp.float32))
 
 
 def propose_eagle(
@@ -157,7 +163,7 @@ def propose_eagle(
         token_ids = head.draft_tokens(params_i[1], normed)  # [S]
         drafts = drafts.at[:, i + 1].set(token_ids)
         step_inputs = advance_inputs(step_inputs, token_ids, i + 1 < num_steps_per_row, block_size)
-        return kv, step_inputs, prenorm, drafts
+        return kv, step_inputs, prenorm.astype(jnp.float32), drafts
 
     head_kv, _, _, drafts = jax.lax.fori_loop(
         0, num_steps - 1, body, (head_kv, inputs, hidden, drafts)

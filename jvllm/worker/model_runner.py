@@ -25,6 +25,7 @@ from jvllm.logger import init_logger
 from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
 from jvllm.models.model import image_num_embeds, num_moe_layers, param_axes, takes_images
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
+from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, SPECULATIVE_MIN_TOKENS, Bucket, BucketSpec
@@ -125,7 +126,13 @@ class ModelRunner:
                 "kv_cache_dtype": runner_config.kv_cache_dtype,
                 "num_speculative_tokens": num_speculative_tokens,
             }
-            if draft.method == "eagle3":
+            if draft.method == "mtp" and mesh.shape[TP_AXIS] > 1:
+                raise ValueError(
+                    "speculative_config method 'mtp' does not run under tensor parallelism yet "
+                    "(its layer's experts outside the target's shard_map); use "
+                    "tensor_parallel_size=1, or method 'ngram' / 'draft_model'"
+                )
+            if draft.method in HEAD_METHODS:
                 self.draft = EagleRunner(draft, config, params, mesh, **layout)
             else:
                 self.draft = DraftRunner(

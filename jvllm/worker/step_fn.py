@@ -55,9 +55,9 @@ def model_step(
     experts returns a CountedSamplerOutput. With a `draft_model` (speculative decoding's
     "draft_model" method), `params` and `kv_cache` are (target's, draft's) pairs, and the draft's
     forward writes its KV at the step's tokens too (worker/draft_model.py). With a
-    `draft_head` (EAGLE-3) they are (target's, head's) pairs the same way: the head runs over
-    the step's positions once it has sampled, and the output (a CountedSamplerOutput) holds
-    its `draft_state` (worker/eagle.py).
+    `draft_head` (an EAGLE-3 head or an MTP layer) they are (target's, head's) pairs the same
+    way: the head runs over the step's positions once it has sampled, and the output (a
+    CountedSamplerOutput) holds its `draft_state` (worker/eagle.py).
     """
     md = inputs.attn
     if draft_model is not None or draft_head is not None:
@@ -69,7 +69,8 @@ def model_step(
         )
     args = (params, kv_cache, inputs.token_ids, inputs.positions, md, inputs.mm)
     capture = contextlib.nullcontext()
-    if draft_head is not None:  # the head reads the rows entering some of the target's layers
+    if draft_head is not None and draft_head.layer_ids is not None:
+        # The head (EAGLE-3) reads the rows entering some of the target's layers.
         num_tokens = inputs.token_ids.shape[0]
         capture = capturing_layer_inputs(
             draft_head.layer_ids, num_tokens, draft_head.target_hidden_size
@@ -129,7 +130,7 @@ def model_step(
             draft_params,
             draft_kv,
             inputs,
-            captured.rows,
+            hidden if draft_head.layer_ids is None else captured.rows,
             out.sampled_token_ids,
             out.draft_target_ids,
         )

@@ -30,8 +30,9 @@ from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import expected_dtype, resolve_quantization
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
+from jvllm.models.registry import mtp_head_architecture
 from jvllm.quantization import build_kernels_early, describe_weights, is_quantized
-from jvllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
+from jvllm.spec_decode.config import HEAD_METHODS, MODEL_METHODS, SpeculativeConfig
 from jvllm.worker import device_buffers
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.draft_model import DraftModel, check_draft
@@ -125,19 +126,25 @@ class Worker:
         self._sleeping_params: device_buffers.HostParams | None = None
 
     def _load_draft(self, spec: SpeculativeConfig | None, load, parallel) -> DraftModel | None:
-        """speculative_config's draft model (method "draft_model") or EAGLE-3 head ("eagle3"),
-        on the target's mesh in the target's dtype, without a tokenizer: it must share the
-        target's."""
+        """speculative_config's draft model (method "draft_model"), EAGLE-3 head ("eagle3") or
+        the MTP layer of a checkpoint ("mtp": by default the target's own, read as its draft
+        head's architecture), on the target's mesh in the target's dtype, without a
+        tokenizer: it must share the target's."""
         if spec is None or spec.method not in MODEL_METHODS:
             return None
+        path, overrides = spec.model, spec.hf_overrides
+        if spec.method == "mtp":
+            path = load.model if path is None else path
+            head = mtp_head_architecture(self.model_config.architecture)
+            overrides = {**(overrides or {}), "architectures": [head]}
         config, params, _ = load_model(
-            spec.model,
+            path,
             self.model_config.dtype,
             mesh=self.mesh,
             skip_tokenizer_init=True,
-            hf_overrides=spec.hf_overrides,
+            hf_overrides=overrides,
             enable_expert_parallel=parallel.enable_expert_parallel,
-            draft_head=spec.method == "eagle3",
+            draft_head=spec.method in HEAD_METHODS,
         )
         return DraftModel(config, params, spec.method)
 
