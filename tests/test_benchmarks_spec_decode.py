@@ -19,3 +19,15 @@ def test_spec_decode_benchmark_compares_speculation_with_plain_decoding(
     # float32: the same tokens, greedy and seeded sampled
     assert all(row[-1] == "True" for row in rows.values())
     assert lines[-1].startswith("a round costs ")
+
+
+@pytest.mark.slow  # a random DeepSeek-V3 of the default model's width and vocabulary: ~1 min
+def test_spec_decode_benchmark_writes_a_deepseek_v3_with_an_mtp_layer(capsys):
+    args = ["--method", "mtp", "--dtype", "float32", "--max-tokens", "6", "--num-iters", "1"]
+    spec_decode.main([*args, "--temperatures", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "a random DeepSeek-V3 with an MTP layer" in lines[0]
+    rows = [line.split() for line in lines[3:-1]]
+    assert [row[:2] for row in rows] == [[name, "0"] for name in spec_decode.PROMPTS]
+    assert all(row[-1] == "True" for row in rows)
+    assert lines[-1].startswith("a round costs ")

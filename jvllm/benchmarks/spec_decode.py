@@ -7,6 +7,7 @@ whose answer does not (a story).
     python -m jvllm.benchmarks.spec_decode -k 5 --max-tokens 256 --temperatures 0,0.7,1
     python -m jvllm.benchmarks.spec_decode --method draft_model --draft-layers 8
     python -m jvllm.benchmarks.spec_decode --method eagle3
+    python -m jvllm.benchmarks.spec_decode --method mtp
 
 `--method draft_model` drafts with the target's first --draft-layers layers, its final norm and
 its LM head (the same checkpoint loaded with hf_overrides={"num_hidden_layers": N}: the loader
@@ -14,6 +15,9 @@ keeps the first N layers), unless --draft-model names another model. `--method e
 with the EAGLE-3 head --draft-model names, else with one of random weights of the target's
 shapes (benchmarks/random_heads.py; a draft vocabulary of 32000 ids): its drafts are almost
 never accepted, so each round gives one token and its cost is what speculation adds.
+`--method mtp` drafts with the MTP layer of --model's checkpoint (a DeepSeek-V3), else both run
+a small random DeepSeek-V3 that keeps one (4 layers of the default model's width, 16 experts,
+its tokenizer: benchmarks/random_heads.py), whose drafts are likewise never accepted.
 
 Prints, for each prompt and temperature, the output tok/s without and with speculation (the
 same engine options otherwise), their ratio, the drafts' acceptance rate, and whether the tokens
@@ -31,9 +35,12 @@ import tempfile
 import time
 
 from jvllm import LLM, SamplingParams
-from jvllm.benchmarks.random_heads import save_random_eagle3_head
+from jvllm.benchmarks.random_heads import (
+    save_random_deepseek_v3_with_mtp,
+    save_random_eagle3_head,
+)
 from jvllm.benchmarks.startup import cpu_name
-from jvllm.model_loader.default_model import DEFAULT_MODEL
+from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
 
 _CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -71,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="None: the default model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--method", choices=("ngram", "draft_model", "eagle3"), default="ngram")
+    parser.add_argument(
+        "--method", choices=("ngram", "draft_model", "eagle3", "mtp"), default="ngram"
+    )
     parser.add_argument(
         "--draft-model", default=None, help="None: the target's first layers, or a random head"
     )
@@ -87,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated; 0 is greedy, the others sample with seed 0",
     )
     args = parser.parse_args(argv)
+    target_name = args.model or "the default model"
+    if args.method == "mtp" and args.model is None:
+        args.model = tempfile.mkdtemp(prefix="jvllm_deepseek_v3_mtp_")
+        save_random_deepseek_v3_with_mtp(args.model, default_model_dir())
+        target_name = "a random DeepSeek-V3 with an MTP layer"
     engine_kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": 8}
     speculative_config = {
         "method": args.method,
@@ -116,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     stats = speculative.llm_engine.spec_decoding_stats
     temperatures = [float(t) for t in args.temperatures.split(",")]
     k, rounds = args.num_speculative_tokens, []
-    print(f"CPU: {cpu_name()}; {args.model or 'the default model'} in {args.dtype}, batch 1")
+    print(f"CPU: {cpu_name()}; {target_name} in {args.dtype}, batch 1")
     print(f"speculative_config: {speculative_config}, {args.max_tokens} tokens a prompt")
     print(
         f"{'prompt':<16} {'temp':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
