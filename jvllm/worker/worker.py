@@ -20,7 +20,7 @@ from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.cpu_malloc import keep_freed_memory
-from jvllm.distributed.mesh import describe_placement, engine_mesh, num_shards
+from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.distributed.tensor_parallel import ParamPlacer
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
@@ -119,7 +119,7 @@ class Worker:
         if self.draft is not None:
             groups = self.config.cache_config.kv_groups
             has_windows = groups is not None and groups.windows != (None,)
-            check_draft(self.model_config, self.draft, has_windows, num_shards(self.mesh))
+            check_draft(self.model_config, self.draft, has_windows)
         self.model_runner: ModelRunner | None = None
         # While the weights sleep: param path -> host copy (sleep level 2: only what
         # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
