@@ -13,6 +13,11 @@
 // separate arrays [L, O, nb, ...] with a layer index, so that a layer of the scan's stacked
 // weights is read where it lies; output rows are split among XLA's intra-op threads. For more
 // rows than gguf_dense takes, gguf_dequantize writes the layer's values out for XLA's matmul.
+//
+// Written over the portable SIMD layer (simd_lanes.h: SSE, AVX2, AVX-512 and NEON from this
+// source); x86's extending byte loads, F16C's half conversions, AVX-512's narrowing store and
+// BF16 dot products stay intrinsics beside their portable lines, where GCC 12's code of the
+// portable line was measured slower (docs/benchmarks/cpu_kernels.md).
 
 #include <algorithm>
 #include <cstdint>
@@ -24,12 +29,37 @@
 #endif
 
 #include "parallel_for.h"
-#include "simd.h"
+#include "simd_lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using vi32 = stdx::rebind_simd_t<int32_t, vf32>;
+static_assert(N == kLanes, "simd.h's lane count, the vectors' here");
+
+// N bytes at p as 32-bit lanes (kSigned: the bytes as int8), where the bit work happens.
+// x86 through its extending loads: GCC 12's code of the portable converting load made Q6_K's
+// one-row products 1.1x slower on AVX-512.
+template <bool kSigned = false>
+JVLLM_INLINE vi32 widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return vi32(kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return vi32(kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+#else
+  if constexpr (kSigned) {
+    return vi32(reinterpret_cast<const int8_t*>(p), stdx::element_aligned);
+  } else {
+    return vi32(p, stdx::element_aligned);
+  }
+#endif
+}
+
+JVLLM_INLINE vf32 to_floats(vi32 q) { return stdx::static_simd_cast<vf32>(q); }
 
 constexpr int kMaxRows = 32;
 constexpr int kPrefetchBlocks = 64;  // how far ahead each field's stream is fetched
@@ -85,42 +115,41 @@ inline void halves_to_floats(const uint8_t* src, int64_t n, float* dst) {
 struct Q8_0 {
   static constexpr int kFields = 2, kHalves = 1, kBlock = 32, kSub = 32;
   static constexpr bool kOffset = false;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
+  static void split(const uint8_t* const* f, const float* s, vf32* q, float* scale, float*) {
     scale[0] = s[0];
-    for (int v = 0; v < 32 / N; ++v) q[v] = to_f32(widen<true>(f[1] + N * v));
+    for (int v = 0; v < 32 / N; ++v) q[v] = to_floats(widen_bytes<true>(f[1] + N * v));
   }
 };
 
 // The fifth bits of Q5_0 and Q5_1, bit j of the u32 at qh for value j: the N values from
 // `first`, each at bit 4.
-inline i32v fifth_bits(const uint8_t* qh, int first) {
-  uint32_t bits;
+JVLLM_INLINE vi32 fifth_bits(const uint8_t* qh, int first) {
+  int32_t bits;
   std::memcpy(&bits, qh, sizeof(bits));
-  i32v shifts;
-  for (int l = 0; l < N; ++l) shifts[l] = first + l;
-  return ((static_cast<int32_t>(bits) + i32v{}) >> shifts & 1) << 4;
+  const vi32 shifts([first](auto l) { return first + static_cast<int>(l); });
+  return ((vi32(bits) >> shifts) & 1) << 4;
 }
 
 // The 32 integers of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block, less `bias`: byte j of qs holds the low
 // 4 bits of values j (low nibble) and j + 16 (high), and qh, where the format has it (Q5_*),
 // their fifth bits.
-inline void nibble_block(const uint8_t* qs, const uint8_t* qh, int bias, f32v* q) {
+inline void nibble_block(const uint8_t* qs, const uint8_t* qh, int bias, vf32* q) {
   for (int v = 0; v < 16 / N; ++v) {
-    const i32v b = widen(qs + N * v);
-    i32v low = b & 15, high = b >> 4;
+    const vi32 b = widen_bytes(qs + N * v);
+    vi32 low = b & 15, high = b >> 4;
     if (qh != nullptr) {
       low |= fifth_bits(qh, N * v);
       high |= fifth_bits(qh, 16 + N * v);
     }
-    q[v] = to_f32(low - bias);
-    q[16 / N + v] = to_f32(high - bias);
+    q[v] = to_floats(low - bias);
+    q[16 / N + v] = to_floats(high - bias);
   }
 }
 
 struct Q4_0 {
   static constexpr int kFields = 2, kHalves = 1, kBlock = 32, kSub = 32;
   static constexpr bool kOffset = false;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
+  static void split(const uint8_t* const* f, const float* s, vf32* q, float* scale, float*) {
     scale[0] = s[0];
     nibble_block(f[1], nullptr, 8, q);
   }
@@ -129,7 +158,7 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int kFields = 3, kHalves = 2, kBlock = 32, kSub = 32;
   static constexpr bool kOffset = true;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale,
+  static void split(const uint8_t* const* f, const float* s, vf32* q, float* scale,
                     float* offset) {
     scale[0] = s[0];
     offset[0] = s[1];
@@ -140,7 +169,7 @@ struct Q4_1 {
 struct Q5_0 {
   static constexpr int kFields = 3, kHalves = 1, kBlock = 32, kSub = 32;
   static constexpr bool kOffset = false;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale, float*) {
+  static void split(const uint8_t* const* f, const float* s, vf32* q, float* scale, float*) {
     scale[0] = s[0];
     nibble_block(f[2], f[1], 16, q);
   }
@@ -149,7 +178,7 @@ struct Q5_0 {
 struct Q5_1 {
   static constexpr int kFields = 4, kHalves = 2, kBlock = 32, kSub = 32;
   static constexpr bool kOffset = true;
-  static void split(const uint8_t* const* f, const float* s, f32v* q, float* scale,
+  static void split(const uint8_t* const* f, const float* s, vf32* q, float* scale,
                     float* offset) {
     scale[0] = s[0];
     offset[0] = s[1];
@@ -172,18 +201,18 @@ inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float*
 // The 256 integers of a Q4_K / Q5_K block: 32 bytes of qs per pair of sub-blocks, the low
 // nibbles the first, the high the second; and qh, where the format has it (Q5_K), sub-block
 // i's fifth bits as bit i of each of its 32 bytes.
-inline void k_block(const uint8_t* qs, const uint8_t* qh, f32v* q) {
+inline void k_block(const uint8_t* qs, const uint8_t* qh, vf32* q) {
   for (int pair = 0; pair < 4; ++pair) {
     for (int v = 0; v < 32 / N; ++v) {
-      const i32v b = widen(qs + pair * 32 + N * v);
-      i32v low = b & 15, high = b >> 4;
+      const vi32 b = widen_bytes(qs + pair * 32 + N * v);
+      vi32 low = b & 15, high = b >> 4;
       if (qh != nullptr) {
-        const i32v h = widen(qh + N * v);
+        const vi32 h = widen_bytes(qh + N * v);
         low |= (h >> (2 * pair) & 1) << 4;
         high |= (h >> (2 * pair + 1) & 1) << 4;
       }
-      q[(2 * pair) * (32 / N) + v] = to_f32(low);
-      q[(2 * pair + 1) * (32 / N) + v] = to_f32(high);
+      q[(2 * pair) * (32 / N) + v] = to_floats(low);
+      q[(2 * pair + 1) * (32 / N) + v] = to_floats(high);
     }
   }
 }
@@ -191,7 +220,7 @@ inline void k_block(const uint8_t* qs, const uint8_t* qh, f32v* q) {
 struct Q4_K {
   static constexpr int kFields = 4, kHalves = 2, kBlock = 256, kSub = 32;
   static constexpr bool kOffset = true;
-  static void split(const uint8_t* const* f, const float* halves, f32v* q, float* scale,
+  static void split(const uint8_t* const* f, const float* halves, vf32* q, float* scale,
                     float* offset) {
     k_scales(f[2], halves[0], halves[1], scale, offset);
     k_block(f[3], nullptr, q);
@@ -201,7 +230,7 @@ struct Q4_K {
 struct Q5_K {
   static constexpr int kFields = 5, kHalves = 2, kBlock = 256, kSub = 32;
   static constexpr bool kOffset = true;
-  static void split(const uint8_t* const* f, const float* halves, f32v* q, float* scale,
+  static void split(const uint8_t* const* f, const float* halves, vf32* q, float* scale,
                     float* offset) {
     k_scales(f[2], halves[0], halves[1], scale, offset);
     k_block(f[4], f[3], q);
@@ -211,7 +240,7 @@ struct Q5_K {
 struct Q6_K {
   static constexpr int kFields = 4, kHalves = 0, kBlock = 256, kSub = 16;
   static constexpr bool kOffset = false;
-  static void split(const uint8_t* const* f, const float*, f32v* q, float* scale, float*) {
+  static void split(const uint8_t* const* f, const float*, vf32* q, float* scale, float*) {
     const uint8_t *ql = f[0], *qh = f[1];
     const int8_t* scales = reinterpret_cast<const int8_t*>(f[2]);
     const float d = half_at(f[3]);
@@ -220,11 +249,11 @@ struct Q6_K {
     // (k < 2) or high nibbles of 32 bytes of ql, the high 2 bits from bits 2k of qh's 32.
     for (int half = 0; half < 2; ++half) {
       for (int v = 0; v < 32 / N; ++v) {
-        const i32v low[2] = {widen(ql + half * 64 + N * v), widen(ql + half * 64 + 32 + N * v)};
-        const i32v high = widen(qh + half * 32 + N * v);
+        const vi32 low[2] = {widen_bytes(ql + half * 64 + N * v), widen_bytes(ql + half * 64 + 32 + N * v)};
+        const vi32 high = widen_bytes(qh + half * 32 + N * v);
         for (int k = 0; k < 4; ++k) {
-          const i32v b = ((low[k % 2] >> ((k / 2) * 4)) & 15) | (((high >> (2 * k)) & 3) << 4);
-          q[(half * 128 + k * 32) / N + v] = to_f32(b - 32);
+          const vi32 b = ((low[k % 2] >> ((k / 2) * 4)) & 15) | (((high >> (2 * k)) & 3) << 4);
+          q[(half * 128 + k * 32) / N + v] = to_floats(b - 32);
         }
       }
     }
@@ -235,11 +264,11 @@ struct Q6_K {
 template <typename F>
 struct Block {
   static constexpr int kVectors = F::kBlock / N, kSubs = F::kBlock / F::kSub;
-  f32v q[kVectors];
+  vf32 q[kVectors];
   float scale[kSubs], offset[kSubs];
 
   // The block's values, as gguf's dequantize gives them.
-  void values(f32v* w) const {
+  void values(vf32* w) const {
     for (int v = 0; v < kVectors; ++v) {
       w[v] = scale[v * N / F::kSub] * q[v];
       if (F::kOffset) w[v] = w[v] + offset[v * N / F::kSub];
@@ -248,19 +277,24 @@ struct Block {
 };
 
 // Each lane rounded to the nearest bfloat16 (ties to even), in integer vector arithmetic.
-inline f32v round_to_bfloat16(f32v w) {
-  const u32v bits = (u32v)w;
-  const u32v rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
-  return (f32v)((bits & 0x7FFFFFFF) > 0x7F800000 ? bits : rounded);  // NaN stays
+JVLLM_INLINE vf32 round_to_bfloat16(vf32 w) {
+  const vu32 bits = stdx::__proposed::simd_bit_cast<vu32>(w);
+  vu32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  stdx::where((bits & 0x7FFFFFFFu) > 0x7F800000u, rounded) = bits;  // NaN stays
+  return as_floats(rounded);
 }
 
 // The N bfloat16 values in `rounded` (each already rounded to bfloat16) as their 16 bits at dst.
-inline void store_bfloat16(f32v rounded, uint16_t* dst) {
-  const u32v bits = (u32v)rounded >> 16;  // exact
+// AVX-512 narrows with its instruction: GCC 12's code of the portable line made a bfloat16
+// layer's dequantization 1.07x slower.
+JVLLM_INLINE void store_rounded(vf32 rounded, uint16_t* dst) {
+  const vu32 bits = stdx::__proposed::simd_bit_cast<vu32>(rounded) >> 16;  // exact
 #if defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16((__m512i)bits));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_cvtepi32_epi16(static_cast<__m512i>(bits)));
 #else
-  for (int l = 0; l < N; ++l) dst[l] = static_cast<uint16_t>(bits[l]);
+  stdx::static_simd_cast<stdx::rebind_simd_t<uint16_t, vf32>>(bits).copy_to(
+      dst, stdx::element_aligned);
 #endif
 }
 
@@ -309,7 +343,7 @@ class BlockReader {
 
 // The block's values, rounded to bfloat16 where kBF16.
 template <typename F, bool kBF16>
-inline void model_values(const Block<F>& block, f32v* w) {
+inline void model_values(const Block<F>& block, vf32* w) {
   block.values(w);
   if (kBF16) {
     for (int v = 0; v < Block<F>::kVectors; ++v) w[v] = round_to_bfloat16(w[v]);
@@ -330,8 +364,8 @@ std::vector<float> sub_block_sums(const float* x, int64_t R, int64_t I) {
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t sub = 0; sub < I / F::kSub; ++sub) {
       const float* xs = x + r * I + sub * F::kSub;
-      f32v sum = load<f32v>(xs);
-      for (int v = 1; v < F::kSub / N; ++v) sum += load<f32v>(xs + N * v);
+      vf32 sum = load_lanes(xs);
+      for (int v = 1; v < F::kSub / N; ++v) sum += load_lanes(xs + N * v);
       sums[r * num_subs + sub] = sum_lanes(sum);
     }
   }
@@ -361,7 +395,9 @@ constexpr bool bf16_dots() {
 
 #if defined(__AVX512BF16__)
 // 32 values (two vectors, lo first) rounded to bfloat16 (to nearest even), in order.
-inline __m512bh bf16_pairs(f32v lo, f32v hi) { return _mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo); }
+inline __m512bh bf16_pairs(vf32 lo, vf32 hi) {
+  return _mm512_cvtne2ps_pbh(static_cast<__m512>(hi), static_cast<__m512>(lo));
+}
 #endif
 
 // x [R, I] as bfloat16 bits (to nearest even: exact for the bfloat16 values the model passes),
@@ -370,7 +406,7 @@ template <bool kBF16>
 std::vector<uint16_t> bf16_bits(const float* x, int64_t R, int64_t I) {
   std::vector<uint16_t> bits(bf16_dots<kBF16>() ? R * I : 0);
   for (size_t i = 0; i < bits.size(); i += N) {  // R * I: whole vectors of blocks
-    store_bfloat16(round_to_bfloat16(load<f32v>(x + i)), &bits[i]);
+    store_rounded(round_to_bfloat16(vf32(x + i, stdx::element_aligned)), &bits[i]);
   }
   return bits;
 }
@@ -388,8 +424,9 @@ struct Rows {
   float* y;             // [R, O]
 };
 
-// y[r, o] for the G rows r of x from `first`. G is fixed at compile time so that the rows' sums
-// stay in registers.
+// y[r, o] for the G rows r of x from `first`. G is fixed at compile time, and the loops over
+// the rows unrolled, so that the rows' sums stay in registers (GCC 12 kept them in memory,
+// indexed by the loop: 8 rows 1.1-1.5x slower on AVX-512).
 template <typename F, bool kBF16, int G>
 void group_products(const Rows& rows, int64_t first, int64_t o) {
   constexpr int V = Block<F>::kVectors, S = F::kSub / N, kSubs = Block<F>::kSubs;
@@ -397,55 +434,55 @@ void group_products(const Rows& rows, int64_t first, int64_t o) {
   const int64_t I = rows.I;
   const float* x = rows.x + first * I;
   float* offsets = rows.offsets;
-  f32v acc[G];
-  for (int r = 0; r < G; ++r) acc[r] = f32v{};
+  vf32 acc[G];
+  JVLLM_UNROLLED for (int r = 0; r < G; ++r) acc[r] = 0.f;
   BlockReader<F> reader(o, rows.nb, rows.fields, rows.field_bytes, rows.halves);
   Block<F> block;
   for (int64_t b = 0; b < rows.nb; ++b) {
     reader.read(block);
 #if defined(__AVX512BF16__)
     if (bf16_dots<kBF16>()) {
-      f32v w[V];
+      vf32 w[V];
       block.values(w);
       __m512bh pairs[V / 2];
       for (int v = 0; v < V / 2; ++v) pairs[v] = bf16_pairs(w[2 * v], w[2 * v + 1]);
-      for (int r = 0; r < G; ++r) {
+      JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
         const uint16_t* xb = rows.x_bf16 + (first + r) * I + b * F::kBlock;
         for (int v = 0; v < V / 2; ++v) {
           const __m512bh xs = (__m512bh)_mm512_loadu_si512(xb + 2 * N * v);
-          acc[r] = (f32v)_mm512_dpbf16_ps((__m512)acc[r], pairs[v], xs);
+          acc[r] = vf32(_mm512_dpbf16_ps(static_cast<__m512>(acc[r]), pairs[v], xs));
         }
       }
       continue;
     }
 #endif
     if (!kFactored) {
-      f32v w[V];
+      vf32 w[V];
       model_values<F, kBF16>(block, w);
-      for (int r = 0; r < G; ++r) {
+      JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
         const float* xb = x + r * I + b * F::kBlock;
-        for (int v = 0; v < V; ++v) acc[r] = multiply_add(w[v], load<f32v>(xb + N * v), acc[r]);
+        for (int v = 0; v < V; ++v) acc[r] = multiply_add(w[v], load_lanes(xb + N * v), acc[r]);
       }
       continue;
     }
     if (kOffsets) std::copy_n(block.offset, kSubs, offsets + b * kSubs);
-    for (int r = 0; r < G; ++r) {
+    JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
       const float* xb = x + r * I + b * F::kBlock;
       for (int sub = 0; sub < kSubs; ++sub) {
-        const f32v* q = block.q + sub * S;
+        const vf32* q = block.q + sub * S;
         const float* xs = xb + sub * F::kSub;
-        f32v t = q[0] * load<f32v>(xs);
-        for (int v = 1; v < S; ++v) t = multiply_add(q[v], load<f32v>(xs + N * v), t);
-        acc[r] = multiply_add(splat(block.scale[sub]), t, acc[r]);
+        vf32 t = q[0] * load_lanes(xs);
+        for (int v = 1; v < S; ++v) t = multiply_add(q[v], load_lanes(xs + N * v), t);
+        acc[r] = multiply_add(vf32(block.scale[sub]), t, acc[r]);
       }
     }
   }
-  for (int r = 0; r < G; ++r) {
+  JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
     // The offsets times the sums, added to the lanes: a row of the identity puts a value's
     // scaled integer and its offset in one lane or in two, so either sum rounds once.
     for (int64_t i = 0; kOffsets && i < rows.num_subs; i += N) {
       const float* sums = rows.x_sums + (first + r) * rows.num_subs;
-      acc[r] = multiply_add(load<f32v>(offsets + i), load<f32v>(sums + i), acc[r]);
+      acc[r] = multiply_add(load_lanes(offsets + i), load_lanes(sums + i), acc[r]);
     }
     rows.y[(first + r) * rows.O + o] = sum_lanes(acc[r]);
   }
@@ -499,15 +536,16 @@ void dequantize_rows(int64_t o_first, int64_t o_last, int64_t I, const uint8_t* 
     Block<F> block;
     for (int64_t b = 0; b < nb; ++b) {
       reader.read(block);
-      f32v w[V];
+      vf32 w[V];
       model_values<F, kBF16>(block, w);
       const int64_t first = o * I + b * F::kBlock;
       if (!kBF16) {
-        std::memcpy(static_cast<float*>(out) + first, w, sizeof(w));
+        float* dst = static_cast<float*>(out) + first;
+        for (int v = 0; v < V; ++v) w[v].copy_to(dst + N * v, stdx::element_aligned);
         continue;
       }
       uint16_t* dst = static_cast<uint16_t*>(out) + first;
-      for (int v = 0; v < V; ++v) store_bfloat16(w[v], dst + N * v);
+      for (int v = 0; v < V; ++v) store_rounded(w[v], dst + N * v);
     }
   }
 }

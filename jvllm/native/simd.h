@@ -4,8 +4,8 @@
 //   cpu_int8.cc through dense_tile.h; docs/design.md, "Native CPU kernels", says why this layer);
 //   apart, so that a compiler without <experimental/simd> still builds the other kernels;
 // - here, GCC/Clang vectors of the machine's float width and the few operations that x86 does
-//   better with an intrinsic than the generic vector code GCC 12 makes of them (cpu_gguf.cc,
-//   cpu_int_group.cc, written before the first part), and the instruction set's name.
+//   better with an intrinsic than the generic vector code GCC 12 makes of them (cpu_int_group.cc,
+//   written before the first part), the lane count N, and the instruction set's name.
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,9 @@
 // The portable half of the CPU kernels' SIMD layer (simd.h says what the other half is):
 // std::experimental::simd's float vector of the machine and the loads that widen a weight's
 // bfloat16 or int8 values into it, which GCC compiles to x86's widening loads and NEON's shifts
-// by itself. The dense and int8 kernels include it (through dense_tile.h), and the decode
-// attention kernel: a compiler without <experimental/simd> (GCC before 11, libc++) builds the
-// others.
+// by itself. The dense and int8 kernels include it (through dense_tile.h), the decode
+// attention and GGUF kernels: a compiler without <experimental/simd> (GCC before 11, libc++)
+// builds the others.
 #pragma once
 
 #include <cstdint>
