@@ -4,6 +4,7 @@ experts spread over all D x T devices, and gives each rank what its batch gives 
 device: a prefill step, then a decode step reading the pages the first wrote (the two ranks use
 the same page ids, each in its own pool), with a rank that has nothing to run."""
 
+import asyncio
 import functools
 import types
 
@@ -22,6 +23,8 @@ from jvllm import LLM
 from jvllm.attention.backends import get_attention
 from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, data_parallel_model
 from jvllm.distributed.mesh import make_mesh
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.engine.async_llm import AsyncLLM
 from jvllm.model_loader.loader import load_model
 from jvllm.models.model import compute_logits, forward
 from jvllm.sampling_params import SamplingParams
@@ -196,3 +199,28 @@ def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t):
     assert _experts_a_device(group.params) == {8 // (2 * t)}
     # Both ranks ran tokens: each counted its own tokens' routes.
     assert all(counts.sum() > 0 for counts in group.expert_token_counts.values())
+
+
+def test_async_engine_streams_from_ranks_stepping_as_one(model_dir):
+    """The server's engine over the group: requests arrive while the ranks step, stream back
+    one device's tokens, and /metrics' expert counts sum both ranks' (every real token's
+    top-2 routes in each of the 2 layers)."""
+    path = model_dir("mixtral")
+    prompts = ragged_prompts(VOCAB, lengths=(4, 11, 19))
+    expected = _greedy(LLM(path, **ENGINE_KWARGS), prompts)
+    args = EngineArgs(path, data_parallel_size=2, enable_expert_parallel=True, **ENGINE_KWARGS)
+    llm = AsyncLLM.from_engine_args(args)
+
+    async def one(i, prompt):
+        stream = llm.generate({"prompt_token_ids": prompt}, GREEDY, f"r{i}")
+        return [o async for o in stream][-1].outputs[0].token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        assert asyncio.run(main()) == expected
+        num_fed = sum(len(p) + GREEDY.max_tokens - 1 for p in prompts)
+        assert llm.stats.expert_token_counts.sum() == num_fed * 2 * 2
+    finally:
+        llm.shutdown()
