@@ -126,12 +126,6 @@ class ModelRunner:
                 "kv_cache_dtype": runner_config.kv_cache_dtype,
                 "num_speculative_tokens": num_speculative_tokens,
             }
-            if draft.method == "mtp" and mesh.shape[TP_AXIS] > 1:
-                raise ValueError(
-                    "speculative_config method 'mtp' does not run under tensor parallelism yet "
-                    "(its layer's experts outside the target's shard_map); use "
-                    "tensor_parallel_size=1, or method 'ngram' / 'draft_model'"
-                )
             if draft.method in HEAD_METHODS:
                 self.draft = EagleRunner(draft, config, params, mesh, **layout)
             else:
