@@ -101,7 +101,7 @@ class GptOssMoE(nnx.Module):
         self.limit = config.option("swiglu_limit")
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
-        self.num_data_ranks = config.num_data_ranks
+        self.num_data_ranks, self.dtype = config.num_data_ranks, config.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
@@ -122,6 +122,6 @@ class GptOssMoE(nnx.Module):
             self.limit,
             first,
         )
-        out = experts_over_ranks(run, x, weights, experts, self.num_data_ranks)
+        out = experts_over_ranks(run, x, weights, experts, self.num_data_ranks, self.dtype)
         out = sum_over_shards(out, self.num_shards)  # [T, D]
         return out + jnp.einsum("tk,tkd->td", weights, self.down_bias[...][experts])

@@ -36,13 +36,17 @@ def experts_over_ranks(
     weights: jax.Array,
     experts: jax.Array,
     num_data_ranks: int,
+    rows_dtype: str,
 ) -> jax.Array:
     """run(x f32[T, D], weights f32[T, k], experts i32[T, k]) -> this device's experts' partial
     sums f32[T, D], for this rank's T tokens. Across `num_data_ranks` > 1 ranks: every rank's
     tokens and routes gathered over "data" ([R T, ...]), run on the device's experts, and the
     partial sums reduce-scattered back, each rank its own T rows summed over the ranks (the
-    "model" axis's sum is the layer's own all-reduce, as without ranks)."""
+    "model" axis's sum is the layer's own all-reduce, as without ranks). The tokens travel in
+    `rows_dtype`, the model dtype, which the experts' grouped matmuls cast them to anyway
+    (bfloat16: half the bytes of float32 rows)."""
     if num_data_ranks == 1:
         return run(x, weights, experts)
-    everyone = jax.lax.all_gather((x, weights, experts), DP_AXIS, tiled=True)
+    rows = x.astype(rows_dtype)
+    everyone = jax.lax.all_gather((rows, weights, experts), DP_AXIS, tiled=True)
     return jax.lax.psum_scatter(run(*everyone), DP_AXIS, scatter_dimension=0, tiled=True)
