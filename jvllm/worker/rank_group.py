@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import math
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,7 @@ class RankGroupRunner:
         if self.num_kv_groups > 1:
             attn = in_kv_groups(attn, kv_groups)
         self._step = self._jit_step(config, attn, runner_config)
+        self._executables: dict[Bucket, jax.stages.Compiled] = {}  # one a bucket
         # Each local rank's MoE layers' (token, expert) assignments of its own tokens,
         # i64[L_moe, E].
         self.expert_token_counts = {
@@ -181,6 +183,56 @@ class RankGroupRunner:
             check_vma=False,
         )
         return jax.jit(mapped, donate_argnums=(1, 2))
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self._executables)
+
+    def executable(self, bucket: Bucket) -> jax.stages.Compiled:
+        """The group's step in `bucket`, compiled on its first use (the same on every
+        process: each compiles what the exchanged sizes select)."""
+        exe = self._executables.get(bucket)
+        if exe is None:
+            exe = self._step.lower(*self._abstract_args(bucket)).compile()
+            self._executables[bucket] = exe
+        return exe
+
+    def compile_all(self) -> float:
+        """Compile every bucket's step up front -> the seconds it took."""
+        start = time.perf_counter()
+        for bucket in self.buckets.all_buckets():
+            self.executable(bucket)
+        return time.perf_counter() - start
+
+    def _abstract_args(self, bucket: Bucket):
+        """The step's arguments as ShapeDtypeStructs: the arrays' own, and every rank's step
+        of `bucket` [D, ...] cut over "data"."""
+        ranks = NamedSharding(self.mesh, RANKS_SPEC)
+        padding = prepare_step_inputs(
+            [],
+            [],
+            [],
+            bucket,
+            self.block_size,
+            self.max_pages,
+            self.config.vocab_size,
+            num_kv_groups=self.num_kv_groups,
+        )
+        inputs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                (self.num_ranks, *np.shape(a)), np.asarray(a).dtype, sharding=ranks
+            ),
+            padding,
+        )
+        state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            (self.params, self.kv_cache, self.token_cache),
+        )
+        num_slots, vocab = self.bias_rows[self.local_ranks[0]].rows.shape
+        bias = jax.ShapeDtypeStruct(
+            (self.num_ranks * num_slots, vocab), jnp.float32, sharding=ranks
+        )
+        return (*state, bias, inputs)
 
     def rank_runner(self, rank: int) -> RankRunner:
         return RankRunner(self, rank)
@@ -259,7 +311,7 @@ class RankGroupRunner:
                 )
             )
         local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...] each
-        out, self.kv_cache, self.token_cache = self._step(
+        out, self.kv_cache, self.token_cache = self.executable(bucket)(
             self.params,
             self.kv_cache,
             self.token_cache,
@@ -323,8 +375,9 @@ def _requests(step: _Step) -> list:
 
 
 class _NoCompiler:
-    """What the engine asks a runner's compiler: the group's step compiles on first use (one
-    executable a bucket, jax.jit's), nothing in the background."""
+    """What the engine asks a runner's compiler: the group compiles its step itself (one
+    executable a bucket: up front with compile_all_buckets, else on first use), nothing in
+    the background."""
 
     lockstep = False
     compile_wait_seconds = 0.0

@@ -151,6 +151,17 @@ class RankGroupWorker:
             )
         return self.runner
 
+    def compile_all(self) -> None:
+        """Compile every bucket's group step where `compile_all_buckets` (once, for every
+        rank; in the foreground: the processes of a group compile alike)."""
+        runner = self.group_runner()
+        if not self.config.runner_config.compile_all_buckets or runner.num_compilations:
+            return
+        seconds = runner.compile_all()
+        logger.info(
+            "compiled the group's step for %d buckets in %.1fs", runner.num_compilations, seconds
+        )
+
     def rank_worker(self, rank: int) -> RankWorker:
         return RankWorker(self, rank)
 
@@ -179,7 +190,7 @@ class RankWorker:
         return self.model_runner
 
     def compile_or_warm_up_model(self) -> None:
-        """Nothing ahead: the group's step compiles on first use, one executable a bucket."""
+        self.group.compile_all()
 
     def drop_images(self, hashes: list[str]) -> None:
         """Images are refused across ranks: none to drop."""

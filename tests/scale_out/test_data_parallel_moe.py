@@ -176,12 +176,13 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t):
+@pytest.mark.parametrize(("t", "compile_all_buckets"), [(1, True), (2, False)])
+def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t, compile_all_buckets):
     """data_parallel_size=2 with enable_expert_parallel: two ranks, each its own scheduler and
     pages, every step of both one jitted call with Mixtral's 8 experts spread over the 2 t
     devices; five ragged prompts (rank 0 gets three, rank 1 two, and runs out first, stepping
-    padding) decode greedily as one device decodes them."""
+    padding) decode greedily as one device decodes them. With compile_all_buckets every
+    bucket's step compiles at start-up, and the steps compile nothing more."""
     path = model_dir("mixtral")
     prompts = ragged_prompts(VOCAB)
     expected = _greedy(LLM(path, **ENGINE_KWARGS), prompts)
@@ -190,12 +191,17 @@ def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t):
         data_parallel_size=2,
         tensor_parallel_size=t,
         enable_expert_parallel=True,
+        compile_all_buckets=compile_all_buckets,
         **ENGINE_KWARGS,
     )
+    group = llm.llm_engine.group.group_runner()
+    num_buckets = len(group.buckets.all_buckets())
+    assert group.num_compilations == (num_buckets if compile_all_buckets else 0)
     assert _greedy(llm, prompts) == expected
-    engine = llm.llm_engine
-    group = engine.group.group_runner()
     assert group.num_group_steps > 0
+    assert group.num_compilations <= num_buckets  # one executable a bucket at most
+    if compile_all_buckets:
+        assert group.num_compilations == num_buckets
     assert _experts_a_device(group.params) == {8 // (2 * t)}
     # Both ranks ran tokens: each counted its own tokens' routes.
     assert all(counts.sum() > 0 for counts in group.expert_token_counts.values())
