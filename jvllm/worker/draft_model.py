@@ -55,6 +55,15 @@ def check_draft(target: ModelConfig, draft: "DraftModel", has_windows: bool) -> 
         )
 
 
+def num_drafts_room(
+    request: Request, block_ids: list[int], num_speculative_tokens: int, block_size: int
+) -> int:
+    """How many drafts a request that decodes next can take: as many as its blocks have slots
+    from its position p on (the scheduler's lookahead slots: a draft's KV is written at p..),
+    at most k."""
+    return min(num_speculative_tokens, len(block_ids) * block_size - request.num_computed_tokens)
+
+
 def prepare_proposal(
     requests: list[Request],
     block_ids: list[list[int]],
@@ -68,11 +77,14 @@ def prepare_proposal(
     its last token, at position p) -> (the requests that get drafts, how many each, the decode
     bucket, its inputs, i32[S] steps a row); None when none has a slot at p. A request proposes
     as many drafts as its blocks have slots from p on, at most k."""
-    capacity = [len(b) * block_size - r.num_computed_tokens for r, b in zip(requests, block_ids)]
-    rows = [i for i, c in enumerate(capacity) if c >= 1]
+    room = [
+        num_drafts_room(r, b, num_speculative_tokens, block_size)
+        for r, b in zip(requests, block_ids)
+    ]
+    rows = [i for i, n in enumerate(room) if n >= 1]
     if not rows:
         return None
-    num_steps = [min(num_speculative_tokens, capacity[i]) for i in rows]
+    num_steps = [room[i] for i in rows]
     bucket = buckets.select(len(rows), len(rows))
     requests = [requests[i] for i in rows]
     inputs = prepare_step_inputs(

@@ -14,10 +14,10 @@ from jvllm.distributed.sharded_model import sharded_model
 from jvllm.layers.scan import unstack_layers
 from jvllm.models.model import param_axes
 from jvllm.worker.buckets import Bucket
-from jvllm.worker.draft_model import DraftModel, propose_greedy
+from jvllm.worker.draft_model import DraftModel, prepare_proposal, propose_greedy
 from jvllm.worker.proposal_runner import ProposalRunner, proposals_of
 from jvllm.worker.step_compiler import abstract_state
-from jvllm.worker.step_inputs import StepInputs
+from jvllm.worker.step_inputs import prepare_step_inputs
 
 
 class DraftRunner(ProposalRunner):
@@ -44,10 +44,18 @@ class DraftRunner(ProposalRunner):
         )
         self._propose = jax.jit(propose, donate_argnums=1)
         self._state_spec = abstract_state((params, self.kv_cache))
+        self._executables: dict[Bucket, jax.stages.Compiled] = {}
 
-    def _lower(self, bucket: Bucket, padding: StepInputs) -> jax.stages.Lowered:
-        steps = np.ones(bucket.num_seqs, np.int32)
-        return self._propose.lower(*self._state_spec, padding, steps)
+    def executable(self, bucket: Bucket) -> jax.stages.Compiled:
+        """The proposal step of a decode bucket, compiled on first use (or by compile_all)."""
+        exe = self._executables.get(bucket)
+        if exe is None:
+            layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
+            padding = prepare_step_inputs([], [], [], *layout)
+            steps = np.ones(bucket.num_seqs, np.int32)
+            exe = self._propose.lower(*self._state_spec, padding, steps).compile()
+            self._executables[bucket] = exe
+        return exe
 
     def propose(
         self, requests: list[Request], block_ids: list[list[int]], kv_cache
@@ -57,7 +65,15 @@ class DraftRunner(ProposalRunner):
         (its num_tokens now, up to num_speculative_tokens drafts), fewer where its blocks end
         before p + k (no lookahead slots); one jitted call for all of them over the draft's
         `kv_cache` -> (the drafts, the cache it returns)."""
-        proposal = self._proposal(requests, block_ids)
+        proposal = prepare_proposal(
+            requests,
+            block_ids,
+            self.num_speculative_tokens,
+            self.buckets,
+            self.block_size,
+            self.max_pages,
+            self.config.vocab_size,
+        )
         if proposal is None:
             return {}, kv_cache
         requests, num_steps, bucket, inputs, steps_per_row = proposal

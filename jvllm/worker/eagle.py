@@ -14,8 +14,9 @@ chunk short of its prompt's end), and at a position that verifies a draft the ta
 there (a rejected draft's successors are recomputed by the steps that compute them). The
 head's output at each sequence's last kept position (after the drafts it accepted) is the first
 draft, and its pre-norm row is what the next draft step reads in place of the target's rows:
-the step hands both out (`HeadState`). After the step, `propose_eagle` runs the head k - 1 more
-decode steps from there for the requests that decode next, one jitted call for all of them.
+the same call then runs the head k - 1 decode steps from there for the sequences that sampled,
+each reading the head's own previous row, and the step hands out every sequence's k drafts. A
+round (verify, then propose) is one device call and one wait on the host.
 
 Every draft is the head's argmax, deterministic, so the verification keeps the target's
 distribution exactly (worker/draft_scoring.py), greedy and seeded alike.
@@ -28,20 +29,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jvllm.attention.metadata import AttentionMetadata, Tiles
 from jvllm.config import ModelConfig
 from jvllm.models.model import module_method, token_embeddings
 from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.step_inputs import StepInputs
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HeadState:
-    """What a step leaves the proposal after it, one row per sequence of the step."""
-
-    first_drafts: jax.Array  # i32[S] the head's token after the sequence's last kept one
-    hidden: jax.Array  # f32[S, D_h] the head's pre-norm row at that position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +53,10 @@ class DraftHead:
     forward: Callable
     # draft_tokens(head params, normed f32[S, D_h]) -> i32[S] target token ids
     draft_tokens: Callable
+    num_drafts: int  # k, the drafts a sequence gets each step
 
 
-def draft_head(head: ModelConfig, target: ModelConfig, attn) -> DraftHead:
+def draft_head(head: ModelConfig, target: ModelConfig, attn, num_drafts: int) -> DraftHead:
     def call(method: str, *last):
         return lambda params, *args: module_method(params, method, *args, *last, config=head)
 
@@ -73,6 +67,7 @@ def draft_head(head: ModelConfig, target: ModelConfig, attn) -> DraftHead:
         call("combine"),
         call("__call__", attn),
         call("draft_tokens"),
+        num_drafts,
     )
 
 
@@ -111,45 +106,23 @@ def head_in_step(
     target_rows: jax.Array,
     sampled: jax.Array,
     targets: jax.Array,
+    block_size: int,
 ):
-    """The head over a step's positions (module docstring), `target_rows` the target's rows
-    the head reads (f32[3, T, D_t] entering its layers `head.layer_ids`, or its final hidden
-    states f32[T, D_t]) -> (head_kv, HeadState)."""
+    """The head over a step's positions, then k - 1 decode steps (module docstring);
+    `target_rows` the target's rows the head reads (f32[3, T, D_t] entering its layers
+    `head.layer_ids`, or its final hidden states f32[T, D_t]) -> (head_kv, drafts i32[S, k]:
+    sequence s's, meaningful where it sampled and its blocks hold the positions they were
+    computed at, p..p+k-2 after its last kept one; elsewhere they write the null page)."""
     last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
     embeds = head.embed(target_params, next_tokens)  # [T, D]
     hidden = head.combine(head_params, target_rows)  # [T, D_h]
     normed, prenorm, head_kv = head.forward(
         head_params, head_kv, embeds, hidden, inputs.positions, inputs.attn
     )
-    first = head.draft_tokens(head_params, normed[last_kept])  # [S]
-    return head_kv, HeadState(first, prenorm[last_kept].astype(jnp.float32))
-
-
-def propose_eagle(
-    params,
-    head_kv,
-    inputs: StepInputs,
-    num_steps_per_row,
-    state: HeadState,
-    rows,
-    *,
-    head: DraftHead,
-    num_steps: int,
-    block_size: int,
-):
-    """k = `num_steps` drafts a row: its first from the step before (`state`, row `rows[s]`
-    i32[S] of it), then k - 1 head decode steps from `inputs` (a decode bucket at each row's
-    position p, the one after its last kept), writing the head's KV at p..; row s runs
-    `num_steps_per_row[s]` i32[S] of them (0..k-1), its drafts past that meaningless
-    -> (drafts i32[S, k], head_kv)."""
-    target_params, head_params = params
-    tokens, hidden = state.first_drafts[rows], state.hidden[rows]  # [S], [S, D_h]
-    active = num_steps_per_row > 0
-    md = dataclasses.replace(
-        inputs.attn, slot_mapping=jnp.where(active, inputs.attn.slot_mapping, 0)
-    )
-    inputs = dataclasses.replace(inputs, token_ids=tokens, attn=md)
-    drafts = jnp.zeros((tokens.shape[0], num_steps), jnp.int32).at[:, 0].set(tokens)
+    tokens = head.draft_tokens(head_params, normed[last_kept])  # [S] the first drafts
+    step_inputs = decode_after(inputs, last_kept, tokens, block_size)
+    active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
+    drafts = jnp.zeros((tokens.shape[0], head.num_drafts), jnp.int32).at[:, 0].set(tokens)
 
     def body(i, carry):
         # Through a barrier with the carry: decode_loop.decode_step says why.
@@ -162,10 +135,34 @@ def propose_eagle(
         )
         token_ids = head.draft_tokens(params_i[1], normed)  # [S]
         drafts = drafts.at[:, i + 1].set(token_ids)
-        step_inputs = advance_inputs(step_inputs, token_ids, i + 1 < num_steps_per_row, block_size)
+        step_inputs = advance_inputs(step_inputs, token_ids, active, block_size)
         return kv, step_inputs, prenorm.astype(jnp.float32), drafts
 
-    head_kv, _, _, drafts = jax.lax.fori_loop(
-        0, num_steps - 1, body, (head_kv, inputs, hidden, drafts)
+    carry = (head_kv, step_inputs, prenorm[last_kept].astype(jnp.float32), drafts)
+    head_kv, _, _, drafts = jax.lax.fori_loop(0, head.num_drafts - 1, body, carry)
+    return head_kv, drafts
+
+
+def decode_after(inputs: StepInputs, last_kept, tokens, block_size: int) -> StepInputs:
+    """A decode step's inputs for the sequences of a step: sequence s's `tokens[s]` at the
+    position after its last kept one (`last_kept` i32[S], flat), reading and writing its pages
+    where the step sampled it; the others (a prompt chunk short of its end, padding) read
+    nothing and write the null page. A position past a sequence's blocks writes the null page
+    too (its table's padding), and its drafts are dropped on the host."""
+    md = inputs.attn
+    num_seqs = md.seq_lens.shape[0]
+    sampled = (md.seq_lens > 0) & (inputs.drafts.next_token_ids < 0)  # [S]
+    positions = inputs.positions[last_kept] + 1  # [S]
+    column = jnp.minimum(positions // block_size, md.block_tables.shape[1] - 1)
+    pages = jnp.take_along_axis(md.block_tables, column[:, None], axis=1)[:, 0]
+    kv_lens = jnp.where(sampled, positions + 1, 0)  # a decode reads its own new key too
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    attn = AttentionMetadata(
+        slot_mapping=jnp.where(sampled, pages * block_size + positions % block_size, 0),
+        block_tables=md.block_tables,
+        seq_lens=kv_lens,
+        query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32),
+        logits_indices=rows,
+        tiles=(Tiles(rows[:, None], kv_lens[:, None], rows),),
     )
-    return drafts, head_kv
+    return StepInputs(tokens, positions, attn, inputs.sampling)

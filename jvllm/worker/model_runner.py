@@ -127,7 +127,7 @@ class ModelRunner:
                 "num_speculative_tokens": num_speculative_tokens,
             }
             if draft.method in HEAD_METHODS:
-                self.draft = EagleRunner(draft, config, params, mesh, **layout)
+                self.draft = EagleRunner(draft, config, mesh, **layout)
             else:
                 self.draft = DraftRunner(
                     draft, mesh, layers_unstacked=self.layers_unstacked, **layout
@@ -234,11 +234,10 @@ class ModelRunner:
     ) -> dict[str, tuple[int, list[int]]]:
         """The draft model's (or head's) drafts for `requests`, which will decode next
         (DraftRunner.propose, EagleRunner.propose)."""
+        if isinstance(self.draft, EagleRunner):  # the last step proposed them
+            return self.draft.propose(requests, block_ids)
         target_kv, draft_kv = self.kv_cache
-        if isinstance(self.draft, EagleRunner):
-            proposals, draft_kv = self.draft.propose(requests, block_ids, self.params, draft_kv)
-        else:
-            proposals, draft_kv = self.draft.propose(requests, block_ids, draft_kv)
+        proposals, draft_kv = self.draft.propose(requests, block_ids, draft_kv)
         self.kv_cache = (target_kv, draft_kv)
         return proposals
 
@@ -274,7 +273,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.compiler.compile_all(progress, self._warm_up)
         self._compile_set_bias_row()
-        if self.draft is not None:  # the draft's proposal step, for each decode bucket
+        if isinstance(self.draft, DraftRunner):  # its proposal step, for each decode bucket
             for bucket in self.buckets.all_buckets():
                 if bucket.is_decode:
                     self.draft.executable(bucket)
@@ -390,7 +389,7 @@ class ModelRunner:
             exe = self.compiler.executable(bucket, kind, plan)
             out, self.kv_cache, self.token_cache = exe(*args)
             if isinstance(self.draft, EagleRunner):
-                self.draft.keep_state(out.draft_state, requests)
+                self.draft.keep_drafts(out.draft_tokens, requests)
         if (
             self.async_scheduling
             and can_run_ahead(scheduler_output, block_ids, self.block_size)

@@ -16,7 +16,7 @@ from jvllm.sample.metadata import SamplerOutput
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step, sample_tokens
 from jvllm.worker.draft_scoring import score_drafts
-from jvllm.worker.eagle import DraftHead, HeadState, head_in_step
+from jvllm.worker.eagle import DraftHead, head_in_step
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -28,7 +28,7 @@ class CountedSamplerOutput(SamplerOutput):
     head, what the step leaves its proposal (worker/eagle.py), which stays on the device."""
 
     expert_counts: jax.Array | None = None  # i32[L_moe, E]
-    draft_state: HeadState | None = None
+    draft_tokens: jax.Array | None = None  # i32[S, k] a draft head's (worker/eagle.py)
 
 
 def model_step(
@@ -57,7 +57,7 @@ def model_step(
     forward writes its KV at the step's tokens too (worker/draft_model.py). With a
     `draft_head` (an EAGLE-3 head or an MTP layer) they are (target's, head's) pairs the same
     way: the head runs over the step's positions once it has sampled, and the output (a
-    CountedSamplerOutput) holds its `draft_state` (worker/eagle.py).
+    CountedSamplerOutput) holds the k drafts it proposes for each sequence (worker/eagle.py).
     """
     md = inputs.attn
     if draft_model is not None or draft_head is not None:
@@ -122,9 +122,9 @@ def model_step(
             branch_free=plan is not SamplerPlan.DYNAMIC,
         )
         out = dataclasses.replace(out, draft_target_ids=targets, draft_logprobs=target_logprobs)
-    draft_state = None
+    draft_tokens = None
     if draft_head is not None:
-        draft_kv, draft_state = head_in_step(
+        draft_kv, draft_tokens = head_in_step(
             draft_head,
             params,
             draft_params,
@@ -133,10 +133,11 @@ def model_step(
             hidden if draft_head.layer_ids is None else captured.rows,
             out.sampled_token_ids,
             out.draft_target_ids,
+            block_size,
         )
-    if expert_counts is not None or draft_state is not None:
+    if expert_counts is not None or draft_tokens is not None:
         fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
-        out = CountedSamplerOutput(**fields, expert_counts=expert_counts, draft_state=draft_state)
+        out = CountedSamplerOutput(**fields, expert_counts=expert_counts, draft_tokens=draft_tokens)
     if draft_model is not None or draft_head is not None:
         kv_cache = (kv_cache, draft_kv)
     return out, logits, kv_cache, token_cache
