@@ -5,7 +5,9 @@ device: a prefill step, then a decode step reading the pages the first wrote (th
 the same page ids, each in its own pool), with a rank that has nothing to run."""
 
 import asyncio
+import collections
 import functools
+import re
 import types
 
 import jax
@@ -230,3 +232,28 @@ def test_async_engine_streams_from_ranks_stepping_as_one(model_dir):
         assert llm.stats.expert_token_counts.sum() == num_fed * 2 * 2
     finally:
         llm.shutdown()
+
+
+def test_the_step_gathers_and_reduce_scatters_over_the_ranks_and_nothing_else(model_dir):
+    """Mixtral at D = T = 2, the layer scan's body once: the MoE layer's all-gather of the
+    ranks' tokens, weights and expert ids and its one reduce-scatter over "data"; tensor
+    parallelism's all-reduces over "model" (attention's o, the experts, the embedding); no
+    all-to-all."""
+    mesh = make_mesh(2, 2)
+    config, params, _ = load_model(
+        model_dir("mixtral"),
+        "float32",
+        mesh=mesh,
+        skip_tokenizer_init=True,
+        enable_expert_parallel=True,
+    )
+    model = data_parallel_model(
+        config, mesh, get_attention("reference", config.sm_scale), False, params
+    )
+    shape = kv_cache_shape(config, 2 * NUM_PAGES, BLOCK_SIZE, 2)
+    kv = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, KV_CACHE_SPEC))
+    step = jax.tree.map(lambda *a: np.stack(a), *[_step_inputs(PROMPTS[0], True)] * 2)
+    lowered = jax.jit(model.forward).lower(params, kv, step.token_ids, step.positions, step.attn)
+    text = lowered.compile().as_text()
+    ops = re.findall(r"= \S+ (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", text)
+    assert collections.Counter(ops) == {"all-gather": 3, "reduce-scatter": 1, "all-reduce": 3}
