@@ -257,3 +257,48 @@ def test_the_step_gathers_and_reduce_scatters_over_the_ranks_and_nothing_else(mo
     text = lowered.compile().as_text()
     ops = re.findall(r"= \S+ (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", text)
     assert collections.Counter(ops) == {"all-gather": 3, "reduce-scatter": 1, "all-reduce": 3}
+
+
+def test_each_rank_samples_and_scores_its_own_requests_as_one_device(model_dir):
+    """Per-request sampling in the group: seeded sampling (top-k, a temperature) beside greedy
+    requests with logprobs and prompt logprobs, spread over both ranks, give one device's
+    tokens and logprobs (each rank's step samples with its own metadata)."""
+    path = model_dir("mixtral")
+    prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=1),
+    ]
+
+    def run(llm):
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return [
+            (
+                o.outputs[0].token_ids,
+                o.outputs[0].logprobs
+                and [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs],
+                o.prompt_logprobs
+                and [d and {k: v.logprob for k, v in d.items()} for d in o.prompt_logprobs],
+            )
+            for o in outputs
+        ]
+
+    one = run(LLM(path, **ENGINE_KWARGS))
+    assert one[0][1] and one[3][1] and one[2][2]  # the logprobs asked for, to compare
+    group = run(LLM(path, data_parallel_size=2, enable_expert_parallel=True, **ENGINE_KWARGS))
+    for (tokens, logprobs, prompt_logprobs), (one_tokens, one_logprobs, one_prompt) in zip(
+        group, one
+    ):
+        assert tokens == one_tokens
+        for got, want in [(logprobs, one_logprobs), (prompt_logprobs, one_prompt)]:
+            assert (got is None) == (want is None)
+            for row, want_row in zip(got or [], want or []):
+                assert (row is None) == (want_row is None)
+                if row is not None:
+                    assert row.keys() == want_row.keys()
+                    np.testing.assert_allclose(
+                        [row[k] for k in want_row], list(want_row.values()), atol=1e-4
+                    )
