@@ -249,7 +249,8 @@ struct Q6_K {
     // (k < 2) or high nibbles of 32 bytes of ql, the high 2 bits from bits 2k of qh's 32.
     for (int half = 0; half < 2; ++half) {
       for (int v = 0; v < 32 / N; ++v) {
-        const vi32 low[2] = {widen_bytes(ql + half * 64 + N * v), widen_bytes(ql + half * 64 + 32 + N * v)};
+        const uint8_t* bytes = ql + half * 64 + N * v;
+        const vi32 low[2] = {widen_bytes(bytes), widen_bytes(bytes + 32)};
         const vi32 high = widen_bytes(qh + half * 32 + N * v);
         for (int k = 0; k < 4; ++k) {
           const vi32 b = ((low[k % 2] >> ((k / 2) * 4)) & 15) | (((high >> (2 * k)) & 3) << 4);

@@ -19,9 +19,7 @@ namespace {
 // GCC 12 left one out of a kernel's loop, passing its vectors through memory (AVX2's bfloat16
 // products 14x slower).
 #define JVLLM_INLINE inline __attribute__((always_inline))
-// The loops over a tile's rows, outputs and sums, unrolled so that its sums stay in registers
-// (GCC 12 kept AVX2's in memory, indexed by the loop).
-#define JVLLM_UNROLLED _Pragma("GCC unroll 16")
+// JVLLM_UNROLLED (simd.h) unrolls the loops over a tile's rows, outputs and sums.
 namespace stdx = std::experimental;
 using vf32 = stdx::native_simd<float>;
 using vu32 = stdx::rebind_simd_t<uint32_t, vf32>;
