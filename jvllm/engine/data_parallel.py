@@ -178,13 +178,13 @@ class DataParallelEngine(ReplicaFront):
         """Every rank's engine steps in its own thread; the ranks' scheduled steps run as one
         once each has handed its step over or stepped without one."""
         runner = self.group.group_runner()
-        runner.begin_step()
+        runner.hand_over.begin()
 
         def step_rank(rank: int) -> list[RequestOutput]:
             try:
                 return self.replicas[rank].step()
             finally:
-                runner.finish(rank)
+                runner.hand_over.finish(rank)
 
         self._stepped = self.replicas
         return [o for step in self._pool.map(step_rank, range(len(self.replicas))) for o in step]

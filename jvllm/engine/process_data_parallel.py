@@ -203,11 +203,11 @@ def _step_and_report(engine: LLMEngine, refused: list[str], group: RankGroupRunn
 def _step_in_group(engine: LLMEngine, group: RankGroupRunner) -> list[RequestOutput]:
     """The process's rank's step of the group's: every process's, work or not."""
     (rank,) = group.local_ranks
-    group.begin_step()
+    group.hand_over.begin()
     try:
         return engine.step()
     finally:
-        group.finish(rank)
+        group.hand_over.finish(rank)
 
 
 def run_rank(engine: LLMEngine, rank: int, group: RankGroupRunner | None = None) -> None:

@@ -5,10 +5,10 @@ D x T devices and exchange the ranks' tokens (distributed/data_parallel_moe.py).
 
 Each rank keeps its own engine (scheduler, KV pool and prefix cache, requests, logit-bias
 rows); its runner here (`RankRunner`) is what that engine's LLMEngine steps. A step of the
-group: every rank's engine steps in its own thread (engine/data_parallel_moe.py); a rank that
-scheduled tokens hands them over (`RankRunner.execute_model`) and waits; once every rank has
-handed its step over or stepped without one, the last of them pads every rank's step to one
-bucket (a rank with nothing contributes a step of padding, which writes only its null page),
+group: every rank's engine steps in its own thread (engine/data_parallel.py); a rank that
+scheduled tokens hands them over (`RankRunner.execute_model`, step_hand_over.py) and waits;
+once every rank has handed its step over or stepped without one, the last of them pads every
+rank's step to one bucket (a rank with nothing contributes a step of padding, which writes only its null page),
 runs the group's step and gives each rank its rows back.
 
 Across processes (jax.distributed, one rank a process: engine/process_data_parallel.py) the
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 import time
 
 import jax
@@ -53,6 +52,7 @@ from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.step_fn import model_step, single_step
+from jvllm.worker.step_hand_over import StepHandOver
 from jvllm.worker.step_inputs import prepare_step_inputs, window_block_ids
 
 
@@ -150,10 +150,9 @@ class RankGroupRunner:
             r: np.zeros((num_moe_layers(config), config.num_experts), np.int64)
             for r in self.local_ranks
         }
-        self._hand_over = threading.Condition()
-        self._steps: dict[int, _Step] = {}
-        self._pending: set[int] = set()
-        self._results: dict[int, ModelRunnerOutput | BaseException] = {}
+        # The ranks' engines hand their steps to the group's (step_hand_over.py): every
+        # front step begins it, and each rank's engine finishes it.
+        self.hand_over = StepHandOver(self.local_ranks, self._run, jax.process_count() > 1)
         self.num_group_steps = 0
 
     def _jit_step(self, config: ModelConfig, attn, runner_config: RunnerConfig):
@@ -236,45 +235,6 @@ class RankGroupRunner:
 
     def rank_runner(self, rank: int) -> RankRunner:
         return RankRunner(self, rank)
-
-    def begin_step(self) -> None:
-        """Before the ranks' engines step: every rank is to hand its step over or finish."""
-        with self._hand_over:
-            self._pending = set(self.local_ranks)
-
-    def finish(self, rank: int) -> None:
-        """Rank `rank`'s engine stepped (whether or not it handed a step over)."""
-        with self._hand_over:
-            self._arrive(rank)
-
-    def execute(self, rank: int, step: _Step) -> ModelRunnerOutput:
-        """Rank `rank`'s step, run in the group's once every rank has arrived."""
-        with self._hand_over:
-            if rank in self._steps or rank not in self._pending:
-                raise RuntimeError(f"rank {rank} handed over a step outside its group's step")
-            self._steps[rank] = step
-            self._arrive(rank)
-            while rank not in self._results:
-                self._hand_over.wait()
-            result = self._results.pop(rank)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def _arrive(self, rank: int) -> None:
-        """Under the lock: the last local rank to arrive runs the group's step (across processes
-        every process does, its ranks' steps or not) and wakes the rest."""
-        if rank not in self._pending:
-            return
-        self._pending.discard(rank)
-        if self._pending or not (self._steps or jax.process_count() > 1):
-            return
-        steps, self._steps = self._steps, {}
-        try:
-            self._results.update(self._run(steps))
-        except Exception as error:  # noqa: BLE001 - every rank's engine fails its own requests
-            self._results.update((r, error) for r in steps)
-        self._hand_over.notify_all()
 
     def _run(self, steps: dict[int, _Step]) -> dict[int, ModelRunnerOutput]:
         """The local ranks' steps (the others padding) in one bucket, run as one."""
@@ -420,4 +380,5 @@ class RankRunner:
         token_bitmask: np.ndarray | None = None,
     ) -> ModelRunnerOutput:
         """ModelRunner.execute_model's contract: this rank's step, run in the group's."""
-        return self.group.execute(self.rank, _Step(scheduler_output, block_ids, token_bitmask))
+        step = _Step(scheduler_output, block_ids, token_bitmask)
+        return self.group.hand_over.submit(self.rank, step)
