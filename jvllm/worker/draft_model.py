@@ -7,25 +7,25 @@ runs the draft's forward (its KV only, no LM head) over the step's tokens inside
 jitted step (step_fn.model_step), so its cache holds every computed position, drafts included;
 a rejected draft's position is written again by the step that computes it next.
 
-After a step, each request that will decode next gets k drafts from `propose_greedy`: k draft
-decode steps in one jitted call, from the token just sampled at position p, writing the draft's
-KV at p..p+k-1 (the scheduler allocates those k lookahead slots: num_lookahead_tokens) and taking
-the argmax each time. An argmax draft is deterministic, so the verification
-(worker/draft_scoring.py) keeps the target's distribution exactly, greedy and seeded alike.
+Once the step has sampled, the same call proposes k drafts for each sequence that sampled
+(`propose_greedy`): k draft decode steps from the token after its last kept position, at p,
+writing the draft's KV at p..p+k-1 (the scheduler allocates those k lookahead slots:
+num_lookahead_tokens) and taking the argmax each time. An argmax draft is deterministic, so the
+verification (worker/draft_scoring.py) keeps the target's distribution exactly, greedy and
+seeded alike.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
-from jvllm.worker.buckets import Bucket, BucketSpec
 from jvllm.worker.decode_loop import advance_inputs
-from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs
+from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
+from jvllm.worker.step_inputs import StepInputs
 
 
 @dataclasses.dataclass
@@ -64,57 +64,20 @@ def num_drafts_room(
     return min(num_speculative_tokens, len(block_ids) * block_size - request.num_computed_tokens)
 
 
-def prepare_proposal(
-    requests: list[Request],
-    block_ids: list[list[int]],
-    num_speculative_tokens: int,
-    buckets: BucketSpec,
-    block_size: int,
-    max_pages: int,
-    vocab_size: int,
-) -> tuple[list[Request], list[int], Bucket, StepInputs, np.ndarray] | None:
-    """The inputs of `propose_greedy` for requests that decode next (each has computed all but
-    its last token, at position p) -> (the requests that get drafts, how many each, the decode
-    bucket, its inputs, i32[S] steps a row); None when none has a slot at p. A request proposes
-    as many drafts as its blocks have slots from p on, at most k."""
-    room = [
-        num_drafts_room(r, b, num_speculative_tokens, block_size)
-        for r, b in zip(requests, block_ids)
-    ]
-    rows = [i for i, n in enumerate(room) if n >= 1]
-    if not rows:
-        return None
-    num_steps = [room[i] for i in rows]
-    bucket = buckets.select(len(rows), len(rows))
-    requests = [requests[i] for i in rows]
-    inputs = prepare_step_inputs(
-        requests,
-        [1] * len(rows),
-        [block_ids[i] for i in rows],
-        bucket,
-        block_size,
-        max_pages,
-        vocab_size,
-    )
-    steps_per_row = np.ones(bucket.num_seqs, np.int32)  # padding rows write the null page
-    steps_per_row[: len(rows)] = num_steps
-    return requests, num_steps, bucket, inputs, steps_per_row
-
-
 def propose_greedy(
     params,
     kv_cache,
     inputs: StepInputs,
-    num_steps_per_row,
+    active: jax.Array,
     *,
     model: ShardedModel,
     num_steps: int,
     block_size: int,
 ):
-    """k = `num_steps` greedy draft decode steps from `inputs` (a decode bucket: each row's
-    token just sampled, at its position p) -> (drafts i32[S, k], kv_cache). Row s runs
-    `num_steps_per_row[s]` (i32[S], >= 1 for real rows) steps, writing the draft's KV at
-    p..p+n-1; afterwards it writes the null page, and its drafts past n are meaningless."""
+    """k = `num_steps` greedy draft decode steps from `inputs` (draft_positions.decode_after's:
+    each sequence's token after its last kept position, at p) for the rows `active` bool[S],
+    writing the draft's KV at p..p+k-1 -> (drafts i32[S, k], kv_cache). The other rows write
+    the null page, and their drafts are meaningless."""
     num_seqs = inputs.positions.shape[0]
 
     def body(i, carry):
@@ -128,10 +91,37 @@ def propose_greedy(
         logits = model.logits(params_i, hidden[md.logits_indices])  # [S, V]
         token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
         drafts = drafts.at[:, i].set(token_ids)
-        active = i + 1 < num_steps_per_row
         step_inputs = advance_inputs(step_inputs, token_ids, active, block_size)
         return kv, step_inputs, drafts
 
     drafts = jnp.zeros((num_seqs, num_steps), jnp.int32)
     kv_cache, _, drafts = jax.lax.fori_loop(0, num_steps, body, (kv_cache, inputs, drafts))
     return drafts, kv_cache
+
+
+def draft_model_in_step(
+    model: ShardedModel,
+    params,
+    kv_cache,
+    inputs: StepInputs,
+    sampled: jax.Array,
+    targets: jax.Array,
+    *,
+    num_drafts: int,
+    block_size: int,
+):
+    """The draft's k drafts for each sequence of a step that sampled, proposed from the token
+    after its last kept position (`sampled` i32[S] the step's samples, `targets` i32[NP] its
+    tokens at the scored positions) -> (drafts i32[S, k], kv_cache)."""
+    last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
+    step_inputs = decode_after(inputs, last_kept, next_tokens[last_kept], block_size)
+    active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
+    return propose_greedy(
+        params,
+        kv_cache,
+        step_inputs,
+        active,
+        model=model,
+        num_steps=num_drafts,
+        block_size=block_size,
+    )

@@ -29,11 +29,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jvllm.attention.metadata import AttentionMetadata, Tiles
 from jvllm.config import ModelConfig
 from jvllm.models.model import module_method, token_embeddings
 from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
+from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -69,32 +69,6 @@ def draft_head(head: ModelConfig, target: ModelConfig, attn, num_drafts: int) ->
         call("draft_tokens"),
         num_drafts,
     )
-
-
-def last_kept_and_next_tokens(inputs: StepInputs, sampled, targets):
-    """(i32[S] the flat index of each sequence's last kept position: its last scheduled one,
-    less the drafts it rejected; i32[T] the token after each position, as the module docstring
-    says). `sampled` i32[S] the step's samples, `targets` i32[NP] the target's tokens at the
-    scored positions (draft_scoring.py)."""
-    md, drafts = inputs.attn, inputs.drafts
-    num_tokens, num_seqs = inputs.token_ids.shape[0], md.seq_lens.shape[0]
-    scored = drafts.num_tokens_before > 0  # [NP] real entries (padding: 0)
-    seq = drafts.seq_index
-    agrees = inputs.token_ids[jnp.minimum(drafts.indices + 1, num_tokens - 1)] == targets
-    offset = drafts.indices - md.query_start_loc[seq]  # the draft's place in its run, 0..k-1
-    num_drafts = jax.ops.segment_sum(scored.astype(jnp.int32), seq, num_seqs)  # [S]
-    first_miss = jax.ops.segment_min(jnp.where(scored & ~agrees, offset, num_tokens), seq, num_seqs)
-    accepted = jnp.minimum(first_miss, num_drafts)
-    last_kept = md.logits_indices - num_drafts + accepted  # [S]
-
-    next_tokens = jnp.roll(inputs.token_ids, -1)  # [T] the next scheduled token
-    ends = jnp.where(md.seq_lens > 0, md.logits_indices, num_tokens)  # padding rows: none
-    after_end = jnp.where(drafts.next_token_ids >= 0, drafts.next_token_ids, sampled)
-    next_tokens = next_tokens.at[ends].set(after_end, mode="drop")
-    next_tokens = next_tokens.at[jnp.where(scored, drafts.indices, num_tokens)].set(
-        targets, mode="drop"
-    )
-    return last_kept, next_tokens
 
 
 def head_in_step(
@@ -141,28 +115,3 @@ def head_in_step(
     carry = (head_kv, step_inputs, prenorm[last_kept].astype(jnp.float32), drafts)
     head_kv, _, _, drafts = jax.lax.fori_loop(0, head.num_drafts - 1, body, carry)
     return head_kv, drafts
-
-
-def decode_after(inputs: StepInputs, last_kept, tokens, block_size: int) -> StepInputs:
-    """A decode step's inputs for the sequences of a step: sequence s's `tokens[s]` at the
-    position after its last kept one (`last_kept` i32[S], flat), reading and writing its pages
-    where the step sampled it; the others (a prompt chunk short of its end, padding) read
-    nothing and write the null page. A position past a sequence's blocks writes the null page
-    too (its table's padding), and its drafts are dropped on the host."""
-    md = inputs.attn
-    num_seqs = md.seq_lens.shape[0]
-    sampled = (md.seq_lens > 0) & (inputs.drafts.next_token_ids < 0)  # [S]
-    positions = inputs.positions[last_kept] + 1  # [S]
-    column = jnp.minimum(positions // block_size, md.block_tables.shape[1] - 1)
-    pages = jnp.take_along_axis(md.block_tables, column[:, None], axis=1)[:, 0]
-    kv_lens = jnp.where(sampled, positions + 1, 0)  # a decode reads its own new key too
-    rows = jnp.arange(num_seqs, dtype=jnp.int32)
-    attn = AttentionMetadata(
-        slot_mapping=jnp.where(sampled, pages * block_size + positions % block_size, 0),
-        block_tables=md.block_tables,
-        seq_lens=kv_lens,
-        query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32),
-        logits_indices=rows,
-        tiles=(Tiles(rows[:, None], kv_lens[:, None], rows),),
-    )
-    return StepInputs(tokens, positions, attn, inputs.sampling)

@@ -166,6 +166,7 @@ class ModelRunner:
             logprobs_mode=runner_config.logprobs_mode,
             draft_model=self.draft.model if isinstance(self.draft, DraftRunner) else None,
             draft_head=self.draft.head if isinstance(self.draft, EagleRunner) else None,
+            num_drafts=num_speculative_tokens,
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
@@ -232,14 +233,9 @@ class ModelRunner:
     def propose_drafts(
         self, requests: list[Request], block_ids: list[list[int]]
     ) -> dict[str, tuple[int, list[int]]]:
-        """The draft model's (or head's) drafts for `requests`, which will decode next
-        (DraftRunner.propose, EagleRunner.propose)."""
-        if isinstance(self.draft, EagleRunner):  # the last step proposed them
-            return self.draft.propose(requests, block_ids)
-        target_kv, draft_kv = self.kv_cache
-        proposals, draft_kv = self.draft.propose(requests, block_ids, draft_kv)
-        self.kv_cache = (target_kv, draft_kv)
-        return proposals
+        """The drafts the last step proposed for `requests`, which will decode next
+        (ProposalRunner.propose)."""
+        return self.draft.propose(requests, block_ids)
 
     def _jitted(self, kind: str, plan: SamplerPlan):
         """The jitted entry point of a kind of executable, its sampler plan bound."""
@@ -273,10 +269,6 @@ class ModelRunner:
         start = time.perf_counter()
         self.compiler.compile_all(progress, self._warm_up)
         self._compile_set_bias_row()
-        if isinstance(self.draft, DraftRunner):  # its proposal step, for each decode bucket
-            for bucket in self.buckets.all_buckets():
-                if bucket.is_decode:
-                    self.draft.executable(bucket)
         compiled = time.perf_counter()
         jax.block_until_ready(self.kv_cache)  # the warm-up runs are chained through the cache
         self.warmup_seconds += time.perf_counter() - compiled
@@ -388,7 +380,7 @@ class ModelRunner:
                 args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
             exe = self.compiler.executable(bucket, kind, plan)
             out, self.kv_cache, self.token_cache = exe(*args)
-            if isinstance(self.draft, EagleRunner):
+            if self.draft is not None:
                 self.draft.keep_drafts(out.draft_tokens, requests)
         if (
             self.async_scheduling

@@ -1,6 +1,6 @@
 """What the runners of speculative decoding's draft models share (worker/draft_runner.py, a
 whole draft model; worker/eagle_runner.py, a draft head): a KV cache over the target's page ids,
-and the proposals they hand the scheduler."""
+and the drafts the target's step proposed, which they hand the scheduler."""
 
 import jax
 import numpy as np
@@ -11,6 +11,7 @@ from jvllm.core.request import Request
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC
 from jvllm.worker.buckets import BucketSpec
+from jvllm.worker.draft_model import num_drafts_room
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 
 
@@ -37,14 +38,29 @@ class ProposalRunner:
             kv_cache_shape(config, num_blocks, block_size, mesh.shape[TP_AXIS]),
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
+        # The last step's drafts (on the device, [S, k]) and each of its requests' row in them.
+        self._drafts: jax.Array | None = None
+        self._rows: dict[str, int] = {}
 
+    def keep_drafts(self, drafts: jax.Array, requests: list[Request]) -> None:
+        """The drafts i32[S, k] the step just run over `requests` (its rows, in order) made."""
+        self._drafts = drafts
+        self._rows = {r.request_id: s for s, r in enumerate(requests)}
 
-def proposals_of(
-    requests: list[Request], num_drafts: list[int], drafts: jax.Array
-) -> dict[str, tuple[int, list[int]]]:
-    """request id -> (its num_tokens now, its first num_drafts of row s of `drafts` i32[S, k])."""
-    drafts = np.asarray(drafts)
-    return {
-        r.request_id: (r.num_tokens, drafts[s, :n].tolist())
-        for s, (r, n) in enumerate(zip(requests, num_drafts))
-    }
+    def propose(
+        self, requests: list[Request], block_ids: list[list[int]]
+    ) -> dict[str, tuple[int, list[int]]]:
+        """The drafts for `requests`, which will decode next and were in the last step:
+        request id -> (its num_tokens now, up to num_speculative_tokens drafts), fewer where
+        its blocks end before its position + k (the drafts past them were computed over the
+        null page)."""
+        known = [(r, b) for r, b in zip(requests, block_ids) if r.request_id in self._rows]
+        k, block_size = self.num_speculative_tokens, self.block_size
+        room = [num_drafts_room(r, b, k, block_size) for r, b in known]
+        taking = [(r, n) for (r, _), n in zip(known, room) if n >= 1]
+        if not taking:
+            return {}
+        drafts = np.asarray(self._drafts)[[self._rows[r.request_id] for r, _ in taking]]
+        return {
+            r.request_id: (r.num_tokens, drafts[i, :n].tolist()) for i, (r, n) in enumerate(taking)
+        }

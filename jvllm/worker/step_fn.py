@@ -15,6 +15,7 @@ from jvllm.layers.hidden_capture import capturing_layer_inputs
 from jvllm.sample.metadata import SamplerOutput
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step, sample_tokens
+from jvllm.worker.draft_model import draft_model_in_step
 from jvllm.worker.draft_scoring import score_drafts
 from jvllm.worker.eagle import DraftHead, head_in_step
 from jvllm.worker.step_inputs import StepInputs
@@ -28,7 +29,7 @@ class CountedSamplerOutput(SamplerOutput):
     head, what the step leaves its proposal (worker/eagle.py), which stays on the device."""
 
     expert_counts: jax.Array | None = None  # i32[L_moe, E]
-    draft_tokens: jax.Array | None = None  # i32[S, k] a draft head's (worker/eagle.py)
+    draft_tokens: jax.Array | None = None  # i32[S, k] a draft model's or head's proposals
 
 
 def model_step(
@@ -44,6 +45,7 @@ def model_step(
     plan: SamplerPlan = SamplerPlan.DYNAMIC,
     draft_model: ShardedModel | None = None,
     draft_head: DraftHead | None = None,
+    num_drafts: int = 0,
 ):
     """forward + sample for one padded step -> (SamplerOutput, logits, kv_cache, token_cache).
 
@@ -53,11 +55,12 @@ def model_step(
     speculation on, `out.draft_target_ids` holds the target's tokens at the drafts' positions
     and `out.draft_logprobs` their logprobs, sampled as the sampler samples. A model with routed
     experts returns a CountedSamplerOutput. With a `draft_model` (speculative decoding's
-    "draft_model" method), `params` and `kv_cache` are (target's, draft's) pairs, and the draft's
-    forward writes its KV at the step's tokens too (worker/draft_model.py). With a
+    "draft_model" method), `params` and `kv_cache` are (target's, draft's) pairs, the draft's
+    forward writes its KV at the step's tokens too, and once the step has sampled the draft
+    proposes `num_drafts` (k) tokens for each sequence (worker/draft_model.py). With a
     `draft_head` (an EAGLE-3 head or an MTP layer) they are (target's, head's) pairs the same
-    way: the head runs over the step's positions once it has sampled, and the output (a
-    CountedSamplerOutput) holds the k drafts it proposes for each sequence (worker/eagle.py).
+    way: the head runs over the step's positions once it has sampled, then proposes k tokens
+    (worker/eagle.py). The output (a CountedSamplerOutput) then holds the drafts, i32[S, k].
     """
     md = inputs.attn
     if draft_model is not None or draft_head is not None:
@@ -123,6 +126,17 @@ def model_step(
         )
         out = dataclasses.replace(out, draft_target_ids=targets, draft_logprobs=target_logprobs)
     draft_tokens = None
+    if draft_model is not None:
+        draft_tokens, draft_kv = draft_model_in_step(
+            draft_model,
+            draft_params,
+            draft_kv,
+            inputs,
+            out.sampled_token_ids,
+            out.draft_target_ids,
+            num_drafts=num_drafts,
+            block_size=block_size,
+        )
     if draft_head is not None:
         draft_kv, draft_tokens = head_in_step(
             draft_head,

@@ -1,0 +1,65 @@
+"""Where a step's drafts go on from, on the device: each sequence's last kept position (its last
+scheduled one, less the drafts the step rejected), the token after each position of the step,
+and a decode step's inputs at the position after the last kept one. A draft head
+(worker/eagle.py) and a draft model (worker/draft_model.py) propose from there inside the
+target's step."""
+
+import jax
+import jax.numpy as jnp
+
+from jvllm.attention.metadata import AttentionMetadata, Tiles
+from jvllm.worker.step_inputs import StepInputs
+
+
+def last_kept_and_next_tokens(inputs: StepInputs, sampled, targets):
+    """(i32[S] the flat index of each sequence's last kept position: its last scheduled one,
+    less the drafts it rejected; i32[T] the token after each position: the one scheduled after
+    it, the step's sample at a sequence's last position (or the prompt's next token, for a chunk
+    short of its prompt's end), and at a position that verifies a draft the target's token
+    there). `sampled` i32[S] the step's samples, `targets` i32[NP] the target's tokens at the
+    scored positions (draft_scoring.py). After the first rejected draft of a run the tokens are
+    the rejected ones', which the steps that compute those positions write again."""
+    md, drafts = inputs.attn, inputs.drafts
+    num_tokens, num_seqs = inputs.token_ids.shape[0], md.seq_lens.shape[0]
+    scored = drafts.num_tokens_before > 0  # [NP] real entries (padding: 0)
+    seq = drafts.seq_index
+    agrees = inputs.token_ids[jnp.minimum(drafts.indices + 1, num_tokens - 1)] == targets
+    offset = drafts.indices - md.query_start_loc[seq]  # the draft's place in its run, 0..k-1
+    num_drafts = jax.ops.segment_sum(scored.astype(jnp.int32), seq, num_seqs)  # [S]
+    first_miss = jax.ops.segment_min(jnp.where(scored & ~agrees, offset, num_tokens), seq, num_seqs)
+    accepted = jnp.minimum(first_miss, num_drafts)
+    last_kept = md.logits_indices - num_drafts + accepted  # [S]
+
+    next_tokens = jnp.roll(inputs.token_ids, -1)  # [T] the next scheduled token
+    ends = jnp.where(md.seq_lens > 0, md.logits_indices, num_tokens)  # padding rows: none
+    after_end = jnp.where(drafts.next_token_ids >= 0, drafts.next_token_ids, sampled)
+    next_tokens = next_tokens.at[ends].set(after_end, mode="drop")
+    next_tokens = next_tokens.at[jnp.where(scored, drafts.indices, num_tokens)].set(
+        targets, mode="drop"
+    )
+    return last_kept, next_tokens
+
+
+def decode_after(inputs: StepInputs, last_kept, tokens, block_size: int) -> StepInputs:
+    """A decode step's inputs for the sequences of a step: sequence s's `tokens[s]` at the
+    position after its last kept one (`last_kept` i32[S], flat), reading and writing its pages
+    where the step sampled it; the others (a prompt chunk short of its end, padding) read
+    nothing and write the null page. A position past a sequence's blocks writes the null page
+    too (its table's padding), and its drafts are dropped on the host."""
+    md = inputs.attn
+    num_seqs = md.seq_lens.shape[0]
+    sampled = (md.seq_lens > 0) & (inputs.drafts.next_token_ids < 0)  # [S]
+    positions = inputs.positions[last_kept] + 1  # [S]
+    column = jnp.minimum(positions // block_size, md.block_tables.shape[1] - 1)
+    pages = jnp.take_along_axis(md.block_tables, column[:, None], axis=1)[:, 0]
+    kv_lens = jnp.where(sampled, positions + 1, 0)  # a decode reads its own new key too
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    attn = AttentionMetadata(
+        slot_mapping=jnp.where(sampled, pages * block_size + positions % block_size, 0),
+        block_tables=md.block_tables,
+        seq_lens=kv_lens,
+        query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32),
+        logits_indices=rows,
+        tiles=(Tiles(rows[:, None], kv_lens[:, None], rows),),
+    )
+    return StepInputs(tokens, positions, attn, inputs.sampling)
