@@ -17,7 +17,7 @@ from family_parity import TINY_SHAPES
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import save_random_eagle3_head
 from jvllm.model_loader.hf_config import model_config_from_hf
-from jvllm.worker.eagle import last_kept_and_next_tokens
+from jvllm.worker.draft_positions import last_kept_and_next_tokens
 
 ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
 looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
