@@ -5,7 +5,7 @@ import pytest
 from jvllm.benchmarks import spec_decode
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_spec_decode_benchmark_compares_speculation_with_plain_decoding(
     method, tiny_llama_dir, capsys
 ):

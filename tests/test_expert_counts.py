@@ -120,6 +120,7 @@ def test_a_step_run_ahead_counts_at_most_one_token_more_for_each_request_that_en
     assert (extra.sum(axis=1) <= len(PROMPTS) * TOP_K).all()
 
 
+@pytest.mark.slow
 def test_a_step_loops_steps_count_as_the_engines_do(saved):
     """Prefill in the engine, then decode steps in a StepLoop (rows that stop keep stepping,
     writing the null page): after finish() the runner's counts are HF's routing of every token
@@ -131,9 +132,10 @@ def test_a_step_loops_steps_count_as_the_engines_do(saved):
     ]
     loop = StepLoop(llm)
     state = loop.prefill(PROMPTS, params)
+    step = loop.jit(loop.step)
     tokens, active = [], []
     for _ in range(max(RAGGED_MAX_TOKENS)):
-        state, out = loop.step(state)
+        state, out = step(state)
         tokens.append(out.token_ids)
         active.append(out.active)
     outputs = loop.finish(state, jnp.stack(tokens), jnp.stack(active))
