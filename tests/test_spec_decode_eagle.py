@@ -202,3 +202,25 @@ def test_an_eagle3_head_is_refused_as_the_engines_model_and_a_model_as_a_head(
         LLM(looping_model_dir, speculative_config=eagle3(looping_model_dir), **ENGINE_KWARGS)
     with pytest.raises(ValueError, match="method 'eagle3' needs model"):
         LLM(looping_model_dir, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_eagle3_after_a_sleep_gives_the_tokens_it_gave_before(looping_model_dir, head):
+    """Level 1 sleep drops the target's and the head's KV and moves the target's weights to
+    host memory; after wake_up the head drafts over its zeroed cache as it did the first time."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=eagle3(head[0]),
+        enable_sleep_mode=True,
+        **ENGINE_KWARGS,
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    generate = lambda: [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)
+    ]
+    stats = llm.llm_engine.spec_decoding_stats
+    before, drafts = generate(), stats.num_draft_tokens
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert generate() == before
+    assert stats.num_draft_tokens == 2 * drafts
