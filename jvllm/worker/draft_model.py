@@ -31,7 +31,8 @@ from jvllm.worker.step_inputs import StepInputs
 @dataclasses.dataclass
 class DraftModel:
     """A loaded draft: its config and params (on the target's mesh), and the speculative
-    method it drafts for: "draft_model", or "eagle3" (an EAGLE-3 head, worker/eagle.py)."""
+    method it drafts for: "draft_model", or a draft head's, "eagle3" or "mtp"
+    (worker/eagle.py)."""
 
     config: ModelConfig
     params: dict

@@ -120,8 +120,6 @@ class ModelRunner:
             layout = {
                 "num_blocks": num_blocks,
                 "block_size": block_size,
-                "max_pages": self.max_pages,
-                "buckets": buckets,
                 "attention_backend": attention_backend,
                 "kv_cache_dtype": runner_config.kv_cache_dtype,
                 "num_speculative_tokens": num_speculative_tokens,

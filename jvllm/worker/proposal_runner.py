@@ -10,7 +10,6 @@ from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC
-from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.draft_model import num_drafts_room
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 
@@ -23,15 +22,12 @@ class ProposalRunner:
         *,
         num_blocks: int,
         block_size: int,
-        max_pages: int,
-        buckets: BucketSpec,
         attention_backend: str,
         kv_cache_dtype: str,
         num_speculative_tokens: int,
     ) -> None:
         """The draft's KV cache `kv_cache` over `num_blocks` pages (the target's page ids)."""
-        self.config = config
-        self.block_size, self.max_pages, self.buckets = block_size, max_pages, buckets
+        self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
         self.kv_cache = allocate_kv_cache(
             kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
