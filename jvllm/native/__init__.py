@@ -9,8 +9,8 @@ A kernel's source is compiled into ~/.cache/jvllm/native (or $JVLLM_NATIVE_CACHE
 by the source, the flags, jax's version and the CPU. It is built for this CPU (-march=native),
 or, with JVLLM_NATIVE_ISA=avx2 on an x86 CPU that has AVX2 and FMA, for x86-64-v3 (AVX2, FMA,
 F16C), so that a CPU with AVX-512 runs and tests the path of one without; =baseline builds for
-the architecture's baseline (x86-64's SSE2), where only the portable fallbacks of simd.h run.
-The log names each kernel as it loads and the instruction set it was built for. A machine
+the architecture's baseline (x86-64's SSE2), where only simd_lanes.h's portable lines run. The
+log names each kernel as it loads and the instruction set it was built for. A machine
 without a compiler, a directory that cannot be written or a library that does not load gets
 one warning saying how to fix it, and the kernel's caller keeps its pure-JAX path; so does a
 kernel switched off by its JVLLM_CPU_*_KERNEL=0, which the log says once.

@@ -1,7 +1,7 @@
 // x @ W.T for rows x [R, I] and a weight W [O, I] of the same dtype (bfloat16 or float32) that
 // is layer `layer` of a stack [L, O, I], on XLA:CPU through the XLA FFI
-// (quantization/cpu_dense.py builds it), written over the portable SIMD layer (simd.h) for any
-// CPU the compiler targets.
+// (quantization/cpu_dense.py builds it), written over the portable SIMD layer (simd_lanes.h)
+// for any CPU the compiler targets.
 //
 // Inside the layer scan XLA:CPU copies a layer's slice out of the stack before its matmul, and
 // its matmul of a row or two reads a weight well below the bandwidth a sum over it reaches;

@@ -36,30 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using vi32 = stdx::rebind_simd_t<int32_t, vf32>;
 static_assert(N == kLanes, "simd.h's lane count, the vectors' here");
-
-// N bytes at p as 32-bit lanes (kSigned: the bytes as int8), where the bit work happens.
-// x86 through its extending loads: GCC 12's code of the portable converting load made Q6_K's
-// one-row products 1.1x slower on AVX-512.
-template <bool kSigned = false>
-JVLLM_INLINE vi32 widen_bytes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return vi32(kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
-#elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return vi32(kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
-#else
-  if constexpr (kSigned) {
-    return vi32(reinterpret_cast<const int8_t*>(p), stdx::element_aligned);
-  } else {
-    return vi32(p, stdx::element_aligned);
-  }
-#endif
-}
-
-JVLLM_INLINE vf32 to_floats(vi32 q) { return stdx::static_simd_cast<vf32>(q); }
 
 constexpr int kMaxRows = 32;
 constexpr int kPrefetchBlocks = 64;  // how far ahead each field's stream is fetched
@@ -277,28 +254,6 @@ struct Block {
   }
 };
 
-// Each lane rounded to the nearest bfloat16 (ties to even), in integer vector arithmetic.
-JVLLM_INLINE vf32 round_to_bfloat16(vf32 w) {
-  const vu32 bits = stdx::__proposed::simd_bit_cast<vu32>(w);
-  vu32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  stdx::where((bits & 0x7FFFFFFFu) > 0x7F800000u, rounded) = bits;  // NaN stays
-  return as_floats(rounded);
-}
-
-// The N bfloat16 values in `rounded` (each already rounded to bfloat16) as their 16 bits at dst.
-// AVX-512 narrows with its instruction: GCC 12's code of the portable line made a bfloat16
-// layer's dequantization 1.07x slower.
-JVLLM_INLINE void store_rounded(vf32 rounded, uint16_t* dst) {
-  const vu32 bits = stdx::__proposed::simd_bit_cast<vu32>(rounded) >> 16;  // exact
-#if defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm512_cvtepi32_epi16(static_cast<__m512i>(bits)));
-#else
-  stdx::static_simd_cast<stdx::rebind_simd_t<uint16_t, vf32>>(bits).copy_to(
-      dst, stdx::element_aligned);
-#endif
-}
-
 // Row o of W's kHalves scales, as float32 halves [kHalves, nb].
 template <typename F>
 void row_scales(int64_t o, int64_t nb, const uint8_t* const* fields, const int64_t* field_bytes,
@@ -347,7 +302,7 @@ template <typename F, bool kBF16>
 inline void model_values(const Block<F>& block, vf32* w) {
   block.values(w);
   if (kBF16) {
-    for (int v = 0; v < Block<F>::kVectors; ++v) w[v] = round_to_bfloat16(w[v]);
+    for (int v = 0; v < Block<F>::kVectors; ++v) w[v] = round_bits_to_bfloat16(w[v]);
   }
 }
 
@@ -407,7 +362,7 @@ template <bool kBF16>
 std::vector<uint16_t> bf16_bits(const float* x, int64_t R, int64_t I) {
   std::vector<uint16_t> bits(bf16_dots<kBF16>() ? R * I : 0);
   for (size_t i = 0; i < bits.size(); i += N) {  // R * I: whole vectors of blocks
-    store_rounded(round_to_bfloat16(vf32(x + i, stdx::element_aligned)), &bits[i]);
+    store_rounded(round_bits_to_bfloat16(vf32(x + i, stdx::element_aligned)), &bits[i]);
   }
   return bits;
 }

@@ -21,6 +21,11 @@
 // products do not depend on its batch. The layer's arrays are read where they lie in the stack
 // [L, ...]; output rows are split among XLA's intra-op threads. For more rows,
 // IntGroupDequantize writes the layer's values out for XLA's matmul.
+//
+// Written over the portable SIMD layer (simd_lanes.h: SSE, AVX2, AVX-512 and NEON from this
+// source); the 4-bit tables' permutes, F16C's and AVX-512 BF16's conversions, AVX-512's masked
+// loads of a row's scales and its bfloat16 dot products stay intrinsics beside their portable
+// lines (docs/benchmarks/cpu_kernels.md).
 
 #include <algorithm>
 #include <cstdint>
@@ -33,7 +38,7 @@
 #endif
 
 #include "parallel_for.h"
-#include "simd.h"
+#include "simd_lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -66,14 +71,12 @@ inline float bfloat16_to_float(uint16_t h) {
 // Each lane rounded to the nearest bfloat16 (ties to even), NaN kept. With AVX-512 BF16 in
 // three instructions rather than eight, which flush values below 2^-126 to zero (a product of
 // a scale that small: no checkpoint has one).
-inline f32v round_to_bfloat16(f32v w) {
+JVLLM_INLINE vf32 round_to_bfloat16(vf32 w) {
 #if defined(__AVX512BF16__)
-  const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh((__m512)w);
-  return (f32v)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16);
+  const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(static_cast<__m512>(w));
+  return vf32(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)));
 #else
-  const u32v bits = (u32v)w;
-  const u32v rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
-  return (f32v)((bits & 0x7FFFFFFF) > 0x7F800000 ? bits : rounded);
+  return round_bits_to_bfloat16(w);
 #endif
 }
 
@@ -86,15 +89,15 @@ using Half = _Float16;
 #endif
 
 // Each lane rounded to the nearest float16 (ties to even), as float32.
-inline f32v round_to_half(f32v w) {
+JVLLM_INLINE vf32 round_to_half(vf32 w) {
 #if defined(__AVX512F__)
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  return (f32v)_mm512_cvtph_ps(_mm512_cvtps_ph((__m512)w, kNearest));
+  return vf32(_mm512_cvtph_ps(_mm512_cvtps_ph(static_cast<__m512>(w), kNearest)));
 #elif defined(__AVX__) && defined(__F16C__)
-  return (f32v)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)w, _MM_FROUND_TO_NEAREST_INT));
+  const __m128i halves = _mm256_cvtps_ph(static_cast<__m256>(w), _MM_FROUND_TO_NEAREST_INT);
+  return vf32(_mm256_cvtph_ps(halves));
 #else
-  for (int l = 0; l < N; ++l) w[l] = static_cast<float>(static_cast<Half>(w[l]));
-  return w;
+  return vf32([w](auto l) { return static_cast<float>(static_cast<Half>(w[l])); });
 #endif
 }
 
@@ -120,8 +123,8 @@ inline float scale_at(const uint8_t* scales, int64_t i) {
 
 // Integers less their zero point d (exact in float32) times scale s, rounded to the scale dtype.
 template <Scale S>
-inline f32v scaled(f32v d, float s) {
-  const f32v w = d * splat(s);
+inline vf32 scaled(vf32 d, float s) {
+  const vf32 w = d * s;
   if constexpr (S == Scale::kF16) return round_to_half(w);
   if constexpr (S == Scale::kBF16) return round_to_bfloat16(w);
   return w;
@@ -129,8 +132,8 @@ inline f32v scaled(f32v d, float s) {
 
 // Their values in the model dtype (bfloat16 where kBF16), as int_weight computes them.
 template <Scale S, bool kBF16>
-inline f32v make_values(f32v d, float s) {
-  const f32v w = scaled<S>(d, s);
+inline vf32 make_values(vf32 d, float s) {
+  const vf32 w = scaled<S>(d, s);
   return kBF16 && S != Scale::kBF16 ? round_to_bfloat16(w) : w;
 }
 
@@ -184,8 +187,8 @@ struct Layer {
 
 // Scratch vectors that live as long as the thread, for the rows of each call it runs
 // (allocating them at each call took a quarter of a one-row product of W [192, 576]).
-inline f32v* scratch(int64_t num_vectors) {
-  thread_local std::vector<f32v> vectors;
+inline vf32* scratch(int64_t num_vectors) {
+  thread_local std::vector<vf32> vectors;
   if (static_cast<int64_t>(vectors.size()) < num_vectors) vectors.resize(num_vectors);
   return vectors.data();
 }
@@ -201,7 +204,7 @@ class Groups {
   }
 
   Groups() = default;
-  Groups(const Layer& w, f32v* store)
+  Groups(const Layer& w, vf32* store)
       : w_(&w),
         per_group_(w.I / w.G / kRun),
         s_(reinterpret_cast<float*>(store)),
@@ -233,22 +236,21 @@ class Groups {
   int64_t per_group_ = 0;  // runs of 32 columns in a group
   float* s_ = nullptr;     // [G]
   float* z_ = nullptr;     // [G]
-  f32v* tables_ = nullptr;
+  vf32* tables_ = nullptr;
 };
 
 // Lanes of `table` (16 values) at the low 4 bits of each lane of idx.
-inline f32v lookup(i32v idx, const float* table) {
+JVLLM_INLINE vf32 lookup(vi32 idx, const float* table) {
 #if defined(__AVX512F__)
-  return (f32v)_mm512_permutexvar_ps((__m512i)idx, _mm512_loadu_ps(table));
+  return vf32(_mm512_permutexvar_ps(static_cast<__m512i>(idx), _mm512_loadu_ps(table)));
 #elif defined(__AVX2__)
-  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), (__m256i)idx);
-  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), (__m256i)idx);
-  const __m256 is_high = _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)idx, 28));  // bit 3
-  return (f32v)_mm256_blendv_ps(low, high, is_high);
+  const __m256i i = static_cast<__m256i>(idx);
+  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), i);
+  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), i);
+  const __m256 is_high = _mm256_castsi256_ps(_mm256_slli_epi32(i, 28));  // bit 3
+  return vf32(_mm256_blendv_ps(low, high, is_high));
 #else
-  f32v w;
-  for (int l = 0; l < N; ++l) w[l] = table[idx[l] & 15];
-  return w;
+  return vf32([&](auto l) { return table[idx[l] & 15]; });
 #endif
 }
 
@@ -266,15 +268,15 @@ class NibbleRow : public Groups<S> {
     Groups<S>::read(o);
     row_ = this->w_->packed + o * this->w_->I / 2;
     for (int64_t g = 0; g < this->w_->G; ++g) {
-      f32v* table = this->tables_ + kTable * g;
+      vf32* table = this->tables_ + kTable * g;
       for (int j = 0; j < 16 / N; ++j) {
-        i32v q;
-        for (int l = 0; l < N; ++l) q[l] = N * j + l;
-        const f32v d = __builtin_convertvector(q, f32v) - this->z_[g];
+        const vi32 q([j](auto l) { return N * j + static_cast<int>(l); });
+        const vf32 d = to_floats(q) - this->z_[g];
 #ifdef JVLLM_BF16_DOTS
         if constexpr (kDots) {  // rounded to bfloat16 by the conversion
-          const __m256i t = (__m256i)_mm512_cvtneps_pbh((__m512)scaled<S>(d, this->s_[g]));
-          table[0] = (f32v)_mm512_inserti64x4(_mm512_castsi256_si512(t), t, 1);
+          const __m512 w = static_cast<__m512>(scaled<S>(d, this->s_[g]));
+          const __m256i t = (__m256i)_mm512_cvtneps_pbh(w);
+          table[0] = vf32(_mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(t), t, 1)));
           continue;
         }
 #endif
@@ -291,10 +293,10 @@ class NibbleRow : public Groups<S> {
 
   // Run k's 32 values in column order (byte j holds column j in its low nibble, 16 + j in its
   // high one), the run in group `table`.
-  void run(int64_t k, Group table, f32v* w) const {
+  void run(int64_t k, Group table, vf32* w) const {
     const uint8_t* bytes = row_ + 16 * k;
     for (int h = 0; h < 16 / N; ++h) {
-      const i32v idx = widen(bytes + N * h);
+      const vi32 idx = widen_bytes(bytes + N * h);
       w[h] = lookup(idx, table);
       w[16 / N + h] = lookup(idx >> 4, table);
     }
@@ -304,7 +306,9 @@ class NibbleRow : public Groups<S> {
   // Run k's 32 values as bfloat16: with the table twice over 32 lanes, a byte's high nibble next
   // to the low one (bit 4 of a word's index) picks the same value.
   using GroupBF16 = __m512i;
-  GroupBF16 group_bf16(int64_t g) const { return (__m512i)this->tables_[g]; }
+  GroupBF16 group_bf16(int64_t g) const {
+    return _mm512_castps_si512(static_cast<__m512>(this->tables_[g]));
+  }
 
   __m512bh run_bf16(int64_t k, GroupBF16 table) const {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_ + 16 * k));
@@ -336,9 +340,9 @@ class ByteRow : public Groups<S> {
   };
   Group group(int64_t g) const { return {this->s_[g], this->z_[g]}; }
 
-  void run(int64_t k, Group group, f32v* w) const {
+  void run(int64_t k, Group group, vf32* w) const {
     for (int v = 0; v < V; ++v) {
-      const f32v q = __builtin_convertvector(widen(row_ + kRun * k + N * v), f32v);
+      const vf32 q = to_floats(widen_bytes(row_ + kRun * k + N * v));
       w[v] = make_values<S, kBF16>(q - group.z, group.s);
     }
   }
@@ -349,12 +353,12 @@ class ByteRow : public Groups<S> {
 
   // Run k's 32 values as bfloat16, rounded by the conversion.
   __m512bh run_bf16(int64_t k, Group group) const {
-    f32v w[V];
+    vf32 w[V];
     for (int v = 0; v < V; ++v) {
-      const f32v q = __builtin_convertvector(widen(row_ + kRun * k + N * v), f32v);
+      const vf32 q = to_floats(widen_bytes(row_ + kRun * k + N * v));
       w[v] = scaled<S>(q - group.z, group.s);
     }
-    return _mm512_cvtne2ps_pbh((__m512)w[1], (__m512)w[0]);
+    return _mm512_cvtne2ps_pbh(static_cast<__m512>(w[1]), static_cast<__m512>(w[0]));
   }
 #endif
 
@@ -376,12 +380,12 @@ struct Rows {
 // and the G rows of x at xs to acc, vector v of the run to chain v.
 template <class Row, int kOuts, int G>
 inline void add_run(const Row* rows, const typename Row::Group* groups, const float* xs,
-                    int64_t I, int64_t k, f32v (&acc)[kOuts][G][V]) {
-  f32v w[kOuts][V];
+                    int64_t I, int64_t k, vf32 (&acc)[kOuts][G][V]) {
+  vf32 w[kOuts][V];
   JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) rows[t].run(k, groups[t], w[t]);
   JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
     JVLLM_UNROLLED for (int v = 0; v < V; ++v) {
-      const f32v xv = load<f32v>(xs + r * I + kRun * k + N * v);
+      const vf32 xv = load_lanes(xs + r * I + kRun * k + N * v);
       JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) {
         acc[t][r][v] = multiply_add(w[t][v], xv, acc[t][r][v]);
       }
@@ -399,10 +403,10 @@ void tile_products(const Row* rows, const Rows& x, int64_t first, int64_t o, int
                    float* y) {
   const float* xs = static_cast<const float*>(x.x) + first * x.I;
   const int64_t per_group = rows[0].runs_per_group();
-  f32v acc[kOuts][G][V];
+  vf32 acc[kOuts][G][V];
   JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) {
     JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
-      JVLLM_UNROLLED for (int v = 0; v < V; ++v) acc[t][r][v] = f32v{};
+      JVLLM_UNROLLED for (int v = 0; v < V; ++v) acc[t][r][v] = 0.f;
     }
   }
   for (int64_t g = 0; g < rows[0].num_groups(); ++g) {
@@ -414,7 +418,7 @@ void tile_products(const Row* rows, const Rows& x, int64_t first, int64_t o, int
   }
   JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) {
     JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
-      f32v sum = acc[t][r][0];
+      vf32 sum = acc[t][r][0];
       JVLLM_UNROLLED for (int v = 1; v < V; ++v) sum += acc[t][r][v];
       y[(first + r) * O + o + t] = sum_lanes(sum);
     }
@@ -499,7 +503,7 @@ template <int kBits, Scale S, bool kBF16>
 void dense_rows(const Layer& w, const Rows& x, int64_t o_first, int64_t o_last, float* y) {
   using Row = RowOf<kBits, S, kBF16, bf16_dots<kBF16>()>;
   const int64_t tile_outs = x.R > kRows ? kTile : kOuts;
-  f32v* store = scratch(tile_outs * Row::num_vectors(w));
+  vf32* store = scratch(tile_outs * Row::num_vectors(w));
   Row tile[kTile];
   for (int t = 0; t < tile_outs; ++t) tile[t] = Row(w, store + t * Row::num_vectors(w));
   for (int64_t o = o_first; o < o_last; o += tile_outs) {
@@ -525,17 +529,15 @@ void dequantize_rows(const Layer& w, int64_t o_first, int64_t o_last, void* out)
   for (int64_t o = o_first; o < o_last; ++o) {
     row.read(o);
     for (int64_t k = 0; k < w.I / kRun; ++k) {
-      f32v values[V];
+      vf32 values[V];
       row.run(k, row.group(k / row.runs_per_group()), values);
       const int64_t at = o * w.I + kRun * k;
-      if constexpr (!kBF16) {
-        std::memcpy(static_cast<float*>(out) + at, values, sizeof(values));
-        continue;
-      }
-      uint16_t* dst = static_cast<uint16_t*>(out) + at;
       for (int v = 0; v < V; ++v) {
-        const u32v bits = (u32v)values[v] >> 16;  // exact: the values are bfloat16
-        for (int l = 0; l < N; ++l) dst[N * v + l] = static_cast<uint16_t>(bits[l]);
+        if constexpr (kBF16) {
+          store_rounded(values[v], static_cast<uint16_t*>(out) + at + N * v);
+        } else {
+          values[v].copy_to(static_cast<float*>(out) + at + N * v, stdx::element_aligned);
+        }
       }
     }
   }

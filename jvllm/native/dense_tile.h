@@ -1,5 +1,6 @@
-// Rows of x times rows of a weight in float32 sums, over the portable SIMD layer (simd.h): the
-// loop of cpu_dense.cc and cpu_int8.cc, each with a policy D for its operands' storage.
+// Rows of x times rows of a weight in float32 sums, over the portable SIMD layer
+// (simd_lanes.h): the loop of cpu_dense.cc and cpu_int8.cc, each with a policy D for its
+// operands' storage.
 //
 // D::X and D::W store x and the weight; a step takes D::kStep values of each, loaded by
 // D::load_x and D::load_w, and D::add adds their products to a float32 vector. Each (row,
