@@ -5,11 +5,15 @@ import pytest
 from jvllm.benchmarks import spec_decode
 
 
-@pytest.mark.parametrize("method", ["ngram", pytest.param("eagle3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method",
+    ["ngram", *(pytest.param(m, marks=pytest.mark.slow) for m in ("eagle", "eagle3"))],
+)
 def test_spec_decode_benchmark_compares_speculation_with_plain_decoding(
     method, tiny_llama_dir, capsys
 ):
-    """n-gram drafts, and a random EAGLE-3 head the benchmark writes for the target."""
+    """n-gram drafts, and random EAGLE-1 and EAGLE-3 heads the benchmark writes for the
+    target."""
     args = ["--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "6"]
     spec_decode.main([*args, "--num-iters", "1", "--method", method])
     lines = capsys.readouterr().out.splitlines()

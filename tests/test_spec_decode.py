@@ -168,9 +168,9 @@ def test_speculative_config_is_checked():
     defaults = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 1})
     assert defaults.speculative_config.prompt_lookup_max == 5
     bad = {
-        "method must be one of \\('ngram', 'draft_model', 'eagle3', 'mtp'\\)": {
+        "method must be one of \\('ngram', 'draft_model', 'eagle', 'eagle3', 'mtp'\\)": {
             **ngram(2),
-            "method": "eagle",
+            "method": "medusa",
         },
         "num_speculative_tokens must be an int >= 1": ngram(0),
         "prompt_lookup_max must be >= prompt_lookup_min": {**ngram(2), "prompt_lookup_min": 5},

@@ -179,3 +179,45 @@ def save_random_deepseek_v3_with_mtp(path: str, tokenizer_dir: str, seed: int = 
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+def save_random_eagle1_head(path: str, target: ModelConfig, *, seed: int = 0) -> dict:
+    """An EAGLE-1 checkpoint (a LlamaForCausalLM config of one layer: fc with its bias and
+    layers.0.* without an input norm; no norm, no LM head) of the target's width, heads and MLP,
+    float32, in `path` -> its tensors."""
+    rng = np.random.default_rng(seed)
+    d, f = target.hidden_size, target.intermediate_size
+    n, k, h = target.num_heads, target.num_kv_heads, target.head_dim
+    normal = lambda *shape: rng.normal(0.0, 0.15, shape).astype(np.float32)
+    layer = "layers.0."
+    tensors = {
+        "fc.weight": normal(d, 2 * d),
+        "fc.bias": normal(d),
+        layer + "self_attn.q_proj.weight": normal(n * h, d),
+        layer + "self_attn.k_proj.weight": normal(k * h, d),
+        layer + "self_attn.v_proj.weight": normal(k * h, d),
+        layer + "self_attn.o_proj.weight": normal(d, n * h),
+        layer + "post_attention_layernorm.weight": rng.uniform(0.5, 1.5, d).astype(np.float32),
+        layer + "mlp.gate_proj.weight": normal(f, d),
+        layer + "mlp.up_proj.weight": normal(f, d),
+        layer + "mlp.down_proj.weight": normal(d, f),
+    }
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": d,
+        "intermediate_size": f,
+        "vocab_size": target.vocab_size,
+        "num_attention_heads": n,
+        "num_key_value_heads": k,
+        "head_dim": h,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings,
+        "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return tensors

@@ -8,13 +8,15 @@ whose answer does not (a story).
     python -m jvllm.benchmarks.spec_decode --method draft_model --draft-layers 8
     python -m jvllm.benchmarks.spec_decode --method eagle3
     python -m jvllm.benchmarks.spec_decode --method mtp
+    python -m jvllm.benchmarks.spec_decode --method eagle
 
 `--method draft_model` drafts with the target's first --draft-layers layers, its final norm and
 its LM head (the same checkpoint loaded with hf_overrides={"num_hidden_layers": N}: the loader
 keeps the first N layers), unless --draft-model names another model. `--method eagle3` drafts
 with the EAGLE-3 head --draft-model names, else with one of random weights of the target's
 shapes (benchmarks/random_heads.py; a draft vocabulary of 32000 ids): its drafts are almost
-never accepted, so each round gives one token and its cost is what speculation adds.
+never accepted, so each round gives one token and its cost is what speculation adds; `--method
+eagle` likewise with an EAGLE-1 head (its LM head the target's).
 `--method mtp` drafts with the MTP layer of --model's checkpoint (a DeepSeek-V3), else both run
 a small random DeepSeek-V3 that keeps one (4 layers of the default model's width, 16 experts,
 its tokenizer: benchmarks/random_heads.py), whose drafts are likewise never accepted.
@@ -37,6 +39,7 @@ import time
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import (
     save_random_deepseek_v3_with_mtp,
+    save_random_eagle1_head,
     save_random_eagle3_head,
 )
 from jvllm.benchmarks.startup import cpu_name
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     parser.add_argument(
-        "--method", choices=("ngram", "draft_model", "eagle3", "mtp"), default="ngram"
+        "--method", choices=("ngram", "draft_model", "eagle", "eagle3", "mtp"), default="ngram"
     )
     parser.add_argument(
         "--draft-model", default=None, help="None: the target's first layers, or a random head"
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         save_random_eagle3_head(
             head_dir, target, draft_vocab_size=min(32000, target.vocab_size), layer_ids=layers
         )
+    if args.method == "eagle" and args.draft_model is None:
+        speculative_config["model"] = head_dir = tempfile.mkdtemp(prefix="jvllm_eagle_")
+        save_random_eagle1_head(head_dir, plain.llm_engine.model_config)
     speculative = LLM(args.model, speculative_config=speculative_config, **engine_kwargs)
     stats = speculative.llm_engine.spec_decoding_stats
     temperatures = [float(t) for t in args.temperatures.split(",")]

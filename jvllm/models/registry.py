@@ -55,7 +55,11 @@ _DRAFT_HEADS = {
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3Head"),
     "Eagle3LlamaForCausalLM": ("eagle3", "Eagle3Head"),
     "DeepSeekMTPModel": ("deepseek_mtp", "DeepseekMTPHead"),  # vLLM's name
+    "EagleLlamaForCausalLM": ("eagle1", "EagleHead"),  # vLLM's name for method "eagle"
 }
+# Speculative decoding's "eagle" method: the head its checkpoints load as (they name
+# themselves LlamaForCausalLM).
+EAGLE_HEAD_ARCHITECTURE = "EagleLlamaForCausalLM"
 # Speculative decoding's "mtp" method: a target architecture -> the head that reads the
 # multi-token-prediction layers its checkpoints keep.
 _MTP_HEADS = {"DeepseekV3ForCausalLM": "DeepSeekMTPModel"}

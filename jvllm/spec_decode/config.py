@@ -3,14 +3,14 @@
 import dataclasses
 from collections.abc import Mapping
 
-# The drafting methods served; vLLM's others ("eagle", "medusa", ...) are not yet.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# The drafting methods served; vLLM's others ("medusa", ...) are not yet.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # vLLM's older names of a method, accepted as it does (its "deepseek_mtp" is now "mtp").
 METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 # The methods whose drafts a model on the device proposes after each step (`model` its path).
-MODEL_METHODS = ("draft_model", "eagle3", "mtp")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # Of those, the heads that draft from the target's hidden states (worker/eagle.py).
-HEAD_METHODS = ("eagle3", "mtp")
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
 # "hf_overrides" is jvllm's, the engine option's for the draft's config (e.g. a draft that is
 # the target's first layers: {"num_hidden_layers": 4}).
 _FIELDS = (
@@ -33,8 +33,8 @@ class SpeculativeConfig:
     "draft_model": a smaller model of the same vocabulary (`model`, loaded as the engine's
     `model` is, with `hf_overrides` on its config) proposes them greedily
     (worker/draft_model.py).
-    "eagle3": an EAGLE-3 head (`model`, its HF checkpoint) proposes them from the target's
-    hidden states (worker/eagle.py).
+    "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`model`, its HF checkpoint) proposes them
+    from the target's hidden states (worker/eagle.py).
     "mtp": the multi-token-prediction layer of the target's checkpoint (DeepSeek-V3's; `model`
     None: the target's own path) proposes them from the target's final hidden states
     (models/deepseek_mtp.py)."""

@@ -1,8 +1,8 @@
 """Speculative decoding's draft heads on the device: an EAGLE-3 head ("eagle3",
-models/eagle3.py) drafting from the rows entering three of the target's layers, or a
-DeepSeek-V3 MTP layer ("mtp", models/deepseek_mtp.py) drafting from the target's final hidden
-states. Both are one decoder layer over (the next token's embedding, a hidden row), so one
-machinery runs them; `DraftHead` binds either's computations.
+models/eagle3.py) drafting from the rows entering three of the target's layers, an EAGLE-1 head
+("eagle", models/eagle1.py) or a DeepSeek-V3 MTP layer ("mtp", models/deepseek_mtp.py) drafting
+from the target's final hidden states. Each is one decoder layer over (the next token's
+embedding, a hidden row), so one machinery runs them; `DraftHead` binds one's computations.
 
 The head's KV cache is its own one layer, [1, V, K_h, P, B, H_h] (MLA's latent rows for an MTP
 layer), over the target's page ids (as a draft model's: worker/draft_model.py). Its row at
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.config import ModelConfig
-from jvllm.models.model import module_method, token_embeddings
+from jvllm.models.model import compute_logits, module_method, token_embeddings
 from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
@@ -51,7 +51,7 @@ class DraftHead:
     combine: Callable
     # forward(head params, kv, embeds, hidden, positions, metadata) -> (normed, prenorm, kv)
     forward: Callable
-    # draft_tokens(head params, normed f32[S, D_h]) -> i32[S] target token ids
+    # draft_tokens((target params, head params), normed f32[S, D_h]) -> i32[S] target token ids
     draft_tokens: Callable
     num_drafts: int  # k, the drafts a sequence gets each step
 
@@ -60,13 +60,22 @@ def draft_head(head: ModelConfig, target: ModelConfig, attn, num_drafts: int) ->
     def call(method: str, *last):
         return lambda params, *args: module_method(params, method, *args, *last, config=head)
 
+    family = model_class(head.architecture)
+    if getattr(family, "uses_target_lm_head", False):  # EAGLE-1: the target's LM head reads it
+        logits = functools.partial(compute_logits, config=target)
+        draft_tokens = lambda params, rows: jnp.argmax(
+            logits(params[0], rows)[:, : target.vocab_size], axis=-1
+        ).astype(jnp.int32)
+    else:
+        own = call("draft_tokens")
+        draft_tokens = lambda params, rows: own(params[1], rows)
     return DraftHead(
-        model_class(head.architecture).target_layer_ids(head, target),
+        family.target_layer_ids(head, target),
         target.hidden_size,
         functools.partial(token_embeddings, config=target),
         call("combine"),
         call("__call__", attn),
-        call("draft_tokens"),
+        draft_tokens,
         num_drafts,
     )
 
@@ -93,7 +102,7 @@ def head_in_step(
     normed, prenorm, head_kv = head.forward(
         head_params, head_kv, embeds, hidden, inputs.positions, inputs.attn
     )
-    tokens = head.draft_tokens(head_params, normed[last_kept])  # [S] the first drafts
+    tokens = head.draft_tokens((target_params, head_params), normed[last_kept])  # [S] firsts
     step_inputs = decode_after(inputs, last_kept, tokens, block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
     drafts = jnp.zeros((tokens.shape[0], head.num_drafts), jnp.int32).at[:, 0].set(tokens)
@@ -107,7 +116,7 @@ def head_in_step(
         normed, prenorm, kv = head.forward(
             params_i[1], kv, embeds, hidden, step_inputs.positions, step_inputs.attn
         )
-        token_ids = head.draft_tokens(params_i[1], normed)  # [S]
+        token_ids = head.draft_tokens(params_i, normed)  # [S]
         drafts = drafts.at[:, i + 1].set(token_ids)
         step_inputs = advance_inputs(step_inputs, token_ids, active, block_size)
         return kv, step_inputs, prenorm.astype(jnp.float32), drafts

@@ -30,7 +30,7 @@ from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import expected_dtype, resolve_quantization
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
-from jvllm.models.registry import mtp_head_architecture
+from jvllm.models.registry import EAGLE_HEAD_ARCHITECTURE, mtp_head_architecture
 from jvllm.quantization import build_kernels_early, describe_weights, is_quantized
 from jvllm.spec_decode.config import HEAD_METHODS, MODEL_METHODS, SpeculativeConfig
 from jvllm.worker import device_buffers
@@ -137,6 +137,8 @@ class Worker:
             path = load.model if path is None else path
             head = mtp_head_architecture(self.model_config.architecture)
             overrides = {**(overrides or {}), "architectures": [head]}
+        elif spec.method == "eagle":  # its checkpoints name themselves LlamaForCausalLM
+            overrides = {**(overrides or {}), "architectures": [EAGLE_HEAD_ARCHITECTURE]}
         config, params, _ = load_model(
             path,
             self.model_config.dtype,
