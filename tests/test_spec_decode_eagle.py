@@ -224,3 +224,14 @@ def test_eagle3_after_a_sleep_gives_the_tokens_it_gave_before(looping_model_dir,
     llm.wake_up()
     assert generate() == before
     assert stats.num_draft_tokens == 2 * drafts
+
+
+def test_a_published_heads_t2d_loads_without_a_warning(head, monkeypatch):
+    """EAGLE-3 heads ship t2d (the draft vocabulary's mask over the target's, d2t's inverse),
+    which drafting never needs, as vLLM skips it: no warning that outputs may differ."""
+    from jvllm.model_loader import hf
+
+    warned = []
+    monkeypatch.setattr(hf.logger, "warning", lambda *args: warned.append(args[0] % args[1:]))
+    hf.load_hf_dir(head[0], "float32")
+    assert warned == []

@@ -203,6 +203,7 @@ _NEVER_READ = re.compile(
     r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|\.attention\.bias$"
     r"|^(model\.)?(vision_tower|multi_modal_projector)\."
     r"|\.(k|v|q|prob)_scale$"  # a kv_cache_scheme's static scales (_log_quantization)
+    r"|^t2d$"  # an EAGLE-3 head's draft vocabulary as a mask, d2t's inverse (vLLM skips it too)
 )
 
 
