@@ -196,7 +196,9 @@ def test_the_head_reads_the_token_after_each_position_and_drafts_after_the_kept_
 def test_an_eagle3_head_is_refused_as_the_engines_model_and_a_model_as_a_head(
     looping_model_dir, head
 ):
-    with pytest.raises(ValueError, match="is an EAGLE-3 draft head .* speculative_config"):
+    with pytest.raises(
+        ValueError, match="is a draft head .* speculative_config=.*'method': 'eagle3',"
+    ):
         LLM(head[0], **ENGINE_KWARGS)
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         LLM(looping_model_dir, speculative_config=eagle3(looping_model_dir), **ENGINE_KWARGS)

@@ -105,3 +105,11 @@ def test_eagle_gives_the_tokens_of_no_speculation(looping_model_dir, plain_llm, 
     ]
     assert tokens(llm) == tokens(plain_llm)
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 20
+
+
+def test_an_eagle_head_served_as_the_engines_model_names_method_eagle(head):
+    """A head whose config.json names vLLM's EagleLlamaForCausalLM is refused as an engine's
+    model with the method that serves it, not EAGLE-3's."""
+    overrides = {"architectures": ["EagleLlamaForCausalLM"]}
+    with pytest.raises(ValueError, match="draft head .* speculative_config=.*'method': 'eagle',"):
+        LLM(head[0], hf_overrides=overrides, **ENGINE_KWARGS)

@@ -29,7 +29,7 @@ from jvllm.model_loader.hf import (
     resolve_dtype,
 )
 from jvllm.model_loader.quant_config import check_requested_method, checkpoint_quantization
-from jvllm.models.registry import is_draft_head
+from jvllm.models.registry import draft_head_method, is_draft_head
 from jvllm.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
 
@@ -127,9 +127,9 @@ def load_model(
     )
     if is_draft_head(config.architecture) != draft_head:
         raise ValueError(
-            f"{model} is an EAGLE-3 draft head ({config.architecture}): serve its target model "
-            f"with speculative_config={{'method': 'eagle3', 'model': {model!r}, "
-            "'num_speculative_tokens': 3}"
+            f"{model} is a draft head ({config.architecture}): serve its target model with "
+            f"speculative_config={{'method': {draft_head_method(config.architecture)!r}, "
+            f"'model': {model!r}, 'num_speculative_tokens': 3}}"
             if not draft_head
             else f"speculative_config's model {model} is a {config.architecture}, not an "
             "EAGLE-3 head (LlamaForCausalLMEagle3); for a whole draft model use method "

@@ -57,6 +57,8 @@ _DRAFT_HEADS = {
     "DeepSeekMTPModel": ("deepseek_mtp", "DeepseekMTPHead"),  # vLLM's name
     "EagleLlamaForCausalLM": ("eagle1", "EagleHead"),  # vLLM's name for method "eagle"
 }
+# The speculative_config method each draft head's module serves.
+_HEAD_METHODS = {"eagle3": "eagle3", "deepseek_mtp": "mtp", "eagle1": "eagle"}
 # Speculative decoding's "eagle" method: the head its checkpoints load as (they name
 # themselves LlamaForCausalLM).
 EAGLE_HEAD_ARCHITECTURE = "EagleLlamaForCausalLM"
@@ -153,6 +155,11 @@ def architecture_of(hf_config: dict) -> str | None:
 
 def is_draft_head(architecture: str | None) -> bool:
     return architecture in _DRAFT_HEADS
+
+
+def draft_head_method(architecture: str) -> str:
+    """The speculative_config method whose `model` a draft head of `architecture` is."""
+    return _HEAD_METHODS[_DRAFT_HEADS[architecture][0]]
 
 
 def mtp_head_architecture(target_architecture: str | None) -> str:
