@@ -329,8 +329,9 @@ class LLMEngine:
         return self._process_outputs(scheduler_output, sampled, finished)
 
     def _propose_drafts(self, scheduler_output: SchedulerOutput) -> None:
-        """A draft model's drafts for the requests that sampled and decode next (vLLM v1
-        proposes after each step too); the scheduler hands them over at their next decode."""
+        """The drafts the step just run proposed (a draft model or head drafts inside the
+        target's step) for its requests that sampled and decode next; the scheduler hands them
+        over at their next decode."""
         drafter = self.scheduler.drafter
         if drafter is None or not drafter.uses_draft_model:
             return

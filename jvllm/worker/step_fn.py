@@ -26,7 +26,8 @@ from jvllm.worker.step_inputs import StepInputs
 class CountedSamplerOutput(SamplerOutput):
     """A step's SamplerOutput and, for a model with routed experts, each MoE layer's count of
     the step's real tokens' assignments to each expert (layers/expert_counts.py); with a draft
-    head, what the step leaves its proposal (worker/eagle.py), which stays on the device."""
+    model or head, the drafts the step proposed (worker/draft_model.py, worker/eagle.py), which
+    stay on the device until the runner hands each request its row (worker/proposal_runner.py)."""
 
     expert_counts: jax.Array | None = None  # i32[L_moe, E]
     draft_tokens: jax.Array | None = None  # i32[S, k] a draft model's or head's proposals
