@@ -81,7 +81,7 @@ def test_another_draft_gives_the_same_tokens(looping_model_dir, plain_llm, other
 def test_draft_model_options_are_checked(looping_model_dir):
     with pytest.raises(ValueError, match="method 'draft_model' needs model"):
         EngineArgs(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="are for methods \\('draft_model', 'eagle3', 'mtp'\\)"):
+    with pytest.raises(ValueError, match="are for methods \\('draft_model', .*\\), not 'ngram'"):
         EngineArgs(speculative_config={**draft_model("x"), "method": "ngram"})
     with pytest.raises(ValueError, match="speculative_config does not run with"):
         EngineArgs(speculative_config=draft_model("x"), num_scheduler_steps=4)
