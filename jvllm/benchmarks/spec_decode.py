@@ -44,6 +44,7 @@ from jvllm.benchmarks.random_heads import (
 )
 from jvllm.benchmarks.startup import cpu_name
 from jvllm.model_loader.default_model import DEFAULT_MODEL, default_model_dir
+from jvllm.spec_decode.config import SPECULATIVE_METHODS
 
 _CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -81,9 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="None: the default model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
-    parser.add_argument(
-        "--method", choices=("ngram", "draft_model", "eagle", "eagle3", "mtp"), default="ngram"
-    )
+    parser.add_argument("--method", choices=SPECULATIVE_METHODS, default="ngram")
     parser.add_argument(
         "--draft-model", default=None, help="None: the target's first layers, or a random head"
     )
