@@ -237,3 +237,14 @@ def test_a_published_heads_t2d_loads_without_a_warning(head, monkeypatch):
     monkeypatch.setattr(hf.logger, "warning", lambda *args: warned.append(args[0] % args[1:]))
     hf.load_hf_dir(head[0], "float32")
     assert warned == []
+
+
+def test_a_head_made_for_a_target_of_another_width_is_refused(looping_model_dir, tmp_path):
+    """A head of the target's vocabulary but another width (an 8B model's head beside a 70B
+    target) is refused when the engine is built, naming both widths, not by every step."""
+    other = model_config_from_hf(
+        {**TINY_SHAPES, "hidden_size": 128, "architectures": ["LlamaForCausalLM"]}, "float32"
+    )
+    save_random_eagle3_head(str(tmp_path), other, draft_vocab_size=200, layer_ids=(0, 1, 1))
+    with pytest.raises(ValueError, match="hidden size 128, the target's is 64"):
+        LLM(looping_model_dir, speculative_config=eagle3(str(tmp_path)), **ENGINE_KWARGS)

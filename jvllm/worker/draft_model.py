@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
 from jvllm.worker.step_inputs import StepInputs
@@ -48,6 +49,15 @@ def check_draft(target: ModelConfig, draft: "DraftModel", has_windows: bool) -> 
             f"speculative_config's {method} model has a vocabulary of "
             f"{draft.config.vocab_size} tokens, the target {target.vocab_size}: method "
             f"{method!r} needs the target's tokenizer"
+        )
+    # A head embeds with the target's table and reads its hidden rows: its widths are the
+    # target's (EAGLE-3's fc reads target_hidden_size-wide rows).
+    widths = {draft.config.hidden_size, draft.config.option("target_hidden_size")} - {None}
+    if method in HEAD_METHODS and widths != {target.hidden_size}:
+        raise ValueError(
+            f"speculative_config's {method} head is made for a target of hidden size "
+            f"{max(widths - {target.hidden_size})}, the target's is {target.hidden_size}: a "
+            "head drafts only for the model it was trained on"
         )
     if has_windows or any(w is not None for w in draft.config.layer_windows or ()):
         raise ValueError(
