@@ -12,7 +12,7 @@ import pytest
 import test_spec_decode as ngram_tests
 import torch
 import transformers
-from family_parity import TINY_SHAPES
+from family_parity import TINY_SHAPES, save_random_model
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import save_random_eagle3_head
@@ -248,3 +248,25 @@ def test_a_head_made_for_a_target_of_another_width_is_refused(looping_model_dir,
     save_random_eagle3_head(str(tmp_path), other, draft_vocab_size=200, layer_ids=(0, 1, 1))
     with pytest.raises(ValueError, match="hidden size 128, the target's is 64"):
         LLM(looping_model_dir, speculative_config=eagle3(str(tmp_path)), **ENGINE_KWARGS)
+
+
+def test_a_target_whose_layers_hide_their_inputs_is_refused_when_built(tmp_path):
+    """GPT-2's layers do not run through layers/rotary_layers.py, so they expose no inputs to
+    an EAGLE-3 head: the engine is refused when it is built, not every request at its step."""
+    target = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=256, eos_token_id=2
+    )
+    save_random_model(tmp_path / "gpt2", target)
+    config = model_config_from_hf(
+        {**target.to_dict(), "architectures": ["GPT2LMHeadModel"]}, "float32"
+    )
+    (tmp_path / "head").mkdir()
+    save_random_eagle3_head(
+        str(tmp_path / "head"), config, draft_vocab_size=200, layer_ids=(0, 1, 1)
+    )
+    with pytest.raises(ValueError, match="do not expose their inputs"):
+        LLM(
+            str(tmp_path / "gpt2"),
+            speculative_config=eagle3(str(tmp_path / "head")),
+            **ENGINE_KWARGS,
+        )

@@ -215,6 +215,12 @@ class ModelRunner:
             sampler_plans=self.sampler_plans,
             lockstep=jax.process_count() > 1,  # every process's steps must be the same
         )
+        if isinstance(self.draft, EagleRunner) and self.draft.head.layer_ids is not None:
+            # A target whose layers expose no inputs to an EAGLE-3 head raises when its step is
+            # traced (layers/hidden_capture.py): once now, not at every request's step.
+            bucket = min(buckets.all_buckets(), key=lambda b: b.num_tokens)
+            args = (self._step_params(), self.kv_cache, self.token_cache, self.bias_rows.rows)
+            jax.eval_shape(self.step, *args, self.compiler.padding_step(bucket))
         self.warmup_seconds = 0.0
         # Where execute_model's time goes: calling the executable until it returns (argument
         # handling and host-to-device copies; on CPU the computation too, which XLA:CPU runs
