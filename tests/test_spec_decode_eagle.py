@@ -4,8 +4,10 @@ independent NumPy EAGLE-3 over HF's hidden states of the target, and greedy and 
 get exactly the tokens they get without speculation.
 """
 
+import dataclasses
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ from family_parity import TINY_SHAPES, save_random_model
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import save_random_eagle3_head
 from jvllm.model_loader.hf_config import model_config_from_hf
-from jvllm.worker.draft_positions import last_kept_and_next_tokens
+from jvllm.worker.draft_model import propose_greedy
+from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
 
 ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
 looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
@@ -270,3 +273,36 @@ def test_a_target_whose_layers_hide_their_inputs_is_refused_when_built(tmp_path)
             speculative_config=eagle3(str(tmp_path / "head")),
             **ENGINE_KWARGS,
         )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    output_index: jax.Array  # all that advance_inputs reads of the sampling metadata
+
+
+def test_the_draft_loops_stop_a_row_at_its_tables_end():
+    """A sequence two positions short of its table's end (a request at max_model_len) drafts
+    4 steps: its first two write their slots, the others nothing (a page looked up past the
+    table would be a wrapped id, landing on another sequence's slots)."""
+    block_size, table = 4, jnp.asarray([[3, 5]])  # positions 0..7 of the pages 3 and 5
+    md = SimpleNamespace(seq_lens=jnp.asarray([6]), logits_indices=jnp.asarray([0]))
+    drafts = SimpleNamespace(next_token_ids=jnp.asarray([-1]))
+    md.block_tables = table
+    inputs = SimpleNamespace(
+        positions=jnp.asarray([5]), attn=md, drafts=drafts, sampling=_Sampling(jnp.asarray([0]))
+    )
+    step_inputs = decode_after(inputs, jnp.asarray([0]), jnp.asarray([9]), block_size)
+    written = []
+
+    def forward(params, kv, token_ids, positions, md, mm):
+        return jnp.zeros((1, 8)), kv.at[md.slot_mapping].add(1)
+
+    model = SimpleNamespace(forward=forward, logits=lambda params, hidden: jnp.zeros((1, 16)))
+    active = step_inputs.attn.seq_lens > 0
+    _, kv = propose_greedy(
+        None, jnp.zeros(8 * block_size), step_inputs, active,
+        model=model, num_steps=4, block_size=block_size,
+    )  # fmt: skip
+    written = np.flatnonzero(np.asarray(kv)[1:]) + 1  # slot 0: the null page
+    assert written.tolist() == [5 * block_size + 2, 5 * block_size + 3]

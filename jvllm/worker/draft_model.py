@@ -25,7 +25,7 @@ from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.decode_loop import advance_inputs
-from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
+from jvllm.worker.draft_positions import decode_after, in_table, last_kept_and_next_tokens
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -102,7 +102,9 @@ def propose_greedy(
         logits = model.logits(params_i, hidden[md.logits_indices])  # [S, V]
         token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
         drafts = drafts.at[:, i].set(token_ids)
-        step_inputs = advance_inputs(step_inputs, token_ids, active, block_size)
+        tables = step_inputs.attn.block_tables
+        next_active = active & in_table(step_inputs.positions + 1, tables, block_size)
+        step_inputs = advance_inputs(step_inputs, token_ids, next_active, block_size)
         return kv, step_inputs, drafts
 
     drafts = jnp.zeros((num_seqs, num_steps), jnp.int32)

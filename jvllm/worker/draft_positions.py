@@ -45,11 +45,13 @@ def decode_after(inputs: StepInputs, last_kept, tokens, block_size: int) -> Step
     position after its last kept one (`last_kept` i32[S], flat), reading and writing its pages
     where the step sampled it; the others (a prompt chunk short of its end, padding) read
     nothing and write the null page. A position past a sequence's blocks writes the null page
-    too (its table's padding), and its drafts are dropped on the host."""
+    too (its table's padding), and its drafts are dropped on the host; one past the table's
+    last column (a sequence at max_model_len) does not run (`in_table`)."""
     md = inputs.attn
     num_seqs = md.seq_lens.shape[0]
-    sampled = (md.seq_lens > 0) & (inputs.drafts.next_token_ids < 0)  # [S]
     positions = inputs.positions[last_kept] + 1  # [S]
+    sampled = (md.seq_lens > 0) & (inputs.drafts.next_token_ids < 0)  # [S]
+    sampled = sampled & in_table(positions, md.block_tables, block_size)
     column = jnp.minimum(positions // block_size, md.block_tables.shape[1] - 1)
     pages = jnp.take_along_axis(md.block_tables, column[:, None], axis=1)[:, 0]
     kv_lens = jnp.where(sampled, positions + 1, 0)  # a decode reads its own new key too
@@ -63,3 +65,10 @@ def decode_after(inputs: StepInputs, last_kept, tokens, block_size: int) -> Step
         tiles=(Tiles(rows[:, None], kv_lens[:, None], rows),),
     )
     return StepInputs(tokens, positions, attn, inputs.sampling)
+
+
+def in_table(positions: jax.Array, block_tables: jax.Array, block_size: int) -> jax.Array:
+    """Whether each position i32[S] has a column in its sequence's table i32[S, M]: the draft
+    loops stop a row before it would look a page up past the table (an out-of-range lookup gives
+    a page id that wraps onto another sequence's slots)."""
+    return positions < block_tables.shape[1] * block_size

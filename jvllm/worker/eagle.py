@@ -33,7 +33,7 @@ from jvllm.config import ModelConfig
 from jvllm.models.model import compute_logits, module_method, token_embeddings
 from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
-from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
+from jvllm.worker.draft_positions import decode_after, in_table, last_kept_and_next_tokens
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -118,7 +118,9 @@ def head_in_step(
         )
         token_ids = head.draft_tokens(params_i, normed)  # [S]
         drafts = drafts.at[:, i + 1].set(token_ids)
-        step_inputs = advance_inputs(step_inputs, token_ids, active, block_size)
+        tables = step_inputs.attn.block_tables
+        next_active = active & in_table(step_inputs.positions + 1, tables, block_size)
+        step_inputs = advance_inputs(step_inputs, token_ids, next_active, block_size)
         return kv, step_inputs, prenorm.astype(jnp.float32), drafts
 
     carry = (head_kv, step_inputs, prenorm[last_kept].astype(jnp.float32), drafts)
