@@ -27,52 +27,89 @@ def save_random_eagle3_head(
     width, heads and MLP, float32, in `path` -> its tensors. `layer_ids`: the target layers it
     reads (None: EAGLE-3's default, written nowhere)."""
     rng = np.random.default_rng(seed)
-    d, f, vocab = target.hidden_size, target.intermediate_size, target.vocab_size
-    n, k, h = target.num_heads, target.num_kv_heads, target.head_dim
-    normal = lambda *shape: rng.normal(0.0, 0.15, shape).astype(np.float32)
-    norm = lambda: rng.uniform(0.5, 1.5, d).astype(np.float32)
+    d, vocab = target.hidden_size, target.vocab_size
     target_ids = np.sort(rng.choice(vocab, draft_vocab_size, replace=False))
     t2d = np.zeros(vocab, bool)
     t2d[target_ids] = True
     tensors = {
-        "fc.weight": normal(d, 3 * d),
-        "midlayer.input_layernorm.weight": norm(),
-        "midlayer.hidden_norm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": normal(n * h, 2 * d),
-        "midlayer.self_attn.k_proj.weight": normal(k * h, 2 * d),
-        "midlayer.self_attn.v_proj.weight": normal(k * h, 2 * d),
-        "midlayer.self_attn.o_proj.weight": normal(d, n * h),
-        "midlayer.post_attention_layernorm.weight": norm(),
-        "midlayer.mlp.gate_proj.weight": normal(f, d),
-        "midlayer.mlp.up_proj.weight": normal(f, d),
-        "midlayer.mlp.down_proj.weight": normal(d, f),
-        "norm.weight": norm(),
+        "fc.weight": _normal(rng, d, 3 * d),
+        "midlayer.input_layernorm.weight": _norm(rng, d),
+        "midlayer.hidden_norm.weight": _norm(rng, d),
+        **_decoder_layer(rng, target, "midlayer.", attention_input=2 * d),
+        "norm.weight": _norm(rng, d),
         "lm_head.weight": rng.normal(0.0, 0.5, (draft_vocab_size, d)).astype(np.float32),
         "d2t": (target_ids - np.arange(draft_vocab_size)).astype(np.int64),
         "t2d": t2d,
     }
+    config = {"draft_vocab_size": draft_vocab_size}
+    if layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
+    _save_head(path, tensors, target, "LlamaForCausalLMEagle3", config)
+    return tensors
+
+
+def save_random_eagle1_head(path: str, target: ModelConfig, *, seed: int = 0) -> dict:
+    """An EAGLE-1 checkpoint (a LlamaForCausalLM config of one layer: fc with its bias and
+    layers.0.* without an input norm; no norm, no LM head) of the target's width, heads and MLP,
+    float32, in `path` -> its tensors."""
+    rng = np.random.default_rng(seed)
+    d = target.hidden_size
+    tensors = {
+        "fc.weight": _normal(rng, d, 2 * d),
+        "fc.bias": _normal(rng, d),
+        **_decoder_layer(rng, target, "layers.0.", attention_input=d),
+    }
+    _save_head(path, tensors, target, "LlamaForCausalLM", {})
+    return tensors
+
+
+def _normal(rng, *shape: int) -> np.ndarray:
+    return rng.normal(0.0, 0.15, shape).astype(np.float32)
+
+
+def _norm(rng, size: int) -> np.ndarray:
+    return rng.uniform(0.5, 1.5, size).astype(np.float32)
+
+
+def _decoder_layer(rng, target: ModelConfig, prefix: str, attention_input: int) -> dict:
+    """A head's one Llama decoder layer of the target's heads and MLP, its q/k/v reading
+    `attention_input` features, without an input norm (the heads norm their inputs their own
+    way)."""
+    d, f = target.hidden_size, target.intermediate_size
+    n, k, h = target.num_heads, target.num_kv_heads, target.head_dim
+    return {
+        prefix + "self_attn.q_proj.weight": _normal(rng, n * h, attention_input),
+        prefix + "self_attn.k_proj.weight": _normal(rng, k * h, attention_input),
+        prefix + "self_attn.v_proj.weight": _normal(rng, k * h, attention_input),
+        prefix + "self_attn.o_proj.weight": _normal(rng, d, n * h),
+        prefix + "post_attention_layernorm.weight": _norm(rng, d),
+        prefix + "mlp.gate_proj.weight": _normal(rng, f, d),
+        prefix + "mlp.up_proj.weight": _normal(rng, f, d),
+        prefix + "mlp.down_proj.weight": _normal(rng, d, f),
+    }
+
+
+def _save_head(path: str, tensors: dict, target: ModelConfig, architecture: str, extra: dict):
+    """`tensors` and a config.json of one layer of the target's shapes, `extra` added."""
     save_file(tensors, os.path.join(path, "model.safetensors"))
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": [architecture],
         "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": f,
-        "vocab_size": vocab,
-        "num_attention_heads": n,
-        "num_key_value_heads": k,
-        "head_dim": h,
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "vocab_size": target.vocab_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
         "num_hidden_layers": 1,
-        "draft_vocab_size": draft_vocab_size,
         "rms_norm_eps": target.rms_norm_eps,
         "rope_theta": target.rope_theta,
         "max_position_embeddings": target.max_position_embeddings,
         "torch_dtype": "float32",
+        **extra,
     }
-    if layer_ids is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    return tensors
 
 
 # A small DeepSeek-V3 (MLA with a q latent, sigmoid-routed experts in groups, a shared expert,
@@ -179,45 +216,3 @@ def save_random_deepseek_v3_with_mtp(path: str, tokenizer_dir: str, seed: int = 
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-
-
-def save_random_eagle1_head(path: str, target: ModelConfig, *, seed: int = 0) -> dict:
-    """An EAGLE-1 checkpoint (a LlamaForCausalLM config of one layer: fc with its bias and
-    layers.0.* without an input norm; no norm, no LM head) of the target's width, heads and MLP,
-    float32, in `path` -> its tensors."""
-    rng = np.random.default_rng(seed)
-    d, f = target.hidden_size, target.intermediate_size
-    n, k, h = target.num_heads, target.num_kv_heads, target.head_dim
-    normal = lambda *shape: rng.normal(0.0, 0.15, shape).astype(np.float32)
-    layer = "layers.0."
-    tensors = {
-        "fc.weight": normal(d, 2 * d),
-        "fc.bias": normal(d),
-        layer + "self_attn.q_proj.weight": normal(n * h, d),
-        layer + "self_attn.k_proj.weight": normal(k * h, d),
-        layer + "self_attn.v_proj.weight": normal(k * h, d),
-        layer + "self_attn.o_proj.weight": normal(d, n * h),
-        layer + "post_attention_layernorm.weight": rng.uniform(0.5, 1.5, d).astype(np.float32),
-        layer + "mlp.gate_proj.weight": normal(f, d),
-        layer + "mlp.up_proj.weight": normal(f, d),
-        layer + "mlp.down_proj.weight": normal(d, f),
-    }
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": f,
-        "vocab_size": target.vocab_size,
-        "num_attention_heads": n,
-        "num_key_value_heads": k,
-        "head_dim": h,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta,
-        "max_position_embeddings": target.max_position_embeddings,
-        "torch_dtype": "float32",
-    }
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return tensors
