@@ -115,6 +115,18 @@ def proposals_after_each_step(engine, request_id: str, prompt: list[int], params
             yield [*prompt, *outputs[:-1]], outputs[-1], proposal[1]
 
 
+def drafts_after_prefill(llm: LLM, prompt: list[int]) -> list[int]:
+    """The drafts proposed for a greedy request of `prompt` after its prefill step (which is
+    then aborted, leaving the engine idle)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("probe", {"prompt_token_ids": prompt}, params)
+    engine.step()
+    _, drafts = engine.scheduler.drafter._proposals["probe"]
+    engine.abort_request("probe")
+    return drafts
+
+
 def eagle3(path: str, k: int = 3) -> dict:
     return {"method": "eagle3", "model": path, "num_speculative_tokens": k}
 
@@ -293,7 +305,6 @@ def test_the_draft_loops_stop_a_row_at_its_tables_end():
         positions=jnp.asarray([5]), attn=md, drafts=drafts, sampling=_Sampling(jnp.asarray([0]))
     )
     step_inputs = decode_after(inputs, jnp.asarray([0]), jnp.asarray([9]), block_size)
-    written = []
 
     def forward(params, kv, token_ids, positions, md, mm):
         return jnp.zeros((1, 8)), kv.at[md.slot_mapping].add(1)

@@ -1,7 +1,8 @@
-"""An EAGLE-3 head under tensor parallelism (T = 2, the head replicated): the drafts it proposes
-and the tokens the engine gives are one device's."""
+"""An EAGLE-3 head under tensor parallelism (T = 2, its layer cut as the target's): the drafts it
+proposes and the tokens the engine gives are one device's."""
 
 from family_parity import save_tp_llama
+from test_spec_decode_eagle import drafts_after_prefill
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import save_random_eagle3_head
@@ -9,16 +10,6 @@ from jvllm.model_loader.hf import read_hf_config
 
 PROMPTS = [[5, 17, 300, 41, 9], list(range(30, 50))]
 ENGINE = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 4}
-
-
-def _drafts_after_prefill(llm: LLM) -> list[int]:
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine.add_request("probe", {"prompt_token_ids": PROMPTS[1]}, params)
-    engine.step()
-    _, drafts = engine.scheduler.drafter._proposals["probe"]
-    engine.abort_request("probe")
-    return drafts
 
 
 def test_eagle3_at_t2_gives_one_devices_drafts_and_tokens(tmp_path):
@@ -30,7 +21,7 @@ def test_eagle3_at_t2_gives_one_devices_drafts_and_tokens(tmp_path):
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
     one = LLM(target, speculative_config=spec, **ENGINE)
     two = LLM(target, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
-    assert _drafts_after_prefill(two) == _drafts_after_prefill(one)
+    assert drafts_after_prefill(two, PROMPTS[1]) == drafts_after_prefill(one, PROMPTS[1])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = LLM(target, **ENGINE).generate(PROMPTS, params, use_tqdm=False)
     got = two.generate(PROMPTS, params, use_tqdm=False)

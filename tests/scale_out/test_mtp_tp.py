@@ -3,6 +3,7 @@ the target's layers are (MLA's query heads, the experts cut on F, or placed whol
 parallelism), inside the head's shard_map; the drafts it proposes and the tokens the engine
 gives are one device's."""
 
+from test_spec_decode_eagle import drafts_after_prefill
 from test_spec_decode_mtp import save_v3_with_mtp
 
 from jvllm import LLM, SamplingParams
@@ -10,16 +11,6 @@ from jvllm import LLM, SamplingParams
 PROMPTS = [[5, 17, 300, 41, 9], list(range(30, 50))]
 ENGINE = {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 4}
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
-
-
-def _drafts_after_prefill(llm: LLM) -> list[int]:
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine.add_request("probe", {"prompt_token_ids": PROMPTS[1]}, params)
-    engine.step()
-    _, drafts = engine.scheduler.drafter._proposals["probe"]
-    engine.abort_request("probe")
-    return drafts
 
 
 def test_mtp_at_t2_gives_one_devices_drafts_and_tokens(tmp_path):
@@ -33,8 +24,12 @@ def test_mtp_at_t2_gives_one_devices_drafts_and_tokens(tmp_path):
         speculative_config=SPEC,
         **ENGINE,
     )
-    drafts = _drafts_after_prefill(one)
-    assert _drafts_after_prefill(two) == drafts == _drafts_after_prefill(expert_parallel)
+    drafts = drafts_after_prefill(one, PROMPTS[1])
+    assert (
+        drafts_after_prefill(two, PROMPTS[1])
+        == drafts
+        == drafts_after_prefill(expert_parallel, PROMPTS[1])
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = LLM(str(tmp_path), **ENGINE).generate(PROMPTS, params, use_tqdm=False)
     got = two.generate(PROMPTS, params, use_tqdm=False)
