@@ -28,3 +28,4 @@ class DraftRunner(ProposalRunner):
             logit_softcap=config.attn_logit_softcap,
         )
         self.model = sharded_model(config, mesh, attn, layers_unstacked, params)
+        self.step_options = {"draft_model": self.model}

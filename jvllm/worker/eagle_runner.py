@@ -43,3 +43,5 @@ class EagleRunner(ProposalRunner):
                 check_vma=False,
             )
             self.head = dataclasses.replace(self.head, forward=forward)
+        self.step_options = {"draft_head": self.head}
+        self.reads_layer_inputs = self.head.layer_ids is not None

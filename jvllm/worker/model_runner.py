@@ -25,7 +25,6 @@ from jvllm.logger import init_logger
 from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
 from jvllm.models.model import image_num_embeds, num_moe_layers, param_axes, takes_images
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
-from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, SPECULATIVE_MIN_TOKENS, Bucket, BucketSpec
@@ -35,9 +34,8 @@ from jvllm.worker.decode_loop import (
     window_steps_per_check,
 )
 from jvllm.worker.draft_model import DraftModel
-from jvllm.worker.draft_runner import DraftRunner
 from jvllm.worker.draft_scoring import accepted_token_ids, run_logprobs
-from jvllm.worker.eagle_runner import EagleRunner
+from jvllm.worker.drafters import make_drafter
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
@@ -116,21 +114,18 @@ class ModelRunner:
         )
         self.num_speculative_tokens = num_speculative_tokens
         self.draft = None
-        if draft is not None:
-            layout = {
-                "num_blocks": num_blocks,
-                "block_size": block_size,
-                "attention_backend": attention_backend,
-                "kv_cache_dtype": runner_config.kv_cache_dtype,
-                "num_speculative_tokens": num_speculative_tokens,
-            }
-            if draft.method in HEAD_METHODS:
-                self.draft = EagleRunner(draft, config, mesh, **layout)
-            else:
-                self.draft = DraftRunner(
-                    draft, mesh, layers_unstacked=self.layers_unstacked, **layout
-                )
-        if self.draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
+        if draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
+            self.draft = make_drafter(
+                draft,
+                config,
+                mesh,
+                layers_unstacked=self.layers_unstacked,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                attention_backend=attention_backend,
+                kv_cache_dtype=runner_config.kv_cache_dtype,
+                num_speculative_tokens=num_speculative_tokens,
+            )
             self.kv_cache = (self.kv_cache, self.draft.kv_cache)
         self.token_cache = jnp.zeros(
             (num_blocks, block_size), jnp.int32, device=replicated(mesh)
@@ -162,9 +157,8 @@ class ModelRunner:
             model=self.model,
             max_logprobs=max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
-            draft_model=self.draft.model if isinstance(self.draft, DraftRunner) else None,
-            draft_head=self.draft.head if isinstance(self.draft, EagleRunner) else None,
             num_drafts=num_speculative_tokens,
+            **(self.draft.step_options if self.draft is not None else {}),
         )
         # Decode windows: one more executable per decode bucket, for up to k steps a call.
         self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
@@ -215,7 +209,7 @@ class ModelRunner:
             sampler_plans=self.sampler_plans,
             lockstep=jax.process_count() > 1,  # every process's steps must be the same
         )
-        if isinstance(self.draft, EagleRunner) and self.draft.head.layer_ids is not None:
+        if self.draft is not None and self.draft.reads_layer_inputs:
             # A target whose layers expose no inputs to an EAGLE-3 head raises when its step is
             # traced (layers/hidden_capture.py): once now, not at every request's step.
             bucket = min(buckets.all_buckets(), key=lambda b: b.num_tokens)

@@ -34,6 +34,11 @@ class ProposalRunner:
             kv_cache_shape(config, num_blocks, block_size, mesh.shape[TP_AXIS]),
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
+        # The step's options (step_fn.model_step) that run the draft: its model, or its head;
+        # whether it reads the inputs of some of the target's layers (EAGLE-3). Set by each
+        # kind of runner.
+        self.step_options: dict = {}
+        self.reads_layer_inputs = False
         # The last step's drafts (on the device, [S, k]) and each of its requests' row in them.
         self._drafts: jax.Array | None = None
         self._rows: dict[str, int] = {}
