@@ -11,6 +11,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
+from jvllm.core.engine_config import LoadConfig
 from jvllm.distributed.expert_parallel import expert_parallel_config
 from jvllm.distributed.mesh import num_ranks, num_shards
 from jvllm.model_loader.default_model import (
@@ -143,6 +144,24 @@ def load_model(
         # The float params are on the mesh already: each weight is quantized cut as it is.
         params = quantize_layer_weights(params, quantization, config.dtype)
     return config, params, tokenizer
+
+
+def load_engine_model(
+    load: LoadConfig, mesh: Mesh, enable_expert_parallel: bool
+) -> tuple[ModelConfig, dict, Any | None]:
+    """`load_model` of an engine's LoadConfig on its `mesh`: the one reading of its fields the
+    workers share (worker/worker.py, worker/rank_group_worker.py)."""
+    return load_model(
+        load.model,
+        load.dtype,
+        load.load_format,
+        mesh,
+        load.quantization,
+        load.tokenizer,
+        load.skip_tokenizer_init,
+        load.hf_overrides,
+        enable_expert_parallel,
+    )
 
 
 def expected_dtype(model: str | None, dtype: str, hf_overrides: HFOverrides = None) -> str:

@@ -16,9 +16,9 @@ from jvllm.core.engine_config import EngineConfig
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
-from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_hf_config
+from jvllm.model_loader.loader import load_engine_model
 from jvllm.models.model import takes_images
 from jvllm.quantization import describe_weights
 from jvllm.worker.compilation_cache import enable_compilation_cache
@@ -82,16 +82,8 @@ class RankGroupWorker:
         parallel = config.parallel_config
         self.mesh = rank_group_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
         check_rank_group(config)
-        model_config, self.params, self.tokenizer = load_model(
-            load.model,
-            load.dtype,
-            load.load_format,
-            self.mesh,
-            load.quantization,
-            load.tokenizer,
-            load.skip_tokenizer_init,
-            load.hf_overrides,
-            enable_expert_parallel=True,
+        model_config, self.params, self.tokenizer = load_engine_model(
+            load, self.mesh, enable_expert_parallel=True
         )
         self.load_seconds = time.perf_counter() - start
         if takes_images(model_config):

@@ -27,7 +27,7 @@ from jvllm.lora.config import adapter_config
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
-from jvllm.model_loader.loader import expected_dtype, resolve_quantization
+from jvllm.model_loader.loader import expected_dtype, load_engine_model, resolve_quantization
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
 from jvllm.models.registry import EAGLE_HEAD_ARCHITECTURE, mtp_head_architecture
@@ -63,16 +63,8 @@ class Worker:
             parallel.data_parallel_size,
             parallel.data_parallel_rank,
         )
-        self.model_config, self.params, self.tokenizer = load_model(
-            load.model,
-            load.dtype,
-            load.load_format,
-            self.mesh,
-            load.quantization,
-            load.tokenizer,
-            load.skip_tokenizer_init,
-            load.hf_overrides,
-            parallel.enable_expert_parallel,
+        self.model_config, self.params, self.tokenizer = load_engine_model(
+            load, self.mesh, parallel.enable_expert_parallel
         )
         self.draft = self._load_draft(config.speculative_config, load, parallel)
         self.load_seconds = time.perf_counter() - self._start
