@@ -32,7 +32,7 @@ from jvllm.engine.arg_utils import EngineArgs
                 "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
                 "num_scheduler_steps": 4,
             },
-            "speculative_config does not run with num_scheduler_steps > 1",
+            "method 'ngram' runs with num_scheduler_steps=1 only",
         ),
     ],
 )

@@ -84,8 +84,6 @@ def test_draft_model_options_are_checked(looping_model_dir):
     with pytest.raises(ValueError, match="are for methods \\('draft_model', .*\\), not 'ngram'"):
         EngineArgs(speculative_config={**draft_model("x"), "method": "ngram"})
     with pytest.raises(ValueError, match="speculative_config does not run with"):
-        EngineArgs(speculative_config=draft_model("x"), num_scheduler_steps=4)
-    with pytest.raises(ValueError, match="speculative_config does not run with"):
         EngineArgs(speculative_config=draft_model("x"), async_scheduling=True)
 
 

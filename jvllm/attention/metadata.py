@@ -67,8 +67,12 @@ class AttentionMetadata:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence decodes one token (static: it follows from the shapes)."""
-        return len(self.tiles) == 1 and self.tiles[0].token_idx.shape[1] == 1
+        """Every sequence decodes one token (static: it follows from the shapes): one group of
+        one-query tiles, a tile a sequence. A group of one-query tiles with more tiles than
+        sequences is a step of several queries a sequence, each its own tile (a window of
+        speculative rounds, worker/spec_window.py)."""
+        (tiles, *others) = self.tiles
+        return not others and tiles.token_idx.shape == (self.seq_lens.shape[0], 1)
 
 
 def paged_kv_lens(
@@ -111,7 +115,7 @@ def build_tiles(
     through the CPU decode kernel, where a 16-query tile's page walk cost a batch-1 step twice
     a decode step.
     """
-    is_decode = len(groups) == 1 and groups[0][0] == 1
+    is_decode = groups == ((1, len(query_start_loc) - 1),)
     kv_lens = paged_kv_lens(query_start_loc, seq_lens, num_seqs, is_decode)
     out = tuple(
         Tiles(np.zeros((n, q), np.int32), np.zeros((n, q), np.int32), np.zeros(n, np.int32))
@@ -129,11 +133,10 @@ def build_tiles(
         reads = np.flatnonzero(kv_lens[start:end] > 0)  # a suffix of the sequence's queries
         if reads.size == 0:
             continue
-        g = _group_for(end - start, groups)
-        if groups[0][0] == 1 and end - start <= max_split_queries:
-            # Room for its queries, and a tile kept for each sequence after it.
-            num_needed = end - start - int(reads[0]) + num_seqs - s - 1
-            g = 0 if used[0] + num_needed <= groups[0][1] else g
+        # Room for its queries in one-query tiles, and a tile kept for each sequence after it.
+        num_needed = end - start - int(reads[0]) + num_seqs - s - 1
+        splits = end - start <= max_split_queries and used[0] + num_needed <= groups[0][1]
+        g = 0 if groups[0][0] == 1 and splits else _group_for(end - start, groups)
         tiles, tile_q = out[g], groups[g][0]
         for t0 in range(start + int(reads[0]), end, tile_q):
             n, tile = min(tile_q, end - t0), used[g]

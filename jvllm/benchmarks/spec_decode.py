@@ -27,6 +27,9 @@ are the same (a seeded sampled request's are, as a greedy one's, but for bfloat1
 then a round's cost (a verification of k + 1 rows, the draft's work) over a plain decode
 step's, and the speed-up it implies where k drafts are each accepted at 60% and 80%: the
 expected tokens a round, (1 - a^(k+1)) / (1 - a), over that cost.
+With --num-scheduler-steps R > 1 (a draft model or head), a third engine runs R rounds of
+speculation a device call (worker/spec_window.py): its tok/s, and its ratio to one call a round
+(the speculative engine's), is what chaining rounds on the device saves.
 Each engine runs the prompt once untimed first, so that compiles are not counted, then
 --num-iters times, alternating with the other; the figures are medians.
 """
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-layers", type=int, default=8, help="of the derived draft")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, default=1, help="> 1: also R rounds a device call"
+    )
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs; medians")
@@ -132,36 +138,52 @@ def main(argv: list[str] | None = None) -> None:
         speculative_config["model"] = head_dir = tempfile.mkdtemp(prefix="jvllm_eagle_")
         save_random_eagle1_head(head_dir, plain.llm_engine.model_config)
     speculative = LLM(args.model, speculative_config=speculative_config, **engine_kwargs)
+    windowed = None
+    if args.num_scheduler_steps > 1:
+        windowed = LLM(
+            args.model,
+            speculative_config=speculative_config,
+            num_scheduler_steps=args.num_scheduler_steps,
+            **engine_kwargs,
+        )
     stats = speculative.llm_engine.spec_decoding_stats
     temperatures = [float(t) for t in args.temperatures.split(",")]
     k, rounds = args.num_speculative_tokens, []
     print(f"CPU: {cpu_name()}; {target_name} in {args.dtype}, batch 1")
     print(f"speculative_config: {speculative_config}, {args.max_tokens} tokens a prompt")
+    window_header = "" if windowed is None else f" {'window tok/s':>12} {'/spec':>6} {'same':>5}"
     print(
         f"{'prompt':<16} {'temp':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
-        f"{'accepted':>9} {'same tokens':>11}"
+        f"{'accepted':>9} {'same tokens':>11}{window_header}"
     )
     for name, prompt in PROMPTS.items():
         for temperature in temperatures:
             params = SamplingParams(
                 temperature=temperature, seed=0, max_tokens=args.max_tokens, ignore_eos=True
             )
-            for llm in (plain, speculative):
+            engines = [e for e in (plain, speculative, windowed) if e is not None]
+            for llm in engines:
                 timed_generate(llm, prompt, params)  # compiles
             drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-            plain_times, spec_times = [], []
-            for _ in range(args.num_iters):  # alternating, so that both see the machine's drift
-                want, seconds = timed_generate(plain, prompt, params)
-                plain_times.append(seconds)
-                got, seconds = timed_generate(speculative, prompt, params)
-                spec_times.append(seconds)
-            plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
+            times: list[list[float]] = [[] for _ in engines]
+            for _ in range(args.num_iters):  # alternating, so that all see the machine's drift
+                runs = [timed_generate(llm, prompt, params) for llm in engines]
+                for seconds, (_, run_s) in zip(times, runs):
+                    seconds.append(run_s)
+            (want, _), (got, _) = runs[:2]
+            plain_s, spec_s, *window_s = [statistics.median(t) for t in times]
             num_drafts = stats.num_draft_tokens - drafts
             rate = (stats.num_accepted_tokens - accepted) / num_drafts if num_drafts else 0.0
             print(
                 f"{name:<16} {temperature:>4.2g} {len(want) / plain_s:>11.1f} "
                 f"{len(got) / spec_s:>10.1f} {plain_s / spec_s:>5.2f}x {rate:>8.0%} "
                 f"{got == want!s:>11}"
+                + (
+                    f" {len(runs[2][0]) / window_s[0]:>12.1f} {spec_s / window_s[0]:>5.2f}x "
+                    f"{runs[2][0] == want!s:>5}"
+                    if window_s
+                    else ""
+                )
             )
             rounds.append(round_cost(len(got), spec_s, rate, k) / (plain_s / len(want)))
     cost = statistics.median(rounds)

@@ -60,25 +60,49 @@ def window_stop_token_ids(request: Request) -> list[int]:
     return ids
 
 
+def spec_window_lookahead(request: Request, limit: int, num_drafts: int, max_model_len: int) -> int:
+    """KV slots past a window's `limit` for a request of a window of speculative rounds: its last
+    round's draft proposes `num_drafts` tokens past its last kept position (vLLM's lookahead
+    slots), within max_model_len."""
+    return max(0, min(num_drafts, max_model_len - request.num_computed_tokens - limit))
+
+
+def fits_spec_window(request: Request, num_drafts: int, max_model_len: int) -> bool:
+    """Whether a request can run in a window of speculative rounds besides fitting a decode
+    window: its rounds return no logprobs, and its first round's k drafts stand inside
+    max_model_len."""
+    no_logprobs = request.sampling_params.logprobs is None
+    return no_logprobs and request.num_tokens + num_drafts <= max_model_len
+
+
 def decode_window_limits(
-    config: SchedulerConfig, running: list[Request], has_newcomers: bool, kv: KVCacheManager
+    config: SchedulerConfig,
+    running: list[Request],
+    has_newcomers: bool,
+    kv: KVCacheManager,
+    num_drafts: int = 0,
 ) -> list[int] | None:
     """Each running request's limit when this step can be a decode window of
     k = num_scheduler_steps, else None: every running request decodes and fits a window, no
     waiting request could be admitted now (`has_newcomers`), and the free blocks cover every
-    request's window without preempting."""
+    request's window without preempting. With speculation (`num_drafts` per round > 0) the
+    window runs k rounds of up to num_drafts + 1 tokens each (worker/spec_window.py)."""
     num_steps = config.num_scheduler_steps
     if num_steps == 1 or not running:
         return None
     if has_newcomers:
         return None  # prefill the newcomers now rather than after a window
-    if len(running) > config.max_num_batched_tokens:
+    if len(running) * (num_drafts + 1) > config.max_num_batched_tokens:
         return None
     limits, num_blocks = [], 0
     for request in running:
         if request.num_computed_tokens != request.num_tokens - 1 or not fits_window(request):
             return None
-        limits.append(window_limit(request, num_steps, config.max_model_len))
-        num_tokens = request.num_computed_tokens + limits[-1]
+        if num_drafts and not fits_spec_window(request, num_drafts, config.max_model_len):
+            return None
+        limit = window_limit(request, num_steps * (num_drafts + 1), config.max_model_len)
+        limits.append(limit)
+        lookahead = spec_window_lookahead(request, limit, num_drafts, config.max_model_len)
+        num_tokens = request.num_computed_tokens + limit + lookahead
         num_blocks += kv.num_new_blocks(request, num_tokens)
     return limits if num_blocks <= kv.num_free_blocks else None

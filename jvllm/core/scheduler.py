@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from jvllm.core.config import SchedulerConfig
-from jvllm.core.decode_window import decode_window_limits
+from jvllm.core.decode_window import decode_window_limits, spec_window_lookahead
 from jvllm.core.encoder_scheduler import EncoderScheduler
 from jvllm.core.kv_cache_manager import KVCacheManager
 from jvllm.core.request import Request, RequestStatus
@@ -62,7 +62,7 @@ class Scheduler:
         output = SchedulerOutput()
         has_newcomers = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
         window_limits = decode_window_limits(
-            self.config, self.running, has_newcomers, self.kv_cache_manager
+            self.config, self.running, has_newcomers, self.kv_cache_manager, self._window_drafts
         )
         if window_limits is not None:
             self._schedule_window(output, window_limits)
@@ -95,14 +95,19 @@ class Scheduler:
         return output
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        num_accepted: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advance the counters, append the tokens of requests that caught up, check stops.
 
         A request's sampled tokens are an int, or a list of them from a decode window or a
         verification of drafts: each token after the first was computed in the step (its KV is
         in the cache: a window's sampled token, an accepted draft), and tokens after one that
-        stops the request are dropped. Returns every request finished in this
+        stops the request are dropped. `num_accepted`: from a window of speculative rounds,
+        the drafts each request had accepted in each of its rounds. Returns every request
+        finished in this
         step: the IGNORED ones from `schedule()`, then those that stopped now. They have left
         `running` and their blocks are freed.
         """
@@ -131,7 +136,9 @@ class Scheduler:
                 continue
             drafts = scheduler_output.spec_token_ids.get(request.request_id)
             if drafts:
-                self.drafter.stats.observe(len(drafts), len(token_ids) - 1)
+                rounds = (num_accepted or {}).get(request.request_id, [len(token_ids) - 1])
+                for accepted in rounds:
+                    self.drafter.stats.observe(len(drafts), accepted)
             for i, token_id in enumerate([token_ids] if isinstance(token_ids, int) else token_ids):
                 request.num_computed_tokens += i > 0
                 request.append_output_token_ids(token_id)
@@ -161,14 +168,26 @@ class Scheduler:
             request.status = status
             self._free_finished(request)
 
+    @property
+    def _window_drafts(self) -> int:
+        """Drafts a round of a decode window verifies: k with a draft model or head, which
+        proposes on the device (worker/spec_window.py); else 0 (an n-gram's run single steps)."""
+        drafter = self.drafter
+        return drafter.config.num_speculative_tokens if drafter and drafter.uses_draft_model else 0
+
     def _schedule_window(self, output: SchedulerOutput, limits: list[int]) -> None:
         output.num_steps = self.config.num_scheduler_steps
+        k = self._window_drafts
         for request, limit in zip(self.running, limits, strict=True):
             # Blocks for every token the window may compute: decode_window_limits counted them.
-            self.kv_cache_manager.allocate_slots(request, limit)
+            lookahead = spec_window_lookahead(request, limit, k, self.config.max_model_len)
+            self.kv_cache_manager.allocate_slots(request, limit + lookahead)
             output.scheduled_requests.append(request)
-            output.num_scheduled_tokens[request.request_id] = 1
+            output.num_scheduled_tokens[request.request_id] = 1 + k
             output.window_limits[request.request_id] = limit
+            if k:  # the first round's drafts: the last step's proposals, any token past them
+                drafts = self.drafter.drafts_for(request, 1 + k)
+                output.spec_token_ids[request.request_id] = drafts + [0] * (k - len(drafts))
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
         index = 0

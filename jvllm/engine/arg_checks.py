@@ -20,6 +20,7 @@ from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
 from jvllm.model_loader.generation_config import check_generation_overrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
+from jvllm.spec_decode.config import MODEL_METHODS
 
 _BOOLS = (
     "async_scheduling",
@@ -116,7 +117,6 @@ def check_combinations(args) -> None:
         raise ValueError("enable_lora=True serves generating models; runner='pooling' is not")
     if args.speculative_config is not None:
         refused = {
-            "num_scheduler_steps > 1": args.num_scheduler_steps > 1,
             "async_scheduling=True": args.async_scheduling,
             "runner='pooling'": args.runner == "pooling",
         }
@@ -124,8 +124,15 @@ def check_combinations(args) -> None:
         if found:
             raise ValueError(
                 f"speculative_config does not run with {', '.join(found)}: verifying drafts "
-                "needs single generation steps (num_scheduler_steps=1, async_scheduling=False, "
+                "needs the engine's own generation steps (async_scheduling=False, "
                 "runner='generate')"
+            )
+        method = args.speculative_config.method
+        if args.num_scheduler_steps > 1 and method not in MODEL_METHODS:
+            raise ValueError(
+                f"speculative_config method {method!r} runs with num_scheduler_steps=1 only: "
+                "its drafts are looked up on the host before each step. Windows of "
+                f"speculative rounds (num_scheduler_steps > 1) draft with {MODEL_METHODS}"
             )
 
 

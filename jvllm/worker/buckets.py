@@ -29,7 +29,9 @@ class Bucket:
 
     @property
     def is_decode(self) -> bool:
-        return self.tile_q == 1
+        """One token a sequence (a window of speculative rounds' bucket, one-query tiles of
+        k + 1 tokens a sequence, is not)."""
+        return self.tile_q == 1 and self.num_tokens == self.num_seqs
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:

@@ -40,6 +40,7 @@ from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
+from jvllm.worker.spec_window import SpecWindowOutput, fetch_spec_window, run_spec_window
 from jvllm.worker.step_compiler import StepCompiler, StepLayout, abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs, window_block_ids
@@ -173,6 +174,12 @@ class ModelRunner:
         self.num_steps_ahead_dropped = 0
         # A model that takes images: its encoder and the images' embeddings.
         self.encoder = EncoderRunner(config) if takes_images(config) else None
+        if self.encoder and self.draft and num_scheduler_steps > 1:
+            raise ValueError(
+                "num_scheduler_steps > 1 with a speculative_config does not run for a model that "
+                "takes images yet (its rounds would move the images' rotary positions): use "
+                "num_scheduler_steps=1"
+            )
         # A model with routed experts: each MoE layer's (token, expert) assignments so far,
         # i64[L_moe, E] (row i: layer num_layers - L_moe + i), from each step's counts; a new
         # array each step, so a reader on another thread holds a consistent one.
@@ -241,6 +248,9 @@ class ModelRunner:
             pool = functools.partial(pool_step, forward=self.model.forward)
             return jax.jit(pool, donate_argnums=1)
         step = functools.partial(self.step, plan=plan)
+        counts = self.expert_token_counts
+        # A window of steps or rounds sums its expert counts: (L_moe, E), or None without.
+        counts_shape = None if counts is None else counts.shape
         if kind == "window":
             fn = functools.partial(
                 run_window,
@@ -248,9 +258,15 @@ class ModelRunner:
                 num_steps=self.num_scheduler_steps,
                 steps_per_check=self.window_steps_per_check,
                 max_logprobs=self.max_logprobs,
-                expert_counts_shape=None
-                if self.expert_token_counts is None
-                else self.expert_token_counts.shape,
+                expert_counts_shape=counts_shape,
+            )
+        elif kind == "spec_window":
+            fn = functools.partial(
+                run_spec_window,
+                step=step,
+                num_rounds=self.num_scheduler_steps,
+                num_drafts=self.num_speculative_tokens,
+                expert_counts_shape=counts_shape,
             )
         elif kind == "ahead":
             fn = functools.partial(next_decode_step, step=step)
@@ -343,7 +359,9 @@ class ModelRunner:
         else:
             self.num_steps_ahead_dropped += ahead is not None
             rows = list(range(num_reqs))
-            kind = "window" if is_window else "step"
+            kind = "step"
+            if is_window:
+                kind = "spec_window" if scheduler_output.spec_token_ids else "window"
             bucket, lent = self.compiler.select_bucket(sum(counts), num_reqs, kind)
             drafts = scheduler_output.spec_token_ids
             draft_bitmask = None
@@ -393,10 +411,14 @@ class ModelRunner:
         any_prompt_logprobs = not (is_window or used_ahead) and bool(
             inputs.sampling.any_prompt_logprobs
         )
-        result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
+        if isinstance(out, SpecWindowOutput):  # its requests have no logprobs (decode_window.py)
+            tokens, num_accepted = fetch_spec_window(out, num_reqs)
+            result = ModelRunnerOutput(tokens, num_accepted=num_accepted)
+        else:
+            result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         if self.expert_token_counts is not None:
             self.expert_token_counts = self.expert_token_counts + np.asarray(out.expert_counts)
-        if scheduler_output.spec_token_ids:  # each request's accepted run, a list
+        if scheduler_output.spec_token_ids and not is_window:  # each request's run, a list
             drafts = [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests]
             result.sampled_token_ids = accepted_token_ids(
                 result.sampled_token_ids, np.asarray(out.draft_target_ids), drafts

@@ -63,9 +63,10 @@ class StepCompiler:
         lockstep: bool = False,
     ):
         """`state_spec`: abstract_state of the runner's arrays. `jitted(kind, plan)`: the jitted
-        entry point of a kind of executable ("step", "window", "ahead" or "pool"), its plan
-        bound. `pooling_type` set: "pool" executables only; else "step", and "window" (with
-        `num_scheduler_steps` > 1) and "ahead" (with `async_scheduling`) per decode bucket.
+        entry point of a kind of executable ("step", "window", "spec_window", "ahead" or
+        "pool"), its plan bound. `pooling_type` set: "pool" executables only; else "step", and
+        "window" (with `num_scheduler_steps` > 1; "spec_window" with speculation too) and
+        "ahead" (with `async_scheduling`) per decode bucket.
         `sampler_plans`: steps run their plan's executable once it is compiled (sample/plan.py).
         `lockstep`: one of several processes, which must run the same executables: nothing
         compiles in the background."""
@@ -103,7 +104,8 @@ class StepCompiler:
 
     def all_shapes(self) -> list[Shape]:
         """Every (bucket, kind, DYNAMIC) this runner can run: kind "step", "window" (a decode
-        window) or "ahead" (the decode step after a step, for async scheduling). The other
+        window), "spec_window" (one of speculative rounds) or "ahead" (the decode step after a
+        step, for async scheduling). The other
         plans' executables compile when a step first asks for them."""
         buckets = self.buckets.all_buckets()
         if self.pooling_type is not None:
@@ -111,7 +113,7 @@ class StepCompiler:
         decode = [b for b in buckets if b.is_decode]
         shapes = [(b, "step") for b in buckets]
         if self.num_scheduler_steps > 1:
-            shapes += [(b, "window") for b in decode]
+            shapes += [self._window_shape(b.num_seqs) for b in decode]
         if self.async_scheduling:
             shapes += [(b, "ahead") for b in decode]
         return [(b, kind, SamplerPlan.DYNAMIC) for b, kind in shapes]
@@ -123,7 +125,7 @@ class StepCompiler:
         args = [*self.state_spec, dummy]
         if kind == "pool":
             args = [*self.state_spec[:2], prepare_pool_inputs(dummy, [], [], self.pooling_type)]
-        elif kind == "window":
+        elif kind in ("window", "spec_window"):
             args.append(prepare_window_inputs([], [], bucket.num_seqs))
         elif kind == "ahead":
             args += [np.zeros(bucket.num_seqs, np.int32), np.zeros(bucket.num_seqs, bool)]
@@ -198,7 +200,7 @@ class StepCompiler:
     def compile_in_background(self) -> None:
         """Queue every shape, cheapest first, to compile in background threads: steps run
         meanwhile, in the smallest compiled bucket that holds them, or wait for their own."""
-        kind_order = {"step": 0, "pool": 0, "window": 1, "ahead": 2}
+        kind_order = {"step": 0, "pool": 0, "window": 1, "spec_window": 1, "ahead": 2}
         self.executables.compile_in_background(
             sorted(
                 self.all_shapes(), key=lambda s: (s[0].num_tokens, s[0].tile_q, kind_order[s[1]])
@@ -219,6 +221,8 @@ class StepCompiler:
         smallest compiled one that holds the step (the exact one then compiles in the
         background); when none does, the exact one, whose compile the step waits for.
         -> (bucket, whether it is only lent to the step)."""
+        if kind == "spec_window":  # its buckets are a decode bucket's rows, k + 1 tokens each
+            return self._window_shape(num_seqs)[0], False
         exact = self.buckets.select(num_tokens, num_seqs)
         if self.is_ready(exact, kind):
             return exact, False
@@ -233,22 +237,34 @@ class StepCompiler:
         """Queue the compiles of the shapes that decode steps of `num_seqs` sequences will run
         in, so that they start beside the step before."""
         bucket = self.buckets.select(num_seqs, num_seqs)
-        kinds = ["step"]
+        shapes = [(bucket, "step")]
         if self.num_scheduler_steps > 1:
-            kinds.append("window")
+            shapes.append(self._window_shape(num_seqs))
         if self.async_scheduling:
-            kinds.append("ahead")
+            shapes.append((bucket, "ahead"))
         self.executables.compile_in_background(
-            [(bucket, kind, SamplerPlan.DYNAMIC) for kind in kinds]
+            [(bucket, kind, SamplerPlan.DYNAMIC) for bucket, kind in shapes]
         )
+
+    def _window_shape(self, num_seqs: int) -> tuple[Bucket, str]:
+        """(bucket, kind) of a decode window of `num_seqs` sequences: a decode bucket's
+        "window", or with speculation (k drafts) a "spec_window" of the decode bucket's rows
+        with k + 1 tokens each (worker/spec_window.py)."""
+        bucket = self.buckets.select(num_seqs, num_seqs)
+        k = self.layout.num_speculative_tokens
+        if not k:
+            return bucket, "window"
+        return Bucket(bucket.num_seqs * (k + 1), bucket.num_seqs, 1), "spec_window"
 
 
 def describe_shape(bucket: Bucket, kind: str, plan: SamplerPlan, num_steps: int) -> str:
     """A shape's name in log lines; every executable gets its own."""
     plan_name = "" if plan is SamplerPlan.DYNAMIC else f", {plan.value} sampling"
-    if not bucket.is_decode:
+    if not bucket.is_decode and kind != "spec_window":
         return f"mixed bucket (tokens={bucket.num_tokens}, seqs={bucket.num_seqs}){plan_name}"
     what = f"decode bucket (seqs={bucket.num_seqs})"
+    if kind == "spec_window":
+        return f"{what}, {num_steps}-round speculative window{plan_name}"
     if kind == "window":
         return f"{what}, {num_steps}-step window{plan_name}"
     return f"{what}{', run ahead' if kind == 'ahead' else ''}{plan_name}"

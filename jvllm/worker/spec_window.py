@@ -1,0 +1,198 @@
+"""Rounds of speculative decoding chained on the device: a decode window with drafts.
+
+With a draft model or head and `num_scheduler_steps` = R, a decode window runs up to R rounds in
+one call. A round is the engine's step over each row's last token and k drafts: the target
+verifies the drafts (draft_scoring.py), and the step's draft proposes the next k from the last
+kept position (worker/draft_model.py, worker/eagle.py). The row goes on from its run, the
+target's tokens t0..ta at the a accepted drafts and the one after them, and stops on the device
+at a stop token id inside the run or at its limit (decode_loop.WindowInputs) as a decode
+window's row does; the run's tokens past a stop or the limit are dropped. Nothing returns to the
+host between rounds: no engine we know of speculates inside a multi-step device loop.
+
+The host lays out the first round (step_inputs.py: every request's k + 1 tokens, in order); the
+device lays out the others uniformly, row s's tokens at s(k + 1) .. s(k + 1) + k, each its own
+one-query attention tile reading the positions before the round from the pages and the round's
+own from k, v (attention/window.py). A row that has stopped reads and writes the null page
+alone: its block table is zeroed.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.attention.metadata import Tiles
+from jvllm.worker.decode_loop import DecodeCarry, WindowInputs
+from jvllm.worker.draft_positions import in_table
+from jvllm.worker.step_inputs import StepInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecWindowOutput:
+    """A window's rounds, round-major; a row's entries past its last round are zeros."""
+
+    runs: jax.Array  # i32[R, S, k + 1] each round's t0..tk, of which the row took num_taken
+    num_taken: jax.Array  # i32[R, S] the tokens each row took in each round (0: stopped)
+    num_accepted: jax.Array  # i32[R, S] the drafts the target accepted in each round
+    draft_tokens: jax.Array  # i32[S, k] the last round's proposals
+    # A model with routed experts: the rounds' expert counts summed, i32[L_moe, E]
+    expert_counts: jax.Array | None = None
+
+
+def round_runs(inputs: StepInputs, sampled: jax.Array, targets: jax.Array):
+    """(runs i32[S, k + 1], num_accepted i32[S]) of a round laid out row by row: `sampled` i32[S]
+    the step's samples (the bonus, tk), `targets` i32[S * k] its tokens at the scored positions
+    (t0..t(k-1) of each row, in row order)."""
+    num_seqs = sampled.shape[0]
+    targets = targets.reshape(num_seqs, -1)  # [S, k]
+    drafts = inputs.token_ids.reshape(num_seqs, -1)[:, 1:]  # [S, k] d1..dk
+    num_accepted = jnp.sum(jnp.cumprod(drafts == targets, axis=1), axis=1)
+    return jnp.concatenate([targets, sampled[:, None]], axis=1), num_accepted
+
+
+def take_runs(window: WindowInputs, runs, num_accepted, num_sampled, active):
+    """What each active row takes of its run t0..ta: up to and with its first stop token id, at
+    most its limit less what it sampled -> (num_taken i32[S], num_sampled, active)."""
+    width = runs.shape[1]
+    j = jnp.arange(width)
+    stops = jnp.any(runs[:, :, None] == window.stop_token_ids[:, None, :], axis=2)  # [S, k + 1]
+    first_stop = jnp.min(jnp.where(stops & (j <= num_accepted[:, None]), j, width), axis=1)
+    room = window.limits - num_sampled
+    num_taken = jnp.where(active, jnp.minimum(jnp.minimum(num_accepted, first_stop) + 1, room), 0)
+    num_sampled = num_sampled + num_taken
+    active = active & (first_stop >= num_taken) & (num_sampled < window.limits)
+    return num_taken, num_sampled, active
+
+
+def next_round_inputs(
+    inputs: StepInputs, runs, num_accepted, drafts, active, block_size: int
+) -> StepInputs:
+    """The next round's inputs, laid out row by row: each active row's last run token ta at the
+    position after its last kept one, then `drafts` i32[S, k] (the step's proposals); the
+    others on the null page."""
+    md = inputs.attn
+    num_seqs, width = runs.shape
+    rows = jnp.arange(num_seqs)
+    # The row's first position this round (its last position less k), on by its run.
+    first = inputs.positions[md.logits_indices] - (width - 1) + num_accepted + 1
+    first = jnp.where(active, first, 0)  # [S]
+    positions = first[:, None] + jnp.arange(width)  # [S, k + 1]
+    tables = jnp.where(active[:, None], md.block_tables, 0)
+    column = jnp.minimum(positions // block_size, tables.shape[1] - 1)
+    pages = jnp.take_along_axis(tables, column, axis=1)
+    slots = jnp.where(
+        in_table(positions, tables, block_size), pages * block_size + positions % block_size, 0
+    )
+    tokens = jnp.concatenate([runs[rows, num_accepted][:, None], drafts], axis=1)
+    flat = jnp.arange(num_seqs * width, dtype=jnp.int32)
+    attn = dataclasses.replace(
+        md,
+        image_groups=None if md.image_groups is None else jnp.full_like(md.image_groups, -1),
+        slot_mapping=slots.reshape(-1),
+        block_tables=tables,
+        seq_lens=first + width,
+        query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32) * width,
+        logits_indices=rows * width + width - 1,
+        # Each query its own tile, reading the positions before the round from the pages.
+        tiles=(Tiles(flat[:, None], jnp.repeat(first, width)[:, None], flat // width),),
+    )
+    scored = (rows[:, None] * width + jnp.arange(width - 1)).reshape(-1)  # [S * k]
+    scoring = dataclasses.replace(
+        inputs.drafts,
+        indices=scored,
+        seq_index=scored // width,
+        num_tokens_before=jnp.where(active[:, None], jnp.arange(width - 1, 0, -1), 0).reshape(-1),
+        any_drafts=jnp.bool_(True),
+    )
+    sampling = dataclasses.replace(
+        inputs.sampling, output_index=inputs.sampling.output_index + num_accepted + 1
+    )
+    return StepInputs(
+        tokens.reshape(-1), positions.reshape(-1), attn, sampling, scoring, mm=inputs.mm
+    )
+
+
+def run_spec_window(
+    params,
+    kv_cache,
+    token_cache,
+    bias_rows,
+    inputs: StepInputs,
+    window: WindowInputs,
+    *,
+    step,
+    num_rounds: int,
+    num_drafts: int,
+    expert_counts_shape: tuple[int, int] | None = None,
+) -> tuple[SpecWindowOutput, object, jax.Array]:
+    """Up to `num_rounds` rounds of k = `num_drafts` drafts in one call, until every row has
+    stopped -> (SpecWindowOutput, kv_cache, token_cache). `inputs`: the first round, each row's
+    last token and k drafts; `step`: the engine's step body with its draft (step_fn.model_step)."""
+    num_seqs, width = window.limits.shape[0], num_drafts + 1
+    block_size = token_cache.shape[1]
+    zeros = jnp.zeros((num_rounds, num_seqs), jnp.int32)
+    out = SpecWindowOutput(
+        runs=jnp.zeros((num_rounds, num_seqs, width), jnp.int32),
+        num_taken=zeros,
+        num_accepted=zeros,
+        draft_tokens=jnp.zeros((num_seqs, num_drafts), jnp.int32),
+        expert_counts=None
+        if expert_counts_shape is None
+        else jnp.zeros(expert_counts_shape, jnp.int32),
+    )
+    carry = DecodeCarry(
+        kv_cache, token_cache, inputs, jnp.zeros(num_seqs, jnp.int32), window.limits > 0
+    )
+
+    def one_round(state):
+        r, carry, out = state
+        # Through a barrier with the carry, as decode_loop.decode_step says why.
+        params_r, carry = jax.lax.optimization_barrier((params, carry))
+        step_out, _, kv, tokens = step(
+            params_r, carry.kv_cache, carry.token_cache, bias_rows, carry.inputs
+        )
+        runs, num_accepted = round_runs(
+            carry.inputs, step_out.sampled_token_ids, step_out.draft_target_ids
+        )
+        num_taken, num_sampled, active = take_runs(
+            window, runs, num_accepted, carry.num_sampled, carry.active
+        )
+        drafts = step_out.draft_tokens
+        next_inputs = next_round_inputs(
+            carry.inputs, runs, num_accepted, drafts, active, block_size
+        )
+        out = SpecWindowOutput(
+            runs=out.runs.at[r].set(runs),
+            num_taken=out.num_taken.at[r].set(num_taken),
+            num_accepted=out.num_accepted.at[r].set(jnp.where(carry.active, num_accepted, 0)),
+            draft_tokens=drafts,
+            # A stopped row writes the null page, which counts nothing (models/model.py).
+            expert_counts=None
+            if out.expert_counts is None
+            else out.expert_counts + step_out.expert_counts,
+        )
+        return r + 1, DecodeCarry(kv, tokens, next_inputs, num_sampled, active), out
+
+    def keep_going(state):
+        r, carry, _ = state
+        return (r < num_rounds) & jnp.any(carry.active)
+
+    _, carry, out = jax.lax.while_loop(keep_going, one_round, (jnp.int32(0), carry, out))
+    return out, carry.kv_cache, carry.token_cache
+
+
+def fetch_spec_window(
+    out: SpecWindowOutput, num_reqs: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Wait for a window's rounds -> (each request's tokens, in order; the drafts the target
+    accepted in each round it took part in)."""
+    runs = np.asarray(out.runs)[:, :num_reqs]  # [R, num_reqs, k + 1]
+    taken = np.asarray(out.num_taken)[:, :num_reqs]
+    accepted = np.asarray(out.num_accepted)[:, :num_reqs]
+    tokens = [
+        [t for run, n in zip(runs[:, i], taken[:, i]) for t in run[:n].tolist()]
+        for i in range(num_reqs)
+    ]
+    return tokens, [accepted[taken[:, i] > 0, i].tolist() for i in range(num_reqs)]

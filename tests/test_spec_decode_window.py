@@ -1,0 +1,89 @@
+"""Windows of speculative rounds (`num_scheduler_steps` > 1 with a draft model or head,
+worker/spec_window.py): several rounds of drafting and verification in one device call give the
+tokens of no speculation (greedy float32 and seeded sampled alike), stop inside a run at EOS, a
+stop token id, max_tokens or min_tokens' end, and run in fewer engine steps.
+"""
+
+import pytest
+import test_spec_decode as ngram_tests
+import test_spec_decode_draft_model as draft_tests
+import test_spec_decode_eagle as eagle_tests
+
+from jvllm import LLM, SamplingParams
+
+ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
+draft_model, eagle3 = draft_tests.draft_model, eagle_tests.eagle3
+# The fixtures: a tiny random Llama that loops and says EOS, it plain, a one-layer draft that
+# rarely agrees with it, and a random EAGLE-3 head.
+looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
+other_draft_dir, head = draft_tests.other_draft_dir, eagle_tests.head
+
+
+def _batch() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Greedy requests to their EOS or max_tokens, one ending at a stop token id and one held to
+    min_tokens, a seeded sampled one, and one that asks for logprobs (it runs single steps)."""
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    seeded = SamplingParams(temperature=1.2, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
+    return [*PROMPTS, PROMPTS[1], PROMPTS[0], PROMPTS[2]], [
+        *[greedy] * len(PROMPTS),
+        seeded,
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[77, 5], min_tokens=3),
+        SamplingParams(temperature=0, max_tokens=9, logprobs=2),
+    ]
+
+
+def _outputs(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_draft_model_windows_give_the_tokens_of_no_speculation(
+    agrees, looping_model_dir, plain_llm, other_draft_dir
+):
+    draft = looping_model_dir if agrees else other_draft_dir
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=draft_model(draft),
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    prompts, params = _batch()
+    assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
+    assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
+
+
+def test_a_window_runs_its_rounds_in_one_engine_step(looping_model_dir):
+    """The target drafting for itself: each round keeps all k = 3 drafts and the bonus, so a
+    window of 4 rounds gives 16 tokens."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=draft_model(looping_model_dir),
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    engine = llm.llm_engine
+    engine.add_request(
+        "r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    )
+    sizes = []
+    while engine.has_unfinished_requests():
+        before = engine.scheduler.requests["r"].num_output_tokens
+        engine.step()
+        request = engine.scheduler.requests.get("r")
+        sizes.append((request.num_output_tokens if request else 33) - before)
+    assert sizes == [1, 16, 16]  # the prefill's token, then two windows
+
+
+def test_eagle3_windows_give_the_tokens_of_no_speculation(looping_model_dir, plain_llm, head):
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=eagle3(head[0]),
+        num_scheduler_steps=3,
+        num_gpu_blocks_override=14,
+        **ENGINE_KWARGS,
+    )
+    prompts, params = _batch()
+    assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
+    assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
