@@ -35,3 +35,20 @@ def test_spec_decode_benchmark_writes_a_deepseek_v3_with_an_mtp_layer(capsys):
     assert [row[:2] for row in rows] == [[name, "0"] for name in spec_decode.PROMPTS]
     assert all(row[-1] == "True" for row in rows)
     assert lines[-1].startswith("a round costs ")
+
+
+def test_spec_decode_benchmark_runs_windows_of_rounds_beside_one_call_a_round(
+    tiny_llama_dir, capsys
+):
+    """A draft of the target's first layer, with a third engine of 2 rounds a call."""
+    args = ["--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "6"]
+    args += ["--method", "draft_model", "--draft-layers", "1", "--num-scheduler-steps", "2"]
+    spec_decode.main([*args, "--num-iters", "1", "--temperatures", "0,0.7"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[-3:] == ["tok/s", "/spec", "same"]
+    rows = [line.split() for line in lines[3:-2]]
+    assert len(rows) == 2 * len(spec_decode.PROMPTS)
+    # float32: the same tokens with one call a round and in windows
+    assert all(row[-4] == row[-1] == "True" for row in rows)
+    assert lines[-2].startswith("a round costs ")
+    assert lines[-1].startswith("a round in a window costs ")

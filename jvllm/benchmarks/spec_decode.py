@@ -30,6 +30,7 @@ expected tokens a round, (1 - a^(k+1)) / (1 - a), over that cost.
 With --num-scheduler-steps R > 1 (a draft model or head), a third engine runs R rounds of
 speculation a device call (worker/spec_window.py): its tok/s, and its ratio to one call a round
 (the speculative engine's), is what chaining rounds on the device saves.
+The window's rounds are costed the same way, at the acceptance of one call a round.
 Each engine runs the prompt once untimed first, so that compiles are not counted, then
 --num-iters times, alternating with the other; the figures are medians.
 """
@@ -185,10 +186,17 @@ def main(argv: list[str] | None = None) -> None:
                     else ""
                 )
             )
-            rounds.append(round_cost(len(got), spec_s, rate, k) / (plain_s / len(want)))
-    cost = statistics.median(rounds)
-    implied = "; ".join(f"{a:.0%}: {tokens_a_round(a, k) / cost:.2f}x" for a in (0.6, 0.8))
-    print(f"a round costs {cost:.2f} plain decode steps (median); implied speed-up at {implied}")
+            step_s = plain_s / len(want)
+            rounds.append(
+                [
+                    round_cost(len(run[0]), s, rate, k) / step_s
+                    for run, s in zip(runs[1:], [spec_s, *window_s])
+                ]
+            )
+    for name, costs in zip(("a round", "a round in a window"), zip(*rounds)):
+        cost = statistics.median(costs)
+        implied = "; ".join(f"{a:.0%}: {tokens_a_round(a, k) / cost:.2f}x" for a in (0.6, 0.8))
+        print(f"{name} costs {cost:.2f} plain decode steps (median); implied speed-up at {implied}")
 
 
 def tokens_a_round(acceptance: float, k: int) -> float:
