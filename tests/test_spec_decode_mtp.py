@@ -139,7 +139,8 @@ def test_mtp_drafts_equal_a_reference_over_hf_hidden_states(mtp_target):
 @pytest.mark.slow  # 10 s to 35 s: two engines of a MoE target
 def test_mtp_gives_the_tokens_of_no_speculation(mtp_target):
     """Greedy requests (chunked prefill: the 45-token prompt takes two steps beside others),
-    then a seeded sampled one beside them; the method's vLLM alias "deepseek_mtp" too."""
+    then a seeded sampled one beside them; the method's vLLM alias "deepseek_mtp" too; in
+    single steps and in windows of speculative rounds."""
     path = mtp_target[0]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=1.2, top_k=50, seed=11, max_tokens=12, ignore_eos=True)
@@ -153,6 +154,10 @@ def test_mtp_gives_the_tokens_of_no_speculation(mtp_target):
     assert tokens(llm) == expected
     stats = llm.llm_engine.spec_decoding_stats
     assert stats.num_draft_tokens > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # Windows of 3 rounds a call: MLA's latent cache read by one-query tiles of k + 1 a row.
+    assert tokens(LLM(path, speculative_config=spec, num_scheduler_steps=3, **ENGINE_KWARGS)) == (
+        expected
+    )
 
 
 def test_mtp_is_refused_for_a_target_without_mtp_layers(looping_model_dir, tmp_path):
