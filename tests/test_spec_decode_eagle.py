@@ -19,6 +19,7 @@ from family_parity import TINY_SHAPES, save_random_model
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import save_random_eagle3_head
 from jvllm.model_loader.hf_config import model_config_from_hf
+from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.worker.draft_model import propose_greedy
 from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
 
@@ -223,8 +224,9 @@ def test_an_eagle3_head_is_refused_as_the_engines_model_and_a_model_as_a_head(
 
 @pytest.mark.slow
 def test_eagle3_after_a_sleep_gives_the_tokens_it_gave_before(looping_model_dir, head):
-    """Level 1 sleep drops the target's and the head's KV and moves the target's weights to
-    host memory; after wake_up the head drafts over its zeroed cache as it did the first time."""
+    """Level 1 sleep drops the target's and the head's KV and moves both models' weights to
+    host memory; after wake_up the head drafts over its zeroed cache as it did the first time.
+    Level 2 keeps the head's weights in host memory too (nothing else would bring them back)."""
     llm = LLM(
         looping_model_dir,
         speculative_config=eagle3(head[0]),
@@ -237,10 +239,16 @@ def test_eagle3_after_a_sleep_gives_the_tokens_it_gave_before(looping_model_dir,
     ]
     stats = llm.llm_engine.spec_decoding_stats
     before, drafts = generate(), stats.num_draft_tokens
-    llm.sleep(level=1)
-    llm.wake_up()
-    assert generate() == before
-    assert stats.num_draft_tokens == 2 * drafts
+    draft = llm.llm_engine.model_runner.draft
+    for level in (1, 2):
+        head_arrays = jax.tree.leaves(draft.params)
+        llm.sleep(level=level)
+        assert all(a.is_deleted() for a in head_arrays)
+        if level == 2:  # the target's weights come back through load_weights
+            llm.load_weights(read_safetensors(f"{looping_model_dir}/model.safetensors").items())
+        llm.wake_up()
+        assert generate() == before
+    assert stats.num_draft_tokens == 3 * drafts
 
 
 def test_a_published_heads_t2d_loads_without_a_warning(head, monkeypatch):

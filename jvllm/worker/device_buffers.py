@@ -55,6 +55,26 @@ def release_params(runner, keep_on_host) -> HostParams:
     return host
 
 
+def release_draft_params(runner) -> tuple[Any, Any]:
+    """Move a speculative draft's params (a draft model's or head's) to host memory, at every
+    sleep level: no training step updates a draft, and nothing else would bring it back.
+    -> (host copies, their ShapeDtypeStructs) for restore_draft_params."""
+    params = runner.draft.params
+    specs = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
+    )
+    host = jax.tree.map(lambda a: np.array(a, copy=True), params)
+    _delete(params)
+    runner.draft.params = None
+    return host, specs
+
+
+def restore_draft_params(runner, saved: tuple[Any, Any]) -> None:
+    """Put release_draft_params' host copies back on the device, laid out as before."""
+    host, specs = saved
+    runner.draft.params = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), host, specs)
+
+
 def restore_params(runner, host: HostParams) -> None:
     """Put `host` (every param) back on the device as the runner's params."""
     specs = param_specs(runner)

@@ -116,6 +116,8 @@ class Worker:
         # While the weights sleep: param path -> host copy (sleep level 2: only what
         # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
         self._sleeping_params: device_buffers.HostParams | None = None
+        # A speculative draft's params while they sleep (device_buffers.release_draft_params).
+        self._sleeping_draft = None
 
     def _load_draft(self, spec: SpeculativeConfig | None, load, parallel) -> DraftModel | None:
         """speculative_config's draft model (method "draft_model"), EAGLE-3 head ("eagle3") or
@@ -238,10 +240,12 @@ class Worker:
         return any(is_quantized(s) for s in jax.tree.leaves(specs, is_leaf=is_quantized))
 
     def sleep(self, level: int) -> None:
-        """Free the weights (level 1: kept in host memory; 2: discarded but the LoRA slots)
-        and the KV cache."""
+        """Free the weights (level 1: kept in host memory; 2: discarded but the LoRA slots and a
+        speculative draft's) and the KV cache."""
         keep = lambda path: level == 1 or _is_adapter_slot(path)
         self._sleeping_params = device_buffers.release_params(self.model_runner, keep)
+        if self.model_runner.draft is not None:  # to host memory, at either level
+            self._sleeping_draft = device_buffers.release_draft_params(self.model_runner)
         device_buffers.release_kv_cache(self.model_runner)
 
     def missing_params(self) -> list[str]:
@@ -253,6 +257,9 @@ class Worker:
     def wake_up_weights(self) -> None:
         device_buffers.restore_params(self.model_runner, self._sleeping_params)
         self._sleeping_params = None
+        if self._sleeping_draft is not None:
+            device_buffers.restore_draft_params(self.model_runner, self._sleeping_draft)
+            self._sleeping_draft = None
 
     def wake_up_kv_cache(self) -> None:
         """A zero KV cache, laid out as before sleep."""
