@@ -87,3 +87,22 @@ def test_eagle3_windows_give_the_tokens_of_no_speculation(looping_model_dir, pla
     assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_rows_after_stopped_ones_read_their_pages_on_the_pure_jax_path(
+    monkeypatch, looping_model_dir, plain_llm
+):
+    """Without the CPU kernel the page walk reads only the leading tiles that read pages: the
+    two rows that stop in the first round must not push the fifth row's tiles past them."""
+    monkeypatch.setenv("JVLLM_CPU_DECODE_KERNEL", "0")
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=draft_model(looping_model_dir),
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    prompts = [[5, 90, 77], [17, 3], PROMPTS[3][:12], PROMPTS[1], [40, 41, 42, 43]]
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = [short, short, long, long, long]
+    assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)

@@ -86,7 +86,11 @@ def next_round_inputs(
         in_table(positions, tables, block_size), pages * block_size + positions % block_size, 0
     )
     tokens = jnp.concatenate([runs[rows, num_accepted][:, None], drafts], axis=1)
-    flat = jnp.arange(num_seqs * width, dtype=jnp.int32)
+    # Each query its own tile, reading the positions before the round from the pages; the
+    # active rows' tiles first, as the pure-JAX page walk reads only the leading tiles that
+    # read (reference.py: the host packs them first).
+    tile_rows = jnp.repeat(jnp.argsort(~active, stable=True), width)  # [S * (k + 1)]
+    token_idx = tile_rows * width + jnp.tile(jnp.arange(width), num_seqs)
     attn = dataclasses.replace(
         md,
         image_groups=None if md.image_groups is None else jnp.full_like(md.image_groups, -1),
@@ -95,8 +99,7 @@ def next_round_inputs(
         seq_lens=first + width,
         query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32) * width,
         logits_indices=rows * width + width - 1,
-        # Each query its own tile, reading the positions before the round from the pages.
-        tiles=(Tiles(flat[:, None], jnp.repeat(first, width)[:, None], flat // width),),
+        tiles=(Tiles(token_idx[:, None], first[tile_rows][:, None], tile_rows),),
     )
     scored = (rows[:, None] * width + jnp.arange(width - 1)).reshape(-1)  # [S * k]
     scoring = dataclasses.replace(
