@@ -106,3 +106,25 @@ def test_rows_after_stopped_ones_read_their_pages_on_the_pure_jax_path(
     long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     params = [short, short, long, long, long]
     assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
+
+
+def test_a_row_that_stops_early_keeps_the_drafts_of_its_last_round(looping_model_dir):
+    """The target drafting for itself: "a" stops at min_tokens after the first round (one whole
+    run), "b" goes on for three more; the drafts "a" starts its next window with are those its
+    own last round proposed, not those of the rounds it sat out on the null page, so every
+    draft is accepted."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=draft_model(looping_model_dir),
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    engine = llm.llm_engine
+    held = SamplingParams(temperature=0, min_tokens=5, max_tokens=21, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], held)
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=33))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 20
+    assert stats.num_accepted_tokens == stats.num_draft_tokens

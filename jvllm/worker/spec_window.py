@@ -36,7 +36,7 @@ class SpecWindowOutput:
     runs: jax.Array  # i32[R, S, k + 1] each round's t0..tk, of which the row took num_taken
     num_taken: jax.Array  # i32[R, S] the tokens each row took in each round (0: stopped)
     num_accepted: jax.Array  # i32[R, S] the drafts the target accepted in each round
-    draft_tokens: jax.Array  # i32[S, k] the last round's proposals
+    draft_tokens: jax.Array  # i32[S, k] each row's proposals of the last round it took part in
     # A model with routed experts: the rounds' expert counts summed, i32[L_moe, E]
     expert_counts: jax.Array | None = None
 
@@ -170,7 +170,9 @@ def run_spec_window(
             runs=out.runs.at[r].set(runs),
             num_taken=out.num_taken.at[r].set(num_taken),
             num_accepted=out.num_accepted.at[r].set(jnp.where(carry.active, num_accepted, 0)),
-            draft_tokens=drafts,
+            # A row's drafts are its last round's: those of rounds it sat out are over the
+            # null page.
+            draft_tokens=jnp.where(carry.active[:, None], drafts, out.draft_tokens),
             # A stopped row writes the null page, which counts nothing (models/model.py).
             expert_counts=None
             if out.expert_counts is None
