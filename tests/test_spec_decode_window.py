@@ -53,9 +53,12 @@ def test_draft_model_windows_give_the_tokens_of_no_speculation(
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
 
 
-def test_a_window_runs_its_rounds_in_one_engine_step(looping_model_dir):
+@pytest.mark.parametrize("max_tokens", [33, 19])
+def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_dir):
     """The target drafting for itself: each round keeps all k = 3 drafts and the bonus, so a
-    window of 4 rounds gives 16 tokens."""
+    window of 4 rounds gives 16 tokens. With 2 tokens left the last window's first round has
+    one draft of the request's own (padded to 3 for the device), and the counters count that
+    one: every draft counted is accepted."""
     llm = LLM(
         looping_model_dir,
         speculative_config=draft_model(looping_model_dir),
@@ -63,16 +66,18 @@ def test_a_window_runs_its_rounds_in_one_engine_step(looping_model_dir):
         **ENGINE_KWARGS,
     )
     engine = llm.llm_engine
-    engine.add_request(
-        "r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
-    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request("r", PROMPTS[1], params)
     sizes = []
     while engine.has_unfinished_requests():
         before = engine.scheduler.requests["r"].num_output_tokens
         engine.step()
         request = engine.scheduler.requests.get("r")
-        sizes.append((request.num_output_tokens if request else 33) - before)
-    assert sizes == [1, 16, 16]  # the prefill's token, then two windows
+        sizes.append((request.num_output_tokens if request else max_tokens) - before)
+    assert sizes == [1, 16, max_tokens - 17]  # the prefill's token, then two windows
+    stats = engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 12
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 def test_eagle3_windows_give_the_tokens_of_no_speculation(looping_model_dir, plain_llm, head):

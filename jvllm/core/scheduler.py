@@ -134,11 +134,16 @@ class Scheduler:
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 continue
-            drafts = scheduler_output.spec_token_ids.get(request.request_id)
-            if drafts:
-                rounds = (num_accepted or {}).get(request.request_id, [len(token_ids) - 1])
-                for accepted in rounds:
-                    self.drafter.stats.observe(len(drafts), accepted)
+            drafts = scheduler_output.spec_token_ids.get(request.request_id, [])
+            rounds = (num_accepted or {}).get(request.request_id)
+            if rounds:  # a window of speculative rounds: its own drafts, then k a round
+                first, *later = rounds
+                if drafts:
+                    self.drafter.stats.observe(len(drafts), min(first, len(drafts)))
+                for accepted in later:
+                    self.drafter.stats.observe(self._window_drafts, accepted)
+            elif drafts:
+                self.drafter.stats.observe(len(drafts), len(token_ids) - 1)
             for i, token_id in enumerate([token_ids] if isinstance(token_ids, int) else token_ids):
                 request.num_computed_tokens += i > 0
                 request.append_output_token_ids(token_id)
@@ -183,11 +188,12 @@ class Scheduler:
             lookahead = spec_window_lookahead(request, limit, k, self.config.max_model_len)
             self.kv_cache_manager.allocate_slots(request, limit + lookahead)
             output.scheduled_requests.append(request)
-            output.num_scheduled_tokens[request.request_id] = 1 + k
             output.window_limits[request.request_id] = limit
-            if k:  # the first round's drafts: the last step's proposals, any token past them
-                drafts = self.drafter.drafts_for(request, 1 + k)
-                output.spec_token_ids[request.request_id] = drafts + [0] * (k - len(drafts))
+            # The first round's drafts: the last step's proposals (the runner pads them to k).
+            drafts = self.drafter.drafts_for(request, 1 + k) if k else []
+            output.num_scheduled_tokens[request.request_id] = 1 + len(drafts)
+            if drafts:
+                output.spec_token_ids[request.request_id] = drafts
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
         index = 0

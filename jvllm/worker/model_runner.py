@@ -40,7 +40,12 @@ from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
-from jvllm.worker.spec_window import SpecWindowOutput, fetch_spec_window, run_spec_window
+from jvllm.worker.spec_window import (
+    SpecWindowOutput,
+    fetch_spec_window,
+    first_round,
+    run_spec_window,
+)
 from jvllm.worker.step_compiler import StepCompiler, StepLayout, abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs, window_block_ids
@@ -359,11 +364,15 @@ class ModelRunner:
         else:
             self.num_steps_ahead_dropped += ahead is not None
             rows = list(range(num_reqs))
-            kind = "step"
-            if is_window:
-                kind = "spec_window" if scheduler_output.spec_token_ids else "window"
-            bucket, lent = self.compiler.select_bucket(sum(counts), num_reqs, kind)
             drafts = scheduler_output.spec_token_ids
+            draft_lists = [drafts.get(r.request_id, []) for r in requests] if drafts else None
+            kind = "window" if is_window else "step"
+            if is_window and self.num_speculative_tokens:
+                kind = "spec_window"
+                draft_lists, counts = first_round(
+                    draft_lists, num_reqs, self.num_speculative_tokens
+                )
+            bucket, lent = self.compiler.select_bucket(sum(counts), num_reqs, kind)
             draft_bitmask = None
             if token_bitmask is not None and len(token_bitmask) > num_reqs:
                 token_bitmask, draft_bitmask = token_bitmask[:num_reqs], token_bitmask[num_reqs:]
@@ -378,7 +387,7 @@ class ModelRunner:
                 bias_slots,
                 token_bitmask,
                 adapter_slots,
-                [drafts.get(r.request_id, []) for r in requests] if drafts else None,
+                draft_lists,
                 self.num_speculative_tokens,
                 self.num_kv_groups,
                 window_block_ids(scheduler_output),

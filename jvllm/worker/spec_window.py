@@ -188,6 +188,16 @@ def run_spec_window(
     return out, carry.kv_cache, carry.token_cache
 
 
+def first_round(
+    drafts: list[list[int]] | None, num_reqs: int, num_drafts: int
+) -> tuple[list[list[int]], list[int]]:
+    """A window's first round from the scheduler's drafts (each request's own, up to k; None:
+    none) -> (k drafts each, token 0 past a request's own: any draft is exact to verify; each
+    request's k + 1 scheduled tokens)."""
+    drafts = drafts or [[]] * num_reqs
+    return [d + [0] * (num_drafts - len(d)) for d in drafts], [1 + num_drafts] * num_reqs
+
+
 def fetch_spec_window(
     out: SpecWindowOutput, num_reqs: int
 ) -> tuple[list[list[int]], list[list[int]]]:
