@@ -51,8 +51,8 @@ def _batch():
 def test_the_target_as_its_own_draft_gives_the_same_tokens_and_is_accepted(
     looping_model_dir, plain_llm
 ):
-    """Greedy requests over chunked prefill, then a seeded sampled one beside them: the
-    target drafting for itself is right at every greedy position."""
+    """Greedy requests over chunked prefill, then seeded sampled ones, then both: the target
+    drafting for itself is right at every position, greedy and sampled."""
     llm = LLM(looping_model_dir, speculative_config=draft_model(looping_model_dir), **ENGINE_KWARGS)
     prompts, params = _batch()
     greedy = params[: len(PROMPTS)]
@@ -60,6 +60,18 @@ def test_the_target_as_its_own_draft_gives_the_same_tokens_and_is_accepted(
     stats = llm.llm_engine.spec_decoding_stats
     assert stats.num_draft_tokens > 20
     assert stats.acceptance_rate > 0.95
+    # Sampled requests' drafts are drawn with the uniforms their target draws with: a draft
+    # equal to the target agrees at every position (argmax drafts: 3% here, on this random
+    # model's flat distributions).
+    drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    sampled = [
+        SamplingParams(temperature=0.7, seed=1, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.2, seed=2, top_p=0.9, max_tokens=24, ignore_eos=True),
+        params[-1],  # temperature 1.2, top-k 50
+    ]
+    assert _tokens(llm, prompts[:3], sampled) == _tokens(plain_llm, prompts[:3], sampled)
+    rate = (stats.num_accepted_tokens - accepted) / (stats.num_draft_tokens - drafts)
+    assert rate > 0.95, rate
     assert _tokens(llm, prompts, params) == _tokens(plain_llm, prompts, params)
 
 

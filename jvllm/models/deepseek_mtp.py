@@ -114,9 +114,9 @@ class DeepseekMTPHead(nnx.Module):
         x, kv_cache = run_rotary_layers(*args)
         return self.shared_norm(x), x, kv_cache
 
-    def draft_tokens(self, normed: jax.Array) -> jax.Array:
-        """normed f32[S, D] -> each row's most likely token i32[S]."""
-        return jnp.argmax(self.shared_head(normed), axis=-1).astype(jnp.int32)
+    def draft_logits(self, normed: jax.Array, vocab_size: int) -> jax.Array:
+        """normed f32[S, D] -> f32[S, V] logits over the target's `vocab_size` ids."""
+        return self.shared_head(normed)[:, :vocab_size].astype(jnp.float32)
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:

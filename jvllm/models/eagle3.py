@@ -113,12 +113,15 @@ class Eagle3Head(nnx.Module):
         prenorm = residual + self.mlp(self.post_attention_norm(residual))
         return self.final_norm(prenorm), prenorm, kv_cache
 
-    def draft_tokens(self, normed: jax.Array) -> jax.Array:
-        """normed f32[S, D] -> each row's most likely token, as the target's id i32[S] (a
-        draft vocabulary padded to cut over T devices keeps its padding out)."""
-        logits = self.lm_head(normed)[:, : self.config.option("draft_vocab_size")]
-        draft_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return draft_ids + self.d2t[...][draft_ids]
+    def draft_logits(self, normed: jax.Array, vocab_size: int) -> jax.Array:
+        """normed f32[S, D] -> f32[S, V] logits over the target's `vocab_size` ids: the draft
+        vocabulary's at their target ids (d2t), -inf at the others (a draft vocabulary padded
+        to cut over T devices keeps its padding out)."""
+        draft_vocab_size = self.config.option("draft_vocab_size")
+        logits = self.lm_head(normed)[:, :draft_vocab_size].astype(jnp.float32)
+        target_ids = jnp.arange(draft_vocab_size) + self.d2t[...]
+        placed = jnp.full((normed.shape[0], vocab_size), -jnp.inf, jnp.float32)
+        return placed.at[:, target_ids].set(logits)
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:

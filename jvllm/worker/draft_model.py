@@ -8,11 +8,12 @@ jitted step (step_fn.model_step), so its cache holds every computed position, dr
 a rejected draft's position is written again by the step that computes it next.
 
 Once the step has sampled, the same call proposes k drafts for each sequence that sampled
-(`propose_greedy`): k draft decode steps from the token after its last kept position, at p,
+(`propose`): k draft decode steps from the token after its last kept position, at p,
 writing the draft's KV at p..p+k-1 (the scheduler allocates those k lookahead slots:
-num_lookahead_tokens) and taking the argmax each time. An argmax draft is deterministic, so the
-verification (worker/draft_scoring.py) keeps the target's distribution exactly, greedy and
-seeded alike.
+num_lookahead_tokens), each draft a greedy row's argmax or a sampled row's draw with the
+uniform the target's sampler will draw that output index with (draft_positions.choose_drafts).
+Given the request's seed a draft is deterministic, so the verification
+(worker/draft_scoring.py) keeps the target's tokens exactly, greedy and seeded alike.
 """
 
 import dataclasses
@@ -23,9 +24,16 @@ import jax.numpy as jnp
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.sample.plan import SamplerPlan
 from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.decode_loop import advance_inputs
-from jvllm.worker.draft_positions import decode_after, in_table, last_kept_and_next_tokens
+from jvllm.worker.draft_positions import (
+    choose_drafts,
+    decode_after,
+    first_draft_index,
+    in_table,
+    last_kept_and_next_tokens,
+)
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -75,20 +83,23 @@ def num_drafts_room(
     return min(num_speculative_tokens, len(block_ids) * block_size - request.num_computed_tokens)
 
 
-def propose_greedy(
+def propose(
     params,
     kv_cache,
     inputs: StepInputs,
     active: jax.Array,
+    first_index: jax.Array,
     *,
     model: ShardedModel,
     num_steps: int,
     block_size: int,
+    plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ):
-    """k = `num_steps` greedy draft decode steps from `inputs` (draft_positions.decode_after's:
-    each sequence's token after its last kept position, at p) for the rows `active` bool[S],
-    writing the draft's KV at p..p+k-1 -> (drafts i32[S, k], kv_cache). The other rows write
-    the null page, and their drafts are meaningless."""
+    """k = `num_steps` draft decode steps from `inputs` (draft_positions.decode_after's: each
+    sequence's token after its last kept position, at p) for the rows `active` bool[S],
+    writing the draft's KV at p..p+k-1 -> (drafts i32[S, k], kv_cache). Draft i of a row stands
+    for output index `first_index` i32[S] + i (draft_positions.choose_drafts). The other rows
+    write the null page, and their drafts are meaningless."""
     num_seqs = inputs.positions.shape[0]
 
     def body(i, carry):
@@ -100,7 +111,7 @@ def propose_greedy(
             params_i, kv, step_inputs.token_ids, step_inputs.positions, md, None
         )
         logits = model.logits(params_i, hidden[md.logits_indices])  # [S, V]
-        token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+        token_ids = choose_drafts(logits, step_inputs.sampling, first_index + i, plan)  # [S]
         drafts = drafts.at[:, i].set(token_ids)
         tables = step_inputs.attn.block_tables
         next_active = active & in_table(step_inputs.positions + 1, tables, block_size)
@@ -122,6 +133,7 @@ def draft_model_in_step(
     *,
     num_drafts: int,
     block_size: int,
+    plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ):
     """The draft's k drafts for each sequence of a step that sampled, proposed from the token
     after its last kept position (`sampled` i32[S] the step's samples, `targets` i32[NP] its
@@ -129,12 +141,14 @@ def draft_model_in_step(
     last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
     step_inputs = decode_after(inputs, last_kept, next_tokens[last_kept], block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
-    return propose_greedy(
+    return propose(
         params,
         kv_cache,
         step_inputs,
         active,
+        first_draft_index(inputs, last_kept),
         model=model,
         num_steps=num_drafts,
         block_size=block_size,
+        plan=plan,
     )

@@ -1,13 +1,18 @@
 """Where a step's drafts go on from, on the device: each sequence's last kept position (its last
 scheduled one, less the drafts the step rejected), the token after each position of the step,
-and a decode step's inputs at the position after the last kept one. A draft head
-(worker/eagle.py) and a draft model (worker/draft_model.py) propose from there inside the
-target's step."""
+a decode step's inputs at the position after the last kept one, and the drafts' output
+indices and tokens. A draft head (worker/eagle.py) and a draft model (worker/draft_model.py)
+propose from there inside the target's step."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jvllm.attention.metadata import AttentionMetadata, Tiles
+from jvllm.sample.metadata import SamplingMetadata
+from jvllm.sample.plan import SamplerPlan
+from jvllm.sample.sampler import sample
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -72,3 +77,23 @@ def in_table(positions: jax.Array, block_tables: jax.Array, block_size: int) -> 
     loops stop a row before it would look a page up past the table (an out-of-range lookup gives
     a page id that wraps onto another sequence's slots)."""
     return positions < block_tables.shape[1] * block_size
+
+
+def first_draft_index(inputs: StepInputs, last_kept: jax.Array) -> jax.Array:
+    """The output index i32[S] of each sequence's first draft: the one after its last kept
+    token's. The step's sample (its bonus) stands at `output_index`, past the drafts it rejected
+    (its last position less `last_kept`)."""
+    return inputs.sampling.output_index - (inputs.attn.logits_indices - last_kept) + 1
+
+
+def choose_drafts(
+    logits: jax.Array, sampling: SamplingMetadata, output_index: jax.Array, plan: SamplerPlan
+) -> jax.Array:
+    """Each sequence's draft i32[S] from the draft's logits f32[S, V] over the target's
+    vocabulary, for output index `output_index` i32[S]: a greedy row's argmax; a sampled row's
+    draw from the draft's distribution under the row's temperature, top-k, top-p and min-p,
+    with the uniform the target's sampler draws that output index with (sample/sampler.py).
+    The target's token there is drawn with the same uniform from its own distribution, so the
+    two agree wherever the distributions are close (common random numbers: the target itself as
+    its draft agrees always), and the verification keeps the target's sample, as ever."""
+    return sample(logits, dataclasses.replace(sampling, output_index=output_index), plan)

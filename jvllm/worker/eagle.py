@@ -18,8 +18,10 @@ the same call then runs the head k - 1 decode steps from there for the sequences
 each reading the head's own previous row, and the step hands out every sequence's k drafts. A
 round (verify, then propose) is one device call and one wait on the host.
 
-Every draft is the head's argmax, deterministic, so the verification keeps the target's
-distribution exactly (worker/draft_scoring.py), greedy and seeded alike.
+Every draft is a greedy row's argmax of the head's logits, or a sampled row's draw from them
+with the uniform the target's sampler will draw that output index with
+(draft_positions.choose_drafts): deterministic given the request's seed, so the verification
+keeps the target's tokens exactly (worker/draft_scoring.py), greedy and seeded alike.
 """
 
 import dataclasses
@@ -32,8 +34,15 @@ import jax.numpy as jnp
 from jvllm.config import ModelConfig
 from jvllm.models.model import compute_logits, module_method, token_embeddings
 from jvllm.models.registry import model_class
+from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.decode_loop import advance_inputs
-from jvllm.worker.draft_positions import decode_after, in_table, last_kept_and_next_tokens
+from jvllm.worker.draft_positions import (
+    choose_drafts,
+    decode_after,
+    first_draft_index,
+    in_table,
+    last_kept_and_next_tokens,
+)
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -51,8 +60,9 @@ class DraftHead:
     combine: Callable
     # forward(head params, kv, embeds, hidden, positions, metadata) -> (normed, prenorm, kv)
     forward: Callable
-    # draft_tokens((target params, head params), normed f32[S, D_h]) -> i32[S] target token ids
-    draft_tokens: Callable
+    # draft_logits((target params, head params), normed f32[S, D_h]) -> f32[S, V] over the
+    # target's vocabulary (an EAGLE-3 head's draft vocabulary placed at its target ids)
+    draft_logits: Callable
     num_drafts: int  # k, the drafts a sequence gets each step
 
 
@@ -63,19 +73,17 @@ def draft_head(head: ModelConfig, target: ModelConfig, attn, num_drafts: int) ->
     family = model_class(head.architecture)
     if getattr(family, "uses_target_lm_head", False):  # EAGLE-1: the target's LM head reads it
         logits = functools.partial(compute_logits, config=target)
-        draft_tokens = lambda params, rows: jnp.argmax(
-            logits(params[0], rows)[:, : target.vocab_size], axis=-1
-        ).astype(jnp.int32)
+        draft_logits = lambda params, rows: logits(params[0], rows)[:, : target.vocab_size]
     else:
-        own = call("draft_tokens")
-        draft_tokens = lambda params, rows: own(params[1], rows)
+        own = call("draft_logits", target.vocab_size)
+        draft_logits = lambda params, rows: own(params[1], rows)
     return DraftHead(
         family.target_layer_ids(head, target),
         target.hidden_size,
         functools.partial(token_embeddings, config=target),
         call("combine"),
         call("__call__", attn),
-        draft_tokens,
+        draft_logits,
         num_drafts,
     )
 
@@ -90,6 +98,7 @@ def head_in_step(
     sampled: jax.Array,
     targets: jax.Array,
     block_size: int,
+    plan: SamplerPlan = SamplerPlan.DYNAMIC,
 ):
     """The head over a step's positions, then k - 1 decode steps (module docstring);
     `target_rows` the target's rows the head reads (f32[3, T, D_t] entering its layers
@@ -102,7 +111,9 @@ def head_in_step(
     normed, prenorm, head_kv = head.forward(
         head_params, head_kv, embeds, hidden, inputs.positions, inputs.attn
     )
-    tokens = head.draft_tokens((target_params, head_params), normed[last_kept])  # [S] firsts
+    first_index = first_draft_index(inputs, last_kept)  # [S]
+    logits = head.draft_logits((target_params, head_params), normed[last_kept])  # [S, V]
+    tokens = choose_drafts(logits, inputs.sampling, first_index, plan)  # [S] firsts
     step_inputs = decode_after(inputs, last_kept, tokens, block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
     drafts = jnp.zeros((tokens.shape[0], head.num_drafts), jnp.int32).at[:, 0].set(tokens)
@@ -116,7 +127,8 @@ def head_in_step(
         normed, prenorm, kv = head.forward(
             params_i[1], kv, embeds, hidden, step_inputs.positions, step_inputs.attn
         )
-        token_ids = head.draft_tokens(params_i, normed)  # [S]
+        logits = head.draft_logits(params_i, normed)  # [S, V]
+        token_ids = choose_drafts(logits, step_inputs.sampling, first_index + i + 1, plan)
         drafts = drafts.at[:, i + 1].set(token_ids)
         tables = step_inputs.attn.block_tables
         next_active = active & in_table(step_inputs.positions + 1, tables, block_size)

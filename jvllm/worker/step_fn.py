@@ -137,6 +137,7 @@ def model_step(
             out.draft_target_ids,
             num_drafts=num_drafts,
             block_size=block_size,
+            plan=plan,
         )
     if draft_head is not None:
         draft_kv, draft_tokens = head_in_step(
@@ -149,6 +150,7 @@ def model_step(
             out.sampled_token_ids,
             out.draft_target_ids,
             block_size,
+            plan,
         )
     if expert_counts is not None or draft_tokens is not None:
         fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
