@@ -119,7 +119,7 @@ class Eagle3Head(nnx.Module):
         to cut over T devices keeps its padding out)."""
         draft_vocab_size = self.config.option("draft_vocab_size")
         logits = self.lm_head(normed)[:, :draft_vocab_size].astype(jnp.float32)
-        target_ids = jnp.arange(draft_vocab_size) + self.d2t[...]
+        target_ids = jnp.arange(draft_vocab_size) + self.d2t[...][:draft_vocab_size]
         placed = jnp.full((normed.shape[0], vocab_size), -jnp.inf, jnp.float32)
         return placed.at[:, target_ids].set(logits)
 
