@@ -326,3 +326,27 @@ def test_the_draft_loops_stop_a_row_at_its_tables_end():
     )  # fmt: skip
     written = np.flatnonzero(np.asarray(kv)[1:]) + 1  # slot 0: the null page
     assert written.tolist() == [5 * block_size + 2, 5 * block_size + 3]
+
+
+def test_a_draft_steps_reading_tiles_come_first():
+    """Rows that sample after rows that do not (prompt chunks short of their end, padding): the
+    draft's decode step puts the sampled rows' tiles first, as the pure-JAX page walk reads
+    only the leading tiles that read (attention/reference.py)."""
+    num_seqs = 40
+    sampled_rows = [33, 36, 39]
+    seq_lens = jnp.zeros(num_seqs, jnp.int32).at[jnp.asarray(sampled_rows)].set(9)
+    md = SimpleNamespace(seq_lens=seq_lens, block_tables=jnp.ones((num_seqs, 4), jnp.int32))
+    next_ids = jnp.full(num_seqs, -1, jnp.int32).at[:30].set(5)  # 30 chunks short of their end
+    inputs = SimpleNamespace(
+        positions=jnp.full(num_seqs, 8, jnp.int32),
+        attn=md,
+        drafts=SimpleNamespace(next_token_ids=next_ids),
+        sampling=None,
+    )
+    rows = jnp.arange(num_seqs)
+    step = decode_after(inputs, rows, jnp.zeros(num_seqs, jnp.int32), block_size=4)
+    (tiles,) = step.attn.tiles
+    assert tiles.seq[:3].tolist() == sampled_rows
+    assert tiles.token_idx[:3, 0].tolist() == sampled_rows
+    assert tiles.kv_lens[:3, 0].tolist() == [10, 10, 10]
+    assert not tiles.kv_lens[3:].any()

@@ -61,13 +61,16 @@ def decode_after(inputs: StepInputs, last_kept, tokens, block_size: int) -> Step
     pages = jnp.take_along_axis(md.block_tables, column[:, None], axis=1)[:, 0]
     kv_lens = jnp.where(sampled, positions + 1, 0)  # a decode reads its own new key too
     rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    # A tile a row, the sampled rows' first: the pure-JAX page walk reads only the leading
+    # tiles that read (attention/reference.py), as the host packs them.
+    order = jnp.argsort(~sampled, stable=True).astype(jnp.int32)
     attn = AttentionMetadata(
         slot_mapping=jnp.where(sampled, pages * block_size + positions % block_size, 0),
         block_tables=md.block_tables,
         seq_lens=kv_lens,
         query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32),
         logits_indices=rows,
-        tiles=(Tiles(rows[:, None], kv_lens[:, None], rows),),
+        tiles=(Tiles(order[:, None], kv_lens[order][:, None], order),),
     )
     return StepInputs(tokens, positions, attn, inputs.sampling)
 
