@@ -37,6 +37,7 @@ def test_spec_decode_benchmark_writes_a_deepseek_v3_with_an_mtp_layer(capsys):
     assert lines[-1].startswith("a round costs ")
 
 
+@pytest.mark.slow  # three engines: 9 s on a Zen 5
 def test_spec_decode_benchmark_runs_windows_of_rounds_beside_one_call_a_round(
     tiny_llama_dir, capsys
 ):
