@@ -21,20 +21,40 @@ other_draft_dir, head = draft_tests.other_draft_dir, eagle_tests.head
 
 def _batch() -> tuple[list[list[int]], list[SamplingParams]]:
     """Greedy requests to their EOS or max_tokens, one ending at a stop token id and one held to
-    min_tokens, a seeded sampled one, and one that asks for logprobs (it runs single steps)."""
+    min_tokens, a seeded sampled one, and one that asks for logprobs."""
     greedy = SamplingParams(temperature=0, max_tokens=30)
     seeded = SamplingParams(temperature=1.2, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
     return [*PROMPTS, PROMPTS[1], PROMPTS[0], PROMPTS[2]], [
         *[greedy] * len(PROMPTS),
         seeded,
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[77, 5], min_tokens=3),
-        SamplingParams(temperature=0, max_tokens=9, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, logprobs=2, ignore_eos=True),
     ]
 
 
-def _outputs(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
+def _outputs(llm: LLM, prompts, params) -> list[tuple[list[int], str, list[dict]]]:
+    """Each output's tokens, finish reason and logprobs ({token id: (rank, logprob)} a token)."""
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
+    logprobs = lambda steps: [
+        {t: (lp.rank, lp.logprob) for t, lp in step.items()} for step in steps or ()
+    ]
+    return [
+        (list(o.outputs[0].token_ids), o.outputs[0].finish_reason, logprobs(o.outputs[0].logprobs))
+        for o in outputs
+    ]
+
+
+def _assert_same(got, want) -> None:
+    """The same tokens, finish reasons, logprob ranks and ids; logprobs to 1e-4 (a verification
+    step's matmuls round differently from a one-token step's)."""
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for (_, _, got_steps), (_, _, want_steps) in zip(got, want):
+        assert len(got_steps) == len(want_steps)
+        for got_lp, want_lp in zip(got_steps, want_steps):
+            assert got_lp.keys() == want_lp.keys()
+            for token, (rank, logprob) in want_lp.items():
+                assert got_lp[token][0] == rank
+                assert abs(got_lp[token][1] - logprob) < 1e-4
 
 
 @pytest.mark.parametrize("agrees", [True, False])
@@ -49,7 +69,7 @@ def test_draft_model_windows_give_the_tokens_of_no_speculation(
         **ENGINE_KWARGS,
     )
     prompts, params = _batch()
-    assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
+    _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
 
 
@@ -58,7 +78,8 @@ def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_d
     """The target drafting for itself: each round keeps all k = 3 drafts and the bonus, so a
     window of 4 rounds gives 16 tokens. With 2 tokens left the last window's first round has
     one draft of the request's own (padded to 3 for the device), and the counters count that
-    one: every draft counted is accepted."""
+    one: every draft counted is accepted. The request asks for logprobs, which a window returns
+    for every token."""
     llm = LLM(
         looping_model_dir,
         speculative_config=draft_model(looping_model_dir),
@@ -66,7 +87,7 @@ def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_d
         **ENGINE_KWARGS,
     )
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     engine.add_request("r", PROMPTS[1], params)
     sizes = []
     while engine.has_unfinished_requests():
@@ -89,7 +110,7 @@ def test_eagle3_windows_give_the_tokens_of_no_speculation(looping_model_dir, pla
         **ENGINE_KWARGS,
     )
     prompts, params = _batch()
-    assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
+    _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
@@ -110,7 +131,7 @@ def test_rows_after_stopped_ones_read_their_pages_on_the_pure_jax_path(
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     params = [short, short, long, long, long]
-    assert _outputs(llm, prompts, params) == _outputs(plain_llm, prompts, params)
+    _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
 
 
 def test_a_row_that_stops_early_keeps_the_drafts_of_its_last_round(looping_model_dir):

@@ -69,10 +69,8 @@ def spec_window_lookahead(request: Request, limit: int, num_drafts: int, max_mod
 
 def fits_spec_window(request: Request, num_drafts: int, max_model_len: int) -> bool:
     """Whether a request can run in a window of speculative rounds besides fitting a decode
-    window: its rounds return no logprobs, and its first round's k drafts stand inside
-    max_model_len."""
-    no_logprobs = request.sampling_params.logprobs is None
-    return no_logprobs and request.num_tokens + num_drafts <= max_model_len
+    window: its first round's k drafts stand inside max_model_len."""
+    return request.num_tokens + num_drafts <= max_model_len
 
 
 def decode_window_limits(

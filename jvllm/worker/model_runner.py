@@ -271,6 +271,7 @@ class ModelRunner:
                 step=step,
                 num_rounds=self.num_scheduler_steps,
                 num_drafts=self.num_speculative_tokens,
+                max_logprobs=self.max_logprobs,
                 expert_counts_shape=counts_shape,
             )
         elif kind == "ahead":
@@ -420,9 +421,8 @@ class ModelRunner:
         any_prompt_logprobs = not (is_window or used_ahead) and bool(
             inputs.sampling.any_prompt_logprobs
         )
-        if isinstance(out, SpecWindowOutput):  # its requests have no logprobs (decode_window.py)
-            tokens, num_accepted = fetch_spec_window(out, num_reqs)
-            result = ModelRunnerOutput(tokens, num_accepted=num_accepted)
+        if isinstance(out, SpecWindowOutput):
+            result = fetch_spec_window(out, num_reqs, any_logprobs)
         else:
             result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         if self.expert_token_counts is not None:

@@ -25,6 +25,7 @@ import numpy as np
 from jvllm.attention.metadata import Tiles
 from jvllm.worker.decode_loop import DecodeCarry, WindowInputs
 from jvllm.worker.draft_positions import in_table
+from jvllm.worker.runner_output import ModelRunnerOutput
 from jvllm.worker.step_inputs import StepInputs
 
 
@@ -37,6 +38,9 @@ class SpecWindowOutput:
     num_taken: jax.Array  # i32[R, S] the tokens each row took in each round (0: stopped)
     num_accepted: jax.Array  # i32[R, S] the drafts the target accepted in each round
     draft_tokens: jax.Array  # i32[S, k] each row's proposals of the last round it took part in
+    # Each run token's logprobs, as a step's: top ids i32[R, S, k + 1, K], top logprobs f32[...,
+    # K], the token's logprob f32[R, S, k + 1] and rank i32[...] (zeros unless a row asked)
+    logprobs: tuple[jax.Array, ...]
     # A model with routed experts: the rounds' expert counts summed, i32[L_moe, E]
     expert_counts: jax.Array | None = None
 
@@ -50,6 +54,21 @@ def round_runs(inputs: StepInputs, sampled: jax.Array, targets: jax.Array):
     drafts = inputs.token_ids.reshape(num_seqs, -1)[:, 1:]  # [S, k] d1..dk
     num_accepted = jnp.sum(jnp.cumprod(drafts == targets, axis=1), axis=1)
     return jnp.concatenate([targets, sampled[:, None]], axis=1), num_accepted
+
+
+def round_logprobs(step_out, num_seqs: int) -> tuple[jax.Array, ...]:
+    """Each run token's logprobs [S, k + 1, ...] from a round's step: t0..t(k-1)'s at the scored
+    positions (`draft_logprobs`, [S * k, ...] in row order), then the bonus's."""
+    bonus = (
+        step_out.topk_token_ids,
+        step_out.topk_logprobs,
+        step_out.sampled_logprobs,
+        step_out.sampled_ranks,
+    )
+    return tuple(
+        jnp.concatenate([scored.reshape(num_seqs, -1, *scored.shape[1:]), last[:, None]], axis=1)
+        for scored, last in zip(step_out.draft_logprobs, bonus)
+    )
 
 
 def take_runs(window: WindowInputs, runs, num_accepted, num_sampled, active):
@@ -128,19 +147,27 @@ def run_spec_window(
     step,
     num_rounds: int,
     num_drafts: int,
+    max_logprobs: int,
     expert_counts_shape: tuple[int, int] | None = None,
 ) -> tuple[SpecWindowOutput, object, jax.Array]:
     """Up to `num_rounds` rounds of k = `num_drafts` drafts in one call, until every row has
     stopped -> (SpecWindowOutput, kv_cache, token_cache). `inputs`: the first round, each row's
     last token and k drafts; `step`: the engine's step body with its draft (step_fn.model_step)."""
     num_seqs, width = window.limits.shape[0], num_drafts + 1
-    block_size = token_cache.shape[1]
+    block_size, k = token_cache.shape[1], max(max_logprobs, 1)
     zeros = jnp.zeros((num_rounds, num_seqs), jnp.int32)
+    per_token = (num_rounds, num_seqs, width)
     out = SpecWindowOutput(
-        runs=jnp.zeros((num_rounds, num_seqs, width), jnp.int32),
+        runs=jnp.zeros(per_token, jnp.int32),
         num_taken=zeros,
         num_accepted=zeros,
         draft_tokens=jnp.zeros((num_seqs, num_drafts), jnp.int32),
+        logprobs=(
+            jnp.zeros((*per_token, k), jnp.int32),
+            jnp.zeros((*per_token, k), jnp.float32),
+            jnp.zeros(per_token, jnp.float32),
+            jnp.zeros(per_token, jnp.int32),
+        ),
         expert_counts=None
         if expert_counts_shape is None
         else jnp.zeros(expert_counts_shape, jnp.int32),
@@ -173,6 +200,10 @@ def run_spec_window(
             # A row's drafts are its last round's: those of rounds it sat out are over the
             # null page.
             draft_tokens=jnp.where(carry.active[:, None], drafts, out.draft_tokens),
+            logprobs=tuple(
+                rows.at[r].set(lp)
+                for rows, lp in zip(out.logprobs, round_logprobs(step_out, num_seqs))
+            ),
             # A stopped row writes the null page, which counts nothing (models/model.py).
             expert_counts=None
             if out.expert_counts is None
@@ -199,15 +230,28 @@ def first_round(
 
 
 def fetch_spec_window(
-    out: SpecWindowOutput, num_reqs: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Wait for a window's rounds -> (each request's tokens, in order; the drafts the target
-    accepted in each round it took part in)."""
-    runs = np.asarray(out.runs)[:, :num_reqs]  # [R, num_reqs, k + 1]
-    taken = np.asarray(out.num_taken)[:, :num_reqs]
-    accepted = np.asarray(out.num_accepted)[:, :num_reqs]
-    tokens = [
-        [t for run, n in zip(runs[:, i], taken[:, i]) for t in run[:n].tolist()]
-        for i in range(num_reqs)
+    out: SpecWindowOutput, num_reqs: int, any_logprobs: bool
+) -> ModelRunnerOutput:
+    """Wait for a window's rounds -> each request's tokens in order, the drafts the target
+    accepted in each round it took part in, and where any request asked, the tokens' logprobs
+    shaped as a decode window's ([n, num_reqs, ...]: token j of request i at [j, i])."""
+    taken = np.asarray(out.num_taken)[:, :num_reqs]  # [R, num_reqs]
+    # Each request's tokens as (round, place in the run) pairs, in order.
+    places = [
+        [(r, j) for r, n in enumerate(taken[:, i]) for j in range(n)] for i in range(num_reqs)
     ]
-    return tokens, [accepted[taken[:, i] > 0, i].tolist() for i in range(num_reqs)]
+    runs = np.asarray(out.runs)
+    tokens = [[int(runs[r, i, j]) for r, j in p] for i, p in enumerate(places)]
+    accepted = np.asarray(out.num_accepted)[:, :num_reqs]
+    result = ModelRunnerOutput(
+        tokens, num_accepted=[accepted[taken[:, i] > 0, i].tolist() for i in range(num_reqs)]
+    )
+    if any_logprobs:
+        num_steps = max(len(p) for p in places)
+        rounds = np.zeros((num_steps, num_reqs), np.int64)
+        spots = np.zeros((num_steps, num_reqs), np.int64)
+        for i, p in enumerate(places):
+            rounds[: len(p), i], spots[: len(p), i] = zip(*p)
+        rows = np.broadcast_to(np.arange(num_reqs), rounds.shape)
+        result.logprobs = tuple(np.asarray(f)[rounds, rows, spots] for f in out.logprobs)
+    return result
