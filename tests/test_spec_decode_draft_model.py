@@ -141,3 +141,26 @@ def test_the_kv_budget_counts_both_models_bytes_a_block(looping_model_dir):
     )
     alone, with_draft = size(512, probe), size(512, probe, draft_config=config)
     assert with_draft.num_blocks == alone.num_blocks // 2
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_window_row_cut_at_min_tokens_does_not_start_on_its_cut_runs_drafts(
+    temperature, looping_model_dir
+):
+    """The target drafting for itself in windows of speculative rounds: after its prefill the
+    request may take 9 tokens to reach min_tokens, two whole runs of 4 and 1 of its third
+    round's. That round's draft proposed from after all 4, for output indices 13..15, so the
+    request, which goes on at index 10, must not start its next window with those drafts."""
+    llm = LLM(
+        looping_model_dir,
+        speculative_config=draft_model(looping_model_dir),
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    params = SamplingParams(
+        temperature=temperature, seed=3, min_tokens=10, max_tokens=24, ignore_eos=True
+    )
+    _tokens(llm, PROMPTS[:1], [params])
+    stats = llm.llm_engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 12
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
