@@ -68,8 +68,12 @@ def test_the_target_as_its_own_draft_gives_the_same_tokens_and_is_accepted(
         SamplingParams(temperature=0.7, seed=1, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=1.2, seed=2, top_p=0.9, max_tokens=24, ignore_eos=True),
         params[-1],  # temperature 1.2, top-k 50
+        # The draft's logits take the request's bias row too (1 of 60 accepted without it).
+        SamplingParams(
+            temperature=1.0, seed=3, logit_bias={5: 5.0}, max_tokens=24, ignore_eos=True
+        ),
     ]
-    assert _tokens(llm, prompts[:3], sampled) == _tokens(plain_llm, prompts[:3], sampled)
+    assert _tokens(llm, prompts[:4], sampled) == _tokens(plain_llm, prompts[:4], sampled)
     rate = (stats.num_accepted_tokens - accepted) / (stats.num_draft_tokens - drafts)
     assert rate > 0.95, rate
     assert _tokens(llm, prompts, params) == _tokens(plain_llm, prompts, params)

@@ -5,6 +5,7 @@ get exactly the tokens they get without speculation.
 """
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import jax
@@ -22,7 +23,11 @@ from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.model_loader.safetensors_file import read_safetensors
 from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.draft_model import propose
-from jvllm.worker.draft_positions import decode_after, last_kept_and_next_tokens
+from jvllm.worker.draft_positions import (
+    choose_drafts,
+    decode_after,
+    last_kept_and_next_tokens,
+)
 
 ENGINE_KWARGS, PROMPTS = ngram_tests.ENGINE_KWARGS, ngram_tests.PROMPTS
 looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_llm
@@ -320,9 +325,10 @@ def test_the_draft_loops_stop_a_row_at_its_tables_end():
 
     model = SimpleNamespace(forward=forward, logits=lambda params, hidden: jnp.zeros((1, 16)))
     active = step_inputs.attn.seq_lens > 0
+    choose = functools.partial(choose_drafts, plan=SamplerPlan.GREEDY, bias_rows=None)
     _, kv = propose(
         None, jnp.zeros(8 * block_size), step_inputs, active, jnp.asarray([1]),
-        model=model, num_steps=4, block_size=block_size, plan=SamplerPlan.GREEDY,
+        model=model, num_steps=4, block_size=block_size, choose=choose,
     )  # fmt: skip
     written = np.flatnonzero(np.asarray(kv)[1:]) + 1  # slot 0: the null page
     assert written.tolist() == [5 * block_size + 2, 5 * block_size + 3]

@@ -17,6 +17,7 @@ Given the request's seed a draft is deterministic, so the verification
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +25,9 @@ import jax.numpy as jnp
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
-from jvllm.sample.plan import SamplerPlan
 from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import (
-    choose_drafts,
     decode_after,
     first_draft_index,
     in_table,
@@ -93,12 +92,13 @@ def propose(
     model: ShardedModel,
     num_steps: int,
     block_size: int,
-    plan: SamplerPlan = SamplerPlan.DYNAMIC,
+    choose: Callable,
 ):
     """k = `num_steps` draft decode steps from `inputs` (draft_positions.decode_after's: each
     sequence's token after its last kept position, at p) for the rows `active` bool[S],
     writing the draft's KV at p..p+k-1 -> (drafts i32[S, k], kv_cache). Draft i of a row stands
-    for output index `first_index` i32[S] + i (draft_positions.choose_drafts). The other rows
+    for output index `first_index` i32[S] + i: `choose(logits, sampling, output_index)` picks
+    it (draft_positions.choose_drafts, its step's plan and bias rows bound). The other rows
     write the null page, and their drafts are meaningless."""
     num_seqs = inputs.positions.shape[0]
 
@@ -111,7 +111,7 @@ def propose(
             params_i, kv, step_inputs.token_ids, step_inputs.positions, md, None
         )
         logits = model.logits(params_i, hidden[md.logits_indices])  # [S, V]
-        token_ids = choose_drafts(logits, step_inputs.sampling, first_index + i, plan)  # [S]
+        token_ids = choose(logits, step_inputs.sampling, first_index + i)  # [S]
         drafts = drafts.at[:, i].set(token_ids)
         tables = step_inputs.attn.block_tables
         next_active = active & in_table(step_inputs.positions + 1, tables, block_size)
@@ -133,11 +133,12 @@ def draft_model_in_step(
     *,
     num_drafts: int,
     block_size: int,
-    plan: SamplerPlan = SamplerPlan.DYNAMIC,
+    choose: Callable,
 ):
     """The draft's k drafts for each sequence of a step that sampled, proposed from the token
     after its last kept position (`sampled` i32[S] the step's samples, `targets` i32[NP] its
-    tokens at the scored positions) -> (drafts i32[S, k], kv_cache)."""
+    tokens at the scored positions) -> (drafts i32[S, k], kv_cache); `choose` as `propose`
+    takes it."""
     last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
     step_inputs = decode_after(inputs, last_kept, next_tokens[last_kept], block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
@@ -150,5 +151,5 @@ def draft_model_in_step(
         model=model,
         num_steps=num_drafts,
         block_size=block_size,
-        plan=plan,
+        choose=choose,
     )

@@ -90,13 +90,24 @@ def first_draft_index(inputs: StepInputs, last_kept: jax.Array) -> jax.Array:
 
 
 def choose_drafts(
-    logits: jax.Array, sampling: SamplingMetadata, output_index: jax.Array, plan: SamplerPlan
+    logits: jax.Array,
+    sampling: SamplingMetadata,
+    output_index: jax.Array,
+    *,
+    plan: SamplerPlan,
+    bias_rows: jax.Array,
 ) -> jax.Array:
     """Each sequence's draft i32[S] from the draft's logits f32[S, V] over the target's
     vocabulary, for output index `output_index` i32[S]: a greedy row's argmax; a sampled row's
-    draw from the draft's distribution under the row's temperature, top-k, top-p and min-p,
-    with the uniform the target's sampler draws that output index with (sample/sampler.py).
-    The target's token there is drawn with the same uniform from its own distribution, so the
-    two agree wherever the distributions are close (common random numbers: the target itself as
-    its draft agrees always), and the verification keeps the target's sample, as ever."""
+    draw from the draft's distribution under the row's logit-bias row (`bias_rows` f32[R, V]:
+    its bias, allowed and banned ids, as the target's) and its temperature, top-k, top-p and
+    min-p, with the uniform the target's sampler draws that output index with
+    (sample/sampler.py). The target's token there is drawn with the same uniform from its own
+    distribution, so the two agree wherever the distributions are close (common random numbers:
+    the target itself as its draft agrees always), and the verification keeps the target's
+    sample, as ever. Penalties and grammar masks shape the target's alone."""
+    if plan is SamplerPlan.DYNAMIC:  # other plans run steps without bias rows (sample/plan.py)
+        logits = jax.lax.cond(
+            sampling.any_bias, lambda x: x + bias_rows[sampling.bias_slot], lambda x: x, logits
+        )
     return sample(logits, dataclasses.replace(sampling, output_index=output_index), plan)

@@ -34,10 +34,8 @@ import jax.numpy as jnp
 from jvllm.config import ModelConfig
 from jvllm.models.model import compute_logits, module_method, token_embeddings
 from jvllm.models.registry import model_class
-from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import (
-    choose_drafts,
     decode_after,
     first_draft_index,
     in_table,
@@ -98,7 +96,7 @@ def head_in_step(
     sampled: jax.Array,
     targets: jax.Array,
     block_size: int,
-    plan: SamplerPlan = SamplerPlan.DYNAMIC,
+    choose: Callable,
 ):
     """The head over a step's positions, then k - 1 decode steps (module docstring);
     `target_rows` the target's rows the head reads (f32[3, T, D_t] entering its layers
@@ -113,7 +111,7 @@ def head_in_step(
     )
     first_index = first_draft_index(inputs, last_kept)  # [S]
     logits = head.draft_logits((target_params, head_params), normed[last_kept])  # [S, V]
-    tokens = choose_drafts(logits, inputs.sampling, first_index, plan)  # [S] firsts
+    tokens = choose(logits, inputs.sampling, first_index)  # [S] firsts
     step_inputs = decode_after(inputs, last_kept, tokens, block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
     drafts = jnp.zeros((tokens.shape[0], head.num_drafts), jnp.int32).at[:, 0].set(tokens)
@@ -128,7 +126,7 @@ def head_in_step(
             params_i[1], kv, embeds, hidden, step_inputs.positions, step_inputs.attn
         )
         logits = head.draft_logits(params_i, normed)  # [S, V]
-        token_ids = choose_drafts(logits, step_inputs.sampling, first_index + i + 1, plan)
+        token_ids = choose(logits, step_inputs.sampling, first_index + i + 1)
         drafts = drafts.at[:, i + 1].set(token_ids)
         tables = step_inputs.attn.block_tables
         next_active = active & in_table(step_inputs.positions + 1, tables, block_size)

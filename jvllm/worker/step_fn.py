@@ -16,6 +16,7 @@ from jvllm.sample.metadata import SamplerOutput
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample_step, sample_tokens
 from jvllm.worker.draft_model import draft_model_in_step
+from jvllm.worker.draft_positions import choose_drafts
 from jvllm.worker.draft_scoring import score_drafts
 from jvllm.worker.eagle import DraftHead, head_in_step
 from jvllm.worker.step_inputs import StepInputs
@@ -127,6 +128,8 @@ def model_step(
         )
         out = dataclasses.replace(out, draft_target_ids=targets, draft_logprobs=target_logprobs)
     draft_tokens = None
+    # A draft's tokens: a greedy row's argmax, a sampled row's draw with its target's uniforms.
+    choose = functools.partial(choose_drafts, plan=plan, bias_rows=bias_rows)
     if draft_model is not None:
         draft_tokens, draft_kv = draft_model_in_step(
             draft_model,
@@ -137,7 +140,7 @@ def model_step(
             out.draft_target_ids,
             num_drafts=num_drafts,
             block_size=block_size,
-            plan=plan,
+            choose=choose,
         )
     if draft_head is not None:
         draft_kv, draft_tokens = head_in_step(
@@ -150,7 +153,7 @@ def model_step(
             out.sampled_token_ids,
             out.draft_target_ids,
             block_size,
-            plan,
+            choose,
         )
     if expert_counts is not None or draft_tokens is not None:
         fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
