@@ -176,7 +176,8 @@ class Scheduler:
     @property
     def _window_drafts(self) -> int:
         """Drafts a round of a decode window verifies: k with a draft model or head, which
-        proposes on the device (worker/spec_window.py); else 0 (an n-gram's run single steps)."""
+        proposes on the device (worker/spec_window.py); else 0 (no drafts, or n-gram drafts,
+        which are looked up on the host and run single steps)."""
         drafter = self.drafter
         return drafter.config.num_speculative_tokens if drafter and drafter.uses_draft_model else 0
 
