@@ -73,6 +73,27 @@ def test_draft_model_windows_give_the_tokens_of_no_speculation(
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
 
 
+def test_rounds_checked_every_few_give_the_tokens_of_no_speculation(
+    monkeypatch, looping_model_dir, plain_llm, other_draft_dir
+):
+    """JVLLM_WINDOW_STEPS_PER_CHECK=3 with windows of 4 rounds: checks after rounds 3 and 6,
+    the rounds past the fourth keeping every row stopped and writing nothing out (a draft that
+    rarely agrees leaves rows short of their limits there)."""
+    prompts, params = _batch()
+    rounds = []
+    for per_check in ("1", "3"):
+        monkeypatch.setenv("JVLLM_WINDOW_STEPS_PER_CHECK", per_check)
+        llm = LLM(
+            looping_model_dir,
+            speculative_config=draft_model(other_draft_dir),
+            num_scheduler_steps=4,
+            **ENGINE_KWARGS,
+        )
+        _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
+        rounds.append(llm.llm_engine.spec_decoding_stats.num_drafts)
+    assert rounds[0] == rounds[1] > 30  # every round's tokens came back
+
+
 @pytest.mark.parametrize("max_tokens", [33, 19])
 def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_dir):
     """The target drafting for itself: each round keeps all k = 3 drafts and the bonus, so a

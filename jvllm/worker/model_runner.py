@@ -272,6 +272,7 @@ class ModelRunner:
                 num_rounds=self.num_scheduler_steps,
                 num_drafts=self.num_speculative_tokens,
                 max_logprobs=self.max_logprobs,
+                rounds_per_check=min(self.window_steps_per_check, self.num_scheduler_steps),
                 expert_counts_shape=counts_shape,
             )
         elif kind == "ahead":

@@ -148,11 +148,15 @@ def run_spec_window(
     num_rounds: int,
     num_drafts: int,
     max_logprobs: int,
+    rounds_per_check: int = 1,
     expert_counts_shape: tuple[int, int] | None = None,
 ) -> tuple[SpecWindowOutput, object, jax.Array]:
     """Up to `num_rounds` rounds of k = `num_drafts` drafts in one call, until every row has
     stopped -> (SpecWindowOutput, kv_cache, token_cache). `inputs`: the first round, each row's
-    last token and k drafts; `step`: the engine's step body with its draft (step_fn.model_step)."""
+    last token and k drafts; `step`: the engine's step body with its draft (step_fn.model_step).
+    Whether a row is still active is checked after each `rounds_per_check` rounds, as a decode
+    window checks (decode_loop.run_window: on a GPU each check waits for the host); the rounds
+    of a run past `num_rounds` keep every row stopped."""
     num_seqs, width = window.limits.shape[0], num_drafts + 1
     block_size, k = token_cache.shape[1], max(max_logprobs, 1)
     zeros = jnp.zeros((num_rounds, num_seqs), jnp.int32)
@@ -178,6 +182,7 @@ def run_spec_window(
 
     def one_round(state):
         r, carry, out = state
+        carry = dataclasses.replace(carry, active=carry.active & (r < num_rounds))
         # Through a barrier with the carry, as decode_loop.decode_step says why.
         params_r, carry = jax.lax.optimization_barrier((params, carry))
         step_out, _, kv, tokens = step(
@@ -193,16 +198,16 @@ def run_spec_window(
         next_inputs = next_round_inputs(
             carry.inputs, runs, num_accepted, drafts, active, block_size
         )
+        put = lambda rows, value: rows.at[r].set(value, mode="drop")  # past num_rounds: none
         out = SpecWindowOutput(
-            runs=out.runs.at[r].set(runs),
-            num_taken=out.num_taken.at[r].set(num_taken),
-            num_accepted=out.num_accepted.at[r].set(jnp.where(carry.active, num_accepted, 0)),
+            runs=put(out.runs, runs),
+            num_taken=put(out.num_taken, num_taken),
+            num_accepted=put(out.num_accepted, jnp.where(carry.active, num_accepted, 0)),
             # A row's drafts are its last round's: those of rounds it sat out are over the
             # null page.
             draft_tokens=jnp.where(carry.active[:, None], drafts, out.draft_tokens),
             logprobs=tuple(
-                rows.at[r].set(lp)
-                for rows, lp in zip(out.logprobs, round_logprobs(step_out, num_seqs))
+                put(rows, lp) for rows, lp in zip(out.logprobs, round_logprobs(step_out, num_seqs))
             ),
             # A stopped row writes the null page, which counts nothing (models/model.py).
             expert_counts=None
@@ -215,7 +220,12 @@ def run_spec_window(
         r, carry, _ = state
         return (r < num_rounds) & jnp.any(carry.active)
 
-    _, carry, out = jax.lax.while_loop(keep_going, one_round, (jnp.int32(0), carry, out))
+    def rounds(state):
+        if rounds_per_check == 1:
+            return one_round(state)
+        return jax.lax.fori_loop(0, rounds_per_check, lambda _, s: one_round(s), state)
+
+    _, carry, out = jax.lax.while_loop(keep_going, rounds, (jnp.int32(0), carry, out))
     return out, carry.kv_cache, carry.token_cache
 
 
