@@ -325,19 +325,16 @@ class LLMEngine:
         if self.pooling is not None:
             return self._pooling_outputs(scheduler_output, runner_output)
         sampled, finished = self._update(scheduler_output, runner_output)
-        self._propose_drafts(scheduler_output, runner_output)
+        self._propose_drafts(scheduler_output)
         return self._process_outputs(scheduler_output, sampled, finished)
 
-    def _propose_drafts(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
-    ) -> None:
+    def _propose_drafts(self, scheduler_output: SchedulerOutput) -> None:
         """The drafts the step just run proposed (a draft model or head drafts inside the
         target's step) for its requests that sampled and decode next; the scheduler hands them
         over at their next decode."""
         drafter = self.scheduler.drafter
         if drafter is None or not drafter.uses_draft_model:
             return
-        cut = _cut_window_runs(scheduler_output.scheduled_requests, runner_output)
         decoding = [
             (r, scheduler_output.block_ids[r.request_id])
             for r in scheduler_output.scheduled_requests
@@ -345,7 +342,6 @@ class LLMEngine:
             and r.num_computed_tokens == r.num_tokens - 1
             and r.num_output_tokens > 0
             and can_draft(r)
-            and r.request_id not in cut
         ]
         if decoding:
             requests, block_ids = zip(*decoding)
@@ -500,14 +496,3 @@ class LLMEngine:
             self._finish(request)
             self.output_processor.discard(request)
             return None
-
-
-def _cut_window_runs(requests: list[Request], runner_output: ModelRunnerOutput | None) -> set[str]:
-    """The requests of a window of speculative rounds whose last round's run was cut at their
-    limit (min_tokens' end) short of its accepted drafts and bonus: the draft proposed from
-    after the whole run, for positions past the tokens the request took, so its drafts would
-    stand at the wrong output indices (worker/spec_window.py)."""
-    if runner_output is None or runner_output.num_accepted is None:
-        return set()
-    runs = zip(requests, runner_output.sampled_token_ids, runner_output.num_accepted)
-    return {r.request_id for r, tokens, rounds in runs if len(tokens) < sum(rounds) + len(rounds)}

@@ -42,6 +42,7 @@ from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.spec_window import (
     SpecWindowOutput,
+    cut_short,
     fetch_spec_window,
     first_round,
     run_spec_window,
@@ -424,6 +425,7 @@ class ModelRunner:
         )
         if isinstance(out, SpecWindowOutput):
             result = fetch_spec_window(out, num_reqs, any_logprobs)
+            self.draft.drop_drafts(cut_short(result, requests))
         else:
             result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         if self.expert_token_counts is not None:

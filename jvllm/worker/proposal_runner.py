@@ -48,6 +48,12 @@ class ProposalRunner:
         self._drafts = drafts
         self._rows = {r.request_id: s for s, r in enumerate(requests)}
 
+    def drop_drafts(self, request_ids) -> None:
+        """Forget the last step's drafts of these requests (made for positions they did not
+        reach)."""
+        for request_id in request_ids:
+            self._rows.pop(request_id, None)
+
     def propose(
         self, requests: list[Request], block_ids: list[list[int]]
     ) -> dict[str, tuple[int, list[int]]]:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.attention.metadata import Tiles
+from jvllm.core.request import Request
 from jvllm.worker.decode_loop import DecodeCarry, WindowInputs
 from jvllm.worker.draft_positions import in_table
 from jvllm.worker.runner_output import ModelRunnerOutput
@@ -265,3 +266,11 @@ def fetch_spec_window(
         rows = np.broadcast_to(np.arange(num_reqs), rounds.shape)
         result.logprobs = tuple(np.asarray(f)[rounds, rows, spots] for f in out.logprobs)
     return result
+
+
+def cut_short(result: ModelRunnerOutput, requests: list[Request]) -> list[str]:
+    """The requests whose last round's run the window cut at their limit (min_tokens' end) short
+    of its accepted drafts and bonus: their draft proposed after the whole run, for output
+    indices past the tokens they took."""
+    runs = zip(requests, result.sampled_token_ids, result.num_accepted)
+    return [r.request_id for r, tokens, rounds in runs if len(tokens) < sum(rounds) + len(rounds)]
