@@ -19,6 +19,13 @@ looping_model_dir, plain_llm = ngram_tests.looping_model_dir, ngram_tests.plain_
 other_draft_dir, head = draft_tests.other_draft_dir, eagle_tests.head
 
 
+def _windows(target: str, draft: str) -> LLM:
+    """The target with `draft` as its draft model, in windows of 4 rounds of k = 3."""
+    return LLM(
+        target, speculative_config=draft_model(draft), num_scheduler_steps=4, **ENGINE_KWARGS
+    )
+
+
 def _batch() -> tuple[list[list[int]], list[SamplingParams]]:
     """Greedy requests to their EOS or max_tokens, one ending at a stop token id and one held to
     min_tokens, a seeded sampled one, and one that asks for logprobs."""
@@ -62,12 +69,7 @@ def test_draft_model_windows_give_the_tokens_of_no_speculation(
     agrees, looping_model_dir, plain_llm, other_draft_dir
 ):
     draft = looping_model_dir if agrees else other_draft_dir
-    llm = LLM(
-        looping_model_dir,
-        speculative_config=draft_model(draft),
-        num_scheduler_steps=4,
-        **ENGINE_KWARGS,
-    )
+    llm = _windows(looping_model_dir, draft)
     prompts, params = _batch()
     _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 30
@@ -83,12 +85,7 @@ def test_rounds_checked_every_few_give_the_tokens_of_no_speculation(
     rounds = []
     for per_check in ("1", "3"):
         monkeypatch.setenv("JVLLM_WINDOW_STEPS_PER_CHECK", per_check)
-        llm = LLM(
-            looping_model_dir,
-            speculative_config=draft_model(other_draft_dir),
-            num_scheduler_steps=4,
-            **ENGINE_KWARGS,
-        )
+        llm = _windows(looping_model_dir, other_draft_dir)
         _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
         rounds.append(llm.llm_engine.spec_decoding_stats.num_drafts)
     assert rounds[0] == rounds[1] > 30  # every round's tokens came back
@@ -101,12 +98,7 @@ def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_d
     one draft of the request's own (padded to 3 for the device), and the counters count that
     one: every draft counted is accepted. The request asks for logprobs, which a window returns
     for every token."""
-    llm = LLM(
-        looping_model_dir,
-        speculative_config=draft_model(looping_model_dir),
-        num_scheduler_steps=4,
-        **ENGINE_KWARGS,
-    )
+    llm = _windows(looping_model_dir, looping_model_dir)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     engine.add_request("r", PROMPTS[1], params)
@@ -142,12 +134,7 @@ def test_rows_after_stopped_ones_read_their_pages_on_the_pure_jax_path(
     """Without the CPU kernel the page walk reads only the leading tiles that read pages: the
     two rows that stop in the first round must not push the fifth row's tiles past them."""
     monkeypatch.setenv("JVLLM_CPU_DECODE_KERNEL", "0")
-    llm = LLM(
-        looping_model_dir,
-        speculative_config=draft_model(looping_model_dir),
-        num_scheduler_steps=4,
-        **ENGINE_KWARGS,
-    )
+    llm = _windows(looping_model_dir, looping_model_dir)
     prompts = [[5, 90, 77], [17, 3], PROMPTS[3][:12], PROMPTS[1], [40, 41, 42, 43]]
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -160,12 +147,7 @@ def test_a_row_that_stops_early_keeps_the_drafts_of_its_last_round(looping_model
     run), "b" goes on for three more; the drafts "a" starts its next window with are those its
     own last round proposed, not those of the rounds it sat out on the null page, so every
     draft is accepted."""
-    llm = LLM(
-        looping_model_dir,
-        speculative_config=draft_model(looping_model_dir),
-        num_scheduler_steps=4,
-        **ENGINE_KWARGS,
-    )
+    llm = _windows(looping_model_dir, looping_model_dir)
     engine = llm.llm_engine
     held = SamplingParams(temperature=0, min_tokens=5, max_tokens=21, ignore_eos=True)
     engine.add_request("a", PROMPTS[0], held)
