@@ -27,17 +27,23 @@ from jvllm.layers.rotary import rope_cos_sin
 from jvllm.models.weights import CheckpointWeights
 
 
+def check_one_layer(cfg: dict, head: str) -> None:
+    """A ValueError for a draft head's config.json of other than one decoder layer."""
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(
+            f"{head} with num_hidden_layers={cfg['num_hidden_layers']} is not supported; "
+            "allowed: 1 (the published heads' one decoder layer)"
+        )
+
+
 class EagleHead(nnx.Module):
     is_draft_head = True  # speculative_config's model, never an engine's own (registry.py)
-    uses_target_lm_head = True  # its drafts are the target's LM head's argmax (worker/eagle.py)
+    # Its drafts come from the target's LM head over its rows (worker/eagle.py).
+    uses_target_lm_head = True
 
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
-        if cfg.get("num_hidden_layers", 1) != 1:
-            raise ValueError(
-                f"an EAGLE head with num_hidden_layers={cfg['num_hidden_layers']} is not "
-                "supported; allowed: 1 (the published heads' one decoder layer)"
-            )
+        check_one_layer(cfg, "an EAGLE head")
         if cfg.get("add_para_norm"):
             raise ValueError("an EAGLE head with add_para_norm (HASS) is not supported")
         cfg["hidden_act"] = check_activation(cfg.get("hidden_act", "silu"), "hidden_act")

@@ -26,6 +26,7 @@ from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.params import param
 from jvllm.layers.rotary import rope_cos_sin
+from jvllm.models.eagle1 import check_one_layer
 from jvllm.models.weights import CheckpointWeights
 
 # Where a checkpoint keeps the decoder layer: EAGLE's training code, or vLLM's speculators.
@@ -53,11 +54,7 @@ class Eagle3Head(nnx.Module):
 
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
-        if cfg.get("num_hidden_layers", 1) != 1:
-            raise ValueError(
-                f"an EAGLE-3 head with num_hidden_layers={cfg['num_hidden_layers']} is not "
-                "supported; allowed: 1 (the published heads' one decoder layer)"
-            )
+        check_one_layer(cfg, "an EAGLE-3 head")
         eagle = cfg.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state") is False:
             raise ValueError(
