@@ -247,22 +247,20 @@ def fetch_spec_window(
     accepted in each round it took part in, and where any request asked, the tokens' logprobs
     shaped as a decode window's ([n, num_reqs, ...]: token j of request i at [j, i])."""
     taken = np.asarray(out.num_taken)[:, :num_reqs]  # [R, num_reqs]
-    # Each request's tokens as (round, place in the run) pairs, in order.
-    places = [
-        [(r, j) for r, n in enumerate(taken[:, i]) for j in range(n)] for i in range(num_reqs)
-    ]
-    runs = np.asarray(out.runs)
-    tokens = [[int(runs[r, i, j]) for r, j in p] for i, p in enumerate(places)]
+    width = out.runs.shape[2]
+    took = np.arange(width) < taken[:, :, None]  # [R, num_reqs, k + 1] the tokens taken
+    runs = np.asarray(out.runs)[:, :num_reqs]
+    tokens = [runs[:, i][took[:, i]].tolist() for i in range(num_reqs)]  # round by round
     accepted = np.asarray(out.num_accepted)[:, :num_reqs]
     result = ModelRunnerOutput(
         tokens, num_accepted=[accepted[taken[:, i] > 0, i].tolist() for i in range(num_reqs)]
     )
     if any_logprobs:
-        num_steps = max(len(p) for p in places)
+        num_steps = max(len(t) for t in tokens)
         rounds = np.zeros((num_steps, num_reqs), np.int64)
-        spots = np.zeros((num_steps, num_reqs), np.int64)
-        for i, p in enumerate(places):
-            rounds[: len(p), i], spots[: len(p), i] = zip(*p)
+        spots = np.zeros((num_steps, num_reqs), np.int64)  # each token's place in its run
+        for i, num_tokens in enumerate(map(len, tokens)):
+            rounds[:num_tokens, i], spots[:num_tokens, i] = np.nonzero(took[:, i])
         rows = np.broadcast_to(np.arange(num_reqs), rounds.shape)
         result.logprobs = tuple(np.asarray(f)[rounds, rows, spots] for f in out.logprobs)
     return result
