@@ -1,6 +1,8 @@
 """The padded step shapes: which bucket a step lands in."""
 
+from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.buckets import Bucket, BucketSpec
+from jvllm.worker.step_compiler import StepCompiler, StepLayout
 
 
 def test_decode_buckets_are_one_row_then_eight_and_up():
@@ -15,3 +17,25 @@ def test_decode_buckets_are_one_row_then_eight_and_up():
 def test_single_sequence_bucket_not_doubled_when_one_sequence_is_the_limit():
     spec = BucketSpec(max_num_batched_tokens=2048, max_num_seqs=1)
     assert spec.seq_sizes() == [1]
+
+
+def test_windows_of_speculative_rounds_compile_only_for_buckets_a_window_can_take():
+    # A window of n requests with k drafts a round takes n (k + 1) tokens, and the scheduler
+    # runs one only within max_num_batched_tokens (core/decode_window.py).
+    k, budget = 3, 64
+    spec = BucketSpec(max_num_batched_tokens=budget, max_num_seqs=64)
+    compiler = StepCompiler(
+        spec,
+        None,
+        None,
+        StepLayout(16, 8, 100, False, num_speculative_tokens=k),
+        num_scheduler_steps=4,
+    )
+    windows = {shape for shape in compiler.all_shapes() if shape[1] == "spec_window"}
+    taken = {
+        (compiler._window_shape(n)[0], "spec_window", SamplerPlan.DYNAMIC)
+        for n in range(1, spec.max_num_seqs + 1)
+        if n * (k + 1) <= budget
+    }
+    assert windows == taken
+    assert len(windows) == 3  # the decode buckets of 1, 8 and 16 rows; 32 rows need 17 x 4

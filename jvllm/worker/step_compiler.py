@@ -113,7 +113,7 @@ class StepCompiler:
         decode = [b for b in buckets if b.is_decode]
         shapes = [(b, "step") for b in buckets]
         if self.num_scheduler_steps > 1:
-            shapes += [self._window_shape(b.num_seqs) for b in decode]
+            shapes += [self._window_shape(b.num_seqs) for b in self._window_buckets(decode)]
         if self.async_scheduling:
             shapes += [(b, "ahead") for b in decode]
         return [(b, kind, SamplerPlan.DYNAMIC) for b, kind in shapes]
@@ -245,6 +245,16 @@ class StepCompiler:
         self.executables.compile_in_background(
             [(bucket, kind, SamplerPlan.DYNAMIC) for bucket, kind in shapes]
         )
+
+    def _window_buckets(self, decode: list[Bucket]) -> list[Bucket]:
+        """The decode buckets (ascending) a window can run in: a window of n requests takes
+        n (k + 1) tokens, at most max_num_batched_tokens (core/decode_window.py), so a bucket
+        whose fewest requests (one more than the bucket below holds) take more never runs one
+        (with speculation; without, every decode bucket fits the budget)."""
+        per_request = self.layout.num_speculative_tokens + 1
+        fewest = [1] + [b.num_seqs + 1 for b in decode[:-1]]
+        budget = self.buckets.max_num_batched_tokens
+        return [b for b, n in zip(decode, fewest, strict=True) if n * per_request <= budget]
 
     def _window_shape(self, num_seqs: int) -> tuple[Bucket, str]:
         """(bucket, kind) of a decode window of `num_seqs` sequences: a decode bucket's
