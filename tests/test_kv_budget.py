@@ -15,6 +15,7 @@ from jvllm.entrypoints.cli import build_parser, engine_kwargs
 from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import load_model
 from jvllm.sample.plan import SamplerPlan
+from jvllm.worker.buckets import SPECULATIVE_MIN_TOKENS, BucketSpec
 from jvllm.worker.kv_budget import (
     CPU_KV_CACHE_CAP_BYTES,
     MemoryProbe,
@@ -22,11 +23,13 @@ from jvllm.worker.kv_budget import (
     device_budget,
     host_budget,
     kv_bytes_per_block,
+    largest_step,
     meminfo_available_bytes,
     size_kv_cache,
 )
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
+from jvllm.worker.step_compiler import StepCompiler, StepLayout
 
 GIB = 1 << 30
 F32 = kv_cache_spec("float32", "reference")  # 4 bytes a value
@@ -241,15 +244,19 @@ def test_kv_cache_dtype_is_a_serve_flag():
 
 
 @pytest.mark.parametrize(
-    "model,dtype,num_tokens,num_seqs,overrides",
+    "model,dtype,num_tokens,num_seqs,overrides,num_drafts",
     [
-        (TINY_2L, "float32", 256, 32, None),  # the sampler's [S, V] arrays dominate
+        (TINY_2L, "float32", 256, 32, None, 0),  # the sampler's [S, V] arrays dominate
+        # and with 3 drafts a request it samples their positions too, 4 S rows: the largest
+        # bucket's 239 MB outgrew a reserve of S rows (215 MB)
+        (TINY_2L, "float32", 256, 64, None, 3),
         pytest.param(  # one layer's activations dominate
             "jvllm/benchmarks/model_configs/smollm2-135m",
             "bfloat16",
             8192,
             8,
             None,
+            0,
             marks=pytest.mark.slow,
         ),
         pytest.param(  # MLA's latent path: 128 heads of 576 dims
@@ -258,21 +265,25 @@ def test_kv_cache_dtype_is_a_serve_flag():
             1024,
             8,
             mla_benchmark.shrunk_overrides(2),
+            0,
             marks=pytest.mark.slow,
         ),
     ],
 )
 def test_activation_reserve_bounds_the_compiled_steps_temporaries(
-    model, dtype, num_tokens, num_seqs, overrides
+    model, dtype, num_tokens, num_seqs, overrides, num_drafts
 ):
     """The reserve is a formula: it must stay above what XLA says the largest buckets need."""
     config, params, _ = load_model(model, dtype, "dummy", hf_overrides=overrides)
-    args = EngineArgs(max_num_batched_tokens=num_tokens, max_num_seqs=num_seqs)
+    speculative = {"method": "ngram", "num_speculative_tokens": num_drafts} if num_drafts else None
+    args = EngineArgs(
+        max_num_batched_tokens=num_tokens, max_num_seqs=num_seqs, speculative_config=speculative
+    )
     engine_config = args.create_engine_config().resolved(num_tokens, default_backend())
     runner = ModelRunner(config, params, engine_config.runner_config, num_blocks=8)
     buckets = runner.buckets.all_buckets()
     largest_decode = max(b for b in buckets if b.is_decode)
-    reserve = activation_reserve_bytes(config, num_tokens, num_seqs)
+    reserve = activation_reserve_bytes(config, *largest_step(engine_config.runner_config))
     for bucket in (largest_decode, buckets[-1]):
         analysis = runner.compiler.compile((bucket, "step", SamplerPlan.DYNAMIC)).memory_analysis()
         if analysis is None:
@@ -291,3 +302,19 @@ def test_the_largest_max_model_len_counts_the_windowed_groups_pages(config):
         size_kv_cache(cache, engine_config.runner_config, config, F32, 512, _cpu(GIB))
     # 19 blocks besides the null block: 256 tokens' 16 and the window's 3 (304 would need 22).
     assert "the largest max_model_len is 256" in str(error.value)
+
+
+@pytest.mark.parametrize("num_tokens", [64, 72, 256])
+def test_the_largest_step_counts_the_largest_window_of_speculative_rounds(num_tokens):
+    runner = dataclasses.replace(
+        EngineArgs().create_engine_config().runner_config,
+        max_num_batched_tokens=num_tokens,
+        max_num_seqs=64,
+        num_speculative_tokens=3,
+        num_scheduler_steps=4,
+    )
+    spec = BucketSpec(num_tokens, 64, min_mixed_tokens=SPECULATIVE_MIN_TOKENS)
+    layout = StepLayout(16, 8, 100, False, num_speculative_tokens=3)
+    compiler = StepCompiler(spec, None, None, layout, num_scheduler_steps=4)
+    largest = max(bucket.num_tokens for bucket, _, _ in compiler.all_shapes())
+    assert largest_step(runner) == (largest, 64, 64 + min(largest, 64 * 3))

@@ -16,6 +16,7 @@ from jvllm.core.engine_config import CacheConfig, RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups, blocks_to_hold
 from jvllm.distributed.tensor_parallel import shard_config
 from jvllm.sample.logprobs import PROMPT_LOGPROBS_CHUNK
+from jvllm.worker.buckets import BucketSpec
 from jvllm.worker.kv_layout import KVCacheSpec
 
 # The CPU default: at most this much KV, from at most this fraction of the host's free memory.
@@ -126,7 +127,7 @@ def size_kv_cache(
         groups, max_model_len, block_size, limits.max_num_batched_tokens
     )
     needed = (pages_per_request + 1) * bytes_per_block  # one full request and the null block
-    reserve = activation_reserve_bytes(config, limits.max_num_batched_tokens, limits.max_num_seqs)
+    reserve = activation_reserve_bytes(config, *largest_step(limits))
     budget = _budget(cache, probe, reserve, needed * num_shards)
     if probe.backend == "cpu" and cache.kv_cache_memory_bytes is None and num_shards > 1:
         budget = dataclasses.replace(
@@ -236,14 +237,34 @@ def meminfo_available_bytes(meminfo: str) -> int:
     )
 
 
+def largest_step(limits: RunnerConfig) -> tuple[int, int, int]:
+    """(tokens, sequences, sampled rows) of the largest step the runner compiles:
+    max_num_batched_tokens and max_num_seqs, and with k drafts a request the scored positions
+    besides each sequence's row (worker/draft_scoring.py: at most min(T, S k) more), over a
+    window of speculative rounds' bucket too: S (k + 1) tokens, S the decode bucket of the
+    most requests whose rounds fit max_num_batched_tokens (worker/step_compiler.py), up to
+    about twice max_num_batched_tokens."""
+    num_tokens, num_seqs = limits.max_num_batched_tokens, limits.max_num_seqs
+    k = limits.num_speculative_tokens
+    if k and limits.num_scheduler_steps > 1:
+        most = max(1, min(num_seqs, num_tokens // (k + 1)))
+        window = BucketSpec(num_tokens, num_seqs).select(most, most).num_seqs
+        num_tokens = max(num_tokens, window * (k + 1))
+    return num_tokens, num_seqs, num_seqs + min(num_tokens, num_seqs * k)
+
+
 def activation_reserve_bytes(
-    config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int
+    config: ModelConfig,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    num_sampled_rows: int | None = None,
 ) -> int:
     """Device memory a step needs beside the weights and the caches: a conservative bound on
     the compiled step's temporaries (XLA's `memory_analysis()` temp size) plus the bias rows
     the runner allocates after the KV cache. Every value counts as float32, and the phases are
     summed though they are live one after another:
-    - the sampler: 8 [S, V] arrays (logits, filtered and sorted copies, probabilities);
+    - the sampler: 8 [S, V] arrays (logits, filtered and sorted copies, probabilities), S
+      `num_sampled_rows` (max_num_seqs, and with drafts their scored positions too);
     - prompt logprobs: 4 [C, V] arrays, C = the positions of one chunk;
     - one decoder layer over T tokens (the layer scan keeps one live): [T, 3F + 4D + (N + 2K)H]
       (MLA's latent path: 8NH in place of (N + 2K)H: its absorbed queries, the window's and
@@ -258,7 +279,8 @@ def activation_reserve_bytes(
     c = config
     num_tokens, num_seqs = max_num_batched_tokens, max_num_seqs
     chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
-    sampler = 8 * num_seqs * c.vocab_size
+    sampled = num_seqs if num_sampled_rows is None else num_sampled_rows
+    sampler = 8 * sampled * c.vocab_size
     prompt_logprobs = 4 * chunk * c.vocab_size
     mlp = 3 * c.intermediate_size
     if c.num_experts:
