@@ -122,18 +122,19 @@ def test_a_first_use_waits_for_the_build_in_flight_and_gets_the_kernel(tmp_path,
 
 
 @pytest.mark.parametrize(
-    "quantization, dtype, kernels",
+    "quantization, dtype, int_weights, kernels",
     [
-        (None, "float32", ["cpu_dense"]),
-        ("gguf", "float32", ["cpu_gguf"]),  # packed weights never reach the float kernel
-        ("gguf", "bfloat16", ["cpu_gguf"]),
-        ("int8", "bfloat16", ["cpu_int8", "cpu_dense"]),
+        (None, "float32", False, ["cpu_dense"]),
+        ("gguf", "float32", False, ["cpu_gguf"]),  # packed weights never reach the float kernel
+        ("gguf", "bfloat16", False, ["cpu_gguf"]),
+        ("int8", "bfloat16", False, ["cpu_int8", "cpu_dense"]),
+        (None, "bfloat16", True, ["cpu_int_group", "cpu_dense"]),  # GPTQ, AWQ, int4 / int8
     ],
 )
 def test_the_engine_starts_building_the_matmul_kernels_its_weights_use(
-    quantization, dtype, kernels, monkeypatch
+    quantization, dtype, int_weights, kernels, monkeypatch
 ):
     started = []
     monkeypatch.setattr(native, "build_in_background", lambda kernel, *_: started.append(kernel))
-    build_kernels_early(quantization, dtype)
+    build_kernels_early(quantization, dtype, int_weights)
     assert started == kernels

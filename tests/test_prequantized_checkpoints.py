@@ -19,7 +19,7 @@ from family_parity import (
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.quantized_checkpoints import quantize_checkpoint, save_reference
-from jvllm.model_loader.loader import load_model
+from jvllm.model_loader.loader import has_int_weights, load_model
 from jvllm.model_loader.quant_config import checkpoint_quantization
 from jvllm.quantization import FP8Weight, IntWeight, is_quantized
 
@@ -267,3 +267,16 @@ def test_explicit_quantization_that_disagrees_with_the_checkpoint_names_both(tmp
         LLM(str(tmp_path / "q"), quantization="awq", max_model_len=64)
     with pytest.raises(ValueError, match="quantization='gptq' names a pre-quantized"):
         LLM(src, quantization="gptq", max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "quantization_config,int_weights",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, True),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, True),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, False),
+    ],
+)
+def test_integer_checkpoints_are_known_before_the_load(tmp_path, quantization_config, int_weights):
+    """The worker starts the grouped-integer kernel's build from config.json alone."""
+    assert has_int_weights(_write_config(tmp_path, quantization_config)) is int_weights

@@ -29,7 +29,11 @@ from jvllm.model_loader.hf import (
     read_hf_config,
     resolve_dtype,
 )
-from jvllm.model_loader.quant_config import check_requested_method, checkpoint_quantization
+from jvllm.model_loader.quant_config import (
+    CheckpointQuantization,
+    check_requested_method,
+    checkpoint_quantization,
+)
 from jvllm.models.registry import draft_head_method, is_draft_head
 from jvllm.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, QUANTIZATION_METHODS
 from jvllm.quantization.online import quantize_layer_weights
@@ -195,8 +199,7 @@ def resolve_quantization(
         raise ValueError(
             f"quantization='gguf' needs a .gguf file (or the default model), got model={model!r}"
         )
-    is_hf_dir = isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))
-    found = checkpoint_quantization(read_config_json(model, hf_overrides)) if is_hf_dir else None
+    found = _checkpoint_quantization(model, hf_overrides)
     names_a_format = quantization in CHECKPOINT_METHODS + tuple(METHOD_ALIASES)
     if found is None and names_a_format and quantization != "fp8":  # "fp8" also quantizes
         raise ValueError(
@@ -208,11 +211,26 @@ def resolve_quantization(
     return quantization
 
 
+def has_int_weights(model: str | None, hf_overrides: HFOverrides = None) -> bool:
+    """Whether `model` is an HF directory of a pre-quantized checkpoint holding integer weights
+    (GPTQ, AWQ, compressed-tensors' int schemes), which load as IntWeight; ValueError for a
+    quantization_config jvllm cannot run."""
+    found = _checkpoint_quantization(model, hf_overrides)
+    return found is not None and any(not scheme.is_float for _, scheme in found.groups)
+
+
 def _is_prequantized(model: str | None, hf_overrides: HFOverrides) -> bool:
     """Whether `model` is an HF directory whose config.json has a quantization_config."""
+    return _checkpoint_quantization(model, hf_overrides) is not None
+
+
+def _checkpoint_quantization(
+    model: str | None, hf_overrides: HFOverrides
+) -> CheckpointQuantization | None:
+    """The quantization_config of `model`'s config.json where it is an HF directory."""
     if not (isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))):
-        return False
-    return checkpoint_quantization(read_config_json(model, hf_overrides)) is not None
+        return None
+    return checkpoint_quantization(read_config_json(model, hf_overrides))
 
 
 def _load(

@@ -8,7 +8,7 @@ kernel cpu_dense.py), which the layers call for unquantized weights."""
 import jax
 from gguf.constants import GGMLQuantizationType as Q
 
-from jvllm.quantization import cpu_dense, cpu_gguf, cpu_int8
+from jvllm.quantization import cpu_dense, cpu_gguf, cpu_int8, cpu_int_group
 from jvllm.quantization.channel_weight import ChannelWeight
 from jvllm.quantization.expert_weight import ExpertWeight
 from jvllm.quantization.fp8_weight import FP8Weight
@@ -28,19 +28,22 @@ QuantizedWeight = (
 )
 
 
-def build_kernels_early(quantization: str | None, dtype: str) -> None:
+def build_kernels_early(quantization: str | None, dtype: str, int_weights: bool = False) -> None:
     """Start building, in the background, the native CPU matmul kernels that a model loaded
     with `quantization` (as the loader resolves it) in model dtype `dtype` multiplies its
     weights with, so that they build while it loads: a packed GGUF's kernel, not the float
     one, which packed weights never reach (on 2 cores the two builds would share them before
     the first token; a float matrix a GGUF holds gets its kernel built when the step is
-    traced); int8's beside the float one (the layers int8 leaves in the model dtype); else
-    the float one."""
+    traced); int8's, or with `int_weights` (a GPTQ, AWQ or compressed-tensors int checkpoint)
+    the grouped-integer one, beside the float one (for the layers left in the model dtype);
+    else the float one."""
     if quantization == "gguf":
         cpu_gguf.build_early(dtype)
         return
     if quantization == "int8":
         cpu_int8.build_early(dtype)
+    if int_weights:
+        cpu_int_group.build_early(dtype)
     cpu_dense.build_early(dtype)
 
 

@@ -41,6 +41,9 @@ _DTYPES = ("float32", "bfloat16")
 _SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _BITS = (4, 8)
 _GROUP_MULTIPLE = 32  # the kernel reads a row in runs of 32 columns, each in one group
+# No contraction of a product and a sum into one rounding: the values must be
+# int_weight.dequantize's bit for bit.
+_FLAGS = ["-ffp-contract=off"]
 
 
 def supports(dtype: str, bits: int, group_size: int, scale_dtype) -> bool:
@@ -52,8 +55,7 @@ def supports(dtype: str, bits: int, group_size: int, scale_dtype) -> bool:
         and group_size > 0
         and group_size % _GROUP_MULTIPLE == 0
         and jnp.dtype(scale_dtype) in _SCALE_DTYPES
-        and jax.default_backend() == "cpu"
-        and not native.is_switched_off("JVLLM_CPU_INT_GROUP_KERNEL", _WHAT)
+        and _is_on()
         and _register()
     )
 
@@ -94,8 +96,19 @@ def dense(
     return dot_rows(x, w)
 
 
+def build_early(dtype: str) -> None:
+    """Start building the kernel for a model of `dtype` whose checkpoint holds integer weights,
+    so that tracing the first step finds it built rather than waiting seconds for the compiler."""
+    if dtype in _DTYPES and _is_on():
+        native.build_in_background(_KERNEL, _WHAT, _FLAGS)
+
+
+def _is_on() -> bool:
+    return jax.default_backend() == "cpu" and not native.is_switched_off(
+        "JVLLM_CPU_INT_GROUP_KERNEL", _WHAT
+    )
+
+
 @functools.cache
 def _register() -> bool:
-    # No contraction of a product and a sum into one rounding: the values must be
-    # int_weight.dequantize's bit for bit.
-    return native.register_targets(_KERNEL, _TARGETS, _WHAT, ["-ffp-contract=off"])
+    return native.register_targets(_KERNEL, _TARGETS, _WHAT, _FLAGS)

@@ -27,7 +27,12 @@ from jvllm.lora.config import adapter_config
 from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
-from jvllm.model_loader.loader import expected_dtype, load_engine_model, resolve_quantization
+from jvllm.model_loader.loader import (
+    expected_dtype,
+    has_int_weights,
+    load_engine_model,
+    resolve_quantization,
+)
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
 from jvllm.models.registry import EAGLE_HEAD_ARCHITECTURE, mtp_head_architecture
@@ -155,9 +160,11 @@ class Worker:
             quantization = resolve_quantization(
                 load.model, load.dtype, load.quantization, load.hf_overrides
             )
+            int_weights = has_int_weights(load.model, load.hf_overrides)
         except ValueError:  # the load says what is wrong
-            quantization = None
-        build_kernels_early(quantization, expected_dtype(load.model, load.dtype, load.hf_overrides))
+            quantization, int_weights = None, False
+        dtype = expected_dtype(load.model, load.dtype, load.hf_overrides)
+        build_kernels_early(quantization, dtype, int_weights)
 
     def determine_num_blocks(self) -> int:
         """The KV cache's block count (null block included) from the memory the loaded
