@@ -18,6 +18,10 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # HF's hidden_act names of the activations layers/activation.py computes, one function each.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu", "relu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# vLLM's all2all_backend: how the MoE layers of data-parallel ranks bring the ranks' tokens to
+# their experts' devices. "auto" picks one of the other two by size
+# (distributed/data_parallel_moe.py's choose_all2all_backend); a ModelConfig holds the one picked.
+ALL2ALL_BACKENDS = ("auto", "allgather_reducescatter", "ragged_all_to_all")
 # The window a global layer passes to attention in a model that mixes both kinds: never cuts.
 NO_WINDOW = 2**30
 
@@ -92,6 +96,10 @@ class ModelConfig:
     # E / (num_data_ranks * num_shards) experts, gathers every rank's tokens over "data" and
     # reduce-scatters the outputs back; attention and the dense layers stay a rank's own.
     num_data_ranks: int = 1
+    # How those MoE layers exchange the ranks' tokens (layers/parallel.py's experts_over_ranks):
+    # "allgather_reducescatter" or "ragged_all_to_all", ALL2ALL_BACKENDS past "auto", which
+    # the engine resolves before it builds the model.
+    all2all_backend: str = "allgather_reducescatter"
     # LoRA adapter slots of the projections that take adapters (layers/lora.py), each of up to
     # max_lora_rank; 0: none, and the params hold no adapter weights.
     max_loras: int = 0
@@ -152,6 +160,11 @@ class ModelConfig:
             raise ValueError(
                 f"layer_types must give one of {LAYER_TYPES} for each of the {self.num_layers} "
                 f"layers, got {self.layer_types}"
+            )
+        if self.all2all_backend not in ALL2ALL_BACKENDS[1:]:
+            raise ValueError(
+                f"all2all_backend={self.all2all_backend!r} is not a form a model runs; allowed: "
+                f"{ALL2ALL_BACKENDS[1:]} ('auto' is resolved before the model is built)"
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(

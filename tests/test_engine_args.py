@@ -1,10 +1,12 @@
 """EngineArgs: every refusal before anything loads, and the configs made from it once."""
 
+import argparse
 import dataclasses
 
 import pytest
 
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.entrypoints.cli import add_engine_args, engine_kwargs
 
 
 @pytest.mark.parametrize(
@@ -26,6 +28,13 @@ from jvllm.engine.arg_utils import EngineArgs
             r"max_num_batched_tokens must be >= max_model_len \(4096\)",
         ),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
+        (
+            {"all2all_backend": "deepep_low_latency"},
+            (
+                r"all2all_backend must be one of \('auto', 'allgather_reducescatter', "
+                r"'ragged_all_to_all'\), got 'deepep_low_latency'"
+            ),
+        ),
         ({"runner": "pooling", "enable_lora": True}, "runner='pooling' is not"),
         (
             {
@@ -89,3 +98,12 @@ def test_data_parallel_across_processes_takes_one_rank_a_process():
             distributed_num_processes=2,
             distributed_process_id=0,
         )
+
+
+def test_the_cli_takes_all2all_backend_as_vllm_spells_it():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).all2all_backend == "auto"
+    args = parser.parse_args(["--all2all-backend", "ragged_all_to_all"])
+    config = EngineArgs(**engine_kwargs(args)).create_engine_config()
+    assert config.parallel_config.all2all_backend == "ragged_all_to_all"

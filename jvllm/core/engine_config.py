@@ -70,6 +70,9 @@ class ParallelConfig:
     # A mixture of experts' routed experts placed whole over the T devices (E/T each) instead
     # of each cut on its F (distributed/expert_parallel.py).
     enable_expert_parallel: bool = False
+    # With data_parallel_size > 1 and enable_expert_parallel, how the ranks' MoE layers move
+    # tokens to their experts' devices: one of config.py's ALL2ALL_BACKENDS.
+    all2all_backend: str = "auto"
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None

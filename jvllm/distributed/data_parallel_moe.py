@@ -7,7 +7,9 @@ and shared experts cut over its T devices as tensor parallelism cuts them (repli
 "data"). The routed experts are placed whole over all D x T devices (E / (D T) a device,
 EXPERT_PARALLEL_RULES), and each MoE layer gathers every rank's tokens and routes over "data",
 runs its device's experts on them, and reduce-scatters the partial sums back to their ranks
-(layers/parallel.py's experts_over_ranks), before its usual all-reduce over "model". A rank
+(layers/parallel.py's experts_over_ranks), or with all2all_backend "ragged_all_to_all" sends
+each token only to its experts' devices and the outputs back (layers/expert_dispatch.py;
+`choose_all2all_backend` resolves "auto"), before its usual all-reduce over "model". A rank
 with nothing to run steps a batch of padding, so that every rank reaches every collective.
 
 The arrays: the step's inputs carry a leading [D] axis cut over "data" (each rank's batch
@@ -24,19 +26,24 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shard_config
 from jvllm.layers.params import DP_AXIS, TP_AXIS
 from jvllm.layers.scan import unstack_specs
+from jvllm.logger import init_logger
 from jvllm.models.model import (
     compute_logits,
     forward,
     forward_counting_experts,
+    num_moe_layers,
     param_axes,
     param_shapes,
 )
+
+logger = init_logger(__name__)
 
 # The KV cache [L, V, K, D P, B, H] (a quantized cache's scales [L, V, K, D P, B] too): KV heads
 # over "model", each rank's P pages over "data".
@@ -50,6 +57,41 @@ def rank_config(config: ModelConfig, mesh: Mesh) -> ModelConfig:
     E / (D T) experts and running them across the D ranks."""
     local = shard_config(config, mesh.shape[TP_AXIS])
     return dataclasses.replace(local, num_data_ranks=mesh.shape[DP_AXIS])
+
+
+def choose_all2all_backend(
+    config: ModelConfig, mesh: Mesh, all2all_backend: str, num_tokens: int
+) -> ModelConfig:
+    """`config` (the model's, its experts placed over the D x T `mesh`) with its MoE layers'
+    exchange `all2all_backend` (config.py's ALL2ALL_BACKENDS) resolved. "auto" picks the
+    ragged all-to-all where it moves fewer bytes than the gather (a token goes to at most
+    min(k, D - 1) other ranks, against every D - 1: k < D - 1), the ranks span processes (across
+    hosts; within one every form costs under 2 ms a step, and XLA's ragged all-to-all is known
+    to use NVLink poorly, openxla/xla#33386) and the devices are not CPUs (where the all-to-all
+    is emulated in blocks as large as the gather: ragged_all_to_all.py); else the gather.
+    Logged, with the bytes a device would send a step of `num_tokens` tokens a rank by each."""
+    num_ranks, top_k = mesh.shape[DP_AXIS], config.num_experts_per_tok
+    chosen = all2all_backend
+    if all2all_backend == "auto":
+        is_cpu = mesh.devices.flat[0].platform == "cpu"
+        pays = top_k < num_ranks - 1 and jax.process_count() > 1 and not is_cpu
+        chosen = "ragged_all_to_all" if pays else "allgather_reducescatter"
+    # A token's row out in the model dtype with its routes, and its partial sum back in float32.
+    row_bytes = config.hidden_size * (jnp.dtype(config.dtype).itemsize + 4) + 8 * top_k
+    step_bytes = num_tokens * row_bytes * num_moe_layers(config)
+    logger.info(
+        "all2all_backend=%s: %s for the MoE layers of %d ranks (k = %d); a step of %d tokens "
+        "a rank sends up to %.1f MB a device by ragged all-to-all, %.1f MB by all-gather and "
+        "reduce-scatter",
+        all2all_backend,
+        chosen,
+        num_ranks,
+        top_k,
+        num_tokens,
+        min(top_k, num_ranks - 1) * step_bytes / 1e6,
+        (num_ranks - 1) * step_bytes / 1e6,
+    )
+    return dataclasses.replace(config, all2all_backend=chosen)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from jvllm.attention.backends import ATTENTION_BACKENDS
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.config import LOGPROBS_MODES
+from jvllm.config import ALL2ALL_BACKENDS, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.checks import check_bool, check_choice, check_int
 from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
@@ -68,6 +68,7 @@ def check_fields(args) -> None:
         "prefix_caching_hash_algo", args.prefix_caching_hash_algo, PREFIX_CACHING_HASH_ALGOS
     )
     check_choice("attention_backend", args.attention_backend, ATTENTION_BACKENDS, optional=True)
+    check_choice("all2all_backend", args.all2all_backend, ALL2ALL_BACKENDS)
     check_multimodal_fields(args)
     utilization = args.gpu_memory_utilization
     if (

@@ -141,6 +141,12 @@ class EngineArgs:
     # devices (E / T each, E a multiple of T) instead of each expert cut on its intermediate
     # size; a no-op for a model without experts or on one device.
     enable_expert_parallel: bool = False
+    # vLLM's: with data_parallel_size > 1 and enable_expert_parallel, how the ranks' MoE layers
+    # bring tokens to their experts' devices: "allgather_reducescatter" (every rank's tokens
+    # to every device), "ragged_all_to_all" (each token to its experts' devices only), or
+    # "auto": the all-to-all where it moves fewer bytes across hosts (docs/design.md, "MoE
+    # layers across data-parallel ranks").
+    all2all_backend: str = "auto"
     # Several processes (one per host) through jax.distributed; unset, the launcher's
     # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (distributed/multihost.py).
     distributed_coordinator_address: str | None = None  # host:port of process 0

@@ -9,7 +9,7 @@ import os
 import sys
 
 from jvllm.attention.kv_quant import KV_CACHE_DTYPES
-from jvllm.config import DTYPE_CHOICES, LOGPROBS_MODES
+from jvllm.config import ALL2ALL_BACKENDS, DTYPE_CHOICES, LOGPROBS_MODES
 from jvllm.core.block_hash import PREFIX_CACHING_HASH_ALGOS
 from jvllm.core.config import SCHEDULING_POLICIES
 from jvllm.engine.arg_utils import RUNNERS, EngineArgs, normalize_dtype
@@ -158,6 +158,10 @@ _ENGINE_FLAGS = {
     "enable_expert_parallel": {
         "action": "store_true",
         "help": "place MoE experts whole over the devices (E / tensor-parallel-size each)",
+    },
+    "all2all_backend": {
+        "choices": list(ALL2ALL_BACKENDS),
+        "help": "how data-parallel ranks' MoE layers send tokens to their experts' devices",
     },
     "distributed_coordinator_address": {"help": "host:port of process 0 (several hosts)"},
     "distributed_num_processes": {"type": int, "help": "processes (hosts) in all"},

@@ -107,7 +107,8 @@ class DeepseekMoE(nnx.Module):
         self.scaling_factor = config.option("routed_scaling_factor", 1.0)
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
-        self.num_data_ranks, self.dtype = config.num_data_ranks, config.dtype
+        self.num_data_ranks = config.num_data_ranks
+        self.config = config  # how the data-parallel ranks exchange tokens: experts_over_ranks
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
@@ -128,7 +129,7 @@ class DeepseekMoE(nnx.Module):
             self.num_local_experts, self.num_expert_shards, self.num_data_ranks
         )
         run = lambda x, w, e: moe_mlp(x, w, e, self.gate_up[...], self.down[...], first)
-        out = experts_over_ranks(run, x, weights, experts, self.num_data_ranks, self.dtype)
+        out = experts_over_ranks(run, x, weights, experts, self.config)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return sum_over_shards(out, self.num_shards)  # [T, D]

@@ -101,7 +101,8 @@ class GptOssMoE(nnx.Module):
         self.limit = config.option("swiglu_limit")
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
-        self.num_data_ranks, self.dtype = config.num_data_ranks, config.dtype
+        self.num_data_ranks = config.num_data_ranks
+        self.config = config  # how the data-parallel ranks exchange tokens: experts_over_ranks
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] -> f32[T, D]."""
@@ -122,6 +123,6 @@ class GptOssMoE(nnx.Module):
             self.limit,
             first,
         )
-        out = experts_over_ranks(run, x, weights, experts, self.num_data_ranks, self.dtype)
+        out = experts_over_ranks(run, x, weights, experts, self.config)
         out = sum_over_shards(out, self.num_shards)  # [T, D]
         return out + jnp.einsum("tk,tkd->td", weights, self.down_bias[...][experts])

@@ -178,7 +178,8 @@ class SparseMoE(nnx.Module):
         self.num_experts = config.num_experts
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
-        self.num_data_ranks, self.dtype = config.num_data_ranks, config.dtype
+        self.num_data_ranks = config.num_data_ranks
+        self.config = config  # how the data-parallel ranks exchange tokens: experts_over_ranks
         shared_f = config.shared_expert_intermediate_size
         # Its partial sum joins the experts' before their one all-reduce.
         self.shared_expert = GatedMLP(config, shared_f, sum_shards=False) if shared_f else None
@@ -201,4 +202,4 @@ class SparseMoE(nnx.Module):
             self.num_local_experts, self.num_expert_shards, self.num_data_ranks
         )
         run = lambda x, w, e: moe_mlp(x, w, e, self.gate_up[...], self.down[...], first)
-        return experts_over_ranks(run, x, weights, experts, self.num_data_ranks, self.dtype)
+        return experts_over_ranks(run, x, weights, experts, self.config)

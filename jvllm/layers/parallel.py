@@ -3,12 +3,15 @@ row-parallel projection (attention's o, the MLP's down, a MoE layer's experts) o
 vocab-sharded embedding lookup. The layer runs inside `shard_map` over the mesh's "model" axis
 (distributed/tensor_parallel.py); with one shard it runs as it is, with no collective. Under
 expert parallelism a MoE layer also asks which of the experts its device holds, and across
-data-parallel ranks (distributed/data_parallel_moe.py) runs its experts on every rank's tokens."""
+data-parallel ranks (distributed/data_parallel_moe.py) runs its experts on every rank's tokens,
+gathered or sent to it (layers/expert_dispatch.py)."""
 
 from collections.abc import Callable
 
 import jax
 
+from jvllm.config import ModelConfig
+from jvllm.layers.expert_dispatch import dispatch_over_ranks
 from jvllm.layers.params import DP_AXIS, TP_AXIS
 
 
@@ -35,18 +38,24 @@ def experts_over_ranks(
     x: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
-    num_data_ranks: int,
-    rows_dtype: str,
+    config: ModelConfig,
 ) -> jax.Array:
     """run(x f32[T, D], weights f32[T, k], experts i32[T, k]) -> this device's experts' partial
-    sums f32[T, D], for this rank's T tokens. Across `num_data_ranks` > 1 ranks: every rank's
+    sums f32[T, D], for this rank's T tokens (`config`: the device's layer's). Across its
+    num_data_ranks > 1 ranks, by its all2all_backend: "allgather_reducescatter", every rank's
     tokens and routes gathered over "data" ([R T, ...]), run on the device's experts, and the
-    partial sums reduce-scattered back, each rank its own T rows summed over the ranks (the
-    "model" axis's sum is the layer's own all-reduce, as without ranks). The tokens travel in
-    `rows_dtype`, the model dtype, which the experts' grouped matmuls cast them to anyway
-    (bfloat16: half the bytes of float32 rows)."""
-    if num_data_ranks == 1:
+    partial sums reduce-scattered back, each rank its own T rows summed over the ranks;
+    "ragged_all_to_all", each token sent only to the devices of its experts
+    (layers/expert_dispatch.py). Either way the "model" axis's sum is the layer's own
+    all-reduce, as without ranks. The tokens travel in the model dtype, which the experts'
+    grouped matmuls cast them to anyway (bfloat16: half the bytes of float32 rows)."""
+    num_ranks = config.num_data_ranks
+    if num_ranks == 1:
         return run(x, weights, experts)
-    rows = x.astype(rows_dtype)
+    if config.all2all_backend == "ragged_all_to_all":
+        return dispatch_over_ranks(
+            run, x, weights, experts, num_ranks, config.num_local_experts, config.dtype
+        )
+    rows = x.astype(config.dtype)
     everyone = jax.lax.all_gather((rows, weights, experts), DP_AXIS, tiled=True)
     return jax.lax.psum_scatter(run(*everyone), DP_AXIS, scatter_dimension=0, tiled=True)

@@ -14,6 +14,7 @@ import jax
 from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.cpu_malloc import keep_freed_memory
+from jvllm.distributed.data_parallel_moe import choose_all2all_backend
 from jvllm.distributed.mesh import describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
 from jvllm.model_loader.generation_config import load_generation_config
@@ -91,6 +92,9 @@ class RankGroupWorker:
                 f"{model_config.architecture} takes images, which data-parallel ranks whose "
                 "MoE layers run across them do not yet; leave enable_expert_parallel off"
             )
+        model_config = choose_all2all_backend(
+            model_config, self.mesh, parallel.all2all_backend, runner.max_num_batched_tokens
+        )
         max_model_len = model_config.checked_max_model_len(load.max_model_len)
         self.model_config = model_config.for_max_model_len(max_model_len)
         self.model_config.check_can_generate()

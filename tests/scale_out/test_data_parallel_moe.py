@@ -23,10 +23,15 @@ from test_family_gpt_oss import _save_gpt_oss
 
 from jvllm import LLM
 from jvllm.attention.backends import get_attention
-from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, data_parallel_model
+from jvllm.distributed.data_parallel_moe import (
+    KV_CACHE_SPEC,
+    choose_all2all_backend,
+    data_parallel_model,
+)
 from jvllm.distributed.mesh import make_mesh
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.async_llm import AsyncLLM
+from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import load_model
 from jvllm.models.model import compute_logits, forward
 from jvllm.sampling_params import SamplingParams
@@ -101,13 +106,15 @@ def _alone(path: str, steps) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def _across_ranks(path: str, d: int, t: int, steps):
-    """The D ranks' steps, stacked, as one SPMD step each over the D x T mesh -> the model,
-    the params, and (hidden [D, ...], logits [D, ...]) each step."""
+def _across_ranks(path: str, d: int, t: int, steps, all2all_backend: str):
+    """The D ranks' steps, stacked, as one SPMD step each over the D x T mesh, the ranks'
+    tokens exchanged by `all2all_backend` -> the model's config, the params, and
+    (hidden [D, ...], logits [D, ...]) each step."""
     mesh = make_mesh(d, t)
     config, params, _ = load_model(
         path, "float32", mesh=mesh, skip_tokenizer_init=True, enable_expert_parallel=True
     )
+    config = choose_all2all_backend(config, mesh, all2all_backend, PREFILL.num_tokens)
     model = data_parallel_model(
         config, mesh, get_attention("reference", config.sm_scale), False, params
     )
@@ -132,20 +139,34 @@ def _experts_a_device(params) -> set[int]:
     return {shard.data.shape[1] for a in stacks for shard in a.addressable_shards}
 
 
+GATHER, RAGGED = "allgather_reducescatter", "ragged_all_to_all"
+
+
 @pytest.mark.parametrize(
-    ("name", "d", "t"),
+    ("name", "d", "t", "all2all_backend"),
     [
-        ("mixtral", 2, 1),
-        ("mixtral", 2, 2),
-        ("qwen2_moe", 2, 2),
-        ("deepseek_v3", 2, 2),
-        ("gpt_oss", 2, 2),
+        ("mixtral", 2, 1, GATHER),
+        ("mixtral", 2, 2, GATHER),
+        ("qwen2_moe", 2, 2, GATHER),
+        ("deepseek_v3", 2, 2, GATHER),
+        ("gpt_oss", 2, 2, GATHER),
+        ("mixtral", 2, 1, RAGGED),
+        ("mixtral", 2, 2, RAGGED),
+        ("mixtral", 4, 1, RAGGED),
+        ("deepseek_v3", 2, 1, RAGGED),
+        ("deepseek_v3", 2, 2, RAGGED),
+        ("gpt_oss", 2, 2, RAGGED),
     ],
 )
-def test_each_rank_gets_what_its_batch_gives_alone_on_one_device(model_dir, name, d, t):
+def test_each_rank_gets_what_its_batch_gives_alone_on_one_device(
+    model_dir, name, d, t, all2all_backend
+):
     """Mixtral's 8 experts, 4 or 2 a device; Qwen2-MoE's 4, 1 a device, and its gated shared
     expert cut over "model", run on the rank's own tokens; DeepSeek-V3's grouped sigmoid router,
-    shared expert and MLA's latent cache; gpt-oss's expert biases, whole or by expert."""
+    shared expert and MLA's latent cache; gpt-oss's expert biases, whole or by expert. The
+    tokens gathered to every device, or sent to their experts' devices alone by ragged
+    all-to-alls (on a CPU, in blocks: layers/ragged_all_to_all.py), at D = 4 a token's 2
+    experts on at most 2 of the 4 rows."""
     path = model_dir(name)
     prompts = [PROMPTS[r % 2] for r in range(d)]
     steps = [
@@ -153,7 +174,8 @@ def test_each_rank_gets_what_its_batch_gives_alone_on_one_device(model_dir, name
         # Rank 1 has nothing to decode: a batch of padding, which writes only the null page.
         [_step_inputs(prompts[r] if r == 0 else [], True) for r in range(d)],
     ]
-    config, params, spread = _across_ranks(path, d, t, steps)
+    config, params, spread = _across_ranks(path, d, t, steps, all2all_backend)
+    assert config.all2all_backend == all2all_backend
     experts_a_device = config.num_experts // (d * t)
     assert _experts_a_device(params) == {experts_a_device}
     for r in range(d):
@@ -178,13 +200,19 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize(("t", "compile_all_buckets"), [(1, True), (2, False)])
-def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t, compile_all_buckets):
+@pytest.mark.parametrize(
+    ("t", "compile_all_buckets", "all2all_backend"),
+    [(1, True, "auto"), (2, False, GATHER), (2, False, RAGGED)],
+)
+def test_engine_ranks_step_as_one_and_decode_as_one_device(
+    model_dir, t, compile_all_buckets, all2all_backend
+):
     """data_parallel_size=2 with enable_expert_parallel: two ranks, each its own scheduler and
     pages, every step of both one jitted call with Mixtral's 8 experts spread over the 2 t
     devices; five ragged prompts (rank 0 gets three, rank 1 two, and runs out first, stepping
-    padding) decode greedily as one device decodes them. With compile_all_buckets every
-    bucket's step compiles at start-up, and the steps compile nothing more."""
+    padding) decode greedily as one device decodes them, the tokens gathered ("auto" on a CPU)
+    or sent by all-to-all. With compile_all_buckets every bucket's step compiles at start-up,
+    and the steps compile nothing more."""
     path = model_dir("mixtral")
     prompts = ragged_prompts(VOCAB)
     expected = _greedy(LLM(path, **ENGINE_KWARGS), prompts)
@@ -194,9 +222,11 @@ def test_engine_ranks_step_as_one_and_decode_as_one_device(model_dir, t, compile
         tensor_parallel_size=t,
         enable_expert_parallel=True,
         compile_all_buckets=compile_all_buckets,
+        all2all_backend=all2all_backend,
         **ENGINE_KWARGS,
     )
     group = llm.llm_engine.group.group_runner()
+    assert group.config.all2all_backend == (RAGGED if all2all_backend == RAGGED else GATHER)
     num_buckets = len(group.buckets.all_buckets())
     assert group.num_compilations == (num_buckets if compile_all_buckets else 0)
     assert _greedy(llm, prompts) == expected
@@ -234,19 +264,13 @@ def test_async_engine_streams_from_ranks_stepping_as_one(model_dir):
         llm.shutdown()
 
 
-def test_the_step_gathers_and_reduce_scatters_over_the_ranks_and_nothing_else(model_dir):
-    """Mixtral at D = T = 2, the layer scan's body once: the MoE layer's all-gather of the
-    ranks' tokens, weights and expert ids and its one reduce-scatter over "data"; tensor
-    parallelism's all-reduces over "model" (attention's o, the experts, the embedding); no
-    all-to-all."""
+def _step_collectives(path: str, all2all_backend: str) -> collections.Counter:
+    """The collectives of Mixtral's compiled step at D = T = 2 (the layer scan's body once)."""
     mesh = make_mesh(2, 2)
     config, params, _ = load_model(
-        model_dir("mixtral"),
-        "float32",
-        mesh=mesh,
-        skip_tokenizer_init=True,
-        enable_expert_parallel=True,
+        path, "float32", mesh=mesh, skip_tokenizer_init=True, enable_expert_parallel=True
     )
+    config = choose_all2all_backend(config, mesh, all2all_backend, DECODE.num_tokens)
     model = data_parallel_model(
         config, mesh, get_attention("reference", config.sm_scale), False, params
     )
@@ -255,8 +279,37 @@ def test_the_step_gathers_and_reduce_scatters_over_the_ranks_and_nothing_else(mo
     step = jax.tree.map(lambda *a: np.stack(a), *[_step_inputs(PROMPTS[0], True)] * 2)
     lowered = jax.jit(model.forward).lower(params, kv, step.token_ids, step.positions, step.attn)
     text = lowered.compile().as_text()
-    ops = re.findall(r"= \S+ (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", text)
-    assert collections.Counter(ops) == {"all-gather": 3, "reduce-scatter": 1, "all-reduce": 3}
+    kinds = "all-gather|reduce-scatter|all-reduce|all-to-all|ragged-all-to-all"
+    # An op's shape, or a tuple of them (XLA:CPU's all-to-all returns one a peer).
+    shape = r"(?:\S+|\([^)]*\))"
+    return collections.Counter(re.findall(rf"= {shape} ({kinds})(?:-start)?\(", text))
+
+
+def test_the_step_gathers_and_reduce_scatters_over_the_ranks_and_nothing_else(model_dir):
+    """Mixtral at D = T = 2, the layer scan's body once: the MoE layer's all-gather of the
+    ranks' tokens, weights and expert ids and its one reduce-scatter over "data"; tensor
+    parallelism's all-reduces over "model" (attention's o, the experts, the embedding); no
+    all-to-all."""
+    ops = _step_collectives(model_dir("mixtral"), GATHER)
+    assert ops == {"all-gather": 3, "reduce-scatter": 1, "all-reduce": 3}
+
+
+def test_the_ragged_step_sends_tokens_by_all_to_all_and_gathers_none(model_dir):
+    """all2all_backend="ragged_all_to_all" on a CPU: the MoE layer's exchanges are dense
+    all-to-alls, 7: the sizes and first slots; out, the tokens', weights' and ids' blocks and
+    the offsets they land at (one for the three); back, the partial sums' blocks and their
+    offsets. No all-gather or reduce-scatter, and no ragged-all-to-all, which XLA:CPU cannot
+    compile; tensor parallelism's all-reduces as before."""
+    ops = _step_collectives(model_dir("mixtral"), RAGGED)
+    assert ops == {"all-to-all": 7, "all-reduce": 3}
+
+
+def test_auto_picks_the_gather_on_cpus_and_a_named_backend_is_kept(model_dir):
+    """At D = 4 Mixtral's k = 2 < D - 1, so the all-to-all would move fewer bytes, but on
+    CPUs (emulated in blocks as large as the gather) and in one process "auto" gathers."""
+    mesh, config = make_mesh(4, 1), read_hf_config(model_dir("mixtral"))
+    assert choose_all2all_backend(config, mesh, "auto", 32).all2all_backend == GATHER
+    assert choose_all2all_backend(config, mesh, RAGGED, 32).all2all_backend == RAGGED
 
 
 def test_each_rank_samples_and_scores_its_own_requests_as_one_device(model_dir):
