@@ -93,8 +93,8 @@ class ModelConfig:
     is_expert_parallel: bool = False
     # > 1 (a shard's config, under expert parallelism): the MoE layers run across this many
     # data-parallel ranks, the mesh's "data" axis (distributed/data_parallel_moe.py): each holds
-    # E / (num_data_ranks * num_shards) experts, gathers every rank's tokens over "data" and
-    # reduce-scatters the outputs back; attention and the dense layers stay a rank's own.
+    # E / (num_data_ranks * num_shards) experts and runs them on the ranks' tokens, gathered or
+    # sent to it (all2all_backend); attention and the dense layers stay a rank's own.
     num_data_ranks: int = 1
     # How those MoE layers exchange the ranks' tokens (layers/parallel.py's experts_over_ranks):
     # "allgather_reducescatter" or "ragged_all_to_all", ALL2ALL_BACKENDS past "auto", which
