@@ -39,3 +39,19 @@ def test_windows_of_speculative_rounds_compile_only_for_buckets_a_window_can_tak
     }
     assert windows == taken
     assert len(windows) == 3  # the decode buckets of 1, 8 and 16 rows; 32 rows need 17 x 4
+
+
+def test_a_step_queues_only_decode_shapes_the_runner_compiles_up_front():
+    # After a step of 32 requests (a prefill of short prompts fits 64 tokens), a window of them
+    # would take 32 x 4 tokens: the scheduler never runs one, so its 128-token bucket must not
+    # compile in the background either.
+    k, budget = 3, 64
+    spec = BucketSpec(max_num_batched_tokens=budget, max_num_seqs=64)
+    layout = StepLayout(16, 8, 100, False, num_speculative_tokens=k)
+    compiler = StepCompiler(spec, None, None, layout, num_scheduler_steps=4)
+    queued = []
+    compiler.executables.compile_in_background = queued.extend
+    for num_seqs in range(1, spec.max_num_seqs + 1):
+        compiler.queue_decode_shapes(num_seqs)
+    assert set(queued) <= set(compiler.all_shapes())
+    assert (compiler._window_shape(16)[0], "spec_window", SamplerPlan.DYNAMIC) in queued

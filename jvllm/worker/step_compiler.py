@@ -235,10 +235,11 @@ class StepCompiler:
 
     def queue_decode_shapes(self, num_seqs: int) -> None:
         """Queue the compiles of the shapes that decode steps of `num_seqs` sequences will run
-        in, so that they start beside the step before."""
+        in, so that they start beside the step before: a window's only where the scheduler
+        runs one of `num_seqs` (all_shapes lists no other)."""
         bucket = self.buckets.select(num_seqs, num_seqs)
         shapes = [(bucket, "step")]
-        if self.num_scheduler_steps > 1:
+        if self.num_scheduler_steps > 1 and self._runs_window(num_seqs):
             shapes.append(self._window_shape(num_seqs))
         if self.async_scheduling:
             shapes.append((bucket, "ahead"))
@@ -251,10 +252,14 @@ class StepCompiler:
         n (k + 1) tokens, at most max_num_batched_tokens (core/decode_window.py), so a bucket
         whose fewest requests (one more than the bucket below holds) take more never runs one
         (with speculation; without, every decode bucket fits the budget)."""
-        per_request = self.layout.num_speculative_tokens + 1
         fewest = [1] + [b.num_seqs + 1 for b in decode[:-1]]
-        budget = self.buckets.max_num_batched_tokens
-        return [b for b, n in zip(decode, fewest, strict=True) if n * per_request <= budget]
+        return [b for b, n in zip(decode, fewest, strict=True) if self._runs_window(n)]
+
+    def _runs_window(self, num_seqs: int) -> bool:
+        """Whether the scheduler runs a window of `num_seqs` requests: their rounds' n (k + 1)
+        tokens fit max_num_batched_tokens (core/decode_window.py)."""
+        per_request = self.layout.num_speculative_tokens + 1
+        return num_seqs * per_request <= self.buckets.max_num_batched_tokens
 
     def _window_shape(self, num_seqs: int) -> tuple[Bucket, str]:
         """(bucket, kind) of a decode window of `num_seqs` sequences: a decode bucket's
