@@ -346,7 +346,9 @@ class ModelRunner:
         the logprobs that any of them asked for; a decode window's tokens as a list each.
         `token_bitmask`: the requests' grammar masks (structured outputs), then, with drafts,
         their positions' (StructuredOutputManager.bitmask); None for none."""
+        # The decode steps that follow this one: their compiles start now, beside this step's.
         requests = scheduler_output.scheduled_requests
+        self.compiler.queue_decode_shapes(len(requests))
         num_reqs = len(requests)
         counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
         is_window = scheduler_output.num_steps > 1
@@ -408,10 +410,6 @@ class ModelRunner:
             out, self.kv_cache, self.token_cache = exe(*args)
             if self.draft is not None:
                 self.draft.keep_drafts(out.draft_tokens, requests)
-        # The decode steps that follow this one: their compiles start beside this step's run,
-        # once its own executable is ready (beside its compile, on two cores, they delayed a
-        # cold first token by about 1.5 s).
-        self.compiler.queue_decode_shapes(num_reqs)
         if (
             self.async_scheduling
             and can_run_ahead(scheduler_output, block_ids, self.block_size)
