@@ -12,12 +12,15 @@ from jvllm.layers.expert_dispatch import dispatch_layout, dispatch_over_ranks
 from jvllm.layers.params import DP_AXIS, TP_AXIS
 from jvllm.layers.ragged_all_to_all import dense_ragged_all_to_all
 
+# Jitted: eagerly each of its ops compiles alone (seconds).
+_layout = jax.jit(dispatch_layout, static_argnames=("num_local_experts", "num_ranks", "num_shards"))
+
 
 def test_a_token_goes_once_to_a_row_holding_several_of_its_experts():
     """2 ranks of 1 device, 2 experts each: token 0's experts both lie on row 0, token 2's
     both on row 1, token 1 has one on each."""
     experts = jnp.array([[0, 1], [1, 2], [3, 2]], jnp.int32)
-    layout = dispatch_layout(experts, num_local_experts=2, num_ranks=2, num_shards=1, column=0)
+    layout = _layout(experts, num_local_experts=2, num_ranks=2, num_shards=1, column=0)
     assert layout.send_sizes.tolist() == [2, 2]
     assert layout.input_offsets.tolist() == [0, 2]
     assert layout.slot_tokens.shape == (6,)  # min(k, R) T slots
@@ -31,10 +34,10 @@ def test_a_device_sends_only_its_own_columns_assignments():
     0 sends token 0 (experts 0 and 1) to row 0 for expert 0 alone, and token 1 (experts 3 and
     1) nowhere; column 1 sends token 0 to row 0 and token 1 to rows 0 and 1."""
     experts = jnp.array([[0, 1], [3, 1]], jnp.int32)
-    left = dispatch_layout(experts, num_local_experts=1, num_ranks=2, num_shards=2, column=0)
+    left = _layout(experts, num_local_experts=1, num_ranks=2, num_shards=2, column=0)
     assert left.send_sizes.tolist() == [1, 0]
     assert left.slot_tokens[0] == 0 and left.slot_routes[0].tolist() == [True, False]
-    right = dispatch_layout(experts, num_local_experts=1, num_ranks=2, num_shards=2, column=1)
+    right = _layout(experts, num_local_experts=1, num_ranks=2, num_shards=2, column=1)
     assert right.send_sizes.tolist() == [2, 1]
     assert right.slot_tokens[:3].tolist() == [0, 1, 1]
     assert right.slot_routes[:3].tolist() == [[False, True], [False, True], [True, False]]

@@ -3,11 +3,14 @@ that stand in for it give, on random sizes and offsets over 2 and 4 peers (a nam
 which jax's all_to_all runs as it runs over devices), what jax documents the op to give. So
 the native op, which runs on a GPU and no test here has run, makes the same exchange."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from jvllm.layers.ragged_all_to_all import ragged_all_to_all
+from jvllm.layers.ragged_all_to_all import dense_ragged_all_to_all, ragged_all_to_all
 
 
 def _documented(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes):
@@ -51,16 +54,19 @@ def _random_exchange(rng, num_peers: int, per_peer: int, capacity: int):
     return tuple(a.astype(np.int32) if a.dtype == np.int64 else a for a in args)
 
 
+def _blocks(max_send_size: int):
+    """The CPU's stand-in over a named vmap axis of peers, jitted."""
+    exchange = functools.partial(
+        dense_ragged_all_to_all, axis_name="peers", max_send_size=max_send_size
+    )
+    return jax.jit(jax.vmap(exchange, axis_name="peers"))
+
+
 @pytest.mark.parametrize(("num_peers", "per_peer"), [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_blocks_make_the_exchange_the_op_documents(num_peers, per_peer):
     rng = np.random.default_rng(num_peers * 10 + per_peer)
     capacity = 5
-    # Not under jit: there jax traces the native op's branch under vmap too, which has no
-    # batching rule; run eagerly, the platform (CPU) picks the blocks before anything traces.
-    exchange = jax.vmap(
-        lambda *a: ragged_all_to_all(*a, axis_name="peers", max_send_size=capacity),
-        axis_name="peers",
-    )
+    exchange = _blocks(capacity)
     for _ in range(3):
         args = _random_exchange(rng, num_peers, per_peer, capacity)
         np.testing.assert_array_equal(np.asarray(exchange(*args)), _documented(*args))
@@ -76,7 +82,23 @@ def test_the_docstring_example():
         np.array([[0, 0], [1, 2]], np.int32),
         np.array([[1, 1], [2, 1]], np.int32),
     )
-    exchange = jax.vmap(
-        lambda *a: ragged_all_to_all(*a, axis_name="peers", max_send_size=2), axis_name="peers"
+    np.testing.assert_array_equal(_blocks(2)(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_a_cpu_runs_the_blocks_in_place_of_the_op():
+    """The platform switch, jitted over a mesh of the one CPU device (a vmap would trace the
+    native op's branch too, which has no batching rule): XLA:CPU, which lacks the op, runs."""
+    mesh = jax.make_mesh((1,), ("peers",))
+    exchange = functools.partial(ragged_all_to_all, axis_name="peers", max_send_size=2)
+    # check_vma off, as distributed/data_parallel_moe.py's shard_map runs the model.
+    mapped = jax.shard_map(exchange, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    run = jax.jit(mapped)
+    args = (
+        np.array([1, 2, 3], np.float32),
+        np.zeros(4, np.float32),
+        np.array([1], np.int32),
+        np.array([2], np.int32),
+        np.array([1], np.int32),
+        np.array([2], np.int32),
     )
-    np.testing.assert_array_equal(exchange(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])
+    np.testing.assert_array_equal(run(*args), [0, 2, 3, 0])
