@@ -9,8 +9,10 @@ inside shard_map over 16 devices, each device holding 16 of the 256 routed exper
   every token (tensor-parallel attention), runs its experts' assignments, one all-reduce sums;
 - "dp-attention": attention data-parallel, each device its own tokens: all-gather the tokens,
   run the held experts' assignments (and a 1/16 slice of the shared expert) on all of them,
-  reduce-scatter each device's rows back (vLLM's allgather_reducescatter dispatch). Not built
-  in the engine yet; the layer is what its step would run.
+  reduce-scatter each device's rows back (vLLM's allgather_reducescatter dispatch; the engine
+  runs it with `data_parallel_size` and `enable_expert_parallel`, distributed/data_parallel_moe.py,
+  whose all2all_backend "ragged_all_to_all" sends each token to its experts' devices instead);
+  here the gather and scatter are written around the layer over one mesh axis of 16.
 For each: the collectives in the compiled HLO with their bytes a device sends (ring algorithms:
 an all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n of the
 gathered one); beside them the bytes an all-to-all dispatch would move (not compiled). Then the
