@@ -49,6 +49,17 @@ class StepAhead:
     out: SamplerOutput
     inputs: StepInputs
 
+    @classmethod
+    def of_rows(cls, rows: list[int], requests, block_ids: list[list[int]], **fields):
+        """The step dispatched ahead whose `rows` hold `requests` over `block_ids`, in order,
+        the bucket's other rows none; `fields` the rest of StepAhead's."""
+        num_rows = fields["bucket"].num_seqs
+        request_ids: list[str | None] = [None] * num_rows
+        row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
+        for row, request, blocks in zip(rows, requests, block_ids, strict=True):
+            request_ids[row], row_blocks[row] = request.request_id, blocks
+        return cls(request_ids=tuple(request_ids), block_ids=row_blocks, **fields)
+
 
 def can_run_ahead(
     scheduler_output: SchedulerOutput, block_ids: list[list[int]], block_size: int

@@ -22,6 +22,7 @@ import numpy as np
 from jvllm.core.spec_decode import accept_drafts
 from jvllm.sample.metadata import SamplingMetadata, take_rows
 from jvllm.worker.buckets import Bucket
+from jvllm.worker.runner_output import ModelRunnerOutput
 
 
 @jax.tree_util.register_dataclass
@@ -152,3 +153,17 @@ def run_logprobs(
             at += len(drafts)
         runs.append(run)
     return tuple(runs)
+
+
+def with_accepted_runs(
+    result: ModelRunnerOutput, out, draft_token_ids: list[list[int]]
+) -> ModelRunnerOutput:
+    """`result`, fetched from a step with drafts whose device outputs are `out`, with each
+    request's accepted run of tokens as a list, and their logprobs where it holds any."""
+    targets = np.asarray(out.draft_target_ids)
+    tokens = accepted_token_ids(result.sampled_token_ids, targets, draft_token_ids)
+    logprobs = result.logprobs
+    if logprobs is not None:  # a window's shape: a row per token of a run
+        scored = tuple(np.asarray(a) for a in out.draft_logprobs)
+        logprobs = run_logprobs(logprobs, scored, draft_token_ids)
+    return dataclasses.replace(result, sampled_token_ids=tokens, logprobs=logprobs)

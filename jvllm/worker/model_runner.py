@@ -34,7 +34,7 @@ from jvllm.worker.decode_loop import (
     window_steps_per_check,
 )
 from jvllm.worker.draft_model import DraftModel
-from jvllm.worker.draft_scoring import accepted_token_ids, run_logprobs
+from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.drafters import make_drafter
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
@@ -432,12 +432,7 @@ class ModelRunner:
             self.expert_token_counts = self.expert_token_counts + np.asarray(out.expert_counts)
         if scheduler_output.spec_token_ids and not is_window:  # each request's run, a list
             drafts = [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests]
-            result.sampled_token_ids = accepted_token_ids(
-                result.sampled_token_ids, np.asarray(out.draft_target_ids), drafts
-            )
-            if result.logprobs is not None:  # a window's shape: a row per token of a run
-                scored = tuple(np.asarray(a) for a in out.draft_logprobs)
-                result.logprobs = run_logprobs(result.logprobs, scored, drafts)
+            result = with_accepted_runs(result, out, drafts)
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result
@@ -490,13 +485,10 @@ class ModelRunner:
             out.sampled_token_ids,
             active,
         )
-        request_ids: list[str | None] = [None] * bucket.num_seqs
-        row_blocks: list[list[int]] = [[] for _ in range(bucket.num_seqs)]
-        for row, request, blocks in zip(rows, scheduler_output.scheduled_requests, block_ids):
-            request_ids[row], row_blocks[row] = request.request_id, blocks
-        self._ahead = StepAhead(
-            request_ids=tuple(request_ids),
-            block_ids=row_blocks,
+        self._ahead = StepAhead.of_rows(
+            rows,
+            scheduler_output.scheduled_requests,
+            block_ids,
             num_bias_sends=self.bias_rows.num_sends,
             bucket=bucket,
             any_logprobs=any_logprobs,
