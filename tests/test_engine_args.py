@@ -36,13 +36,6 @@ from jvllm.entrypoints.cli import add_engine_args, engine_kwargs
             ),
         ),
         ({"runner": "pooling", "enable_lora": True}, "runner='pooling' is not"),
-        (
-            {
-                "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
-                "num_scheduler_steps": 4,
-            },
-            "method 'ngram' runs with num_scheduler_steps=1 only",
-        ),
     ],
 )
 def test_a_bad_option_is_refused_when_the_args_are_made(kwargs, message):

@@ -1,7 +1,8 @@
-"""Windows of speculative rounds (`num_scheduler_steps` > 1 with a draft model or head,
-worker/spec_window.py): several rounds of drafting and verification in one device call give the
-tokens of no speculation (greedy float32 and seeded sampled alike), stop inside a run at EOS, a
-stop token id, max_tokens or min_tokens' end, and run in fewer engine steps.
+"""Windows of speculative rounds (`num_scheduler_steps` > 1 with a draft model or head, or
+n-gram drafts, worker/spec_window.py): several rounds of drafting and verification in one
+device call give the tokens of no speculation (greedy float32 and seeded sampled alike), stop
+inside a run at EOS, a stop token id, max_tokens or min_tokens' end, and run in fewer engine
+steps.
 """
 
 import pytest
@@ -157,3 +158,28 @@ def test_a_row_that_stops_early_keeps_the_drafts_of_its_last_round(looping_model
     stats = engine.spec_decoding_stats
     assert stats.num_draft_tokens > 20
     assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_ngram_windows_look_their_drafts_up_on_the_device(looping_model_dir, plain_llm):
+    """n-gram drafts in windows: the first round's from the host, the later rounds' looked up
+    on the device (spec_decode/ngram_device.py) with the host's rule. The tokens are those of
+    no speculation, and the later rounds of a looping request verify drafts and accept them."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(looping_model_dir, speculative_config=ngram, num_scheduler_steps=4, **ENGINE_KWARGS)
+    prompts, params = _batch()
+    _assert_same(_outputs(llm, prompts, params), _outputs(plain_llm, prompts, params))
+    scheduler = llm.llm_engine.scheduler
+    later = []  # (proposed, accepted) of each window's rounds after its first
+    update = scheduler.update_from_output
+
+    def keep_rounds(scheduler_output, sampled, round_drafts=None):
+        later.extend(pair for rounds in (round_drafts or {}).values() for pair in rounds[1:])
+        return update(scheduler_output, sampled, round_drafts)
+
+    scheduler.update_from_output = keep_rounds
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # It loops: 118, 487, 118, 487, ...
+    [output] = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    [want] = plain_llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == want.outputs[0].token_ids
+    assert sum(accepted for proposed, accepted in later if proposed) >= 12

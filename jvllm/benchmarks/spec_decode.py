@@ -27,7 +27,7 @@ are the same (a seeded sampled request's are, as a greedy one's, but for bfloat1
 then a round's cost (a verification of k + 1 rows, the draft's work) over a plain decode
 step's, and the speed-up it implies where k drafts are each accepted at 60% and 80%: the
 expected tokens a round, (1 - a^(k+1)) / (1 - a), over that cost.
-With --num-scheduler-steps R > 1 (a draft model or head), a third engine runs R rounds of
+With --num-scheduler-steps R > 1, a third engine runs R rounds of
 speculation a device call (worker/spec_window.py): its tok/s, and its ratio to one call a round
 (the speculative engine's), is what chaining rounds on the device saves.
 The window's rounds are costed the same way, at the acceptance of one call a round.

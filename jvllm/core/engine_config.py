@@ -108,6 +108,10 @@ class RunnerConfig:
     max_cpu_loras: int  # 0: no adapters
     compile_all_buckets: bool
     compile_in_background: bool
+    # "ngram" drafts' (prompt_lookup_min, prompt_lookup_max): a window of speculative rounds
+    # looks them up on the device (spec_decode/ngram_device.py); None: a draft model or head
+    # proposes them, or no speculation.
+    prompt_lookup: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,18 +98,17 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, int],
-        num_accepted: dict[str, list[int]] | None = None,
+        round_drafts: dict[str, list[tuple[int, int]]] | None = None,
     ) -> list[Request]:
         """Advance the counters, append the tokens of requests that caught up, check stops.
 
         A request's sampled tokens are an int, or a list of them from a decode window or a
         verification of drafts: each token after the first was computed in the step (its KV is
         in the cache: a window's sampled token, an accepted draft), and tokens after one that
-        stops the request are dropped. `num_accepted`: from a window of speculative rounds,
-        the drafts each request had accepted in each of its rounds. Returns every request
-        finished in this
-        step: the IGNORED ones from `schedule()`, then those that stopped now. They have left
-        `running` and their blocks are freed.
+        stops the request are dropped. `round_drafts`: from a window of speculative rounds,
+        each request's (drafts proposed, drafts accepted) in each of its rounds. Returns every
+        request finished in this step: the IGNORED ones from `schedule()`, then those that
+        stopped now. They have left `running` and their blocks are freed.
         """
         stopped = []
         for request in scheduler_output.scheduled_requests:
@@ -135,13 +134,14 @@ class Scheduler:
             if token_ids is None:
                 continue
             drafts = scheduler_output.spec_token_ids.get(request.request_id, [])
-            rounds = (num_accepted or {}).get(request.request_id)
-            if rounds:  # a window of speculative rounds: its own drafts, then k a round
-                first, *later = rounds
+            rounds = (round_drafts or {}).get(request.request_id)
+            if rounds:  # a window of speculative rounds: its own drafts, then the device's
+                (_, first), *later = rounds
                 if drafts:
                     self.drafter.stats.observe(len(drafts), min(first, len(drafts)))
-                for accepted in later:
-                    self.drafter.stats.observe(self._window_drafts, accepted)
+                for proposed, accepted in later:
+                    if proposed:  # n-gram drafts may find none: a round of padding
+                        self.drafter.stats.observe(proposed, min(accepted, proposed))
             elif drafts:
                 self.drafter.stats.observe(len(drafts), len(token_ids) - 1)
             for i, token_id in enumerate([token_ids] if isinstance(token_ids, int) else token_ids):
@@ -175,11 +175,10 @@ class Scheduler:
 
     @property
     def _window_drafts(self) -> int:
-        """Drafts a round of a decode window verifies: k with a draft model or head, which
-        proposes on the device (worker/spec_window.py); else 0 (no drafts, or n-gram drafts,
-        which are looked up on the host and run single steps)."""
-        drafter = self.drafter
-        return drafter.config.num_speculative_tokens if drafter and drafter.uses_draft_model else 0
+        """Drafts a round of a decode window verifies: k with speculation (a draft model or head
+        proposes them on the device, n-gram drafts are looked up there: worker/spec_window.py);
+        else 0."""
+        return self.drafter.config.num_speculative_tokens if self.drafter else 0
 
     def _schedule_window(self, output: SchedulerOutput, limits: list[int]) -> None:
         output.num_steps = self.config.num_scheduler_steps

@@ -20,7 +20,6 @@ from jvllm.engine.vllm_options import NEUTRAL_OPTIONS, check_neutral_options
 from jvllm.model_loader.generation_config import check_generation_overrides
 from jvllm.model_loader.loader import LOAD_FORMATS, check_tokenizer_path
 from jvllm.quantization import QUANTIZATION_METHODS
-from jvllm.spec_decode.config import MODEL_METHODS
 
 _BOOLS = (
     "async_scheduling",
@@ -127,13 +126,6 @@ def check_combinations(args) -> None:
                 f"speculative_config does not run with {', '.join(found)}: verifying drafts "
                 "needs the engine's own generation steps (async_scheduling=False, "
                 "runner='generate')"
-            )
-        method = args.speculative_config.method
-        if args.num_scheduler_steps > 1 and method not in MODEL_METHODS:
-            raise ValueError(
-                f"speculative_config method {method!r} runs with num_scheduler_steps=1 only: "
-                "its drafts are looked up on the host before each step. Windows of "
-                f"speculative rounds (num_scheduler_steps > 1) draft with {MODEL_METHODS}"
             )
 
 

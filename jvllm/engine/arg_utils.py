@@ -227,6 +227,11 @@ class EngineArgs:
             runner_config=self._group(
                 RunnerConfig,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                prompt_lookup=(
+                    (spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    if spec and spec.method == "ngram"
+                    else None
+                ),
                 pooling_type=pooler.pooling_type if pooler else None,
                 max_cpu_loras=lora.max_cpu_loras if lora else 0,
             ),

@@ -386,10 +386,10 @@ class LLMEngine:
             self.output_processor.add_step_prompt_logprobs(
                 scheduler_output, runner_output.prompt_logprobs
             )
-        num_accepted = runner_output.num_accepted
-        if num_accepted is not None:  # a window of speculative rounds
-            num_accepted = {r.request_id: n for r, n in zip(requests, num_accepted)}
-        finished = self.scheduler.update_from_output(scheduler_output, sampled, num_accepted)
+        round_drafts = runner_output.round_drafts
+        if round_drafts is not None:  # a window of speculative rounds
+            round_drafts = {r.request_id: n for r, n in zip(requests, round_drafts)}
+        finished = self.scheduler.update_from_output(scheduler_output, sampled, round_drafts)
         now = time.time()
         for request in sampling:  # the metrics of every request that got tokens
             if request.status != RequestStatus.FINISHED_ABORTED:

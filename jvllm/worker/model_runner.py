@@ -120,6 +120,7 @@ class ModelRunner:
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
         self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup = runner_config.prompt_lookup
         self.draft = None
         if draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
             self.draft = make_drafter(
@@ -275,6 +276,7 @@ class ModelRunner:
                 max_logprobs=self.max_logprobs,
                 rounds_per_check=min(self.window_steps_per_check, self.num_scheduler_steps),
                 expert_counts_shape=counts_shape,
+                prompt_lookup=self.prompt_lookup,
             )
         elif kind == "ahead":
             fn = functools.partial(next_decode_step, step=step)
@@ -425,7 +427,8 @@ class ModelRunner:
         )
         if isinstance(out, SpecWindowOutput):
             result = fetch_spec_window(out, num_reqs, any_logprobs)
-            self.draft.drop_drafts(cut_short(result, requests))
+            if self.draft is not None:  # n-gram drafts: the host looks the next ones up
+                self.draft.drop_drafts(cut_short(result, requests))
         else:
             result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
         if self.expert_token_counts is not None:

@@ -17,9 +17,9 @@ class ModelRunnerOutput:
     sampled_token_ids: np.ndarray | list[list[int]]  # i32[num_reqs], or a list per request
     logprobs: tuple[np.ndarray, ...] | None = None  # top ids, top logprobs, sampled lp, rank
     prompt_logprobs: tuple[np.ndarray, ...] | None = None  # the same per scheduled token [T]
-    # A window of speculative rounds (worker/spec_window.py): the drafts each request had
-    # accepted in each round it took part in; None for any other step.
-    num_accepted: list[list[int]] | None = None
+    # A window of speculative rounds (worker/spec_window.py): each request's (drafts proposed,
+    # drafts accepted) in each round it took part in; None for any other step.
+    round_drafts: list[list[tuple[int, int]]] | None = None
 
 
 def fetch_output(

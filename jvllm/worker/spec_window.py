@@ -24,6 +24,7 @@ import numpy as np
 
 from jvllm.attention.metadata import Tiles
 from jvllm.core.request import Request
+from jvllm.spec_decode.ngram_device import propose_ngram_on_device
 from jvllm.worker.decode_loop import DecodeCarry, WindowInputs
 from jvllm.worker.draft_positions import in_table
 from jvllm.worker.runner_output import ModelRunnerOutput
@@ -38,7 +39,11 @@ class SpecWindowOutput:
     runs: jax.Array  # i32[R, S, k + 1] each round's t0..tk, of which the row took num_taken
     num_taken: jax.Array  # i32[R, S] the tokens each row took in each round (0: stopped)
     num_accepted: jax.Array  # i32[R, S] the drafts the target accepted in each round
+    # i32[R, S] the drafts each round verified that were proposals (the first round's: k, its
+    # drafts the host's, padded; later: k from a model, n-gram's as many as it found)
+    num_drafted: jax.Array
     draft_tokens: jax.Array  # i32[S, k] each row's proposals of the last round it took part in
+    draft_counts: jax.Array  # i32[S] how many of them are proposals (the rest 0s)
     # Each run token's logprobs, as a step's: top ids i32[R, S, k + 1, K], top logprobs f32[...,
     # K], the token's logprob f32[R, S, k + 1] and rank i32[...] (zeros unless a row asked)
     logprobs: tuple[jax.Array, ...]
@@ -86,6 +91,28 @@ def take_runs(window: WindowInputs, runs, num_accepted, num_sampled, active):
     return num_taken, num_sampled, active
 
 
+def next_positions(inputs: StepInputs, num_accepted, width: int) -> jax.Array:
+    """i32[S] each row's next position, that of its run's last token ta: its last position this
+    round less k, on by the a drafts it accepted and one."""
+    return inputs.positions[inputs.attn.logits_indices] - (width - 1) + num_accepted + 1
+
+
+def ngram_drafts(
+    token_cache, inputs: StepInputs, runs, num_accepted, prompt_lookup: tuple[int, int]
+) -> tuple[jax.Array, jax.Array]:
+    """n-gram drafts for the next round -> (i32[S, k], counts i32[S]): each row's tokens read
+    from the token cache through its block table up to its next position, where its run's last
+    token ta stands (not yet written), looked up as the host looks them up (ngram.py)."""
+    num_seqs, width = runs.shape
+    last = next_positions(inputs, num_accepted, width)  # [S]
+    history = token_cache[inputs.attn.block_tables].reshape(num_seqs, -1)  # [S, M B]
+    at = jnp.arange(history.shape[1])[None]
+    history = jnp.where(
+        at == last[:, None], runs[jnp.arange(num_seqs), num_accepted][:, None], history
+    )
+    return propose_ngram_on_device(history, last + 1, *prompt_lookup, width - 1)
+
+
 def next_round_inputs(
     inputs: StepInputs, runs, num_accepted, drafts, active, block_size: int
 ) -> StepInputs:
@@ -95,9 +122,7 @@ def next_round_inputs(
     md = inputs.attn
     num_seqs, width = runs.shape
     rows = jnp.arange(num_seqs)
-    # The row's first position this round (its last position less k), on by its run.
-    first = inputs.positions[md.logits_indices] - (width - 1) + num_accepted + 1
-    first = jnp.where(active, first, 0)  # [S]
+    first = jnp.where(active, next_positions(inputs, num_accepted, width), 0)  # [S]
     positions = first[:, None] + jnp.arange(width)  # [S, k + 1]
     tables = jnp.where(active[:, None], md.block_tables, 0)
     column = jnp.minimum(positions // block_size, tables.shape[1] - 1)
@@ -151,13 +176,16 @@ def run_spec_window(
     max_logprobs: int,
     rounds_per_check: int = 1,
     expert_counts_shape: tuple[int, int] | None = None,
+    prompt_lookup: tuple[int, int] | None = None,
 ) -> tuple[SpecWindowOutput, object, jax.Array]:
     """Up to `num_rounds` rounds of k = `num_drafts` drafts in one call, until every row has
     stopped -> (SpecWindowOutput, kv_cache, token_cache). `inputs`: the first round, each row's
     last token and k drafts; `step`: the engine's step body with its draft (step_fn.model_step).
     Whether a row is still active is checked after each `rounds_per_check` rounds, as a decode
     window checks (decode_loop.run_window: on a GPU each check waits for the host); the rounds
-    of a run past `num_rounds` keep every row stopped."""
+    of a run past `num_rounds` keep every row stopped. `prompt_lookup`: n-gram drafts'
+    (min_n, max_n), looked up on the device after each round (`ngram_drafts`); None: the
+    step's draft model or head proposes them."""
     num_seqs, width = window.limits.shape[0], num_drafts + 1
     block_size, k = token_cache.shape[1], max(max_logprobs, 1)
     zeros = jnp.zeros((num_rounds, num_seqs), jnp.int32)
@@ -166,7 +194,9 @@ def run_spec_window(
         runs=jnp.zeros(per_token, jnp.int32),
         num_taken=zeros,
         num_accepted=zeros,
+        num_drafted=zeros,
         draft_tokens=jnp.zeros((num_seqs, num_drafts), jnp.int32),
+        draft_counts=jnp.full((num_seqs,), num_drafts, jnp.int32),
         logprobs=(
             jnp.zeros((*per_token, k), jnp.int32),
             jnp.zeros((*per_token, k), jnp.float32),
@@ -195,7 +225,10 @@ def run_spec_window(
         num_taken, num_sampled, active = take_runs(
             window, runs, num_accepted, carry.num_sampled, carry.active
         )
-        drafts = step_out.draft_tokens
+        if prompt_lookup is None:
+            drafts, counts = step_out.draft_tokens, out.draft_counts
+        else:
+            drafts, counts = ngram_drafts(tokens, carry.inputs, runs, num_accepted, prompt_lookup)
         next_inputs = next_round_inputs(
             carry.inputs, runs, num_accepted, drafts, active, block_size
         )
@@ -204,9 +237,11 @@ def run_spec_window(
             runs=put(out.runs, runs),
             num_taken=put(out.num_taken, num_taken),
             num_accepted=put(out.num_accepted, jnp.where(carry.active, num_accepted, 0)),
+            num_drafted=put(out.num_drafted, jnp.where(carry.active, out.draft_counts, 0)),
             # A row's drafts are its last round's: those of rounds it sat out are over the
             # null page.
             draft_tokens=jnp.where(carry.active[:, None], drafts, out.draft_tokens),
+            draft_counts=jnp.where(carry.active, counts, out.draft_counts),
             logprobs=tuple(
                 put(rows, lp) for rows, lp in zip(out.logprobs, round_logprobs(step_out, num_seqs))
             ),
@@ -252,9 +287,12 @@ def fetch_spec_window(
     runs = np.asarray(out.runs)[:, :num_reqs]
     tokens = [runs[:, i][took[:, i]].tolist() for i in range(num_reqs)]  # round by round
     accepted = np.asarray(out.num_accepted)[:, :num_reqs]
-    result = ModelRunnerOutput(
-        tokens, num_accepted=[accepted[taken[:, i] > 0, i].tolist() for i in range(num_reqs)]
-    )
+    drafted = np.asarray(out.num_drafted)[:, :num_reqs]
+    round_drafts = [
+        list(zip(drafted[taken[:, i] > 0, i].tolist(), accepted[taken[:, i] > 0, i].tolist()))
+        for i in range(num_reqs)
+    ]
+    result = ModelRunnerOutput(tokens, round_drafts=round_drafts)
     if any_logprobs:
         num_steps = max(len(t) for t in tokens)
         rounds = np.zeros((num_steps, num_reqs), np.int64)
@@ -270,5 +308,9 @@ def cut_short(result: ModelRunnerOutput, requests: list[Request]) -> list[str]:
     """The requests whose last round's run the window cut at their limit (min_tokens' end) short
     of its accepted drafts and bonus: their draft proposed after the whole run, for output
     indices past the tokens they took."""
-    runs = zip(requests, result.sampled_token_ids, result.num_accepted)
-    return [r.request_id for r, tokens, rounds in runs if len(tokens) < sum(rounds) + len(rounds)]
+    runs = zip(requests, result.sampled_token_ids, result.round_drafts)
+    return [
+        r.request_id
+        for r, tokens, rounds in runs
+        if len(tokens) < sum(accepted + 1 for _, accepted in rounds)
+    ]
