@@ -113,6 +113,13 @@ class RunnerConfig:
     # proposes them, or no speculation.
     prompt_lookup: tuple[int, int] | None = None
 
+    @property
+    def reads_token_history(self) -> bool:
+        """Whether windows of speculative rounds look n-gram drafts up over each request's
+        tokens in the token cache, read through its first KV group's table: that table must
+        then hold every block (core/kv_groups.py)."""
+        return self.prompt_lookup is not None and self.num_scheduler_steps > 1
+
 
 @dataclasses.dataclass(frozen=True)
 class MultiModalConfig:
@@ -175,7 +182,9 @@ class EngineConfig:
             cache_config=replace(
                 self.cache_config,
                 kv_groups=kv_cache_groups(
-                    layer_windows, not self.cache_config.disable_hybrid_kv_cache_manager
+                    layer_windows,
+                    not self.cache_config.disable_hybrid_kv_cache_manager,
+                    self.runner_config.reads_token_history,
                 ),
             ),
             scheduler_config=replace(

@@ -50,13 +50,17 @@ def single_group(num_layers: int) -> KVCacheGroups:
     return KVCacheGroups((None,), (0,) * num_layers, layers, num_layers)
 
 
-def kv_cache_groups(layer_windows: tuple[int | None, ...], enable: bool = True) -> KVCacheGroups:
+def kv_cache_groups(
+    layer_windows: tuple[int | None, ...], enable: bool = True, keeps_history: bool = False
+) -> KVCacheGroups:
     """The groups of a model whose layer l has sliding window `layer_windows[l]` (None: a
     global layer). Hybrid (the full layers first, then each window's layers in chunks of as
     many) when `enable` and the model mixes global and windowed layers; one group of the widest
-    window when `enable` and every layer is windowed; else one group that keeps every block."""
+    window when `enable` and every layer is windowed, unless `keeps_history` (every request's
+    tokens are read through the first group's table: n-gram drafts looked up on the device,
+    worker/spec_window.py); else one group that keeps every block."""
     full = [layer for layer, w in enumerate(layer_windows) if w is None]
-    if not enable or len(full) == len(layer_windows):
+    if not enable or len(full) == len(layer_windows) or (keeps_history and not full):
         return single_group(len(layer_windows))
     if not full:
         return dataclasses.replace(single_group(len(layer_windows)), windows=(max(layer_windows),))
