@@ -13,7 +13,9 @@ layers' 2048 pages and each windowed group's ~W / B, about a sixth of what one t
 layers holds. A model with one kind of layer is one group of all its layers, as before; a model
 whose every layer is windowed (Mistral v0.1, Starcoder2) is one windowed group, which frees the
 blocks its widest window passed, but not those of a request with penalties: the sampler's
-token history is read through the first group's table, which must then hold every block."""
+token history is read through the first group's table, which must then hold every block. With
+n-gram drafts in windows of speculative rounds, every request's history is read so (the rounds
+look their drafts up on the device), and such a model keeps every block in one group."""
 
 import collections
 import dataclasses
