@@ -20,12 +20,16 @@ def propose_ngram_on_device(
     # Ends j (j < L - 1, so that a token follows) of the occurrences of the last n tokens; each
     # n keeps the ends whose token n - 1 back matches too, while n <= L - 1.
     ends = (j < last) & (history == token_at(last))  # [S, N], n = 1
-    best = ends & (min_n <= 1)
-    for n in range(2, max_n + 1):
+
+    def longer(n, carry):  # a loop, not max_n unrolled stages of [S, N]
+        ends, best = carry
         ends = ends & (j >= n - 1) & (token_at(j - (n - 1)) == token_at(last - (n - 1)))
         ends = ends & (n <= last)
-        if n >= min_n:  # a longer n-gram that recurs replaces a shorter one
-            best = jnp.where(jnp.any(ends, axis=1, keepdims=True), ends, best)
+        # A longer n-gram that recurs replaces a shorter one.
+        longest = (n >= min_n) & jnp.any(ends, axis=1, keepdims=True)
+        return ends, jnp.where(longest, ends, best)
+
+    _, best = jax.lax.fori_loop(2, max_n + 1, longer, (ends, ends & (min_n <= 1)))
     found = jnp.any(best, axis=1)  # [S]
     start = jnp.argmax(best, axis=1) + 1  # [S] the earliest occurrence's next token
     counts = jnp.where(found, jnp.clip(lengths - start, 0, num_drafts), 0)
