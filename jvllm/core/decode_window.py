@@ -67,6 +67,13 @@ def spec_window_lookahead(request: Request, limit: int, num_drafts: int, max_mod
     return max(0, min(num_drafts, max_model_len - request.num_computed_tokens - limit))
 
 
+def window_capacity(max_num_batched_tokens: int, num_drafts: int) -> int:
+    """The most requests a window takes: each round of one computes its last token and
+    `num_drafts` drafts, within max_num_batched_tokens (worker/step_compiler.py compiles the
+    windows of that many, worker/kv_budget.py reserves their activations)."""
+    return max_num_batched_tokens // (num_drafts + 1)
+
+
 def fits_spec_window(request: Request, num_drafts: int, max_model_len: int) -> bool:
     """Whether a request can run in a window of speculative rounds besides fitting a decode
     window: its first round's k drafts stand inside max_model_len."""
@@ -90,7 +97,7 @@ def decode_window_limits(
         return None
     if has_newcomers:
         return None  # prefill the newcomers now rather than after a window
-    if len(running) * (num_drafts + 1) > config.max_num_batched_tokens:
+    if len(running) > window_capacity(config.max_num_batched_tokens, num_drafts):
         return None
     limits, num_blocks = [], 0
     for request in running:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import jax
 
 from jvllm.config import ModelConfig
+from jvllm.core.decode_window import window_capacity
 from jvllm.core.engine_config import CacheConfig, RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups, blocks_to_hold
 from jvllm.distributed.tensor_parallel import shard_config
@@ -247,7 +248,7 @@ def largest_step(limits: RunnerConfig) -> tuple[int, int, int]:
     num_tokens, num_seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     k = limits.num_speculative_tokens
     if k and limits.num_scheduler_steps > 1:
-        most = max(1, min(num_seqs, num_tokens // (k + 1)))
+        most = max(1, min(num_seqs, window_capacity(num_tokens, k)))
         window = BucketSpec(num_tokens, num_seqs).select(most, most).num_seqs
         num_tokens = max(num_tokens, window * (k + 1))
     return num_tokens, num_seqs, num_seqs + min(num_tokens, num_seqs * k)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm.core.decode_window import window_capacity
 from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.sample.plan import SamplerPlan, choose_plan
 from jvllm.worker.buckets import Bucket, BucketSpec
@@ -256,10 +257,10 @@ class StepCompiler:
         return [b for b, n in zip(decode, fewest, strict=True) if self._runs_window(n)]
 
     def _runs_window(self, num_seqs: int) -> bool:
-        """Whether the scheduler runs a window of `num_seqs` requests: their rounds' n (k + 1)
-        tokens fit max_num_batched_tokens (core/decode_window.py)."""
-        per_request = self.layout.num_speculative_tokens + 1
-        return num_seqs * per_request <= self.buckets.max_num_batched_tokens
+        """Whether the scheduler runs a window of `num_seqs` requests (their rounds' n (k + 1)
+        tokens fit max_num_batched_tokens)."""
+        budget, k = self.buckets.max_num_batched_tokens, self.layout.num_speculative_tokens
+        return num_seqs <= window_capacity(budget, k)
 
     def _window_shape(self, num_seqs: int) -> tuple[Bucket, str]:
         """(bucket, kind) of a decode window of `num_seqs` sequences: a decode bucket's
