@@ -24,7 +24,7 @@ import numpy as np
 
 from jvllm.attention.metadata import Tiles
 from jvllm.core.request import Request
-from jvllm.spec_decode.ngram_device import propose_ngram_on_device
+from jvllm.spec_decode.ngram_device import RowTokens, propose_ngram_on_device
 from jvllm.worker.decode_loop import DecodeCarry, WindowInputs
 from jvllm.worker.draft_positions import in_table
 from jvllm.worker.runner_output import ModelRunnerOutput
@@ -105,12 +105,30 @@ def ngram_drafts(
     token ta stands (not yet written), looked up as the host looks them up (ngram.py)."""
     num_seqs, width = runs.shape
     last = next_positions(inputs, num_accepted, width)  # [S]
-    history = token_cache[inputs.attn.block_tables].reshape(num_seqs, -1)  # [S, M B]
-    at = jnp.arange(history.shape[1])[None]
-    history = jnp.where(
-        at == last[:, None], runs[jnp.arange(num_seqs), num_accepted][:, None], history
-    )
-    return propose_ngram_on_device(history, last + 1, *prompt_lookup, width - 1)
+    run_end = runs[jnp.arange(num_seqs), num_accepted]  # [S] ta
+    tokens = paged_tokens(token_cache, inputs.attn.block_tables, last, run_end)
+    return propose_ngram_on_device(tokens, last + 1, *prompt_lookup, width - 1)
+
+
+def paged_tokens(token_cache, tables, last, run_end) -> RowTokens:
+    """Each row's tokens in the token cache [P, B] through its block table i32[S, M], with
+    run_end i32[S] placed at position last i32[S] (by `at`: a span is read before it)."""
+    num_seqs, block_size = tables.shape[0], token_cache.shape[1]
+    rows = jnp.arange(num_seqs)[:, None]
+
+    def at(positions):  # i32[S, C] -> i32[S, C]
+        positions = jnp.clip(positions, 0, tables.shape[1] * block_size - 1)
+        cached = token_cache[tables[rows, positions // block_size], positions % block_size]
+        return jnp.where(positions == last[:, None], run_end[:, None], cached)
+
+    def span(first, size):  # whole pages read, then cut: i32[S, size]
+        count = -(-size // block_size) + 1
+        page = jnp.floor_divide(first, block_size)
+        pages = jnp.take(tables, page + jnp.arange(count), axis=1, mode="clip")  # [S, count]
+        read = token_cache[pages].reshape(num_seqs, count * block_size)
+        return jax.lax.dynamic_slice_in_dim(read, first - page * block_size, size, axis=1)
+
+    return RowTokens(at, span)
 
 
 def next_round_inputs(
