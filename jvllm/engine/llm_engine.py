@@ -9,13 +9,8 @@ from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.core.spec_decode import can_draft
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.engine.input_processor import (
-    PromptType,
-    check_priority,
-    prompt_cache_salt,
-    tokenize_prompt,
-)
-from jvllm.engine.mm_processor import check_no_images, make_mm_processor
+from jvllm.engine.input_processor import PromptType
+from jvllm.engine.mm_processor import make_mm_processor
 from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.request_factory import RequestFactory
@@ -23,7 +18,6 @@ from jvllm.engine.scheduler_factory import make_scheduler
 from jvllm.engine.sleep import SleepMode
 from jvllm.engine.step_loop_lease import StepLoopLease
 from jvllm.logger import init_logger
-from jvllm.lora.config import check_adapter
 from jvllm.outputs import RequestOutput
 from jvllm.pooling_outputs import PoolingRequestOutput
 from jvllm.pooling_params import PoolingParams
@@ -80,6 +74,10 @@ class LLMEngine:
             self.eos_token_ids,
             self.structured_outputs,
             config.load_config.seed,
+            self.get_default_sampling_params,
+            scheduling.policy,
+            self.model_runner.adapters,
+            self.pooling,
             make_mm_processor(
                 config.load_config.model,
                 self.model_config,
@@ -130,7 +128,7 @@ class LLMEngine:
         """Raise what add_request would for this request, enqueueing nothing: a front end's
         check for an engine in another process (engine/process_data_parallel.py)."""
         args = (request_id, prompt, params, arrival_time, priority, lora_request)
-        self._make_requests(*args, is_in_use=lambda _: False)
+        self._request_factory.make(*args, is_in_use=lambda _: False)
 
     def add_request(
         self,
@@ -155,7 +153,7 @@ class LLMEngine:
         self.sleep_mode.check_awake()
         args = (request_id, prompt, params, arrival_time, priority, lora_request)
         in_use = lambda i: i in self._requests or i in self._children
-        parent, requests = self._make_requests(*args, is_in_use=in_use)
+        parent, requests = self._request_factory.make(*args, is_in_use=in_use)
         if self.pooling is not None or isinstance(params, PoolingParams):
             (request,) = requests
             self._requests[request_id] = request
@@ -174,50 +172,6 @@ class LLMEngine:
             request_id,
             requests[0].num_prompt_tokens,
             len(requests),
-        )
-
-    def _make_requests(
-        self, request_id, prompt, params, arrival_time, priority, lora_request, *, is_in_use
-    ):
-        """Every check of add_request, and the requests it would enqueue -> (the parent of
-        n > 1 samples or None, the requests); `is_in_use(id)`: whether an id is taken."""
-        if params is None and self.pooling is None:
-            params = self.get_default_sampling_params()
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if is_in_use(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        check_priority(priority, self.engine_config.scheduler_config.policy)
-        check_adapter(lora_request, self.model_runner.adapters)
-        if self.pooling is not None or isinstance(params, PoolingParams):
-            args = (request_id, prompt, params, arrival_time, priority, lora_request)
-            return None, [self._make_pooling_request(*args)]
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        return self._request_factory.make(
-            request_id, prompt, params, arrival_time, priority, lora_request, is_in_use
-        )
-
-    def _make_pooling_request(
-        self, request_id, prompt, params, arrival_time, priority, lora_request
-    ) -> Request:
-        """A checked request whose prompt is pooled into one vector (runner="pooling" only),
-        not enqueued."""
-        if lora_request is not None:
-            raise ValueError("LoRA adapters do not serve embeddings: pass lora_request=None")
-        if self.pooling is None:
-            raise ValueError(
-                "PoolingParams need an embedding engine: start it with runner='pooling' "
-                "(LLM(..., runner='pooling'), jvllm serve --runner pooling)"
-            )
-        check_no_images(prompt, "pooling requests take no images")
-        _, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
-        return self.pooling.make_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            time.time() if arrival_time is None else arrival_time,
-            priority,
-            prompt_cache_salt(prompt),
         )
 
     def get_default_sampling_params(self) -> SamplingParams:

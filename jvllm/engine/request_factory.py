@@ -1,11 +1,13 @@
-"""A generation request's prompt and sampling parameters, checked at the edge, made into the
-engine's Request objects: one, or the n samples of a prompt that share its KV blocks through
-the prefix cache. Nothing here is registered anywhere: LLMEngine.add_request does that once the
-whole request is known to be good, so a bad one leaves no trace."""
+"""A request's prompt and parameters, checked at the edge, made into the engine's Request
+objects: a generation request's one, or the n samples of a prompt that share its KV blocks
+through the prefix cache; a pooling request's one (runner="pooling"). Nothing here is
+registered anywhere: LLMEngine.add_request does that once the whole request is known to be
+good, so a bad one leaves no trace."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -14,6 +16,7 @@ from jvllm.config import ModelConfig
 from jvllm.core.request import Request
 from jvllm.engine.input_processor import (
     PromptType,
+    check_priority,
     prompt_cache_salt,
     tokenize_prompt,
     validate_request,
@@ -25,15 +28,21 @@ from jvllm.engine.mm_processor import (
     image_architectures,
 )
 from jvllm.engine.parallel_sampling import ParentRequest, child_params
+from jvllm.engine.pooling import PoolingOutputProcessor
+from jvllm.lora.config import check_adapter
 from jvllm.outputs import RequestMetrics
+from jvllm.pooling_params import PoolingParams
 from jvllm.sampling_params import SamplingParams
 from jvllm.structured_output.manager import GrammarState, StructuredOutputManager
 from jvllm.worker.bias_rows import bad_words_token_ids
 
 
 class RequestFactory:
-    """`seed` seeds the seeds of requests that bring none (EngineArgs.seed); `mm_processor`:
-    a model that takes images' (engine/mm_processor.py), else None."""
+    """`seed` seeds the seeds of requests that bring none (EngineArgs.seed);
+    `default_params()`: a generation request's SamplingParams where it brings none;
+    `adapters`: the runner's LoRA AdapterSlots (None: it serves none); `pooling`: a pooling
+    engine's processor, else None; `mm_processor`: a model that takes images'
+    (engine/mm_processor.py), else None."""
 
     def __init__(
         self,
@@ -44,9 +53,17 @@ class RequestFactory:
         eos_token_ids: tuple[int, ...],
         structured_outputs: StructuredOutputManager,
         seed: int,
+        default_params: Callable[[], SamplingParams],
+        scheduling_policy: str,
+        adapters=None,
+        pooling: PoolingOutputProcessor | None = None,
         mm_processor: MultiModalProcessor | None = None,
         max_whole_image_tokens: int | None = None,
     ):
+        self.default_params = default_params
+        self.scheduling_policy = scheduling_policy
+        self.adapters = adapters
+        self.pooling = pooling
         self.mm_processor = mm_processor
         # A model whose images are computed in one step (Gemma 3): the step's token budget.
         self.max_whole_image_tokens = max_whole_image_tokens
@@ -62,14 +79,71 @@ class RequestFactory:
         self,
         request_id: str,
         prompt: PromptType,
+        params: SamplingParams | PoolingParams | None,
+        arrival_time: float | None,
+        priority: int,
+        lora_request,
+        *,
+        is_in_use: Callable[[str], bool],
+    ) -> tuple[ParentRequest | None, list[Request]]:
+        """Every check of add_request, and the requests it would enqueue -> (the parent of
+        n > 1 samples or None, the requests); raises ValueError or TypeError naming what is
+        wrong, e.g. an id (or a sample's) for which `is_in_use`."""
+        if params is None and self.pooling is None:
+            params = self.default_params()
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if is_in_use(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self.scheduling_policy)
+        check_adapter(lora_request, self.adapters)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            args = (request_id, prompt, params, arrival_time, priority, lora_request)
+            return None, [self._make_pooling(*args)]
+        return self._make_generation(
+            request_id, prompt, params, arrival_time, priority, lora_request, is_in_use
+        )
+
+    def _make_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams | None,
+        arrival_time: float,
+        priority: int,
+        lora_request,
+    ) -> Request:
+        """A request whose prompt is pooled into one vector (runner="pooling" only)."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters do not serve embeddings: pass lora_request=None")
+        if self.pooling is None:
+            raise ValueError(
+                "PoolingParams need an embedding engine: start it with runner='pooling' "
+                "(LLM(..., runner='pooling'), jvllm serve --runner pooling)"
+            )
+        check_no_images(prompt, "pooling requests take no images")
+        _, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        return self.pooling.make_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            arrival_time,
+            priority,
+            prompt_cache_salt(prompt),
+        )
+
+    def _make_generation(
+        self,
+        request_id: str,
+        prompt: PromptType,
         params: SamplingParams,
         arrival_time: float,
         priority: int,
         lora_request,
         is_in_use: Callable[[str], bool],
     ) -> tuple[ParentRequest | None, list[Request]]:
-        """(the parent of n > 1 samples or None, the requests to run); raises ValueError or
-        TypeError naming what is wrong, e.g. a sample's id for which `is_in_use`."""
+        """(the parent of n > 1 samples or None, the requests to run)."""
         processed = None
         if self.mm_processor is None:
             check_no_images(
