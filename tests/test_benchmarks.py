@@ -10,6 +10,7 @@ import pytest
 from jvllm.benchmarks import (
     dense_bound,
     layer_stack,
+    ngram_lookup,
     prefix_hash,
     serve,
     startup,
@@ -193,6 +194,14 @@ def test_serve_benchmark_streams_from_its_own_server(tiny_llama_weights_dir, cap
     assert counts and int(counts.group(1)) <= 2
     assert "KV blocks in use at the end: 0 of " in out
     assert "server / offline" in out
+
+
+def test_ngram_lookup_benchmark_times_both_sides(capsys):
+    ngram_lookup.main(["--rows", "2", "--lengths", "40,200", "--max-model-len", "128"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[3:]]
+    assert [row[:2] for row in rows] == [["2", "40"]]  # 200 does not fit the table
+    assert float(rows[0][2]) > 0 and float(rows[0][3]) > 0
 
 
 def test_prefix_hash_benchmark_times_every_algo(capsys):

@@ -64,3 +64,14 @@ def test_a_windows_lookup_through_block_tables_equals_the_hosts():
         assert drafts[row, : counts[row]].tolist() == expected, row
         assert counts[row] == len(expected), row
     assert counts[2:].all()
+
+
+def test_a_longer_ngram_in_a_later_chunk_replaces_a_shorter_one():
+    """Chunks of 4: [8 9] recurs in the first chunk, [7 8 9] only in the third; the lookup may
+    stop early only once no chunk left could hold a longer n-gram."""
+    row = np.array([[8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 5, 0, 7, 8, 9]], np.int32)
+    assert propose_ngram_drafts(row[0], 1, 3, 3) == [5, 0, 7]
+    lengths = np.array([16], np.int32)
+    propose = jax.jit(lambda h, n: propose_ngram_on_device(dense_tokens(h), n, 1, 3, 3, 4))
+    drafts, counts = propose(row, lengths)
+    assert np.asarray(drafts).tolist() == [[5, 0, 7]] and int(counts[0]) == 3

@@ -80,10 +80,12 @@ def propose_ngram_on_device(
         n, end = in_chunk(c)
         return c + 1, jnp.maximum(n, best_n), jnp.where(n > best_n, end, best_end)
 
+    def goes_on(carry):  # while a row has chunks left and could still find a longer n-gram
+        c, best_n, _ = carry
+        return jnp.any((c * chunk < last[:, 0]) & (best_n < jnp.minimum(max_n, last[:, 0])))
+
     zeros = jnp.zeros(lengths.shape, jnp.int32)
-    _, best_n, best_end = jax.lax.while_loop(
-        lambda carry: carry[0] * chunk < jnp.max(last), next_chunk, (0, zeros, zeros)
-    )
+    _, best_n, best_end = jax.lax.while_loop(goes_on, next_chunk, (0, zeros, zeros))
     start = best_end + 1  # [S] the earliest occurrence's next token
     counts = jnp.where(best_n > 0, jnp.clip(lengths - start, 0, num_drafts), 0)
     offsets = jnp.arange(num_drafts)[None]  # [1, k]
