@@ -14,14 +14,11 @@ import os
 import time
 from collections.abc import Iterable
 
-import jax
-
 from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, engine_mesh
-from jvllm.distributed.tensor_parallel import ParamPlacer
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
 from jvllm.model_loader import load_model
@@ -33,13 +30,12 @@ from jvllm.model_loader.loader import (
     load_engine_model,
     resolve_quantization,
 )
-from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.models.model import image_num_embeds, takes_images
 from jvllm.models.registry import EAGLE_HEAD_ARCHITECTURE, mtp_head_architecture
-from jvllm.quantization import build_kernels_early, describe_weights, is_quantized
+from jvllm.quantization import build_kernels_early, describe_weights
 from jvllm.spec_decode.config import HEAD_METHODS, MODEL_METHODS, SpeculativeConfig
-from jvllm.worker import device_buffers
 from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.device_sleep import DeviceSleep
 from jvllm.worker.draft_model import DraftModel, check_draft
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
@@ -118,11 +114,7 @@ class Worker:
             has_windows = groups is not None and groups.windows != (None,)
             check_draft(self.model_config, self.draft, has_windows)
         self.model_runner: ModelRunner | None = None
-        # While the weights sleep: param path -> host copy (sleep level 2: only what
-        # load_weights gave since, and the LoRA slots, which are adapters, not the model's).
-        self._sleeping_params: device_buffers.HostParams | None = None
-        # A speculative draft's params while they sleep (device_buffers.release_draft_params).
-        self._sleeping_draft = None
+        self.device_sleep: DeviceSleep | None = None  # the runner's, once it is made
 
     def _load_draft(self, spec: SpeculativeConfig | None, load, parallel) -> DraftModel | None:
         """speculative_config's draft model (method "draft_model"), EAGLE-3 head ("eagle3") or
@@ -208,6 +200,7 @@ class Worker:
             draft=self.draft,
         )
         self.draft = None  # the runner holds it
+        self.device_sleep = DeviceSleep(self.model_runner, self.model_config)
         return self.model_runner
 
     def compile_or_warm_up_model(self) -> None:
@@ -240,51 +233,26 @@ class Worker:
         if self.model_runner is not None and self.model_runner.encoder is not None:
             self.model_runner.encoder.drop(hashes)
 
-    # The device half of sleep mode (engine/sleep.py keeps the engine's half).
+    # The device half of sleep mode (engine/sleep.py keeps the engine's half), the runner's
+    # (worker/device_sleep.py).
 
     def has_quantized_weights(self) -> bool:
-        specs = device_buffers.param_specs(self.model_runner)
-        return any(is_quantized(s) for s in jax.tree.leaves(specs, is_leaf=is_quantized))
+        return self.device_sleep.has_quantized_weights()
 
     def sleep(self, level: int) -> None:
-        """Free the weights (level 1: kept in host memory; 2: discarded but the LoRA slots and a
-        speculative draft's) and the KV cache."""
-        keep = lambda path: level == 1 or _is_adapter_slot(path)
-        self._sleeping_params = device_buffers.release_params(self.model_runner, keep)
-        if self.model_runner.draft is not None:  # to host memory, at either level
-            self._sleeping_draft = device_buffers.release_draft_params(self.model_runner)
-        device_buffers.release_kv_cache(self.model_runner)
+        self.device_sleep.sleep(level)
 
     def missing_params(self) -> list[str]:
-        """The params that waking the weights would lack (a level-2 sleep discarded them, and
-        load_weights has not given them since)."""
-        host = self._sleeping_params or {}
-        return [p for p in device_buffers.param_specs(self.model_runner) if p not in host]
+        return self.device_sleep.missing_params()
 
     def wake_up_weights(self) -> None:
-        device_buffers.restore_params(self.model_runner, self._sleeping_params)
-        self._sleeping_params = None
-        if self._sleeping_draft is not None:
-            device_buffers.restore_draft_params(self.model_runner, self._sleeping_draft)
-            self._sleeping_draft = None
+        self.device_sleep.wake_up_weights()
 
     def wake_up_kv_cache(self) -> None:
-        """A zero KV cache, laid out as before sleep."""
-        device_buffers.restore_kv_cache(self.model_runner)
+        self.device_sleep.wake_up_kv_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
-        """Replace the params that `weights` (HF name, array) pairs make (a subset is fine;
-        model_loader/weight_update.py): on the device, or into the host copy while the weights
-        sleep; -> the params' paths."""
-        runner = self.model_runner
-        layout = ParamPlacer(runner.config, runner.mesh).host_layout  # shard-major, as loaded
-        loaded = read_weight_update(self.model_config, weights, layout)
-        host = {p: device_buffers.in_runner_layout(runner, p, x) for p, x in loaded.items()}
-        if self._sleeping_params is not None:
-            self._sleeping_params.update(host)
-        else:
-            device_buffers.replace_params(runner, host)
-        return set(host)
+        return self.device_sleep.load_weights(weights)
 
 
 def _describe_groups(groups: KVCacheGroups | None) -> str:
@@ -292,8 +260,3 @@ def _describe_groups(groups: KVCacheGroups | None) -> str:
     if groups is None or groups.windows == (None,):
         return ""
     return f"; pages in {groups.describe()}, windowed groups keep their window's pages"
-
-
-def _is_adapter_slot(path: str) -> bool:
-    """Whether a param is a LoRA slot (jvllm/lora/), which holds adapters, not the model."""
-    return path.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
