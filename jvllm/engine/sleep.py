@@ -62,7 +62,7 @@ class SleepMode:
         if self._asleep:
             logger.warning("sleep(level=%d): the engine is already asleep", level)
             return
-        self._check_idle("sleep")
+        self.check_idle("sleep")
         if level == 2 and self._worker.has_quantized_weights():
             raise ValueError(
                 "sleep(level=2) discards the weights, which only load_weights brings back, and "
@@ -105,7 +105,7 @@ class SleepMode:
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Replace the params that `weights` (HF name, array) pairs make (a subset is fine;
         model_loader/weight_update.py) and reset the prefix cache; -> the params' paths."""
-        self._check_idle("load_weights")
+        self.check_idle("load_weights")
         if self._worker.has_quantized_weights():
             raise ValueError(
                 f"load_weights does not take quantized weights ({self._quantization}): it reads "
@@ -115,7 +115,8 @@ class SleepMode:
         self._engine.scheduler.kv_cache_manager.reset_prefix_cache()
         return replaced
 
-    def _check_idle(self, call: str) -> None:
+    def check_idle(self, call: str) -> None:
+        """What `call` (sleep, load_weights) requires of the engine: raises what it lacks."""
         engine = self._engine
         if jax.process_count() > 1:
             raise ValueError(f"{call} runs in one process; this engine spans several")

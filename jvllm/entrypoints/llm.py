@@ -60,7 +60,9 @@ class LLM:
         moves the weights to host memory and discards the KV cache, level 2 discards both
         (load_weights brings weights back). Generating raises until wake_up()."""
         with self._lock:
-            for engine in replicas(self.llm_engine):
+            engines = replicas(self.llm_engine)
+            _check_idle(engines, "sleep")
+            for engine in engines:
                 engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -78,7 +80,9 @@ class LLM:
         param's tensors together); resets the prefix cache. -> the params replaced."""
         weights = list(weights)  # every replica reads them
         with self._lock:
-            return set().union(*[e.load_weights(weights) for e in replicas(self.llm_engine)])
+            engines = replicas(self.llm_engine)
+            _check_idle(engines, "load_weights")
+            return set().union(*[e.load_weights(weights) for e in engines])
 
     def generate(
         self,
@@ -319,6 +323,13 @@ class LLM:
         finally:
             progress.close()
         return [finished[i] for i in request_ids]
+
+
+def _check_idle(engines, call: str) -> None:
+    """Every replica idle before `call` changes any (engine/sleep.py's rule for each): the ranks
+    of a group share their weights and KV cache, so one busy rank refuses it for all."""
+    for engine in engines:
+        engine.sleep_mode.check_idle(call)
 
 
 def _raise_on_failure(finished_requests) -> None:
