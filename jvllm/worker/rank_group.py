@@ -51,6 +51,7 @@ from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
+from jvllm.worker.step_compiler import abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_hand_over import StepHandOver
 from jvllm.worker.step_inputs import prepare_step_inputs, window_block_ids
@@ -84,6 +85,8 @@ class _Step:
 class RankGroupRunner:
     """The group's device side: the params on the D x T mesh, every rank's KV and token
     pages, the jitted step, and the hand-over of the ranks' steps."""
+
+    draft = None  # speculative decoding is refused across ranks
 
     def __init__(
         self,
@@ -142,6 +145,9 @@ class RankGroupRunner:
         )
         if self.num_kv_groups > 1:
             attn = in_kv_groups(attn, kv_groups)
+        # What every executable is lowered for, fixed once the arrays exist (sleep mode frees
+        # them, worker/device_sleep.py, and puts them back so).
+        self._state_spec = abstract_state((self.params, self.kv_cache, self.token_cache, None))
         self._step = self._jit_step(config, attn, runner_config)
         self._executables: dict[Bucket, jax.stages.Compiled] = {}  # one a bucket
         # Each local rank's MoE layers' (token, expert) assignments of its own tokens,
@@ -223,10 +229,7 @@ class RankGroupRunner:
             ),
             padding,
         )
-        state = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-            (self.params, self.kv_cache, self.token_cache),
-        )
+        state = self._state_spec[:3]  # params, kv_cache, token_cache
         num_slots, vocab = self.bias_rows[self.local_ranks[0]].rows.shape
         bias = jax.ShapeDtypeStruct(
             (self.num_ranks * num_slots, vocab), jnp.float32, sharding=ranks

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 import jax
 
@@ -15,7 +16,7 @@ from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.data_parallel_moe import choose_all2all_backend
-from jvllm.distributed.mesh import describe_placement, rank_group_mesh
+from jvllm.distributed.mesh import DP_AXIS, describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_hf_config
@@ -23,6 +24,7 @@ from jvllm.model_loader.loader import load_engine_model
 from jvllm.models.model import takes_images
 from jvllm.quantization import describe_weights
 from jvllm.worker.compilation_cache import enable_compilation_cache
+from jvllm.worker.device_sleep import DeviceSleep
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.rank_group import RankGroupRunner, RankRunner
@@ -46,8 +48,8 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one (no decode windows, steps run ahead, drafts, adapters, pooling or
-    sleep mode)."""
+    step is the plain one (no decode windows, steps run ahead, drafts, adapters or pooling),
+    and sleep mode runs in one process."""
     runner = config.runner_config
     refused = {
         "speculative_config": config.speculative_config is not None,
@@ -55,7 +57,9 @@ def check_rank_group(config: EngineConfig) -> None:
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,
         "runner='pooling'": config.pooler_config is not None,
-        "enable_sleep_mode": config.load_config.enable_sleep_mode,
+        "enable_sleep_mode across processes": (
+            config.load_config.enable_sleep_mode and jax.process_count() > 1
+        ),
     }
     named = [name for name, is_set in refused.items() if is_set]
     if named:
@@ -103,6 +107,9 @@ class RankGroupWorker:
         )
         self.num_blocks = self._size_kv_cache()
         self.runner: RankGroupRunner | None = None
+        self.device_sleep: DeviceSleep | None = None  # the runner's, once it is made
+        # The ranks that sleep whole (weights and KV cache) -> the level each slept at.
+        self.ranks_asleep: dict[int, int] = {}
 
     def _size_kv_cache(self) -> int:
         """Each rank's KV pool (null block included), its T devices holding it; on a CPU
@@ -145,6 +152,7 @@ class RankGroupWorker:
                 mesh=self.mesh,
                 kv_groups=self.config.cache_config.kv_groups,
             )
+            self.device_sleep = DeviceSleep(self.runner, self.model_config)
         return self.runner
 
     def compile_all(self) -> None:
@@ -190,3 +198,33 @@ class RankWorker:
 
     def drop_images(self, hashes: list[str]) -> None:
         """Images are refused across ranks: none to drop."""
+
+    # The device half of sleep mode, which engine/sleep.py drives for this rank's engine. The
+    # ranks share the group's params and KV cache: the group frees them once every rank sleeps
+    # (so every rank is idle: a sleeping engine takes no request), and brings each back as soon
+    # as one rank wakes it.
+
+    def has_quantized_weights(self) -> bool:
+        return self.group.device_sleep.has_quantized_weights()
+
+    def sleep(self, level: int) -> None:
+        asleep = self.group.ranks_asleep
+        asleep[self.rank] = level
+        if len(asleep) == self.group.mesh.shape[DP_AXIS]:
+            self.group.device_sleep.sleep(min(asleep.values()))  # any rank's level 1 keeps them
+
+    def missing_params(self) -> list[str]:
+        return self.group.device_sleep.missing_params()
+
+    def wake_up_weights(self) -> None:
+        self.group.ranks_asleep.pop(self.rank, None)
+        self.group.device_sleep.wake_up_weights()
+
+    def wake_up_kv_cache(self) -> None:
+        self.group.ranks_asleep.pop(self.rank, None)
+        self.group.device_sleep.wake_up_kv_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Into the group's params, which every rank runs (each rank's engine resets its own
+        prefix cache)."""
+        return self.group.device_sleep.load_weights(weights)
