@@ -7,6 +7,7 @@ API key, on the same engine); offline references are taken on that engine before
 
 import json
 import re
+import subprocess
 import sys
 
 import httpx
@@ -142,6 +143,19 @@ def test_serve_without_server_packages_says_what_to_install(monkeypatch):
     message = str(exited.value.code)
     assert "pip install 'jvllm[serve]'" in message and "fastapi" in message
     assert "\n" not in message
+
+
+def test_python_m_api_server_runs_serve_as_vllm_does():
+    # vLLM's older launch line, `python -m vllm.entrypoints.openai.api_server --model M`.
+    launched = subprocess.run(
+        [sys.executable, "-m", "jvllm.entrypoints.openai.api_server", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert launched.returncode == 0, launched.stderr
+    assert "--max-model-len" in launched.stdout and "--tool-call-parser" in launched.stdout
 
 
 def test_serve_help_lists_every_option_with_its_default(capsys):

@@ -386,3 +386,13 @@ def run_server(
         server.run()
     finally:
         engine.shutdown()
+
+
+if __name__ == "__main__":
+    # vLLM's older launch line, `python -m vllm.entrypoints.openai.api_server --model M ...`,
+    # takes the flags of `serve`.
+    import sys
+
+    from jvllm.entrypoints.cli import main
+
+    main(["serve", *sys.argv[1:]])
