@@ -48,13 +48,19 @@ from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
 from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
 from jvllm.worker.bias_rows import BiasRows, set_row
-from jvllm.worker.buckets import MIXED_TILE_Q, Bucket, BucketSpec
+from jvllm.worker.buckets import MIXED_TILE_Q, SPECULATIVE_MIN_TOKENS, Bucket, BucketSpec
+from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.step_compiler import abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_hand_over import StepHandOver
-from jvllm.worker.step_inputs import prepare_step_inputs, window_block_ids
+from jvllm.worker.step_inputs import (
+    prepare_step_inputs,
+    scheduled_drafts,
+    split_bitmask,
+    window_block_ids,
+)
 
 
 def _rank_model(config: ModelConfig, attn, vocab_size: int) -> ShardedModel:
@@ -86,7 +92,7 @@ class RankGroupRunner:
     """The group's device side: the params on the D x T mesh, every rank's KV and token
     pages, the jitted step, and the hand-over of the ranks' steps."""
 
-    draft = None  # speculative decoding is refused across ranks
+    draft = None  # n-gram drafts only: no draft model or head across ranks
 
     def __init__(
         self,
@@ -107,7 +113,13 @@ class RankGroupRunner:
         here = jax.process_index()
         self.local_ranks = [r for r in range(num_ranks) if mesh.devices[r, 0].process_index == here]
         block_size = self.block_size = runner_config.block_size
-        self.buckets = BucketSpec(runner_config.max_num_batched_tokens, runner_config.max_num_seqs)
+        # n-gram drafts, k a request, verified in the step (a draft model or head is refused).
+        self.num_drafts = num_drafts = runner_config.num_speculative_tokens
+        self.buckets = BucketSpec(
+            runner_config.max_num_batched_tokens,
+            runner_config.max_num_seqs,
+            **({"min_mixed_tokens": SPECULATIVE_MIN_TOKENS} if num_drafts else {}),
+        )
         # As ModelRunner's: the reference backend's page chunks tile the block tables exactly.
         chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
         max_blocks = math.ceil(runner_config.max_model_len / block_size)
@@ -170,6 +182,7 @@ class RankGroupRunner:
             model=_rank_model(rank_config(config, self.mesh), attn, config.vocab_size),
             max_logprobs=runner_config.max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
+            num_drafts=self.num_drafts,
         )
 
         def rank_step(params, kv_cache, token_cache, bias_rows, inputs):
@@ -221,6 +234,7 @@ class RankGroupRunner:
             self.block_size,
             self.max_pages,
             self.config.vocab_size,
+            num_speculative_tokens=self.num_drafts,
             num_kv_groups=self.num_kv_groups,
         )
         inputs = jax.tree.map(
@@ -252,15 +266,16 @@ class RankGroupRunner:
                 return {}  # no rank of any process has a step
         bucket = self._bucket(sizes)
         layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
-        ranks = []
+        shape = {"num_speculative_tokens": self.num_drafts, "num_kv_groups": self.num_kv_groups}
+        ranks, drafts = [], {}
         for r in self.local_ranks:
             if r not in steps:
-                ranks.append(
-                    prepare_step_inputs([], [], [], *layout, num_kv_groups=self.num_kv_groups)
-                )
+                ranks.append(prepare_step_inputs([], [], [], *layout, **shape))
                 continue
             step = steps[r]
             requests = _requests(step)
+            drafts[r] = scheduled_drafts(step.scheduler_output)
+            masks = split_bitmask(step.token_bitmask, len(requests))
             ranks.append(
                 prepare_step_inputs(
                     requests,
@@ -268,9 +283,11 @@ class RankGroupRunner:
                     step.block_ids,
                     *layout,
                     bias_slots=self.bias_rows[r].slots_for(requests),
-                    token_bitmask=step.token_bitmask,
-                    num_kv_groups=self.num_kv_groups,
+                    token_bitmask=masks[0],
+                    draft_token_ids=drafts[r],
+                    draft_bitmask=masks[1],
                     window_block_ids=window_block_ids(step.scheduler_output),
+                    **shape,
                 )
             )
         local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...] each
@@ -296,6 +313,8 @@ class RankGroupRunner:
                 bool(sampling.any_logprobs),
                 bool(sampling.any_prompt_logprobs),
             )
+            if drafts[r]:  # each request's run, a list
+                results[r] = with_accepted_runs(results[r], rank_out, drafts[r])
             self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
         return results
 

@@ -48,11 +48,13 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one (no decode windows, steps run ahead, drafts, adapters or pooling),
-    and sleep mode runs in one process."""
-    runner = config.runner_config
+    step is the plain one or verifies n-gram drafts (no decode windows, steps run ahead, draft
+    models or heads, adapters or pooling), and sleep mode runs in one process."""
+    runner, spec = config.runner_config, config.speculative_config
     refused = {
-        "speculative_config": config.speculative_config is not None,
+        f"speculative_config method {spec and spec.method!r} (only 'ngram')": (
+            spec is not None and spec.method != "ngram"
+        ),
         "num_scheduler_steps > 1": runner.num_scheduler_steps > 1,
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,

@@ -194,6 +194,23 @@ def window_block_ids(scheduler_output: SchedulerOutput) -> list[list[list[int]]]
     return [tables[r.request_id] for r in scheduler_output.scheduled_requests]
 
 
+def scheduled_drafts(scheduler_output: SchedulerOutput) -> list[list[int]] | None:
+    """Each scheduled request's drafts, in row order ([] for one without); None for a step
+    without any."""
+    drafts = scheduler_output.spec_token_ids
+    if not drafts:
+        return None
+    return [drafts.get(r.request_id, []) for r in scheduler_output.scheduled_requests]
+
+
+def split_bitmask(token_bitmask: np.ndarray | None, num_reqs: int):
+    """StructuredOutputManager.bitmask's rows -> (the requests' [num_reqs, W], their drafts'
+    positions' or None)."""
+    if token_bitmask is None or len(token_bitmask) <= num_reqs:
+        return token_bitmask, None
+    return token_bitmask[:num_reqs], token_bitmask[num_reqs:]
+
+
 def _group_tables(
     block_tables: np.ndarray,
     window_block_ids: list[list[list[int]]],

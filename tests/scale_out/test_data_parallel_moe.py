@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from family_parity import ragged_prompts, save_random_model
 from jax.sharding import NamedSharding
 from test_expert_parallel import FAMILIES
@@ -54,6 +55,12 @@ def model_dir(tmp_path_factory):
         path = tmp_path_factory.mktemp(name)
         if name == "deepseek_v3":
             _save_deepseek(path, v3_like())
+        elif name == "looping_mixtral":  # attention scaled down: greedy continuations loop
+            model = save_random_model(path, FAMILIES["mixtral"]())
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.o_proj.weight.mul_(0.03)
+            model.save_pretrained(path)
         else:
             save = _save_gpt_oss if name == "gpt_oss" else save_random_model
             save(path, FAMILIES[name]())
@@ -355,3 +362,53 @@ def test_each_rank_samples_and_scores_its_own_requests_as_one_device(model_dir):
                     np.testing.assert_allclose(
                         [row[k] for k in want_row], list(want_row.values()), atol=1e-4
                     )
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_ranks_verify_ngram_drafts_and_give_the_tokens_of_no_speculation(model_dir, t):
+    """speculative_config's n-gram drafts in the group: each rank's scheduler looks drafts up
+    for its own requests and the group's one step verifies them all; greedy and seeded
+    requests over both ranks give one device's tokens without speculation, and drafts are
+    proposed and accepted on both ranks (a Mixtral whose attention is scaled down, so that its
+    continuations loop while the context still steers them)."""
+    path = model_dir("looping_mixtral")
+    prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True),
+    ]
+
+    def run(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    expected = run(LLM(path, **ENGINE_KWARGS))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec["prompt_lookup_min"] = 1
+    llm = LLM(
+        path,
+        data_parallel_size=2,
+        tensor_parallel_size=t,
+        enable_expert_parallel=True,
+        speculative_config=spec,
+        **ENGINE_KWARGS,
+    )
+    assert run(llm) == expected
+    stats = [engine.spec_decoding_stats for engine in llm.llm_engine.replicas]
+    assert all(s.num_accepted_tokens > 0 for s in stats)  # both ranks' drafts verified
+
+
+def test_a_draft_model_or_head_is_refused_across_ranks(model_dir):
+    spec = {"method": "draft_model", "model": model_dir("mixtral"), "num_speculative_tokens": 2}
+    with pytest.raises(
+        ValueError, match=r"speculative_config method 'draft_model' \(only 'ngram'\)"
+    ):
+        LLM(
+            model_dir("mixtral"),
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+            speculative_config=spec,
+            **ENGINE_KWARGS,
+        )
