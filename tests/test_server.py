@@ -21,6 +21,8 @@ from jvllm.engine.metrics import ServingMetrics
 from jvllm.entrypoints import cli
 from jvllm.entrypoints.openai import api_server
 from jvllm.entrypoints.openai.api_server import build_app
+from jvllm.entrypoints.openai.engine_errors import param_of
+from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jvllm.entrypoints.openai.server_thread import ServerThread
 
 MODEL = "tiny"
@@ -297,15 +299,38 @@ def _error(response: httpx.Response, status: int) -> dict:
         ({"prompt": "hi", "logprobs": 50}, "logprobs"),
         ({"prompt": "hi", "n": "many"}, "n"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": [10**9]}, None),
+        ({"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        # Refused in the engine, which knows the vocabulary and max_logprobs.
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": "hi", "logit_bias": {"1000000": 1}}, "logit_bias"),
+        ({"prompt": "hi", "allowed_token_ids": [1000000]}, "allowed_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": [1000000]}, "stop_token_ids"),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21},
+            "prompt_logprobs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1000000": 1}},
+            "logit_bias",
+        ),
     ],
 )
-def test_out_of_range_params_are_400(setup, body, param):
-    response = httpx.post(setup["url"] + "/v1/completions", json={"model": MODEL, **body})
+def test_out_of_range_params_are_400_naming_the_field(setup, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(setup["url"] + path, json={"model": MODEL, **body})
     error = _error(response, 400)
     assert error["type"] == "invalid_request_error"
-    if param is not None:
-        assert error["param"] == param
+    assert error["param"] == param, error["message"]
+
+
+def test_param_is_the_first_request_field_an_error_message_names():
+    chat, completion = ChatCompletionRequest.model_fields, CompletionRequest.model_fields
+    assert param_of("min_tokens must be <= max_tokens (10), got 20", chat) == "min_tokens"
+    # "prompt" names the field the prompt came in; "this model" is not the `model` field.
+    assert param_of("the prompt (9 tokens) plus max_tokens (9) is 18 tokens", chat) == "messages"
+    assert param_of("this model ships no tokenizer: pass the prompt as ids", completion) == "prompt"
+    assert param_of("params must be a SamplingParams, got dict", completion) is None
 
 
 def test_malformed_json_is_400_and_unknown_model_404(setup):

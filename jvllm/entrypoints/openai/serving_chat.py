@@ -180,7 +180,7 @@ class OpenAIServingChat(OpenAIServing):
         }
         if "multi_modal_data" in rendered:
             prompt["multi_modal_data"] = rendered["multi_modal_data"]
-        options = (beam, request.priority, adapter)
+        options = (beam, request.priority, adapter, type(request).model_fields)
         outputs = self.generate_all([prompt], params, request_id, kind, *options)
         try:
             first = await anext(outputs)

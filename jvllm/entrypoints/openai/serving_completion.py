@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         beam = self.beam_search_params(request, max_tokens)
         request_id = response_id("cmpl", request.request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        options = (beam, request.priority, adapter)
+        options = (beam, request.priority, adapter, type(request).model_fields)
         outputs = self.generate_all(prompts, params, request_id, kind, *options)
         try:
             first = await anext(outputs)  # errors at admission become a 400, not a broken stream

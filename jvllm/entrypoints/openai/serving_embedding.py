@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from jvllm.entrypoints.openai.engine_errors import engine_errors
+from jvllm.entrypoints.openai.engine_errors import engine_errors, param_of
 from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
 from jvllm.entrypoints.openai.serving_engine import OpenAIServing
 from jvllm.pooling_params import PoolingParams
@@ -35,6 +35,10 @@ class EmbeddingRequest(_Request):
     # vLLM's extras.
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
+
+
+# What an error's message may name (engine_errors.param_of); a message naming none is the input's.
+_FIELDS = tuple(EmbeddingRequest.model_fields)
 
 
 def prompts(value) -> list[str | list[int]]:
@@ -81,7 +85,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 request.dimensions, request.normalize, request.truncate_prompt_tokens
             )
         except ValueError as e:
-            raise OpenAIError(str(e), param=_param_of(str(e))) from None
+            raise OpenAIError(str(e), param=param_of(str(e), _FIELDS) or "input") from None
         request_id = f"embd-{uuid.uuid4().hex}"
         outputs = await self.encode_all(inputs, params, request_id)
         data = [
@@ -110,7 +114,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             for i, p in enumerate(inputs)
         ]
         try:
-            with engine_errors(_param_of):
+            with engine_errors(_FIELDS, default="input"):
                 outputs = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -123,15 +127,6 @@ class OpenAIServingEmbedding(OpenAIServing):
                     type="internal_server_error",
                 )
         return outputs
-
-
-def _param_of(message: str) -> str:
-    """The request field an engine's error is about: the one it starts with (a prompt's error
-    may name truncate_prompt_tokens as a remedy), else the input."""
-    for field in ("dimensions", "truncate_prompt_tokens", "normalize"):
-        if message.startswith(field):
-            return field
-    return "input"
 
 
 class RunnerRoutes:

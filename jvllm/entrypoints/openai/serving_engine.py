@@ -8,7 +8,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 from jvllm.engine.async_llm import (
     AsyncLLM,
@@ -16,7 +16,7 @@ from jvllm.engine.async_llm import (
 )
 from jvllm.engine.input_processor import check_priority, truncate_prompt
 from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
-from jvllm.entrypoints.openai.engine_errors import engine_errors
+from jvllm.entrypoints.openai.engine_errors import engine_errors, param_of
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.entrypoints.openai.serving_models import ServedModels
 from jvllm.lora.request import LoRARequest
@@ -192,9 +192,8 @@ class OpenAIServing:
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
-            message = str(e)
-            first = message.split(" ", 1)[0]
-            raise OpenAIError(message, param=first if first in values else None) from None
+            fields = {*type(request).model_fields, *values}
+            raise OpenAIError(str(e), param=param_of(str(e), fields)) from None
 
     def truncated(self, prompt_token_ids: list[int], request) -> list[int]:
         """The prompt's last `request.truncate_prompt_tokens` tokens (vLLM's field), cut here so
@@ -256,10 +255,12 @@ class OpenAIServing:
         beam: BeamSearchParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        fields: Collection[str] = (),
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all.
-        With `beam`, each prompt is one beam search, reported once, at its end."""
-        options = (beam, priority, lora_request)
+        With `beam`, each prompt is one beam search, reported once, at its end. `fields`: the
+        request's, one of which the engine's refusal of a bad input names (a 400's `param`)."""
+        options = (beam, priority, lora_request, fields)
         if len(prompts) == 1:
             async for output in self._generate(prompts[0], params, request_id, kind, *options):
                 yield 0, output
@@ -301,8 +302,9 @@ class OpenAIServing:
         beam: BeamSearchParams | None,
         priority: int,
         lora_request: LoRARequest | None,
+        fields: Collection[str],
     ) -> AsyncIterator[RequestOutput]:
-        with engine_errors():
+        with engine_errors(fields):
             if beam is not None:
                 yield await self._beam_search(prompt, beam, request_id, priority, lora_request)
                 return

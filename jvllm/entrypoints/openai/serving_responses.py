@@ -89,7 +89,7 @@ class OpenAIServingResponses(OpenAIServing):
             "prompt_token_ids": prompt_token_ids,
             "cache_salt": request.cache_salt,
         }
-        options = (None, request.priority, adapter)
+        options = (None, request.priority, adapter, type(request).model_fields)
         outputs = self.generate_all([prompt], params, response_id, kind, *options)
         try:
             first = await anext(outputs)  # errors at admission become a 400, not a broken stream
