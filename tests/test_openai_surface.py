@@ -247,6 +247,20 @@ def test_chat_content_parts_are_joined_by_newlines_and_images_refused(client):
         )
 
 
+@pytest.mark.parametrize(
+    "part, message",
+    [
+        ({"type": "text"}, "messages[0].content[1].text is missing"),
+        ({"type": "text", "text": 5}, "messages[0].content[1].text must be a string"),
+    ],
+)
+def test_a_text_part_without_its_text_is_a_400_naming_the_field(served, part, message):
+    content = [{"type": "text", "text": "What is"}, part]
+    body = _greedy(messages=[{"role": "user", "content": content}])
+    error = _error(served["url"], "/v1/chat/completions", body)
+    assert error["param"] == "messages" and error["message"].startswith(message)
+
+
 def test_prompt_logprobs_equal_the_offline_engine(served, client):
     out = client.completions.create(
         prompt=PROMPT, extra_body={"prompt_logprobs": 2, "return_token_ids": True}, **_greedy()

@@ -160,6 +160,7 @@ def test_reasoning_is_an_output_item_of_its_own(servers):
             "input",
         ),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
         ({"input": ""}, "input"),
         ({"input": QUESTION, "n": 2}, "n"),
         ({"input": QUESTION, "prompt_logprobs": 1}, "prompt_logprobs"),

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from jvllm import LLM, SamplingParams
+from jvllm.entrypoints.chat import ChatImages, ContentError, image_content
 from jvllm.step_loop import StepLoop
 from tests.vlm_models import assert_greedy_equals_hf, hf_greedy_with_images, random_image
 
@@ -210,6 +211,13 @@ def test_chat_refuses_a_file_outside_the_allowed_folder_and_audio_parts(llava_ll
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     with pytest.raises(ValueError, match="audio are not supported"):
         llava_llm.chat([{"role": "user", "content": [audio]}], GREEDY, use_tqdm=False)
+
+
+def test_a_text_part_beside_an_image_without_its_text_is_refused_naming_the_field():
+    images = ChatImages("<image>", load=lambda url: random_image(0))
+    content = [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}, {"type": "text"}]
+    with pytest.raises(ContentError, match=r"messages\[0\]\.content\[1\]\.text is missing"):
+        image_content([{"role": "user", "content": content}], images)
 
 
 def test_the_step_loop_refuses_images(llava_llm):

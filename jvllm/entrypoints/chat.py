@@ -10,6 +10,11 @@ from jvllm.entrypoints.media import MediaConnector
 Conversation = list[dict]
 
 
+class ContentError(ValueError):
+    """A message content that jvllm cannot take (a part of a type it does not serve, one without
+    its fields); the HTTP layer answers it with a 400 naming the part."""
+
+
 def as_conversations(messages) -> list[Conversation]:
     """One conversation (a list of message dicts) or a list of them -> a list of them."""
     messages = list(messages)
@@ -59,7 +64,7 @@ def image_content(conversation: Conversation, images: ChatImages) -> tuple[Conve
         for part in message["content"]
     )
     if images.limit is not None and num_parts > images.limit:
-        raise ValueError(
+        raise ContentError(
             f"the messages hold {num_parts} images, more than limit_mm_per_prompt allows "
             f"({images.limit})"
         )
@@ -73,26 +78,28 @@ def image_content(conversation: Conversation, images: ChatImages) -> tuple[Conve
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
+            if kind == "text":
+                parts.append(
+                    {"type": "text", "text": part_text(part, f"messages[{i}].content[{j}]")}
+                )
                 continue
             if kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
-                    raise ValueError(
+                    raise ContentError(
                         f'messages[{i}].content[{j}].image_url must be {{"url": "..."}}'
                     )
                 loaded.append(load_image(url))
             elif kind == "image_pil" and not images.takes_pil:
-                raise ValueError(
+                raise ContentError(
                     f"messages[{i}].content[{j}] is an image_pil part, which only the offline "
                     "LLM.chat takes; send the image as an image_url (a data: URL)"
                 )
             elif kind == "image_pil" and part.get("image_pil") is not None:
                 loaded.append(part["image_pil"])
             else:
-                raise ValueError(
+                raise ContentError(
                     f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes text, "
                     "image_url and image_pil parts (video and audio are not supported yet)"
                 )
@@ -131,20 +138,33 @@ def text_content(conversation: Conversation) -> Conversation:
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 if kind in IMAGE_PART_TYPES:
-                    raise ValueError(
+                    raise ContentError(
                         f"messages[{i}].content[{j}] is an {kind!r} part, and this model "
                         "takes no images: serve one that does (e.g. LLaVA-1.5)"
                     )
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(
+                if kind != "text":
+                    raise ContentError(
                         f"messages[{i}].content[{j}] is a {kind!r} part; jvllm takes "
                         'text parts ({"type": "text", "text": ...}) and, for a model that '
                         "takes images, image parts (video and audio are not supported yet)"
                     )
-                texts.append(part["text"])
+                texts.append(part_text(part, f"messages[{i}].content[{j}]"))
             message = {**message, "content": "\n".join(texts)}
         flat.append(message)
     return flat
+
+
+def part_text(part: dict, where: str) -> str:
+    """A text part's text, or a ContentError naming the field (`where`.text): OpenAI's API
+    requires it."""
+    if "text" not in part:
+        kind = part.get("type")
+        raise ContentError(
+            f'{where}.text is missing: a {kind} part needs it ({{"type": "{kind}", "text": ...}})'
+        )
+    if not isinstance(part["text"], str):
+        raise ContentError(f"{where}.text must be a string, got {part['text']!r}"[:200])
+    return part["text"]
 
 
 def _tool_call_arguments_as_objects(conversation: Conversation) -> Conversation:

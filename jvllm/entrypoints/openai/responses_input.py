@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from jvllm.entrypoints.chat import text_content
+from jvllm.entrypoints.chat import ContentError, part_text, text_content
 from jvllm.entrypoints.openai.protocol import OpenAIError, ResponsesRequest
 
 # The roles of message items, as the chat template sees them.
@@ -103,7 +103,11 @@ def _message(i: int, item: dict) -> dict:
                     f"({', '.join(_TEXT_PARTS)})",
                     param="input",
                 )
-            parts.append({"type": "text", "text": part.get("text", "")})
+            try:
+                text = part_text(part, f"input[{i}].content[{j}]")
+            except ContentError as e:
+                raise OpenAIError(str(e), param="input") from None
+            parts.append({"type": "text", "text": text})
         content = parts
     return {"role": _ROLES[role], "content": content}
 

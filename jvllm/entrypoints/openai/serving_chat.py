@@ -7,7 +7,13 @@ import functools
 from collections.abc import AsyncIterator
 
 from jvllm.engine.async_llm import AsyncLLM
-from jvllm.entrypoints.chat import chat_images, has_images, render_conversation, text_content
+from jvllm.entrypoints.chat import (
+    ContentError,
+    chat_images,
+    has_images,
+    render_conversation,
+    text_content,
+)
 from jvllm.entrypoints.media import MediaError
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.reasoning import (
@@ -105,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
                 tools,
                 self.images,
             )
-        except MediaError as e:  # an image the server could not or would not load
+        except (MediaError, ContentError) as e:  # a part it cannot take, an image it cannot load
             raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a template error is the messages' fault
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
