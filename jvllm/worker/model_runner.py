@@ -1,9 +1,11 @@
 """The model runner: owns the parameters, the paged KV array and every `jax.jit` entry point
 (`_jitted`'s steps, the bias table's and the LoRA slots' updates), and runs the steps; which
-executables exist and when each compiles is its StepCompiler's (step_compiler.py)."""
+executables exist and when each compiles is its StepCompiler's (step_compiler.py), the shapes
+they are lowered for step_layout.py's, what each kind chains step_kinds.py's, and how a
+schedule becomes an executable's arguments and its outputs the requests' results
+scheduled_step.py's."""
 
 import functools
-import math
 import time
 
 import jax
@@ -11,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jvllm.attention.backends import get_attention, in_kv_groups
-from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
@@ -21,37 +21,26 @@ from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.mesh import TP_AXIS, make_mesh, replicated
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC, sharded_model
 from jvllm.layers.scan import unstack_layers, use_unstacked_layers
-from jvllm.logger import init_logger
 from jvllm.lora.slots import AdapterSlots, update_columns, with_slot_params
-from jvllm.models.model import image_num_embeds, num_moe_layers, param_axes, takes_images
+from jvllm.models.model import num_moe_layers, param_axes, takes_images
 from jvllm.sample.plan import SamplerPlan, use_sampler_plans
-from jvllm.worker.async_step import StepAhead, can_run_ahead, next_decode_step, rows_ahead
+from jvllm.worker.async_step import StepAhead, can_run_ahead, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
-from jvllm.worker.buckets import MIXED_TILE_Q, SPECULATIVE_MIN_TOKENS, Bucket, BucketSpec
-from jvllm.worker.decode_loop import (
-    prepare_window_inputs,
-    run_window,
-    window_steps_per_check,
-)
+from jvllm.worker.buckets import Bucket
+from jvllm.worker.decode_loop import window_steps_per_check
 from jvllm.worker.draft_model import DraftModel
-from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.drafters import make_drafter
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
-from jvllm.worker.pooler import pool_step, prepare_pool_inputs
-from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
-from jvllm.worker.spec_window import (
-    SpecWindowOutput,
-    cut_short,
-    fetch_spec_window,
-    first_round,
-    run_spec_window,
-)
-from jvllm.worker.step_compiler import StepCompiler, StepLayout, abstract_state
-from jvllm.worker.step_fn import model_step, single_step
-from jvllm.worker.step_inputs import StepInputs, prepare_step_inputs, window_block_ids
-
-logger = init_logger(__name__)
+from jvllm.worker.pooler import pool_step
+from jvllm.worker.runner_output import ModelRunnerOutput
+from jvllm.worker.scheduled_step import prepare_pool_step, prepare_step, read_results
+from jvllm.worker.spec_window import cut_short
+from jvllm.worker.step_compiler import StepCompiler, abstract_state
+from jvllm.worker.step_fn import model_step
+from jvllm.worker.step_inputs import StepInputs
+from jvllm.worker.step_kinds import StepKinds
+from jvllm.worker.step_layout import step_attention, step_buckets, step_layout
 
 
 class ModelRunner:
@@ -78,15 +67,8 @@ class ModelRunner:
         if runner_config.max_model_len is None or runner_config.attention_backend is None:
             raise ValueError("the runner takes a config the worker resolved (Worker.config)")
         block_size = runner_config.block_size
-        max_num_seqs = runner_config.max_num_seqs
         attention_backend = runner_config.attention_backend
         num_speculative_tokens = runner_config.num_speculative_tokens
-        pooling_type = runner_config.pooling_type
-        buckets = BucketSpec(
-            runner_config.max_num_batched_tokens,
-            max_num_seqs,
-            **({"min_mixed_tokens": SPECULATIVE_MIN_TOKENS} if num_speculative_tokens else {}),
-        )
         self.config = config
         self.mesh = mesh = mesh or make_mesh()
         self.adapters = None
@@ -96,22 +78,26 @@ class ModelRunner:
             self.adapters = AdapterSlots(
                 config, runner_config.max_cpu_loras, update, mesh.shape[TP_AXIS]
             )
-        self.pooling_type = pooling_type
         # On a GPU the layers' weights as one array per layer (layers/scan.py): the caller's
         # stacked arrays are deleted as they are split.
         self.layers_unstacked = use_unstacked_layers()
         if self.layers_unstacked:
             params = unstack_layers(params, param_axes(config))
         self.params = params
-        num_shards = mesh.shape[TP_AXIS]
+        # A model that takes images: its encoder and the images' embeddings.
+        self.encoder = EncoderRunner(config) if takes_images(config) else None
+        if self.encoder and draft is not None and runner_config.num_scheduler_steps > 1:
+            raise ValueError(
+                "num_scheduler_steps > 1 with a speculative_config does not run for a model that "
+                "takes images yet (its rounds would move the images' rotary positions): use "
+                "num_scheduler_steps=1"
+            )
         self.block_size = block_size
-        self.buckets = buckets
+        self.buckets = buckets = step_buckets(runner_config)
+        layout = step_layout(config, runner_config, kv_groups, self.encoder)
+        self.max_pages, self.num_kv_groups = layout.max_pages, layout.num_kv_groups
         self.attention_backend = attention_backend
-        # Block tables are padded so that the reference backend's page chunks (decode and mixed)
-        # tile them exactly: a chunk that ran past the end would be clamped back onto other pages.
-        chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
-        max_blocks = math.ceil(runner_config.max_model_len / block_size)
-        self.max_pages = math.ceil(max_blocks / chunk) * chunk
+        num_shards = mesh.shape[TP_AXIS]
         self.kv_cache = allocate_kv_cache(
             kv_cache_spec(config.dtype, attention_backend, runner_config.kv_cache_dtype),
             kv_cache_shape(
@@ -119,8 +105,6 @@ class ModelRunner:
             ),
             NamedSharding(mesh, KV_CACHE_SPEC),
         )
-        self.num_speculative_tokens = num_speculative_tokens
-        self.prompt_lookup = runner_config.prompt_lookup
         self.draft = None
         if draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)
             self.draft = make_drafter(
@@ -141,36 +125,20 @@ class ModelRunner:
         self._set_bias_row = jax.jit(set_row, donate_argnums=0)
         # One row per running request at most, plus the shared zero row.
         self.bias_rows = BiasRows(
-            max_num_seqs + 1, config.vocab_size, self._set_bias_row, replicated(mesh)
+            runner_config.max_num_seqs + 1, config.vocab_size, self._set_bias_row, replicated(mesh)
         )
-        self.max_logprobs = max_logprobs = runner_config.max_logprobs
-        # Gemma 3: image tokens attend to their whole image (attention/image_ahead.py).
-        self.bidirectional_images = bool(config.option("bidirectional_images"))
-        attn = get_attention(
-            attention_backend,
-            sm_scale=config.sm_scale,
-            logit_softcap=config.attn_logit_softcap,
-            max_image_tokens=image_num_embeds(config) if self.bidirectional_images else 0,
-            latent_dim=config.option("kv_lora_rank") if config.kv_planes == 1 else None,
-        )
-        # Hybrid KV groups: each step carries every group's tables.
-        self.num_kv_groups = kv_groups.num_groups if kv_groups else 1
-        if self.num_kv_groups > 1:
-            attn = in_kv_groups(attn, kv_groups)
         # The step body as a pure function of (params, kv_cache, token_cache, bias_rows,
         # inputs), statics bound: the decode windows and jvllm.step_loop chain it.
+        attn = step_attention(config, layout, attention_backend, kv_groups)
         self.model = sharded_model(config, mesh, attn, self.layers_unstacked, self.params)
         self.step = functools.partial(
             model_step,
             model=self.model,
-            max_logprobs=max_logprobs,
+            max_logprobs=runner_config.max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
             num_drafts=num_speculative_tokens,
             **(self.draft.step_options if self.draft is not None else {}),
         )
-        # Decode windows: one more executable per decode bucket, for up to k steps a call.
-        self.num_scheduler_steps = num_scheduler_steps = runner_config.num_scheduler_steps
-        self.window_steps_per_check = window_steps_per_check()
         # Async scheduling: one more executable per decode bucket, the step after a step.
         self.async_scheduling = async_scheduling = runner_config.async_scheduling
         # On a GPU, a step runs the executable of its sampler plan once that is compiled (in
@@ -179,14 +147,6 @@ class ModelRunner:
         self._ahead: StepAhead | None = None
         self.num_steps_ahead_used = 0
         self.num_steps_ahead_dropped = 0
-        # A model that takes images: its encoder and the images' embeddings.
-        self.encoder = EncoderRunner(config) if takes_images(config) else None
-        if self.encoder and self.draft and num_scheduler_steps > 1:
-            raise ValueError(
-                "num_scheduler_steps > 1 with a speculative_config does not run for a model that "
-                "takes images yet (its rounds would move the images' rotary positions): use "
-                "num_scheduler_steps=1"
-            )
         # A model with routed experts: each MoE layer's (token, expert) assignments so far,
         # i64[L_moe, E] (row i: layer num_layers - L_moe + i), from each step's counts; a new
         # array each step, so a reader on another thread holds a consistent one.
@@ -195,6 +155,9 @@ class ModelRunner:
             if self.model.forward_counting_experts
             else None
         )
+        # Decode windows: one more executable per decode bucket, for up to k steps a call.
+        counts_shape = None if self.expert_token_counts is None else self.expert_token_counts.shape
+        self._kinds = StepKinds(runner_config, window_steps_per_check(), counts_shape)
         # What every executable is lowered for, fixed once the arrays exist.
         self._state_spec = abstract_state(
             (self.params, self.kv_cache, self.token_cache, self.bias_rows.rows)
@@ -203,22 +166,9 @@ class ModelRunner:
             buckets,
             (self._step_params(), *self._state_spec[1:]),
             self._jitted,
-            StepLayout(
-                block_size,
-                self.max_pages,
-                config.vocab_size,
-                has_adapters=self.adapters is not None,
-                num_speculative_tokens=num_speculative_tokens,
-                num_kv_groups=self.num_kv_groups,
-                image_embeds=(
-                    (config.hidden_size, config.dtype, self.encoder.has_rope_positions)
-                    if self.encoder
-                    else None
-                ),
-                has_image_groups=self.bidirectional_images,
-            ),
-            pooling_type=pooling_type,
-            num_scheduler_steps=num_scheduler_steps,
+            layout,
+            pooling_type=runner_config.pooling_type,
+            num_scheduler_steps=runner_config.num_scheduler_steps,
             async_scheduling=async_scheduling,
             sampler_plans=self.sampler_plans,
             lockstep=jax.process_count() > 1,  # every process's steps must be the same
@@ -254,35 +204,8 @@ class ModelRunner:
         if kind == "pool":
             pool = functools.partial(pool_step, forward=self.model.forward)
             return jax.jit(pool, donate_argnums=1)
-        step = functools.partial(self.step, plan=plan)
-        counts = self.expert_token_counts
-        # A window of steps or rounds sums its expert counts: (L_moe, E), or None without.
-        counts_shape = None if counts is None else counts.shape
-        if kind == "window":
-            fn = functools.partial(
-                run_window,
-                step=step,
-                num_steps=self.num_scheduler_steps,
-                steps_per_check=self.window_steps_per_check,
-                max_logprobs=self.max_logprobs,
-                expert_counts_shape=counts_shape,
-            )
-        elif kind == "spec_window":
-            fn = functools.partial(
-                run_spec_window,
-                step=step,
-                num_rounds=self.num_scheduler_steps,
-                num_drafts=self.num_speculative_tokens,
-                max_logprobs=self.max_logprobs,
-                rounds_per_check=min(self.window_steps_per_check, self.num_scheduler_steps),
-                expert_counts_shape=counts_shape,
-                prompt_lookup=self.prompt_lookup,
-            )
-        elif kind == "ahead":
-            fn = functools.partial(next_decode_step, step=step)
-        else:
-            fn = functools.partial(single_step, step=step)
-        return jax.jit(fn, donate_argnums=(1, 2))
+        body = self._kinds.body(kind, functools.partial(self.step, plan=plan))
+        return jax.jit(body, donate_argnums=(1, 2))
 
     def compile_all(self, progress: bool = True) -> float:
         """Compile every shape up front so that nothing compiles while serving but sampler
@@ -351,9 +274,6 @@ class ModelRunner:
         # The decode steps that follow this one: their compiles start now, beside this step's.
         requests = scheduler_output.scheduled_requests
         self.compiler.queue_decode_shapes(len(requests))
-        num_reqs = len(requests)
-        counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
-        is_window = scheduler_output.num_steps > 1
         bias_slots = self.bias_rows.slots_for(requests)
         adapter_slots = self.adapter_slots_for(requests)
         if self.encoder is not None:
@@ -368,48 +288,21 @@ class ModelRunner:
             any_logprobs, plan = ahead.any_logprobs, ahead.plan
         else:
             self.num_steps_ahead_dropped += ahead is not None
-            rows = list(range(num_reqs))
-            drafts = scheduler_output.spec_token_ids
-            draft_lists = [drafts.get(r.request_id, []) for r in requests] if drafts else None
-            kind = "window" if is_window else "step"
-            if is_window and self.num_speculative_tokens:
-                kind = "spec_window"
-                draft_lists, counts = first_round(
-                    draft_lists, num_reqs, self.num_speculative_tokens
-                )
-            bucket, lent = self.compiler.select_bucket(sum(counts), num_reqs, kind)
-            draft_bitmask = None
-            if token_bitmask is not None and len(token_bitmask) > num_reqs:
-                token_bitmask, draft_bitmask = token_bitmask[:num_reqs], token_bitmask[num_reqs:]
-            inputs = prepare_step_inputs(
-                requests,
-                counts,
+            rows = list(range(len(requests)))
+            step = prepare_step(
+                self.compiler,
+                self.encoder,
+                scheduler_output,
                 block_ids,
-                bucket,
-                self.block_size,
-                self.max_pages,
-                self.config.vocab_size,
                 bias_slots,
-                token_bitmask,
                 adapter_slots,
-                draft_lists,
-                self.num_speculative_tokens,
-                self.num_kv_groups,
-                window_block_ids(scheduler_output),
-                draft_bitmask,
+                token_bitmask,
             )
-            if self.encoder is not None:
-                inputs = self.encoder.with_images(inputs, requests, counts)
-            any_logprobs, plan = bool(inputs.sampling.any_logprobs), self.compiler.plan(inputs)
-            if lent:
-                plan = SamplerPlan.DYNAMIC  # no plan compiles for a bucket only lent
-            args = [self._step_params(), self.kv_cache, self.token_cache, self.bias_rows.rows]
-            args.append(inputs)
-            if is_window:
-                limits = [scheduler_output.window_limits[r.request_id] for r in requests]
-                args.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
-            exe = self.compiler.executable(bucket, kind, plan)
-            out, self.kv_cache, self.token_cache = exe(*args)
+            bucket, inputs, plan = step.bucket, step.inputs, step.plan
+            any_logprobs = bool(inputs.sampling.any_logprobs)
+            exe = self.compiler.executable(bucket, step.kind, plan)
+            state = (self._step_params(), self.kv_cache, self.token_cache, self.bias_rows.rows)
+            out, self.kv_cache, self.token_cache = exe(*state, *step.args)
             if self.draft is not None:
                 self.draft.keep_drafts(out.draft_tokens, requests)
         if (
@@ -422,20 +315,17 @@ class ModelRunner:
             )
         dispatched = time.perf_counter()
         # A window and a step run ahead decode only: no prompt positions to score.
+        is_window = scheduler_output.num_steps > 1
         any_prompt_logprobs = not (is_window or used_ahead) and bool(
             inputs.sampling.any_prompt_logprobs
         )
-        if isinstance(out, SpecWindowOutput):
-            result = fetch_spec_window(out, num_reqs, any_logprobs)
-            if self.draft is not None:  # n-gram drafts: the host looks the next ones up
-                self.draft.drop_drafts(cut_short(result, requests))
-        else:
-            result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
+        result = read_results(out, scheduler_output, rows, any_logprobs, any_prompt_logprobs)
+        if result.round_drafts is not None and self.draft is not None:
+            # A window of rounds: its drafts past a run it cut short go (n-gram drafts: the
+            # host looks the next ones up).
+            self.draft.drop_drafts(cut_short(result, requests))
         if self.expert_token_counts is not None:
             self.expert_token_counts = self.expert_token_counts + np.asarray(out.expert_counts)
-        if scheduler_output.spec_token_ids and not is_window:  # each request's run, a list
-            drafts = [scheduler_output.spec_token_ids.get(r.request_id, []) for r in requests]
-            result = with_accepted_runs(result, out, drafts)
         self.dispatch_seconds += dispatched - start
         self.device_wait_seconds += time.perf_counter() - dispatched
         return result
@@ -445,22 +335,10 @@ class ModelRunner:
     ) -> np.ndarray:
         """Run one scheduled step of a pooling runner: f32[num_reqs, D], row i request i's
         chunk's share of its pooled vector (worker/pooler.py)."""
-        requests = scheduler_output.scheduled_requests
-        counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
-        bucket, _ = self.compiler.select_bucket(sum(counts), len(requests), "pool")
-        layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
-        step = prepare_step_inputs(
-            requests,
-            counts,
-            block_ids,
-            *layout,
-            num_kv_groups=self.num_kv_groups,
-            window_block_ids=window_block_ids(scheduler_output),
-        )
-        inputs = prepare_pool_inputs(step, requests, counts, self.pooling_type)
+        bucket, inputs = prepare_pool_step(self.compiler, scheduler_output, block_ids)
         exe = self.compiler.executable(bucket, "pool")
         pooled, self.kv_cache = exe(self.params, self.kv_cache, inputs)
-        return np.asarray(pooled)[: len(requests)]
+        return np.asarray(pooled)[: len(scheduler_output.scheduled_requests)]
 
     def _run_ahead(
         self,

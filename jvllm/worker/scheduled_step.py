@@ -1,0 +1,151 @@
+"""A schedule as the step executables take it and give it back: the kind of executable, the
+bucket, the sampler plan and the arguments that a SchedulerOutput runs with (a step, a decode
+window, a window of speculative rounds, a pooling step), and an executable's outputs read back
+as the scheduled requests' results. Between the two the runner runs the executable over its
+arrays (model_runner.py)."""
+
+import dataclasses
+
+import numpy as np
+
+from jvllm.core.scheduler_output import SchedulerOutput
+from jvllm.sample.plan import SamplerPlan
+from jvllm.worker.buckets import Bucket
+from jvllm.worker.decode_loop import WindowInputs, prepare_window_inputs
+from jvllm.worker.draft_scoring import with_accepted_runs
+from jvllm.worker.encoder_runner import EncoderRunner
+from jvllm.worker.pooler import PoolInputs, prepare_pool_inputs
+from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
+from jvllm.worker.spec_window import SpecWindowOutput, fetch_spec_window, first_round
+from jvllm.worker.step_compiler import StepCompiler, StepLayout
+from jvllm.worker.step_inputs import (
+    StepInputs,
+    prepare_step_inputs,
+    scheduled_drafts,
+    split_bitmask,
+    window_block_ids,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+    """A scheduled step laid out for its executable, `StepCompiler.executable(bucket, kind,
+    plan)`, which takes `args` after the runner's arrays."""
+
+    bucket: Bucket
+    kind: str  # "step", "window" or "spec_window"
+    plan: SamplerPlan
+    inputs: StepInputs
+    window: WindowInputs | None  # a decode window's rows' limits and stop ids; None: a step
+
+    @property
+    def args(self) -> tuple:
+        return (self.inputs,) if self.window is None else (self.inputs, self.window)
+
+
+def prepare_step(
+    compiler: StepCompiler,
+    encoder: EncoderRunner | None,
+    scheduler_output: SchedulerOutput,
+    block_ids: list[list[int]],
+    bias_slots: np.ndarray,
+    adapter_slots: np.ndarray | None,
+    token_bitmask: np.ndarray | None,
+) -> ScheduledStep:
+    """`scheduler_output`'s step laid out as `compiler.layout` says: a decode window runs a
+    "window", with drafts a "spec_window" whose first round verifies the scheduler's drafts;
+    any other step a "step", scoring its drafts' positions with speculation on. A step lent a
+    compiled bucket while its own compiles samples DYNAMIC. `encoder`: the images' embeddings,
+    for a model that takes images. `bias_slots`, `adapter_slots` and `token_bitmask` as
+    prepare_step_inputs takes them, the bitmask's rows past the requests' their drafts'."""
+    requests = scheduler_output.scheduled_requests
+    num_reqs = len(requests)
+    layout = compiler.layout
+    counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
+    is_window = scheduler_output.num_steps > 1
+    draft_lists = scheduled_drafts(scheduler_output)
+    kind = "window" if is_window else "step"
+    if is_window and layout.num_speculative_tokens:
+        kind = "spec_window"
+        draft_lists, counts = first_round(draft_lists, num_reqs, layout.num_speculative_tokens)
+    bucket, lent = compiler.select_bucket(sum(counts), num_reqs, kind)
+    token_bitmask, draft_bitmask = split_bitmask(token_bitmask, num_reqs)
+    inputs = _step_inputs(
+        layout,
+        scheduler_output,
+        block_ids,
+        counts,
+        bucket,
+        bias_slots=bias_slots,
+        token_bitmask=token_bitmask,
+        adapter_slots=adapter_slots,
+        draft_token_ids=draft_lists,
+        num_speculative_tokens=layout.num_speculative_tokens,
+        draft_bitmask=draft_bitmask,
+    )
+    if encoder is not None:
+        inputs = encoder.with_images(inputs, requests, counts)
+    plan = SamplerPlan.DYNAMIC if lent else compiler.plan(inputs)  # none compiles for a loan
+    window = None
+    if is_window:
+        limits = [scheduler_output.window_limits[r.request_id] for r in requests]
+        window = prepare_window_inputs(requests, limits, bucket.num_seqs)
+    return ScheduledStep(bucket, kind, plan, inputs, window)
+
+
+def prepare_pool_step(
+    compiler: StepCompiler, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
+) -> tuple[Bucket, PoolInputs]:
+    """A pooling runner's scheduled step laid out in its bucket, for its "pool" executable
+    (worker/pooler.py)."""
+    requests = scheduler_output.scheduled_requests
+    counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
+    bucket, _ = compiler.select_bucket(sum(counts), len(requests), "pool")
+    step = _step_inputs(compiler.layout, scheduler_output, block_ids, counts, bucket)
+    return bucket, prepare_pool_inputs(step, requests, counts, compiler.pooling_type)
+
+
+def _step_inputs(
+    layout: StepLayout,
+    scheduler_output: SchedulerOutput,
+    block_ids: list[list[int]],
+    counts: list[int],
+    bucket: Bucket,
+    **options,
+) -> StepInputs:
+    """The scheduled requests' `counts` tokens laid out in `bucket` as `layout` says, with
+    prepare_step_inputs' `options`."""
+    return prepare_step_inputs(
+        scheduler_output.scheduled_requests,
+        counts,
+        block_ids,
+        bucket,
+        layout.block_size,
+        layout.max_pages,
+        layout.vocab_size,
+        num_kv_groups=layout.num_kv_groups,
+        window_block_ids=window_block_ids(scheduler_output),
+        **options,
+    )
+
+
+def read_results(
+    out,
+    scheduler_output: SchedulerOutput,
+    rows: list[int],
+    any_logprobs: bool,
+    any_prompt_logprobs: bool,
+) -> ModelRunnerOutput:
+    """Wait for a step's device outputs `out` -> the scheduled requests' results, request i's
+    from row `rows[i]`: a window of speculative rounds' tokens and each round's drafts, a decode
+    window's tokens as a list each, a step's with drafts each request's accepted run as a list,
+    any other step's one token each. `any_prompt_logprobs` only for a step that computed them."""
+    requests = scheduler_output.scheduled_requests
+    if isinstance(out, SpecWindowOutput):
+        return fetch_spec_window(out, len(requests), any_logprobs)
+    is_window = scheduler_output.num_steps > 1
+    result = fetch_output(out, rows, is_window, any_logprobs, any_prompt_logprobs)
+    drafts = scheduled_drafts(scheduler_output)
+    if drafts is not None and not is_window:
+        result = with_accepted_runs(result, out, drafts)
+    return result
