@@ -342,6 +342,10 @@ def test_drafts_are_verified_against_the_grammar_at_each_position(tiny_llama_dir
         ({"json": "{not json"}, "structured_outputs.json"),
         ({"regex": "[a-"}, "structured_outputs.regex"),
         ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+        # Valid to llguidance, but they admit only the empty text.
+        ({"grammar": "root ::= "}, "structured_outputs.grammar: the grammar is empty"),
+        ({"grammar": "start: "}, "structured_outputs.grammar: the grammar is empty"),
+        ({"regex": "()"}, "structured_outputs.regex: it admits only the empty text"),
     ],
 )
 def test_invalid_constraints_are_refused_before_entering_the_engine(

@@ -151,6 +151,22 @@ def test_invalid_constraints_and_tools_are_400s(client, body, param):
         assert error.value.body["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"guided_grammar": "root ::= "}, "guided_grammar"),
+        ({"structured_outputs": {"grammar": "start: "}}, "structured_outputs"),
+    ],
+)
+def test_an_empty_grammar_is_a_400_saying_so(client, body, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(client, extra_body=body)
+    assert error.value.body["param"] == param
+    assert f"{param}: invalid structured_outputs.grammar: the grammar is empty" in str(
+        error.value.body["message"]
+    )
+
+
 def test_tool_choice_required_and_named_give_calls_that_match_their_schemas(client):
     tools = [WEATHER, TIME]
     required = _chat(client, tools=tools, tool_choice="required")

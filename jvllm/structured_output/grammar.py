@@ -5,9 +5,11 @@ straight into NumPy arrays, takes JSON schemas, regexes and Lark grammars (GBNF 
 builds a grammar lazily, so a new schema costs well under a millisecond to start.
 """
 
+import functools
 import json
 
 import llguidance
+import llguidance.numpy
 
 from jvllm.sampling_params import StructuredOutputsParams
 from jvllm.structured_output.json_schema import close_objects
@@ -68,4 +70,39 @@ def validate(params: StructuredOutputsParams) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"invalid structured_outputs.{params.kind}: {error.strip()}")
+    if _admits_only_empty_text(grammar):
+        subject = "it"
+        if params.kind == "grammar":
+            subject = "the grammar is empty (a root rule with no body, as 'root ::= '?): it"
+        raise ValueError(
+            f"invalid structured_outputs.{params.kind}: {subject} admits only the empty text, "
+            "so the request could generate nothing"
+        )
     return grammar
+
+
+class _ByteVocabulary:
+    """One token a byte, then an EOS: any text a grammar admits is a sequence of them."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = (*(bytes([b]) for b in range(256)), b"<eos>")
+    special_token_ids = (256,)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()))
+
+
+def _admits_only_empty_text(grammar: str) -> bool:
+    """Whether a (valid) grammar lets no first byte through, only the end: an empty or rule-less
+    grammar, which llguidance takes, but under which a request generates nothing."""
+    tokenizer = _byte_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    mask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)  # i32[1, 9]
+    llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+    return not mask[0, : 256 // 32].any()
