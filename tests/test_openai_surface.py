@@ -310,6 +310,33 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(client):
         )
 
 
+def test_continuous_usage_stats_count_each_chunks_own_choice(served, client):
+    """Several prompts, n each: one choice a chunk, its usage that choice's prompt and tokens so
+    far (vLLM's); the last chunk, every prompt once and every choice's tokens."""
+    prompts = [PROMPT, "Hello"]
+    num_prompt = [len(served["tokenizer"].encode(p)) for p in prompts]
+    chunks = list(
+        client.completions.create(
+            prompt=prompts,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+            **_greedy(),
+        )
+    )
+    sent: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        sent[choice.index] = sent.get(choice.index, 0) + len(choice.token_ids)
+        assert chunk.usage.prompt_tokens == num_prompt[choice.index // 2]
+        assert chunk.usage.completion_tokens == sent[choice.index]
+    assert sent == {index: MAX_TOKENS for index in range(4)}
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.prompt_tokens == sum(num_prompt)
+    assert final.usage.completion_tokens == 4 * MAX_TOKENS
+
+
 def test_return_token_ids_are_the_tokenizers_ids(served, client):
     tokenizer = served["tokenizer"]
     out = client.completions.create(

@@ -200,18 +200,32 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
         num_prompt: dict[int, int] = {}
-        num_completion = 0
+        num_completion: dict[int, int] = {}  # each choice's tokens sent so far, by index
         text_lens: dict[int, int] = {}  # each choice's text sent so far, by index
+
+        def chunk(choices: list[dict], chunk_usage: dict | None) -> str:
+            body = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.models.reply_name(request.model),
+                "choices": choices,
+            }
+            if include_usage:
+                body["usage"] = chunk_usage
+            return sse(body)
+
         item = first
         try:
             while item is not None:
                 prompt_index, result = item
                 num_prompt[prompt_index] = len(result.prompt_token_ids)
-                choices = []
+                # One choice a chunk, as vLLM streams them: continuous_usage_stats then counts
+                # that choice's prompt and its tokens so far.
                 for completion in result.outputs:
                     completion = _shown(request, completion)
-                    num_completion += len(completion.token_ids)
                     index = prompt_index * n + completion.index
+                    num_completion[index] = num_completion.get(index, 0) + len(completion.token_ids)
                     choice = self._choice(
                         request,
                         result,
@@ -221,32 +235,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         text_lens.get(index, 0),
                     )
                     text_lens[index] = text_lens.get(index, 0) + len(choice["text"])
-                    choices.append(choice)
-                chunk = {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.models.reply_name(request.model),
-                    "choices": choices,
-                }
-                if include_usage:  # vLLM's continuous_usage_stats: the counts so far
-                    chunk["usage"] = (
-                        usage(sum(num_prompt.values()), num_completion) if continuous else None
-                    )
-                yield sse(chunk)
+                    counts = (num_prompt[prompt_index], num_completion[index])
+                    yield chunk([choice], usage(*counts) if continuous else None)
                 item = await anext(outputs, None)
             if include_usage:
-                total_prompt = sum(num_prompt.values())
-                yield sse(
-                    {
-                        "id": request_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.models.reply_name(request.model),
-                        "choices": [],
-                        "usage": usage(total_prompt, num_completion),
-                    }
-                )
+                total = (sum(num_prompt.values()), sum(num_completion.values()))
+                yield chunk([], usage(*total))
         except OpenAIError as e:
             yield sse(e.body())
         finally:
