@@ -357,6 +357,18 @@ def test_prompt_longer_than_max_model_len_is_400_with_both_counts(setup):
     assert "256" in message and "300" in message
 
 
+@pytest.mark.parametrize("max_tokens", [None, 1])
+def test_a_prompt_of_max_model_len_tokens_is_400_as_offline_and_in_vllm(setup, max_tokens):
+    """vLLM v1 refuses a generation prompt of exactly max_model_len tokens (no room for one
+    output token); so does the offline engine (test_engine_api.py), and so does the server."""
+    url = setup["url"] + "/v1/completions"
+    body = {"model": MODEL, "prompt": [5] * 256, "max_tokens": max_tokens}
+    error = _error(httpx.post(url, json=body), 400)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    fits = httpx.post(url, json={**body, "prompt": [5] * 255}).json()
+    assert fits["usage"]["completion_tokens"] == 1
+
+
 def test_api_key_is_required_on_v1(setup):
     url = setup["secured_url"]
     assert _error(httpx.get(url + "/v1/models"), 401)["code"] == "invalid_api_key"
