@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 
 import jax
@@ -35,8 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jvllm.attention.backends import get_attention, in_kv_groups
-from jvllm.attention.reference import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
@@ -48,7 +45,7 @@ from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
 from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
 from jvllm.worker.bias_rows import BiasRows, set_row
-from jvllm.worker.buckets import MIXED_TILE_Q, SPECULATIVE_MIN_TOKENS, Bucket, BucketSpec
+from jvllm.worker.buckets import Bucket
 from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
@@ -56,11 +53,11 @@ from jvllm.worker.step_compiler import abstract_state
 from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_hand_over import StepHandOver
 from jvllm.worker.step_inputs import (
-    prepare_step_inputs,
     scheduled_drafts,
     split_bitmask,
     window_block_ids,
 )
+from jvllm.worker.step_layout import step_attention, step_buckets, step_layout
 
 
 def _rank_model(config: ModelConfig, attn, vocab_size: int) -> ShardedModel:
@@ -112,19 +109,11 @@ class RankGroupRunner:
         # process, one a process across processes.
         here = jax.process_index()
         self.local_ranks = [r for r in range(num_ranks) if mesh.devices[r, 0].process_index == here]
-        block_size = self.block_size = runner_config.block_size
-        # n-gram drafts, k a request, verified in the step (a draft model or head is refused).
-        self.num_drafts = num_drafts = runner_config.num_speculative_tokens
-        self.buckets = BucketSpec(
-            runner_config.max_num_batched_tokens,
-            runner_config.max_num_seqs,
-            **({"min_mixed_tokens": SPECULATIVE_MIN_TOKENS} if num_drafts else {}),
-        )
-        # As ModelRunner's: the reference backend's page chunks tile the block tables exactly.
-        chunk = math.lcm(pages_per_chunk(block_size, 1), pages_per_chunk(block_size, MIXED_TILE_Q))
-        max_blocks = math.ceil(runner_config.max_model_len / block_size)
-        self.max_pages = math.ceil(max_blocks / chunk) * chunk
-        self.num_kv_groups = kv_groups.num_groups if kv_groups else 1
+        block_size = runner_config.block_size
+        # As ModelRunner's steps, n-gram drafts scored in them (a draft model or head is
+        # refused), no adapters or images.
+        self.layout = step_layout(config, runner_config, kv_groups, None)
+        self.buckets = step_buckets(runner_config)
         spec = kv_cache_spec(
             config.dtype, runner_config.attention_backend, runner_config.kv_cache_dtype
         )
@@ -149,14 +138,7 @@ class RankGroupRunner:
             )
             for r in self.local_ranks
         }
-        attn = get_attention(
-            runner_config.attention_backend,
-            sm_scale=config.sm_scale,
-            logit_softcap=config.attn_logit_softcap,
-            latent_dim=config.option("kv_lora_rank") if config.kv_planes == 1 else None,
-        )
-        if self.num_kv_groups > 1:
-            attn = in_kv_groups(attn, kv_groups)
+        attn = step_attention(config, self.layout, runner_config.attention_backend, kv_groups)
         # What every executable is lowered for, fixed once the arrays exist (sleep mode frees
         # them, worker/device_sleep.py, and puts them back so).
         self._state_spec = abstract_state((self.params, self.kv_cache, self.token_cache, None))
@@ -182,7 +164,7 @@ class RankGroupRunner:
             model=_rank_model(rank_config(config, self.mesh), attn, config.vocab_size),
             max_logprobs=runner_config.max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
-            num_drafts=self.num_drafts,
+            num_drafts=self.layout.num_speculative_tokens,
         )
 
         def rank_step(params, kv_cache, token_cache, bias_rows, inputs):
@@ -226,17 +208,7 @@ class RankGroupRunner:
         """The step's arguments as ShapeDtypeStructs: the arrays' own, and every rank's step
         of `bucket` [D, ...] cut over "data"."""
         ranks = NamedSharding(self.mesh, RANKS_SPEC)
-        padding = prepare_step_inputs(
-            [],
-            [],
-            [],
-            bucket,
-            self.block_size,
-            self.max_pages,
-            self.config.vocab_size,
-            num_speculative_tokens=self.num_drafts,
-            num_kv_groups=self.num_kv_groups,
-        )
+        padding = self.layout.inputs([], [], [], bucket)
         inputs = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 (self.num_ranks, *np.shape(a)), np.asarray(a).dtype, sharding=ranks
@@ -265,29 +237,26 @@ class RankGroupRunner:
             if not sizes:
                 return {}  # no rank of any process has a step
         bucket = self._bucket(sizes)
-        layout = (bucket, self.block_size, self.max_pages, self.config.vocab_size)
-        shape = {"num_speculative_tokens": self.num_drafts, "num_kv_groups": self.num_kv_groups}
         ranks, drafts = [], {}
         for r in self.local_ranks:
             if r not in steps:
-                ranks.append(prepare_step_inputs([], [], [], *layout, **shape))
+                ranks.append(self.layout.inputs([], [], [], bucket))
                 continue
             step = steps[r]
             requests = _requests(step)
             drafts[r] = scheduled_drafts(step.scheduler_output)
             masks = split_bitmask(step.token_bitmask, len(requests))
             ranks.append(
-                prepare_step_inputs(
+                self.layout.inputs(
                     requests,
                     counts[r],
                     step.block_ids,
-                    *layout,
+                    bucket,
                     bias_slots=self.bias_rows[r].slots_for(requests),
                     token_bitmask=masks[0],
                     draft_token_ids=drafts[r],
                     draft_bitmask=masks[1],
                     window_block_ids=window_block_ids(step.scheduler_output),
-                    **shape,
                 )
             )
         local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...] each

@@ -17,10 +17,9 @@ from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.pooler import PoolInputs, prepare_pool_inputs
 from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
 from jvllm.worker.spec_window import SpecWindowOutput, fetch_spec_window, first_round
-from jvllm.worker.step_compiler import StepCompiler, StepLayout
+from jvllm.worker.step_compiler import StepCompiler
 from jvllm.worker.step_inputs import (
     StepInputs,
-    prepare_step_inputs,
     scheduled_drafts,
     split_bitmask,
     window_block_ids,
@@ -70,18 +69,17 @@ def prepare_step(
         draft_lists, counts = first_round(draft_lists, num_reqs, layout.num_speculative_tokens)
     bucket, lent = compiler.select_bucket(sum(counts), num_reqs, kind)
     token_bitmask, draft_bitmask = split_bitmask(token_bitmask, num_reqs)
-    inputs = _step_inputs(
-        layout,
-        scheduler_output,
-        block_ids,
+    inputs = layout.inputs(
+        requests,
         counts,
+        block_ids,
         bucket,
         bias_slots=bias_slots,
         token_bitmask=token_bitmask,
         adapter_slots=adapter_slots,
         draft_token_ids=draft_lists,
-        num_speculative_tokens=layout.num_speculative_tokens,
         draft_bitmask=draft_bitmask,
+        window_block_ids=window_block_ids(scheduler_output),
     )
     if encoder is not None:
         inputs = encoder.with_images(inputs, requests, counts)
@@ -101,32 +99,10 @@ def prepare_pool_step(
     requests = scheduler_output.scheduled_requests
     counts = [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests]
     bucket, _ = compiler.select_bucket(sum(counts), len(requests), "pool")
-    step = _step_inputs(compiler.layout, scheduler_output, block_ids, counts, bucket)
-    return bucket, prepare_pool_inputs(step, requests, counts, compiler.pooling_type)
-
-
-def _step_inputs(
-    layout: StepLayout,
-    scheduler_output: SchedulerOutput,
-    block_ids: list[list[int]],
-    counts: list[int],
-    bucket: Bucket,
-    **options,
-) -> StepInputs:
-    """The scheduled requests' `counts` tokens laid out in `bucket` as `layout` says, with
-    prepare_step_inputs' `options`."""
-    return prepare_step_inputs(
-        scheduler_output.scheduled_requests,
-        counts,
-        block_ids,
-        bucket,
-        layout.block_size,
-        layout.max_pages,
-        layout.vocab_size,
-        num_kv_groups=layout.num_kv_groups,
-        window_block_ids=window_block_ids(scheduler_output),
-        **options,
+    step = compiler.layout.inputs(
+        requests, counts, block_ids, bucket, window_block_ids=window_block_ids(scheduler_output)
     )
+    return bucket, prepare_pool_inputs(step, requests, counts, compiler.pooling_type)
 
 
 def read_results(

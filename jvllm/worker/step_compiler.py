@@ -40,6 +40,24 @@ class StepLayout:
     image_embeds: tuple[int, str, bool] | None = None
     has_image_groups: bool = False  # the attention metadata carries image_groups (Gemma 3)
 
+    def inputs(
+        self, requests, num_scheduled: list[int], block_ids, bucket: Bucket, **per_step
+    ) -> StepInputs:
+        """prepare_step_inputs for `requests`' `num_scheduled` tokens laid out so in `bucket`;
+        `per_step`: its other arguments (bias slots, masks, drafts, adapter slots, ...)."""
+        return prepare_step_inputs(
+            requests,
+            num_scheduled,
+            block_ids,
+            bucket,
+            self.block_size,
+            self.max_pages,
+            self.vocab_size,
+            num_speculative_tokens=self.num_speculative_tokens,
+            num_kv_groups=self.num_kv_groups,
+            **per_step,
+        )
+
 
 def abstract_state(arrays):
     """(params, kv_cache, token_cache, bias rows) as `jax.ShapeDtypeStruct`s: what every step
@@ -135,18 +153,8 @@ class StepCompiler:
     def padding_step(self, bucket: Bucket) -> StepInputs:
         """A step of padding alone in `bucket`, for lowering and warm-up runs."""
         layout = self.layout
-        inputs = prepare_step_inputs(
-            [],
-            [],
-            [],
-            bucket,
-            layout.block_size,
-            layout.max_pages,
-            layout.vocab_size,
-            adapter_slots=np.zeros(0, np.int32) if layout.has_adapters else None,
-            num_speculative_tokens=layout.num_speculative_tokens,
-            num_kv_groups=layout.num_kv_groups,
-        )
+        adapter_slots = np.zeros(0, np.int32) if layout.has_adapters else None
+        inputs = layout.inputs([], [], [], bucket, adapter_slots=adapter_slots)
         if layout.has_image_groups:
             groups = np.full(bucket.num_tokens, -1, np.int32)
             inputs = dataclasses.replace(
