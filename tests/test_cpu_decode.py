@@ -124,7 +124,7 @@ def test_loading_the_kernel_leaves_float_arithmetic_alone():
         "import numpy as np; from jvllm.attention import cpu_decode\n"
         "tiny = np.float32(1e-39)\n"
         "assert tiny * np.float32(1) != 0\n"
-        "assert cpu_decode._register()\n"
+        "assert cpu_decode._register(np.float32)\n"
         "assert tiny * np.float32(1) != 0, 'flush-to-zero after loading the kernel'\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)

@@ -3,6 +3,7 @@ pure-JAX path and says how to fix it; on one that can, the engine starts the bui
 needs before the load, and a first use waits for a build in flight rather than keeping the
 pure-JAX path."""
 
+import ctypes
 import logging
 import shutil
 import threading
@@ -59,13 +60,16 @@ def test_the_engine_starts_building_the_decode_kernel_before_its_first_use(tmp_p
     from jvllm.attention.backends import prepare_backend
 
     monkeypatch.setenv("JVLLM_NATIVE_CACHE_DIR", str(tmp_path))
-    prepare_backend("reference", "fp8", 16)  # a quantized cache: the kernel does not read it
-    prepare_backend("pallas", "auto", 16)
+    prepare_backend("reference", "fp8", 16, "float32")  # a quantized cache: the kernel reads none
+    prepare_backend("pallas", "auto", 16, "float32")
     join_native_builds()
     assert list(tmp_path.iterdir()) == []
-    prepare_backend("reference", "auto", 16)
+    prepare_backend("reference", "auto", 16, "float32")
     join_native_builds()
     assert [p.name.startswith("cpu_decode-") for p in tmp_path.glob("*.so")] == [True]
+    # The model dtype's handler alone: the first process compiles half the templates.
+    library = ctypes.CDLL(str(next(tmp_path.glob("*.so"))))
+    assert hasattr(library, "DecodeAttentionF32") and not hasattr(library, "DecodeAttentionBF16")
 
 
 def test_a_background_build_that_fails_leaves_the_warning_to_the_first_use(tmp_path, monkeypatch):
@@ -75,7 +79,7 @@ def test_a_background_build_that_fails_leaves_the_warning_to_the_first_use(tmp_p
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
     monkeypatch.setattr(native.logger, "handlers", [handler])
-    cpu_decode.build_early()
+    cpu_decode.build_early("float32")
     join_native_builds()
     assert records == []
     cpu_decode._register.cache_clear()

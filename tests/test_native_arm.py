@@ -20,7 +20,7 @@ _DRIVERS = Path(__file__).parent / "native"
 # Each kernel -> its driver's source and flags: its wrapper's (the decode kernel's -ffast-math,
 # the GGUF and grouped-integer kernels' -ffp-contract=off, under which their values are the
 # format's bit for bit). The GGUF driver runs the float32 and the bfloat16 model's loops in one
-# build: the builder's -DJVLLM_GGUF_BF16 only picks which handlers a build defines.
+# build: the builder's -DJVLLM_MODEL_BF16 only picks which handlers a build defines.
 _DRIVEN = {
     "cpu_dense": ("dense_kernels_driver.cc", "-DJVLLM_DRIVE_DENSE"),
     "cpu_int8": ("dense_kernels_driver.cc", "-DJVLLM_DRIVE_INT8"),

@@ -55,7 +55,9 @@ def _run(isa: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("isa, named", _ISAS)
 def test_a_narrower_build_passes_the_kernels_tests_and_is_named_in_the_log(isa, named):
-    says = _run(isa, "-c", "from jvllm.quantization import cpu_dense; cpu_dense._register()")
+    says = _run(
+        isa, "-c", "from jvllm.quantization import cpu_dense; cpu_dense._register('float32')"
+    )
     assert f"CPU dense matmul: native kernel for {named} (" in says.stderr, says.stderr
     # The kernels' products against XLA's and the pure-JAX path (the model-scan tests are
     # the same code on any build), and decode attention against dense attention on three

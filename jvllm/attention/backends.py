@@ -15,10 +15,10 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def prepare_backend(name: str, kv_cache_dtype: str, block_size: int) -> None:
+def prepare_backend(name: str, kv_cache_dtype: str, block_size: int, dtype: str) -> None:
     """Check that backend `name` takes the engine's settings, before the model loads, and start
     what it builds on its first use, so that it overlaps with loading: the reference backend's
-    CPU decode kernel, which reads float32 and bfloat16 caches."""
+    CPU decode kernel, which reads the float32 and bfloat16 caches of models of `dtype`."""
     if name == "pallas":
         from kernels_pallas import is_supported_page_size  # imports Pallas: only for its users
 
@@ -29,7 +29,7 @@ def prepare_backend(name: str, kv_cache_dtype: str, block_size: int) -> None:
                 "'reference' backend"
             )
     if name == "reference" and kv_cache_dtype == "auto":
-        cpu_decode.build_early()
+        cpu_decode.build_early(dtype)
 
 
 def get_attention(

@@ -20,10 +20,11 @@ from jvllm.attention.metadata import Tiles
 
 _KERNEL = "cpu_decode"  # native.SOURCES' key of jvllm/native/cpu_decode.cc
 _WHAT, _FLAGS = "CPU decode attention", ["-ffast-math"]
-# The cache's storage dtype -> its kernel (kv_quant.py keeps bfloat16 as uint16 bits on CPU).
+# The cache's storage dtype -> (its kernel, the model dtype it is built for): kv_quant.py keeps
+# bfloat16 as uint16 bits on CPU.
 _TARGETS = {
-    jnp.dtype(jnp.uint16): "DecodeAttentionBF16",
-    jnp.dtype(jnp.float32): "DecodeAttentionF32",
+    jnp.dtype(jnp.uint16): ("DecodeAttentionBF16", "bfloat16"),
+    jnp.dtype(jnp.float32): ("DecodeAttentionF32", "float32"),
 }
 
 
@@ -33,7 +34,7 @@ def supports(cache: jax.Array) -> bool:
         cache.dtype in _TARGETS
         and jax.default_backend() == "cpu"
         and not native.is_switched_off("JVLLM_CPU_DECODE_KERNEL", _WHAT)
-        and _register()
+        and _register(cache.dtype)
     )
 
 
@@ -50,10 +51,11 @@ def attend_pages(
     rows, MLA's latent): `flat`, the unnormalised (max
     f32[T, N], sum f32[T, N], weighted values f32[T, N, H]), with the rows of the tokens the
     tiles read written over, as reference.py's page walk does. Only where `supports(cache)`."""
-    if not _register():
+    if not _register(cache.dtype):
         raise RuntimeError("the CPU decode attention kernel could not be built (see the log)")
     results = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in flat)
-    call = jax.ffi.ffi_call(_TARGETS[cache.dtype], results, input_output_aliases={7: 0, 8: 1, 9: 2})
+    target = _TARGETS[cache.dtype][0]
+    call = jax.ffi.ffi_call(target, results, input_output_aliases={7: 0, 8: 1, 9: 2})
     return call(
         q,
         cache,
@@ -66,15 +68,20 @@ def attend_pages(
     )
 
 
-def build_early() -> None:
-    """Start building the kernel where it will be used (see supports), so that tracing the
-    first step finds it built rather than waiting seconds for the compiler."""
-    if jax.default_backend() == "cpu" and not native.is_switched_off(
-        "JVLLM_CPU_DECODE_KERNEL", _WHAT
+def build_early(dtype: str) -> None:
+    """Start building the kernel of a model of `dtype`'s cache where it will be used (see
+    supports), so that tracing the first step finds it built rather than waiting seconds for
+    the compiler."""
+    if (
+        dtype in ("float32", "bfloat16")
+        and jax.default_backend() == "cpu"
+        and not native.is_switched_off("JVLLM_CPU_DECODE_KERNEL", _WHAT)
     ):
-        native.build_in_background(_KERNEL, _WHAT, _FLAGS)
+        native.build_in_background(_KERNEL, _WHAT, [*_FLAGS, *native.dtype_flags(dtype)])
 
 
 @functools.cache
-def _register() -> bool:
-    return native.register_targets(_KERNEL, tuple(_TARGETS.values()), _WHAT, _FLAGS)
+def _register(cache_dtype) -> bool:
+    """The kernel of a cache stored as `cache_dtype`, built for its model dtype alone."""
+    target, dtype = _TARGETS[jnp.dtype(cache_dtype)]
+    return native.register_targets(_KERNEL, (target,), _WHAT, [*_FLAGS, *native.dtype_flags(dtype)])

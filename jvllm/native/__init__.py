@@ -88,6 +88,13 @@ def register_targets(kernel: str, targets: tuple[str, ...], what: str, flags: li
     return True
 
 
+def dtype_flags(dtype: str) -> list[str]:
+    """The flags that build one model dtype's handlers of a kernel ("float32" or "bfloat16"),
+    JVLLM_MODEL_BF16 in its source: a model's first process compiles half its templates. A
+    source built without them (the tests' drivers) defines both dtypes'."""
+    return [f"-DJVLLM_MODEL_BF16={int(dtype == 'bfloat16')}"]
+
+
 def is_switched_off(env: str, what: str) -> bool:
     """Whether the kernel doing `what` is switched off by `env`=0; the log says so once."""
     if os.environ.get(env, "1") != "0":

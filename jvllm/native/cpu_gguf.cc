@@ -591,15 +591,15 @@ ffi::Error gguf_dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
                                     .RemainingArgs()                         \
                                     .Ret<ffi::Buffer<ffi::type>>());
 
-// One model dtype's handlers a build where the builder says which (cpu_gguf.py passes
-// JVLLM_GGUF_BF16=0 or 1: a model's first process then compiles half the templates, 4.2
+// One model dtype's handlers a build where the builder says which (native.dtype_flags'
+// JVLLM_MODEL_BF16=0 or 1: a model's first process then compiles half the templates, 4.2
 // against 6.7 s of a core); both where it does not (the tests' drivers).
-#if !defined(JVLLM_GGUF_BF16) || !JVLLM_GGUF_BF16
+#if !defined(JVLLM_MODEL_BF16) || !JVLLM_MODEL_BF16
 #define GGUF_FORMAT_F32(format) GGUF_HANDLERS(format##F32, format, false, F32)
 #else
 #define GGUF_FORMAT_F32(format)
 #endif
-#if !defined(JVLLM_GGUF_BF16) || JVLLM_GGUF_BF16
+#if !defined(JVLLM_MODEL_BF16) || JVLLM_MODEL_BF16
 #define GGUF_FORMAT_BF16(format) GGUF_HANDLERS(format##BF16, format, true, BF16)
 #else
 #define GGUF_FORMAT_BF16(format)

@@ -39,7 +39,7 @@ def supports(dtype, num_in: int, num_rows: int, in_place: bool = False) -> bool:
         and num_in % IN_MULTIPLE == 0
         and num_rows <= (MAX_ROWS if in_place else STREAM_ROWS)
         and _is_on()
-        and _register()
+        and _register(jnp.dtype(dtype).name)
     )
 
 
@@ -47,7 +47,7 @@ def dense(x: jax.Array, weights: jax.Array, layer: jax.Array | int) -> jax.Array
     """x [R, I] @ weights[layer].T -> f32[R, O], weights [L, O, I] of x's dtype (bfloat16 or
     float32), 1 <= R <= MAX_ROWS; only where `supports`. A row's products are the same in any
     batch."""
-    if not _register():
+    if not _register(weights.dtype.name):
         raise RuntimeError("the CPU dense kernel could not be built (see the log)")
     result = jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.float32)
     target = _KERNELS[weights.dtype]
@@ -58,7 +58,7 @@ def build_early(dtype: str) -> None:
     """Start building the kernel for a model of `dtype` that will use it, so that tracing the
     first step finds it built rather than waiting seconds for the compiler."""
     if jnp.dtype(dtype) in _KERNELS and _is_on():
-        native.build_in_background(_KERNEL, _WHAT, [])
+        native.build_in_background(_KERNEL, _WHAT, native.dtype_flags(dtype))
 
 
 def _is_on() -> bool:
@@ -68,5 +68,7 @@ def _is_on() -> bool:
 
 
 @functools.cache
-def _register() -> bool:
-    return native.register_targets(_KERNEL, tuple(_KERNELS.values()), _WHAT, [])
+def _register(dtype: str) -> bool:
+    """The kernel of weights of `dtype` (a name: "float32", "bfloat16"), built for it alone."""
+    target = _KERNELS[jnp.dtype(dtype)]
+    return native.register_targets(_KERNEL, (target,), _WHAT, native.dtype_flags(dtype))

@@ -77,8 +77,8 @@ def _is_on() -> bool:
 
 def _flags(dtype: str) -> list[str]:
     # No contraction of a product and a sum into one rounding: the dequantized values must be
-    # gguf's bit for bit. And only `dtype`'s handlers (cpu_gguf.cc's JVLLM_GGUF_BF16).
-    return ["-ffp-contract=off", f"-DJVLLM_GGUF_BF16={int(dtype == 'bfloat16')}"]
+    # gguf's bit for bit. And only `dtype`'s handlers.
+    return ["-ffp-contract=off", *native.dtype_flags(dtype)]
 
 
 @functools.cache

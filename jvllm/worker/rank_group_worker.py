@@ -20,7 +20,7 @@ from jvllm.distributed.mesh import DP_AXIS, describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_hf_config
-from jvllm.model_loader.loader import load_engine_model
+from jvllm.model_loader.loader import expected_dtype, load_engine_model
 from jvllm.models.model import takes_images
 from jvllm.quantization import describe_weights
 from jvllm.worker.compilation_cache import enable_compilation_cache
@@ -85,7 +85,8 @@ class RankGroupWorker:
         enable_compilation_cache()
         start = time.perf_counter()
         backend = runner.attention_backend or default_backend()
-        prepare_backend(backend, runner.kv_cache_dtype, runner.block_size)
+        dtype = expected_dtype(load.model, load.dtype, load.hf_overrides)
+        prepare_backend(backend, runner.kv_cache_dtype, runner.block_size, dtype)
         parallel = config.parallel_config
         self.mesh = rank_group_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
         check_rank_group(config)

@@ -147,7 +147,8 @@ class Worker:
         and the model dtype will use, so that tracing the first step finds them built."""
         load = config.load_config
         runner = config.runner_config
-        prepare_backend(backend, runner.kv_cache_dtype, runner.block_size)
+        dtype = expected_dtype(load.model, load.dtype, load.hf_overrides)
+        prepare_backend(backend, runner.kv_cache_dtype, runner.block_size, dtype)
         try:
             quantization = resolve_quantization(
                 load.model, load.dtype, load.quantization, load.hf_overrides
@@ -155,7 +156,6 @@ class Worker:
             int_weights = has_int_weights(load.model, load.hf_overrides)
         except ValueError:  # the load says what is wrong
             quantization, int_weights = None, False
-        dtype = expected_dtype(load.model, load.dtype, load.hf_overrides)
         build_kernels_early(quantization, dtype, int_weights)
 
     def determine_num_blocks(self) -> int:

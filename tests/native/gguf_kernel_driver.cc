@@ -4,7 +4,7 @@
 // by tests/test_native_arm.py. Prints one line a case that fails, then "N passed, N failed".
 //
 // Built as the builder builds the kernel, with -ffp-contract=off (the reference's products and
-// sums round apart too), and without -DJVLLM_GGUF_BF16: the flag only picks which handlers a
+// sums round apart too), and without -DJVLLM_MODEL_BF16: the flag only picks which handlers a
 // build defines, and this drives the float32 and the bfloat16 model's loops in one build.
 // A weight's values must be gguf's bit for bit (rounded to bfloat16 in a bfloat16 model), so
 // dequantize_rows and rows of the identity through dense_rows are compared exactly; random rows
