@@ -189,6 +189,16 @@ class DataParallelEngine(ReplicaFront):
         self._stepped = self.replicas
         return [o for step in self._pool.map(step_rank, range(len(self.replicas))) for o in step]
 
+    def load_weights(self, weights) -> set[str]:
+        """LLMEngine.load_weights on every replica; the ranks of a group share their weights,
+        which load once (rank 0's engine), each other rank resetting its prefix cache."""
+        weights = list(weights)  # every loading replica reads them
+        loading = self.replicas if self.group is None else self.replicas[:1]
+        replaced = set().union(*[r.load_weights(weights) for r in loading])
+        for replica in self.replicas[len(loading) :]:
+            replica.reset_prefix_cache()
+        return replaced
+
     @property
     def last_finished_requests(self) -> list:
         """The requests that finished in the last step (of the replicas it stepped)."""

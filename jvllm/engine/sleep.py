@@ -128,3 +128,10 @@ class SleepMode:
                 f"{call} needs an idle engine, and {num_unfinished} requests are unfinished: "
                 "let them finish or abort them first"
             )
+
+
+def check_replicas_idle(engines, call: str) -> None:
+    """Every replica idle before `call` (sleep, load_weights) changes any: the ranks of a group
+    share their weights and KV cache, so one busy rank refuses it for all."""
+    for engine in engines:
+        engine.sleep_mode.check_idle(call)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from jvllm.core.request import RequestStatus
 from jvllm.engine.data_parallel import make_engine, replicas
 from jvllm.engine.input_processor import PromptType, check_no_lora
+from jvllm.engine.sleep import check_replicas_idle
 from jvllm.entrypoints.beam_search import beam_search
 from jvllm.entrypoints.chat import as_conversations, chat_images, render_conversation
 from jvllm.entrypoints.score_utils import cosine_scores, score_sides
@@ -61,7 +62,7 @@ class LLM:
         (load_weights brings weights back). Generating raises until wake_up()."""
         with self._lock:
             engines = replicas(self.llm_engine)
-            _check_idle(engines, "sleep")
+            check_replicas_idle(engines, "sleep")
             for engine in engines:
                 engine.sleep(level)
 
@@ -78,11 +79,9 @@ class LLM:
         """Replace the weights with (HF tensor name, array) pairs, as vLLM's model.load_weights
         takes them (e.g. a trained model's state_dict().items(); a subset is fine, but each
         param's tensors together); resets the prefix cache. -> the params replaced."""
-        weights = list(weights)  # every replica reads them
         with self._lock:
-            engines = replicas(self.llm_engine)
-            _check_idle(engines, "load_weights")
-            return set().union(*[e.load_weights(weights) for e in engines])
+            check_replicas_idle(replicas(self.llm_engine), "load_weights")
+            return self.llm_engine.load_weights(weights)
 
     def generate(
         self,
@@ -323,13 +322,6 @@ class LLM:
         finally:
             progress.close()
         return [finished[i] for i in request_ids]
-
-
-def _check_idle(engines, call: str) -> None:
-    """Every replica idle before `call` changes any (engine/sleep.py's rule for each): the ranks
-    of a group share their weights and KV cache, so one busy rank refuses it for all."""
-    for engine in engines:
-        engine.sleep_mode.check_idle(call)
 
 
 def _raise_on_failure(finished_requests) -> None:

@@ -4,6 +4,7 @@ every rank's pages are freed once every rank sleeps, come back as one rank wakes
 ranks then decode as before, with nothing compiled again."""
 
 import glob
+import time
 
 import jax
 import pytest
@@ -68,14 +69,19 @@ def test_level_1_frees_the_weights_and_every_ranks_kv_and_wakes_as_one_device(mi
     assert group.num_compilations == num_compilations
 
 
-def test_level_2_discards_the_weights_until_load_weights_brings_them(mixtral):
+def test_level_2_discards_the_weights_until_load_weights_brings_them(mixtral, monkeypatch):
+    """The ranks share their weights: load_weights reads them once for the group."""
     llm = _group(mixtral)
     expected = _greedy(llm)
     llm.sleep(level=2)
     with pytest.raises(ValueError, match="discarded the weights.*load the weights first"):
         llm.wake_up()
     (checkpoint,) = glob.glob(f"{mixtral}/*.safetensors")
+    device_sleep, loads = llm.llm_engine.group.device_sleep, []
+    load = device_sleep.load_weights
+    monkeypatch.setattr(device_sleep, "load_weights", lambda w: loads.append(1) or load(w))
     llm.load_weights(read_safetensors(checkpoint).items())
+    assert len(loads) == 1
     llm.wake_up()
     assert _greedy(llm) == expected
 
@@ -99,3 +105,43 @@ def test_a_busy_rank_refuses_sleep_for_the_group_and_each_rank_sleeping_frees_it
     assert _is_deleted(group.kv_cache) and _is_deleted(group.params)
     llm.wake_up()
     assert [len(tokens) for tokens in _greedy(llm)] == [GREEDY.max_tokens] * len(PROMPTS)
+
+
+def test_the_sleep_route_refuses_for_every_rank_while_one_is_busy(mixtral, monkeypatch):
+    """Rank 1 streaming a request while rank 0 idles: the server's /sleep is a 400 that leaves
+    both awake (not rank 0 asleep and rank 1 refusing)."""
+    httpx = pytest.importorskip("httpx")
+    from jvllm.engine.async_llm import AsyncLLM
+    from jvllm.entrypoints.openai.api_server import build_app
+    from jvllm.entrypoints.openai.server_thread import ServerThread
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    llm = _group(mixtral)
+    engine = AsyncLLM(llm.llm_engine)
+    server = ServerThread(build_app(engine, "tiny")).start()
+    try:
+        client = httpx.Client(base_url=server.url, timeout=60)
+        replicas = llm.llm_engine.replicas
+
+        def stream(prompt):  # -> the open stream, its first chunk read: its rank decodes
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            opened = client.stream("POST", "/v1/completions", json=body)
+            lines = opened.__enter__().iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            return opened, lines
+
+        first, _ = stream(PROMPTS[0])  # rank 0
+        second, lines = stream(PROMPTS[1])  # rank 1
+        first.__exit__(None, None, None)  # rank 0's client leaves: its request is aborted
+        while replicas[0].get_num_unfinished_requests():
+            time.sleep(0.01)
+        refused = client.post("/sleep", params={"level": 1})
+        assert [r.get_num_unfinished_requests() for r in replicas] == [0, 1]
+        assert refused.status_code == 400 and "requests are unfinished" in refused.text
+        assert not any(r.is_sleeping() for r in replicas)
+        assert next(line for line in lines if line.startswith("data: {"))  # still decoding
+        second.__exit__(None, None, None)
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.data_parallel import replicas
-from jvllm.engine.sleep import SLEEP_TAGS
+from jvllm.engine.sleep import SLEEP_TAGS, check_replicas_idle
 from jvllm.entrypoints.openai.protocol import OpenAIError
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -29,19 +29,24 @@ def server_dev_mode() -> bool:
 def add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
     is_sleeping = lambda: any(e.is_sleeping() for e in replicas(engine.engine))
 
-    async def on_every_replica(call: str, *args):
-        """Run LLMEngine.`call`(*args) on each replica, on the engine thread between steps; a
-        refusal (requests still running, a bad level) is the client's 400."""
+    async def on_every_replica(call: str, *args, all_idle: bool = False):
+        """Run LLMEngine.`call`(*args) on each replica, on the engine thread between steps,
+        once every one is idle where `all_idle`; a refusal (requests still running, a bad
+        level) is the client's 400."""
+
+        def run(front):
+            if all_idle:
+                check_replicas_idle(replicas(front), call)
+            return [getattr(r, call)(*args) for r in replicas(front)]
+
         try:
-            return await engine.call_engine(
-                lambda e: [getattr(r, call)(*args) for r in replicas(e)]
-            )
+            return await engine.call_engine(run)
         except (ValueError, RuntimeError) as e:
             raise OpenAIError(str(e)) from None
 
     @app.post("/sleep")
     async def sleep(level: int = 1):
-        await on_every_replica("sleep", level)
+        await on_every_replica("sleep", level, all_idle=True)
         return Response(status_code=200)
 
     @app.post("/wake_up")
