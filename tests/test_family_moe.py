@@ -12,6 +12,7 @@ import transformers
 from family_parity import (
     assert_hf_window_cuts,
     assert_matches_hf,
+    hf_greedy_ignoring_eos,
     ragged_prompts,
     save_random_model,
 )
@@ -202,3 +203,23 @@ def test_qwen2_moe_config_json_without_moe_fields_takes_hf_defaults():
     assert config.attention_bias is hf.qkv_bias is True  # HF ignores attention_bias here
     assert not config.option("o_proj_bias", False)
     assert config.layer_windows == (None,) * TINY["num_hidden_layers"]
+
+
+def test_load_weights_takes_a_transformers_models_experts_by_their_checkpoint_names(tmp_path):
+    """transformers 5 holds Mixtral's experts fused in memory (experts.gate_up_proj): those
+    names are refused saying how to get the checkpoint's, which load and then decode as HF's
+    model does."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from jvllm import LLM, SamplingParams
+
+    save_random_model(tmp_path / "a", CONFIGS["mixtral"](), seed=0)
+    hf_b = save_random_model(tmp_path / "b", CONFIGS["mixtral"](), seed=1)
+    llm = LLM(str(tmp_path / "a"), dtype="float32", enable_sleep_mode=True, max_model_len=64)
+    with pytest.raises(ValueError, match="in-memory names.*revert_weight_conversion"):
+        llm.load_weights(hf_b.state_dict().items())
+    llm.load_weights(revert_weight_conversion(hf_b, hf_b.state_dict()).items())
+    prompt = ragged_prompts(TINY["vocab_size"])[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy_ignoring_eos(hf_b, prompt, 6)

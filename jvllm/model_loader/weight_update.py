@@ -20,6 +20,14 @@ from jvllm.models.weights import CheckpointWeights
 # Names a model's state_dict() may carry that no param is made of: rotary tables saved as
 # buffers; a tied LM head is the embedding again (see `_ignored`).
 _ROTARY_TABLE = "rotary_emb.inv_freq"
+# transformers 5 holds a MoE layer's experts fused in memory (experts.gate_up_proj [E, 2F, D]),
+# where the family's checkpoints (and load_weights) name each expert's tensors.
+_FUSED_EXPERTS = "experts.gate_up_proj"
+_CHECKPOINT_NAMES_HINT = (
+    "; these are a transformers model's in-memory names of its fused experts: give the "
+    "checkpoint's names, e.g. transformers.core_model_loading.revert_weight_conversion(model, "
+    "model.state_dict()).items()"
+)
 
 
 def read_weight_update(
@@ -37,6 +45,7 @@ def read_weight_update(
     if unknown:
         raise ValueError(
             f"load_weights: {config.architecture} has no param made of {_listed(unknown)}"
+            + _CHECKPOINT_NAMES_HINT * any(_FUSED_EXPERTS in name for name in unknown)
         )
     partial = {
         path: [n for n in names if n not in given]
