@@ -124,28 +124,34 @@ def test_initializing_twice_is_refused(processes):
 
 
 @pytest.mark.parametrize(
-    ("moe", "t", "all2all_backend"),
-    [(False, 1, None), (True, 1, None), (True, 2, None), (True, 2, "ragged_all_to_all")],
+    ("moe", "options"),
+    [
+        (False, {}),
+        (True, {"tensor_parallel_size": 1}),
+        (True, {"tensor_parallel_size": 2}),
+        (True, {"tensor_parallel_size": 2, "all2all_backend": "ragged_all_to_all"}),
+        (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4}),
+    ],
     ids=[
         "dense",
         "moe, experts over the 2 ranks' devices",
         "moe, T=2, experts over all 4",
         "moe, T=2, tokens by all-to-all",
+        "moe, decode windows",
     ],
 )
 def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
-    model_dir, moe_dir, processes, moe, t, all2all_backend
+    model_dir, moe_dir, processes, moe, options
 ):
     """Each process a rank with an engine of its own (2 fake devices each), process 0 sending
     each request to the least loaded rank and gathering every rank's outputs. A dense model's
     ranks step independently; the MoE's (enable_expert_parallel) are one group: its 4 experts
     spread over both processes' devices, every step of the two ranks one SPMD call whose MoE
     layers exchange their tokens (gathered, "auto" on CPUs, or by all-to-all across the
-    processes), rank 1 stepping padding once its one request is done."""
+    processes), rank 1 stepping padding once its one request is done; with decode windows
+    the processes agree on a window only where both ranks scheduled one."""
     path = moe_dir if moe else model_dir
-    options = {"tensor_parallel_size": t, "enable_expert_parallel": True} if moe else {}
-    if all2all_backend:
-        options["all2all_backend"] = all2all_backend
+    options = {**options, "enable_expert_parallel": True} if moe else {}
     port, prompts = _free_port(), json.dumps(PROMPTS)
     worker = _start(1, port, path, "data-parallel", prompts, json.dumps(options))
     leader = _start(0, port, path, "data-parallel", prompts, json.dumps(options))

@@ -161,6 +161,7 @@ def run_window(
     steps_per_check: int,
     max_logprobs: int,
     expert_counts_shape: tuple[int, int] | None = None,
+    any_active=jnp.any,
 ) -> tuple[WindowOutput, jax.Array, jax.Array]:
     """Up to `num_steps` decode steps in one call, until every row has stopped
     -> (WindowOutput, kv_cache, token_cache).
@@ -170,7 +171,9 @@ def run_window(
     predicate on the host, which waits for the stream to drain, and a fixed trip count needs
     no predicate. A row that stops inside such a run of steps writes nothing more; the steps
     left after every row stopped are spent. `expert_counts_shape`: (L_moe, E) of a model with
-    routed experts, whose steps' counts the window sums."""
+    routed experts, whose steps' counts the window sums. `any_active`(bool[S]) -> whether the
+    window goes on: any row still decodes (a group of ranks asks every rank's rows,
+    worker/rank_group_step.py)."""
     num_seqs, k = window.limits.shape[0], max(max_logprobs, 1)
     steps_per_check = min(steps_per_check, num_steps)
     active = window.limits > 0
@@ -212,7 +215,7 @@ def run_window(
 
     def keep_going(state):
         j, carry, _ = state
-        return (j < num_steps) & jnp.any(carry.active)
+        return (j < num_steps) & any_active(carry.active)
 
     def body(state):
         j, carry, out = state

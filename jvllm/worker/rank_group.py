@@ -8,8 +8,9 @@ rows); its runner here (`RankRunner`) is what that engine's LLMEngine steps. A s
 group: every rank's engine steps in its own thread (engine/data_parallel.py); a rank that
 scheduled tokens hands them over (`RankRunner.execute_model`, step_hand_over.py) and waits;
 once every rank has handed its step over or stepped without one, the last of them pads every
-rank's step to one bucket (a rank with nothing contributes a step of padding, which writes only its null page),
-runs the group's step and gives each rank its rows back.
+rank's step to one bucket (a rank with nothing contributes a step of padding, which writes
+only its null page), runs the group's step (or, where every rank scheduled a decode window,
+its window: worker/rank_group_step.py) and gives each rank its rows back.
 
 Across processes (jax.distributed, one rank a process: engine/process_data_parallel.py) the
 group is the same SPMD program: each process holds its rank's row of the mesh and its engine,
@@ -26,7 +27,6 @@ every engine runs, with the model's MoE layers reaching across the ranks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -38,19 +38,18 @@ from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.core.scheduler_output import SchedulerOutput
-from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC, rank_config
+from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC
 from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, replica_mesh, replicated
 from jvllm.distributed.multihost import gather_objects
-from jvllm.distributed.sharded_model import ShardedModel
-from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
-from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
+from jvllm.models.model import num_moe_layers
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import Bucket
+from jvllm.worker.decode_loop import prepare_window_inputs
 from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
-from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
+from jvllm.worker.rank_group_step import GroupExecutables
+from jvllm.worker.runner_output import ModelRunnerOutput, as_window, fetch_output
 from jvllm.worker.step_compiler import abstract_state
-from jvllm.worker.step_fn import model_step, single_step
 from jvllm.worker.step_hand_over import StepHandOver
 from jvllm.worker.step_inputs import (
     scheduled_drafts,
@@ -58,22 +57,6 @@ from jvllm.worker.step_inputs import (
     window_block_ids,
 )
 from jvllm.worker.step_layout import step_attention, step_buckets, step_layout
-
-
-def _rank_model(config: ModelConfig, attn, vocab_size: int) -> ShardedModel:
-    """The model as one device of a rank runs it inside the group's shard_map: its rank's
-    tensor-parallel shard `config`, logits gathered whole (`vocab_size`) over its T devices."""
-
-    def logits(params, hidden):
-        local = compute_logits(params, hidden, config=config)  # [S, V/T]
-        whole = jax.lax.all_gather(local, TP_AXIS, axis=1, tiled=True)  # [S, padded V]
-        return whole[:, :vocab_size]
-
-    return ShardedModel(
-        functools.partial(forward, config=config, attn=attn),
-        logits,
-        functools.partial(forward_counting_experts, config=config, attn=attn),
-    )
 
 
 @dataclasses.dataclass
@@ -142,8 +125,13 @@ class RankGroupRunner:
         # What every executable is lowered for, fixed once the arrays exist (sleep mode frees
         # them, worker/device_sleep.py, and puts them back so).
         self._state_spec = abstract_state((self.params, self.kv_cache, self.token_cache, None))
-        self._step = self._jit_step(config, attn, runner_config)
-        self._executables: dict[Bucket, jax.stages.Compiled] = {}  # one a bucket
+        num_slots, vocab = self.bias_rows[self.local_ranks[0]].rows.shape
+        bias = jax.ShapeDtypeStruct(
+            (num_ranks * num_slots, vocab), jnp.float32, sharding=NamedSharding(mesh, RANKS_SPEC)
+        )
+        self.executables = GroupExecutables(
+            config, params, mesh, attn, runner_config, self.layout, (*self._state_spec[:3], bias)
+        )
         # Each local rank's MoE layers' (token, expert) assignments of its own tokens,
         # i64[L_moe, E].
         self.expert_token_counts = {
@@ -153,74 +141,17 @@ class RankGroupRunner:
         # The ranks' engines hand their steps to the group's (step_hand_over.py): every
         # front step begins it, and each rank's engine finishes it.
         self.hand_over = StepHandOver(self.local_ranks, self._run, jax.process_count() > 1)
-        self.num_group_steps = 0
-
-    def _jit_step(self, config: ModelConfig, attn, runner_config: RunnerConfig):
-        """jit of the group's step: (params, kv_cache, token_cache, bias_rows [D R, V],
-        inputs with a leading [D]) -> (SamplerOutput with a leading [D], kv_cache,
-        token_cache), the caches donated."""
-        step = functools.partial(
-            model_step,
-            model=_rank_model(rank_config(config, self.mesh), attn, config.vocab_size),
-            max_logprobs=runner_config.max_logprobs,
-            logprobs_mode=runner_config.logprobs_mode,
-            num_drafts=self.layout.num_speculative_tokens,
-        )
-
-        def rank_step(params, kv_cache, token_cache, bias_rows, inputs):
-            inputs = jax.tree.map(lambda a: a[0], inputs)
-            out, kv_cache, token_cache = single_step(
-                params, kv_cache, token_cache, bias_rows, inputs, step=step
-            )
-            return jax.tree.map(lambda a: a[None], out), kv_cache, token_cache
-
-        specs = params_in_specs(param_specs(config), self.params)
-        mapped = jax.shard_map(
-            rank_step,
-            mesh=self.mesh,
-            in_specs=(specs, KV_CACHE_SPEC, RANKS_SPEC, RANKS_SPEC, RANKS_SPEC),
-            out_specs=(RANKS_SPEC, KV_CACHE_SPEC, RANKS_SPEC),
-            check_vma=False,
-        )
-        return jax.jit(mapped, donate_argnums=(1, 2))
+        self.num_group_steps = self.num_windows = 0  # the group's steps, the windows among them
 
     @property
     def num_compilations(self) -> int:
-        return len(self._executables)
-
-    def executable(self, bucket: Bucket) -> jax.stages.Compiled:
-        """The group's step in `bucket`, compiled on its first use (the same on every
-        process: each compiles what the exchanged sizes select)."""
-        exe = self._executables.get(bucket)
-        if exe is None:
-            exe = self._step.lower(*self._abstract_args(bucket)).compile()
-            self._executables[bucket] = exe
-        return exe
+        return len(self.executables)
 
     def compile_all(self) -> float:
-        """Compile every bucket's step up front -> the seconds it took."""
+        """Compile every bucket's executables up front -> the seconds it took."""
         start = time.perf_counter()
-        for bucket in self.buckets.all_buckets():
-            self.executable(bucket)
+        self.executables.compile_all(self.buckets.all_buckets())
         return time.perf_counter() - start
-
-    def _abstract_args(self, bucket: Bucket):
-        """The step's arguments as ShapeDtypeStructs: the arrays' own, and every rank's step
-        of `bucket` [D, ...] cut over "data"."""
-        ranks = NamedSharding(self.mesh, RANKS_SPEC)
-        padding = self.layout.inputs([], [], [], bucket)
-        inputs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(
-                (self.num_ranks, *np.shape(a)), np.asarray(a).dtype, sharding=ranks
-            ),
-            padding,
-        )
-        state = self._state_spec[:3]  # params, kv_cache, token_cache
-        num_slots, vocab = self.bias_rows[self.local_ranks[0]].rows.shape
-        bias = jax.ShapeDtypeStruct(
-            (self.num_ranks * num_slots, vocab), jnp.float32, sharding=ranks
-        )
-        return (*state, bias, inputs)
 
     def rank_runner(self, rank: int) -> RankRunner:
         return RankRunner(self, rank)
@@ -231,16 +162,23 @@ class RankGroupRunner:
             r: [s.scheduler_output.num_scheduled_tokens[q.request_id] for q in _requests(s)]
             for r, s in steps.items()
         }
-        sizes = [(sum(c), len(c)) for c in counts.values()]
+        sizes = [
+            (sum(counts[r]), len(counts[r]), s.scheduler_output.num_steps > 1)
+            for r, s in steps.items()
+        ]
         if jax.process_count() > 1:  # every process's ranks' steps pick the bucket
             sizes = [size for sizes in gather_objects(sizes) for size in sizes]
             if not sizes:
                 return {}  # no rank of any process has a step
-        bucket = self._bucket(sizes)
-        ranks, drafts = [], {}
+        bucket = self._bucket([size[:2] for size in sizes])
+        # A decode window where every rank with a step scheduled one; else a step, of which a
+        # window's requests take one token each (the rest of their window's blocks stay theirs).
+        kind = "window" if all(is_window for *_, is_window in sizes) else "step"
+        ranks, windows, drafts = [], [], {}
         for r in self.local_ranks:
             if r not in steps:
                 ranks.append(self.layout.inputs([], [], [], bucket))
+                windows.append(prepare_window_inputs([], [], bucket.num_seqs))
                 continue
             step = steps[r]
             requests = _requests(step)
@@ -259,15 +197,20 @@ class RankGroupRunner:
                     window_block_ids=window_block_ids(step.scheduler_output),
                 )
             )
-        local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...] each
-        out, self.kv_cache, self.token_cache = self.executable(bucket)(
-            self.params,
-            self.kv_cache,
-            self.token_cache,
-            self._joint_bias_rows(),
-            self._global(local),
+            if kind == "window":
+                limits = step.scheduler_output.window_limits
+                limits = [limits[q.request_id] for q in requests]
+                windows.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
+        stack = lambda inputs: jax.tree.map(lambda *a: np.stack(a), *inputs)  # [local ranks, ...]
+        local = stack(ranks)
+        args = [self._global(local)]
+        if kind == "window":
+            args.append(self._global(stack(windows)))
+        out, self.kv_cache, self.token_cache = self.executables(bucket, kind)(
+            self.params, self.kv_cache, self.token_cache, self._joint_bias_rows(), *args
         )
         self.num_group_steps += 1
+        self.num_windows += kind == "window"
         out = jax.tree.map(self._local_rows, out)  # [local ranks, ...] each, on the host
         results = {}
         for r, step in steps.items():
@@ -278,12 +221,14 @@ class RankGroupRunner:
             results[r] = fetch_output(
                 rank_out,
                 list(range(num_reqs)),
-                False,
+                kind == "window",
                 bool(sampling.any_logprobs),
-                bool(sampling.any_prompt_logprobs),
+                kind == "step" and bool(sampling.any_prompt_logprobs),
             )
             if drafts[r]:  # each request's run, a list
                 results[r] = with_accepted_runs(results[r], rank_out, drafts[r])
+            elif kind == "step" and step.scheduler_output.num_steps > 1:
+                results[r] = as_window(results[r])
             self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
         return results
 
@@ -326,8 +271,8 @@ def _requests(step: _Step) -> list:
 
 
 class _NoCompiler:
-    """What the engine asks a runner's compiler: the group compiles its step itself (one
-    executable a bucket: up front with compile_all_buckets, else on first use), nothing in
+    """What the engine asks a runner's compiler: the group compiles its executables itself
+    (one a bucket and kind: up front with compile_all_buckets, else on first use), nothing in
     the background."""
 
     lockstep = False

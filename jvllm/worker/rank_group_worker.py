@@ -48,14 +48,17 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one or verifies n-gram drafts (no decode windows, steps run ahead, draft
-    models or heads, adapters or pooling), and sleep mode runs in one process."""
+    step is the plain one, a decode window, or verifies n-gram drafts (no windows of
+    speculative rounds, steps run ahead, draft models or heads, adapters or pooling), and
+    sleep mode runs in one process."""
     runner, spec = config.runner_config, config.speculative_config
     refused = {
         f"speculative_config method {spec and spec.method!r} (only 'ngram')": (
             spec is not None and spec.method != "ngram"
         ),
-        "num_scheduler_steps > 1": runner.num_scheduler_steps > 1,
+        "num_scheduler_steps > 1 with speculative_config": (
+            runner.num_scheduler_steps > 1 and spec is not None
+        ),
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,
         "runner='pooling'": config.pooler_config is not None,

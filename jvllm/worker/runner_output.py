@@ -49,3 +49,12 @@ def fetch_output(
         )
         result.prompt_logprobs = tuple(np.asarray(f) for f in fields)
     return result
+
+
+def as_window(result: ModelRunnerOutput) -> ModelRunnerOutput:
+    """A single step's `result` in a decode window's form, a window of one step: each
+    request's token a list, its logprobs with a leading step axis (a group of ranks runs a
+    rank's scheduled window as one step where another rank's step is not a window)."""
+    logprobs = result.logprobs and tuple(a[None] for a in result.logprobs)
+    sampled = [[int(t)] for t in result.sampled_token_ids]
+    return dataclasses.replace(result, sampled_token_ids=sampled, logprobs=logprobs)

@@ -412,3 +412,81 @@ def test_a_draft_model_or_head_is_refused_across_ranks(model_dir):
             speculative_config=spec,
             **ENGINE_KWARGS,
         )
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_ranks_run_decode_windows_as_one_and_decode_as_one_device(model_dir, t):
+    """num_scheduler_steps=4 in the group: every rank's window steps as long as any rank's row
+    decodes (their MoE layers exchange tokens every step), a rank whose rows stopped stepping
+    its null page; a step where one rank prefills runs every rank's as one step. Greedy and
+    seeded requests with stops inside windows and logprobs give one device's tokens, and
+    windows ran."""
+    path = model_dir("mixtral")
+    prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20, 4))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=14, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+    ]
+
+    def run(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0] for o in outputs]
+
+    expected = run(LLM(path, **ENGINE_KWARGS))
+    llm = LLM(
+        path,
+        data_parallel_size=2,
+        tensor_parallel_size=t,
+        enable_expert_parallel=True,
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    group = llm.llm_engine.group.group_runner()
+    for got, want in zip(run(llm), expected):
+        assert got.token_ids == want.token_ids
+        for row, want_row in zip(got.logprobs or [], want.logprobs or []):
+            assert row.keys() == want_row.keys()
+            np.testing.assert_allclose(
+                [row[k].logprob for k in want_row], [v.logprob for v in want_row.values()],
+                atol=1e-4,
+            )  # fmt: skip
+    assert expected[0].logprobs and expected[3].logprobs
+    assert group.num_windows > 0 and group.num_windows < group.num_group_steps
+
+
+def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(model_dir, monkeypatch):
+    """Requests arriving on one rank while the other decodes in windows: that step runs every
+    rank's as one step (a window's requests take one token each, in a window's form), and
+    every request gives one device's greedy tokens."""
+    from jvllm.worker import rank_group
+
+    cut, as_window = [], rank_group.as_window
+    monkeypatch.setattr(rank_group, "as_window", lambda out: cut.append(1) or as_window(out))
+    path = model_dir("mixtral")
+    prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20, 4, 11))
+    one = LLM(path, **ENGINE_KWARGS)
+    expected = [o.outputs[0].token_ids for o in one.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]  # fmt: skip
+    llm = LLM(
+        path,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        num_scheduler_steps=4,
+        **ENGINE_KWARGS,
+    )
+    engine, tokens = llm.llm_engine, {}
+    for i in range(2):
+        engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, GREEDY)
+    for step in range(40):
+        if step in (2, 3, 5, 6):  # the ranks decode: one gets a newcomer
+            i = len(tokens) + sum(engine.has_request(str(j)) for j in range(len(prompts)))
+            if i < len(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, GREEDY)
+        tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests() and len(tokens) == len(prompts):
+            break
+    assert [tokens[str(i)] for i in range(len(prompts))] == expected
+    assert cut  # some step ran a rank's window as one step

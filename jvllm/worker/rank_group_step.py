@@ -1,0 +1,141 @@
+"""The executables of a group of data-parallel ranks whose MoE layers run across them
+(worker/rank_group.py): the engine's step, and with num_scheduler_steps > 1 its decode window,
+each run by every device of the ("data", "model") mesh on its rank's inputs inside one
+shard_map, one executable a (bucket, kind), compiled on first use or all up front.
+
+A window's MoE layers exchange tokens with every rank at every step, so every rank steps as
+long as any row of any rank still decodes (decode_loop.run_window's `any_active`, a psum over
+"data"): a rank whose rows have stopped steps them over its null page.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jvllm.config import ModelConfig
+from jvllm.core.engine_config import RunnerConfig
+from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC, rank_config
+from jvllm.distributed.mesh import DP_AXIS, TP_AXIS
+from jvllm.distributed.sharded_model import ShardedModel
+from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
+from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
+from jvllm.worker.buckets import Bucket
+from jvllm.worker.decode_loop import prepare_window_inputs, window_steps_per_check
+from jvllm.worker.step_compiler import StepLayout
+from jvllm.worker.step_fn import model_step
+from jvllm.worker.step_kinds import StepKinds
+
+
+def _rank_model(config: ModelConfig, attn, vocab_size: int) -> ShardedModel:
+    """The model as one device of a rank runs it inside the group's shard_map: its rank's
+    tensor-parallel shard `config`, logits gathered whole (`vocab_size`) over its T devices."""
+
+    def logits(params, hidden):
+        local = compute_logits(params, hidden, config=config)  # [S, V/T]
+        whole = jax.lax.all_gather(local, TP_AXIS, axis=1, tiled=True)  # [S, padded V]
+        return whole[:, :vocab_size]
+
+    return ShardedModel(
+        functools.partial(forward, config=config, attn=attn),
+        logits,
+        functools.partial(forward_counting_experts, config=config, attn=attn),
+    )
+
+
+def _any_rank_active(active: jax.Array) -> jax.Array:
+    """bool[S] a rank's rows still decoding -> whether any row of any rank is."""
+    return jax.lax.psum(jnp.any(active).astype(jnp.int32), DP_AXIS) > 0
+
+
+class GroupExecutables:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        mesh: Mesh,
+        attn,
+        runner_config: RunnerConfig,
+        layout: StepLayout,
+        state_spec,
+    ):
+        """The group's kinds of executable for `config` and its `params` on `mesh`, every
+        step laid out in `layout`; `state_spec`: (params, kv_cache, token_cache) as
+        ShapeDtypeStructs, what each executable is lowered for."""
+        self.mesh, self.layout, self.state_spec = mesh, layout, state_spec
+        self.num_ranks = mesh.shape[DP_AXIS]
+        step = functools.partial(
+            model_step,
+            model=_rank_model(rank_config(config, mesh), attn, config.vocab_size),
+            max_logprobs=runner_config.max_logprobs,
+            logprobs_mode=runner_config.logprobs_mode,
+            num_drafts=layout.num_speculative_tokens,
+        )
+        counts_shape = (num_moe_layers(config), config.num_experts)
+        kinds = StepKinds(runner_config, window_steps_per_check(), counts_shape)
+        self.kinds = ("step", "window") if runner_config.num_scheduler_steps > 1 else ("step",)
+        specs = params_in_specs(param_specs(config), params)
+        self._jitted = {kind: self._jit(kinds.body(kind, step), specs) for kind in self.kinds}
+        self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
+
+    def _jit(self, body, param_specs_):
+        """jit of `body` (a StepKinds body) on every device: (params, kv_cache, token_cache,
+        bias_rows [D R, V], inputs [D, ...], and a window's WindowInputs [D, ...]) -> (its
+        output with a leading [D], kv_cache, token_cache), the caches donated."""
+
+        def on_rank(params, kv_cache, token_cache, bias_rows, *inputs):
+            local = [jax.tree.map(lambda a: a[0], x) for x in inputs]
+            extra = {"any_active": _any_rank_active} if len(local) > 1 else {}
+            out, kv_cache, token_cache = body(
+                params, kv_cache, token_cache, bias_rows, *local, **extra
+            )
+            return jax.tree.map(lambda a: a[None], out), kv_cache, token_cache
+
+        def mapped(params, kv_cache, token_cache, bias_rows, *inputs):
+            in_specs = (param_specs_, KV_CACHE_SPEC, RANKS_SPEC, RANKS_SPEC)
+            return jax.shard_map(
+                on_rank,
+                mesh=self.mesh,
+                in_specs=(*in_specs, *[RANKS_SPEC] * len(inputs)),
+                out_specs=(RANKS_SPEC, KV_CACHE_SPEC, RANKS_SPEC),
+                check_vma=False,
+            )(params, kv_cache, token_cache, bias_rows, *inputs)
+
+        return jax.jit(mapped, donate_argnums=(1, 2))
+
+    def __len__(self) -> int:
+        return len(self._executables)
+
+    def __call__(self, bucket: Bucket, kind: str) -> jax.stages.Compiled:
+        """The `kind` executable of `bucket`, compiled on its first use (the same on every
+        process: each compiles what the exchanged sizes select)."""
+        exe = self._executables.get((bucket, kind))
+        if exe is None:
+            exe = self._jitted[kind].lower(*self._abstract_args(bucket, kind)).compile()
+            self._executables[bucket, kind] = exe
+        return exe
+
+    def compile_all(self, buckets: list[Bucket]) -> None:
+        """Every bucket's step, and every decode bucket's window where windows run."""
+        for bucket in buckets:
+            for kind in self.kinds:
+                if kind == "step" or bucket.is_decode:
+                    self(bucket, kind)
+
+    def _abstract_args(self, bucket: Bucket, kind: str):
+        """An executable's arguments as ShapeDtypeStructs: the arrays' own, and every rank's
+        step (and window) of `bucket` [D, ...] cut over "data"."""
+        ranks = NamedSharding(self.mesh, RANKS_SPEC)
+        padding = [self.layout.inputs([], [], [], bucket)]
+        if kind == "window":
+            padding.append(prepare_window_inputs([], [], bucket.num_seqs))
+        stacked = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                (self.num_ranks, *np.shape(a)), np.asarray(a).dtype, sharding=ranks
+            ),
+            padding,
+        )
+        params, kv_cache, token_cache, bias_rows = self.state_spec
+        return (params, kv_cache, token_cache, bias_rows, *stacked)
