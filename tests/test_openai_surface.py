@@ -337,6 +337,29 @@ def test_continuous_usage_stats_count_each_chunks_own_choice(served, client):
     assert final.usage.completion_tokens == 4 * MAX_TOKENS
 
 
+def test_a_chat_streams_one_choice_a_chunk_with_its_own_usage(client):
+    """n = 2 in a chat stream: every chunk one choice (its role first), its usage that
+    choice's tokens so far (vLLM's serving_chat); the last chunk every choice's."""
+    chunks = list(
+        client.chat.completions.create(
+            messages=CHAT,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+            **_greedy(),
+        )
+    )
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant"] * 2
+    sent = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        sent[choice.index] += len(getattr(choice, "token_ids", None) or [])
+        assert chunk.usage.completion_tokens == sent[choice.index]
+    assert sent == {0: MAX_TOKENS, 1: MAX_TOKENS}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
+
+
 def test_return_token_ids_are_the_tokenizers_ids(served, client):
     tokenizer = served["tokenizer"]
     out = client.completions.create(

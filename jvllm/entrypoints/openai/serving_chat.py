@@ -287,50 +287,39 @@ class OpenAIServingChat(OpenAIServing):
         role = self._role(request)
         echo = self._echo(request, role)
         num_prompt = len(first[1].prompt_token_ids) if first is not None else 0
-        num_completion = 0
+        num_tokens = [0] * n  # each choice's completion tokens so far
 
-        def chunk(choices: list[dict], final_usage: dict | None = None, **extra) -> str:
+        def chunk(choice: dict | None, **extra) -> str:
+            """A chunk of one choice (vLLM's shape, for any n), or of none: the last one, with
+            the usage where asked."""
             body = {
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.models.reply_name(request.model),
-                "choices": choices,
+                "choices": [] if choice is None else [choice],
                 **extra,
             }
-            if include_usage:  # vLLM's continuous_usage_stats: the counts so far, every chunk
-                body["usage"] = final_usage or (
-                    usage(num_prompt, num_completion) if continuous else None
+            if choice is None:
+                body["usage"] = usage(num_prompt, sum(num_tokens))
+            elif include_usage:  # vLLM's continuous_usage_stats: the choice's counts so far
+                body["usage"] = (
+                    usage(num_prompt, num_tokens[choice["index"]]) if continuous else None
                 )
             return sse(body)
 
         extra = {}
         if request.return_token_ids and first is not None:
             extra["prompt_token_ids"] = list(first[1].prompt_token_ids)
-        yield chunk(
-            [
-                {
-                    "index": i,
-                    "delta": {"role": role, "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(n)
-            ],
-            **extra,
-        )
-        if echo:
+        for i in range(n):
+            role_delta = {"role": role, "content": ""}
             yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"content": echo},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(n)
-                ]
+                {"index": i, "delta": role_delta, "logprobs": None, "finish_reason": None},
+                **extra,
             )
+        if echo:
+            for i in range(n):
+                yield chunk(_choice_delta(i, {"content": echo}))
         streams = [ToolCallStream(tools) if tools.mode != "none" else None for _ in range(n)]
         parser = self.reasoning_parser
         splitters = [parser.splitter(*start) if parser else None for _ in range(n)]
@@ -338,9 +327,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             while item is not None:
                 result = item[1]
-                deltas, tails, finals = [], [], []
                 for c in result.outputs:
-                    num_completion += len(c.token_ids)
+                    num_tokens[c.index] += len(c.token_ids)
                     calls = streams[c.index]
                     text, reasoning = c.text, ""
                     if splitters[c.index] is not None:
@@ -352,8 +340,6 @@ class OpenAIServingChat(OpenAIServing):
                     else:
                         content = calls.feed(text)
                         tail = calls.finish() if c.finish_reason else None
-                        if tail:  # what the parser held back, in a chunk of its own
-                            tails.append(_choice_delta(c.index, tail))
                     if reasoning and request.include_reasoning:
                         content = content or {}
                         if not text:
@@ -365,30 +351,25 @@ class OpenAIServingChat(OpenAIServing):
                             delta["logprobs"] = self.logprobs_json(request, c, top)
                         if request.return_token_ids:
                             delta["token_ids"] = list(c.token_ids)
-                        deltas.append(delta)
+                        yield chunk(delta)
+                    if calls is not None and tail:  # what the parser held back, its own chunk
+                        yield chunk(_choice_delta(c.index, tail))
                     if c.finish_reason:
-                        finals.append(
+                        reason = _finish_reason(
+                            c.finish_reason, calls is not None and calls.called, tools.mode
+                        )
+                        yield chunk(
                             {
                                 "index": c.index,
                                 "delta": {},
                                 "logprobs": None,
-                                "finish_reason": _finish_reason(
-                                    c.finish_reason,
-                                    calls is not None and calls.called,
-                                    tools.mode,
-                                ),
+                                "finish_reason": reason,
                                 "stop_reason": c.stop_reason,
                             }
                         )
-                if deltas:
-                    yield chunk(deltas)
-                if tails:
-                    yield chunk(tails)
-                if finals:
-                    yield chunk(finals)
                 item = await anext(outputs, None)
             if include_usage:
-                yield chunk([], usage(num_prompt, num_completion))
+                yield chunk(None)
         except OpenAIError as e:
             yield sse(e.body())
         finally:
