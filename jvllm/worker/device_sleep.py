@@ -3,7 +3,7 @@ half): free its weights and KV cache, bring each back, and load new weights into
 into the host copy while the weights sleep. The buffers themselves move in device_buffers.py.
 
 The Worker holds one over its runner; a group of data-parallel ranks holds one over the group's
-runner, which its ranks share (worker/rank_group_sleep.py).
+runner, which its ranks share (RankWorker in worker/rank_group_worker.py).
 """
 
 from __future__ import annotations
