@@ -179,15 +179,21 @@ class DataParallelEngine(ReplicaFront):
         once each has handed its step over or stepped without one."""
         runner = self.group.group_runner()
         runner.hand_over.begin()
+        num_steps = runner.num_group_steps
 
         def step_rank(rank: int) -> list[RequestOutput]:
-            try:
-                return self.replicas[rank].step()
+            try:  # a rank waiting on a grammar would hold every rank's step back
+                return self.replicas[rank].step(wait_for_grammars=False)
             finally:
                 runner.hand_over.finish(rank)
 
         self._stepped = self.replicas
-        return [o for step in self._pool.map(step_rank, range(len(self.replicas))) for o in step]
+        outputs = [o for s in self._pool.map(step_rank, range(len(self.replicas))) for o in s]
+        if runner.num_group_steps == num_steps:  # no rank ran a step: grammars may hold some
+            waiting = [r for r in self.replicas if r.scheduler.waiting]
+            if waiting:
+                waiting[0].wait_for_grammars()
+        return outputs
 
     def load_weights(self, weights) -> set[str]:
         """LLMEngine.load_weights on every replica; the ranks of a group share their weights,

@@ -237,6 +237,11 @@ class LLMEngine:
         self._step_loop_lease.take_back()
         self.abort_request(request_ids)
 
+    def wait_for_grammars(self) -> None:
+        """Block up to 50 ms for a grammar compiling (what holds the waiting requests of a
+        step with nothing to schedule)."""
+        self.structured_outputs.wait(timeout=0.05)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -247,11 +252,16 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
-        """schedule -> execute (forward + sample: one jitted call) -> update -> outputs."""
+    def step(
+        self, wait_for_grammars: bool = True
+    ) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        """schedule -> execute (forward + sample: one jitted call) -> update -> outputs.
+        `wait_for_grammars`: with nothing to schedule but waiting requests (only grammars
+        compiling hold them), wait a moment for one rather than return at once (a group of
+        ranks' front waits for its ranks instead: engine/data_parallel.py)."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and self.scheduler.waiting:
-            self.structured_outputs.wait(timeout=0.05)  # only grammars compiling hold them
+        if wait_for_grammars and scheduler_output.is_empty and self.scheduler.waiting:
+            self.wait_for_grammars()
         try:
             runner_output = self._executor.execute(scheduler_output)
         except Exception as error:  # noqa: BLE001 - any failure of the step aborts its requests only

@@ -7,7 +7,9 @@ the same page ids, each in its own pool), with a rank that has nothing to run.""
 import asyncio
 import collections
 import functools
+import os
 import re
+import time
 import types
 
 import jax
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from family_parity import ragged_prompts, save_random_model
 from jax.sharding import NamedSharding
 from test_expert_parallel import FAMILIES
@@ -490,3 +493,57 @@ def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(model_dir, 
             break
     assert [tokens[str(i)] for i in range(len(prompts))] == expected
     assert cut  # some step ran a rank's window as one step
+
+
+def test_a_rank_waiting_on_a_grammar_holds_no_other_ranks_step(tmp_path, monkeypatch):
+    """Rank 1's only request waits for its grammar (a slow compile) while rank 0 decodes: rank
+    1's engine steps without waiting for it (a wait there held every rank's step back 50 ms),
+    the front waits only when no rank has a step, and both requests finish, rank 0's with one
+    device's tokens."""
+    import shutil
+    import threading
+
+    from test_scale_out import _TINY
+
+    from jvllm import StructuredOutputsParams
+    from jvllm.model_loader.default_model import default_model_dir
+    from jvllm.structured_output.manager import StructuredOutputManager
+
+    config = transformers.MixtralConfig(
+        **{**_TINY, "vocab_size": 49152}, num_local_experts=8, num_experts_per_tok=2
+    )
+    save_random_model(tmp_path, config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the grammar's token strings
+        shutil.copy(os.path.join(default_model_dir(), name), tmp_path)
+    compile_, waits = StructuredOutputManager._compile, []
+
+    def slow_compile(self, grammar, key):
+        time.sleep(1.0)
+        return compile_(self, grammar, key)
+
+    def wait(self, timeout):
+        waits.append(threading.current_thread().name)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    monkeypatch.setattr(StructuredOutputManager, "wait", wait)
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    prompt = ragged_prompts(VOCAB, lengths=(9,))[0]
+    expected = (
+        LLM(str(tmp_path), **ENGINE_KWARGS)
+        .generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    llm = LLM(str(tmp_path), data_parallel_size=2, enable_expert_parallel=True, **ENGINE_KWARGS)
+    engine, done = llm.llm_engine, {}
+    engine.add_request("plain", {"prompt_token_ids": prompt}, plain)  # rank 0
+    engine.add_request("json", {"prompt_token_ids": prompt}, constrained)  # rank 1
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["plain"].outputs[0].token_ids == expected
+    assert done["json"].outputs[0].finish_reason is not None
+    assert not [name for name in waits if name.startswith("jvllm-dp")]  # no rank waited
