@@ -68,11 +68,11 @@ def propose_ngram_on_device(
             best_n = jnp.where(longest, n, best_n)
             return n + 1, ends, found, (best_n, jnp.where(longest, jnp.argmax(ends, 1), best_end))
 
-        def goes_on(carry):
+        def any_left(carry):  # an n <= max_n, and a row whose n - 1 still matches somewhere
             n, _, found, _ = carry
             return (n <= max_n) & jnp.any(found)
 
-        *_, (best_n, best_end) = jax.lax.while_loop(goes_on, longer, (2, ends, found, best))
+        *_, (best_n, best_end) = jax.lax.while_loop(any_left, longer, (2, ends, found, best))
         return best_n, c * chunk + best_end
 
     def next_chunk(carry):  # a later chunk's match replaces an earlier one only if longer
@@ -80,12 +80,12 @@ def propose_ngram_on_device(
         n, end = in_chunk(c)
         return c + 1, jnp.maximum(n, best_n), jnp.where(n > best_n, end, best_end)
 
-    def goes_on(carry):  # while a row has chunks left and could still find a longer n-gram
+    def could_improve(carry):  # a row with chunks left that could hold a longer n-gram
         c, best_n, _ = carry
         return jnp.any((c * chunk < last[:, 0]) & (best_n < jnp.minimum(max_n, last[:, 0])))
 
     zeros = jnp.zeros(lengths.shape, jnp.int32)
-    _, best_n, best_end = jax.lax.while_loop(goes_on, next_chunk, (0, zeros, zeros))
+    _, best_n, best_end = jax.lax.while_loop(could_improve, next_chunk, (0, zeros, zeros))
     start = best_end + 1  # [S] the earliest occurrence's next token
     counts = jnp.where(best_n > 0, jnp.clip(lengths - start, 0, num_drafts), 0)
     offsets = jnp.arange(num_drafts)[None]  # [1, k]

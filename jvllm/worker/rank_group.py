@@ -176,9 +176,10 @@ class RankGroupRunner:
         kind = "window" if all(is_window for *_, is_window in sizes) else "step"
         ranks, windows, drafts = [], [], {}
         for r in self.local_ranks:
-            if r not in steps:
+            if r not in steps:  # padding, its window's limits 0
                 ranks.append(self.layout.inputs([], [], [], bucket))
-                windows.append(prepare_window_inputs([], [], bucket.num_seqs))
+                if kind == "window":
+                    windows.append(prepare_window_inputs([], [], bucket.num_seqs))
                 continue
             step = steps[r]
             requests = _requests(step)

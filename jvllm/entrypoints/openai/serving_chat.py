@@ -330,7 +330,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in result.outputs:
                     num_tokens[c.index] += len(c.token_ids)
                     calls = streams[c.index]
-                    text, reasoning = c.text, ""
+                    text, reasoning, tail = c.text, "", None
                     if splitters[c.index] is not None:
                         reasoning, text = splitters[c.index].feed_delta(
                             c.text, bool(c.finish_reason)
@@ -352,7 +352,7 @@ class OpenAIServingChat(OpenAIServing):
                         if request.return_token_ids:
                             delta["token_ids"] = list(c.token_ids)
                         yield chunk(delta)
-                    if calls is not None and tail:  # what the parser held back, its own chunk
+                    if tail:  # what the tool-call parser held back, in a chunk of its own
                         yield chunk(_choice_delta(c.index, tail))
                     if c.finish_reason:
                         reason = _finish_reason(
