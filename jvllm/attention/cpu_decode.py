@@ -73,15 +73,19 @@ def build_early(dtype: str) -> None:
     supports), so that tracing the first step finds it built rather than waiting seconds for
     the compiler."""
     if (
-        dtype in ("float32", "bfloat16")
+        dtype in (model_dtype for _, model_dtype in _TARGETS.values())
         and jax.default_backend() == "cpu"
         and not native.is_switched_off("JVLLM_CPU_DECODE_KERNEL", _WHAT)
     ):
-        native.build_in_background(_KERNEL, _WHAT, [*_FLAGS, *native.dtype_flags(dtype)])
+        native.build_in_background(_KERNEL, _WHAT, _flags(dtype))
+
+
+def _flags(dtype: str) -> list[str]:
+    return [*_FLAGS, *native.dtype_flags(dtype)]
 
 
 @functools.cache
 def _register(cache_dtype) -> bool:
     """The kernel of a cache stored as `cache_dtype`, built for its model dtype alone."""
     target, dtype = _TARGETS[jnp.dtype(cache_dtype)]
-    return native.register_targets(_KERNEL, (target,), _WHAT, [*_FLAGS, *native.dtype_flags(dtype)])
+    return native.register_targets(_KERNEL, (target,), _WHAT, _flags(dtype))
