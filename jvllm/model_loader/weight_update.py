@@ -43,9 +43,10 @@ def read_weight_update(
     used = {name for names in plan.values() for name in names}
     unknown = sorted(set(given) - used)
     if unknown:
+        fused = any(_FUSED_EXPERTS in name for name in unknown)
         raise ValueError(
             f"load_weights: {config.architecture} has no param made of {_listed(unknown)}"
-            + _CHECKPOINT_NAMES_HINT * any(_FUSED_EXPERTS in name for name in unknown)
+            + (_CHECKPOINT_NAMES_HINT if fused else "")
         )
     partial = {
         path: [n for n in names if n not in given]
