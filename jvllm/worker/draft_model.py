@@ -21,11 +21,15 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
+from jvllm.core.engine_config import LoadConfig
 from jvllm.core.request import Request
 from jvllm.distributed.sharded_model import ShardedModel
-from jvllm.spec_decode.config import HEAD_METHODS
+from jvllm.model_loader import load_model
+from jvllm.models.registry import EAGLE_HEAD_ARCHITECTURE, mtp_head_architecture
+from jvllm.spec_decode.config import HEAD_METHODS, MODEL_METHODS, SpeculativeConfig
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import (
     decode_after,
@@ -45,6 +49,39 @@ class DraftModel:
     config: ModelConfig
     params: dict
     method: str = "draft_model"
+
+
+def load_draft(
+    spec: SpeculativeConfig | None,
+    load: LoadConfig,
+    target: ModelConfig,
+    mesh: Mesh,
+    enable_expert_parallel: bool,
+) -> DraftModel | None:
+    """speculative_config's draft model (method "draft_model"), EAGLE-3 head ("eagle3") or
+    the MTP layer of a checkpoint ("mtp": by default the target's own, read as its draft
+    head's architecture), on the target's `mesh` in the target's dtype (its experts placed as
+    the target's), without a tokenizer: it must share the target's. None for no draft model
+    (no speculation, or n-gram drafts)."""
+    if spec is None or spec.method not in MODEL_METHODS:
+        return None
+    path, overrides = spec.model, spec.hf_overrides
+    if spec.method == "mtp":
+        path = load.model if path is None else path
+        head = mtp_head_architecture(target.architecture)
+        overrides = {**(overrides or {}), "architectures": [head]}
+    elif spec.method == "eagle":  # its checkpoints name themselves LlamaForCausalLM
+        overrides = {**(overrides or {}), "architectures": [EAGLE_HEAD_ARCHITECTURE]}
+    config, params, _ = load_model(
+        path,
+        target.dtype,
+        mesh=mesh,
+        skip_tokenizer_init=True,
+        hf_overrides=overrides,
+        enable_expert_parallel=enable_expert_parallel,
+        draft_head=spec.method in HEAD_METHODS,
+    )
+    return DraftModel(config, params, spec.method)
 
 
 def check_draft(target: ModelConfig, draft: "DraftModel", has_windows: bool) -> None:

@@ -1,6 +1,7 @@
 """What the runners of speculative decoding's draft models share (worker/draft_runner.py, a
 whole draft model; worker/eagle_runner.py, a draft head): a KV cache over the target's page ids,
-and the drafts the target's step proposed, which they hand the scheduler."""
+and the drafts the target's step proposed (`DraftProposals`), which they hand the scheduler; a
+group of data-parallel ranks keeps one DraftProposals a rank (worker/rank_group.py)."""
 
 import jax
 import numpy as np
@@ -14,36 +15,19 @@ from jvllm.worker.draft_model import num_drafts_room
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
 
 
-class ProposalRunner:
-    def __init__(
-        self,
-        config: ModelConfig,
-        mesh: Mesh,
-        *,
-        num_blocks: int,
-        block_size: int,
-        attention_backend: str,
-        kv_cache_dtype: str,
-        num_speculative_tokens: int,
-    ) -> None:
-        """The draft's KV cache `kv_cache` over `num_blocks` pages (the target's page ids)."""
+class DraftProposals:
+    """The drafts a draft model or head proposed in the last step, until the scheduler asks
+    for those of the requests that decode next."""
+
+    def __init__(self, block_size: int, num_speculative_tokens: int) -> None:
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
-        self.kv_cache = allocate_kv_cache(
-            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
-            kv_cache_shape(config, num_blocks, block_size, mesh.shape[TP_AXIS]),
-            NamedSharding(mesh, KV_CACHE_SPEC),
-        )
-        # The step's options (step_fn.model_step) that run the draft: its model, or its head;
-        # whether it reads the inputs of some of the target's layers (EAGLE-3). Set by each
-        # kind of runner.
-        self.step_options: dict = {}
-        self.reads_layer_inputs = False
-        # The last step's drafts (on the device, [S, k]) and each of its requests' row in them.
-        self._drafts: jax.Array | None = None
+        # The last step's drafts ([S, k], on the device or the host) and each of its requests'
+        # row in them.
+        self._drafts: jax.Array | np.ndarray | None = None
         self._rows: dict[str, int] = {}
 
-    def keep_drafts(self, drafts: jax.Array, requests: list[Request]) -> None:
+    def keep_drafts(self, drafts, requests: list[Request]) -> None:
         """The drafts i32[S, k] the step just run over `requests` (its rows, in order) made."""
         self._drafts = drafts
         self._rows = {r.request_id: s for s, r in enumerate(requests)}
@@ -71,3 +55,29 @@ class ProposalRunner:
         return {
             r.request_id: (r.num_tokens, drafts[i, :n].tolist()) for i, (r, n) in enumerate(taking)
         }
+
+
+class ProposalRunner(DraftProposals):
+    def __init__(
+        self,
+        config: ModelConfig,
+        mesh: Mesh,
+        *,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str,
+        kv_cache_dtype: str,
+        num_speculative_tokens: int,
+    ) -> None:
+        """The draft's KV cache `kv_cache` over `num_blocks` pages (the target's page ids)."""
+        super().__init__(block_size, num_speculative_tokens)
+        self.kv_cache = allocate_kv_cache(
+            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
+            kv_cache_shape(config, num_blocks, block_size, mesh.shape[TP_AXIS]),
+            NamedSharding(mesh, KV_CACHE_SPEC),
+        )
+        # The step's options (step_fn.model_step) that run the draft: its model, or its head;
+        # whether it reads the inputs of some of the target's layers (EAGLE-3). Set by each
+        # kind of runner.
+        self.step_options: dict = {}
+        self.reads_layer_inputs = False

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
+from jvllm.core.request import Request
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC
 from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, replica_mesh, replicated
@@ -45,8 +46,10 @@ from jvllm.models.model import num_moe_layers
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import prepare_window_inputs
+from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.proposal_runner import DraftProposals
 from jvllm.worker.rank_group_step import GroupExecutables
 from jvllm.worker.runner_output import ModelRunnerOutput, as_window, fetch_output
 from jvllm.worker.step_compiler import abstract_state
@@ -72,8 +75,6 @@ class RankGroupRunner:
     """The group's device side: the params on the D x T mesh, every rank's KV and token
     pages, the jitted step, and the hand-over of the ranks' steps."""
 
-    draft = None  # n-gram drafts only: no draft model or head across ranks
-
     def __init__(
         self,
         config: ModelConfig,
@@ -83,9 +84,12 @@ class RankGroupRunner:
         num_blocks: int,
         mesh: Mesh,
         kv_groups: KVCacheGroups | None = None,
+        draft: DraftModel | None = None,
     ):
         """`config` and `params` as load_model gives them on `mesh` (the experts placed over
-        its D x T devices); `num_blocks`: each rank's KV pool (null block included)."""
+        its D x T devices); `num_blocks`: each rank's KV pool (null block included); `draft`:
+        speculative decoding's draft model or head, its params on `mesh` (every rank's step
+        runs it: worker/rank_group_step.py), its KV pages each rank's as the target's."""
         self.config, self.params, self.mesh = config, params, mesh
         self.num_ranks = num_ranks = mesh.shape[DP_AXIS]
         # The ranks whose devices (a row of the mesh) are this process's: every rank in one
@@ -93,21 +97,26 @@ class RankGroupRunner:
         here = jax.process_index()
         self.local_ranks = [r for r in range(num_ranks) if mesh.devices[r, 0].process_index == here]
         block_size = runner_config.block_size
-        # As ModelRunner's steps, n-gram drafts scored in them (a draft model or head is
-        # refused), no adapters or images.
+        # As ModelRunner's steps, drafts scored in them, no adapters or images.
         self.layout = step_layout(config, runner_config, kv_groups, None)
         self.buckets = step_buckets(runner_config)
-        spec = kv_cache_spec(
-            config.dtype, runner_config.attention_backend, runner_config.kv_cache_dtype
-        )
-        shape = kv_cache_shape(
-            config,
-            num_ranks * num_blocks,
-            block_size,
-            mesh.shape[TP_AXIS],
-            kv_groups and kv_groups.num_slots,
-        )
-        self.kv_cache = allocate_kv_cache(spec, shape, NamedSharding(mesh, KV_CACHE_SPEC))
+
+        def kv_cache(config: ModelConfig, num_slots: int | None):
+            spec = kv_cache_spec(
+                config.dtype, runner_config.attention_backend, runner_config.kv_cache_dtype
+            )
+            shape = kv_cache_shape(
+                config, num_ranks * num_blocks, block_size, mesh.shape[TP_AXIS], num_slots
+            )
+            return allocate_kv_cache(spec, shape, NamedSharding(mesh, KV_CACHE_SPEC))
+
+        self.kv_cache = kv_cache(config, kv_groups and kv_groups.num_slots)
+        self.draft = draft
+        if draft is not None:  # kv_cache becomes the pair (target's, draft's)
+            self.kv_cache = (self.kv_cache, kv_cache(draft.config, None))
+            k = runner_config.num_speculative_tokens
+            # Each local rank's drafts of its last step, until its scheduler asks.
+            self.proposals = {r: DraftProposals(block_size, k) for r in self.local_ranks}
         self.token_cache = jnp.zeros(
             (num_ranks * num_blocks, block_size), jnp.int32, device=NamedSharding(mesh, RANKS_SPEC)
         )  # [D P, B]
@@ -129,8 +138,9 @@ class RankGroupRunner:
         bias = jax.ShapeDtypeStruct(
             (num_ranks * num_slots, vocab), jnp.float32, sharding=NamedSharding(mesh, RANKS_SPEC)
         )
+        state_spec = (abstract_state(self._step_params()), *self._state_spec[1:3], bias)
         self.executables = GroupExecutables(
-            config, params, mesh, attn, runner_config, self.layout, (*self._state_spec[:3], bias)
+            config, params, mesh, attn, runner_config, self.layout, state_spec, draft
         )
         # Each local rank's MoE layers' (token, expert) assignments of its own tokens,
         # i64[L_moe, E].
@@ -146,6 +156,11 @@ class RankGroupRunner:
     @property
     def num_compilations(self) -> int:
         return len(self.executables)
+
+    def _step_params(self):
+        """The params argument of the step executables: the target's, or (target's, draft's)
+        with a draft model or head."""
+        return self.params if self.draft is None else (self.params, self.draft.params)
 
     def compile_all(self) -> float:
         """Compile every bucket's executables up front -> the seconds it took."""
@@ -208,7 +223,7 @@ class RankGroupRunner:
         if kind == "window":
             args.append(self._global(stack(windows)))
         out, self.kv_cache, self.token_cache = self.executables(bucket, kind)(
-            self.params, self.kv_cache, self.token_cache, self._joint_bias_rows(), *args
+            self._step_params(), self.kv_cache, self.token_cache, self._joint_bias_rows(), *args
         )
         self.num_group_steps += 1
         self.num_windows += kind == "window"
@@ -226,6 +241,8 @@ class RankGroupRunner:
                 bool(sampling.any_logprobs),
                 kind == "step" and bool(sampling.any_prompt_logprobs),
             )
+            if self.draft is not None:
+                self.proposals[r].keep_drafts(rank_out.draft_tokens, _requests(step))
             if drafts[r]:  # each request's run, a list
                 results[r] = with_accepted_runs(results[r], rank_out, drafts[r])
             elif kind == "step" and step.scheduler_output.num_steps > 1:
@@ -319,3 +336,9 @@ class RankRunner:
         """ModelRunner.execute_model's contract: this rank's step, run in the group's."""
         step = _Step(scheduler_output, block_ids, token_bitmask)
         return self.group.hand_over.submit(self.rank, step)
+
+    def propose_drafts(
+        self, requests: list[Request], block_ids: list[list[int]]
+    ) -> dict[str, tuple[int, list[int]]]:
+        """The drafts this rank's last step proposed for `requests` (DraftProposals.propose)."""
+        return self.group.proposals[self.rank].propose(requests, block_ids)

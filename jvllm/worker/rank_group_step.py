@@ -3,6 +3,12 @@
 each run by every device of the ("data", "model") mesh on its rank's inputs inside one
 shard_map, one executable a (bucket, kind), compiled on first use or all up front.
 
+With a draft model or head (speculative decoding) each device runs it inside the step as one
+engine does (step_fn.model_step), on its rank's rows and draft KV pages: a draft model cut
+over the rank's T devices as the target is, a head (MTP, EAGLE) at T = 1; an MoE layer of
+either (an MTP layer's experts) reaches across the ranks as the target's do, every rank
+running the same k draft steps.
+
 A window's MoE layers exchange tokens with every rank at every step, so every rank steps as
 long as any row of any rank still decodes (decode_loop.run_window's `any_active`, a psum over
 "data"): a rank whose rows have stopped steps them over its null page.
@@ -15,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jvllm.attention.backends import get_attention
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC, rank_config
@@ -22,8 +29,11 @@ from jvllm.distributed.mesh import DP_AXIS, TP_AXIS
 from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
 from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
+from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import prepare_window_inputs, window_steps_per_check
+from jvllm.worker.draft_model import DraftModel
+from jvllm.worker.eagle import draft_head
 from jvllm.worker.step_compiler import StepLayout
 from jvllm.worker.step_fn import model_step
 from jvllm.worker.step_kinds import StepKinds
@@ -45,6 +55,24 @@ def _rank_model(config: ModelConfig, attn, vocab_size: int) -> ShardedModel:
     )
 
 
+def _draft_options(
+    draft: DraftModel | None, target: ModelConfig, mesh: Mesh, runner_config: RunnerConfig
+) -> dict:
+    """model_step's options that run `draft` on one device of a rank (none without one)."""
+    if draft is None:
+        return {}
+    config, backend = draft.config, runner_config.attention_backend
+    local = rank_config(config, mesh)
+    if draft.method in HEAD_METHODS:  # at T = 1 (check_rank_group)
+        attn = get_attention(backend, sm_scale=config.sm_scale)
+        head = draft_head(
+            local, rank_config(target, mesh), attn, runner_config.num_speculative_tokens
+        )
+        return {"draft_head": head}
+    attn = get_attention(backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap)
+    return {"draft_model": _rank_model(local, attn, config.vocab_size)}
+
+
 def _any_rank_active(active: jax.Array) -> jax.Array:
     """bool[S] a rank's rows still decoding -> whether any row of any rank is."""
     return jax.lax.psum(jnp.any(active).astype(jnp.int32), DP_AXIS) > 0
@@ -60,10 +88,12 @@ class GroupExecutables:
         runner_config: RunnerConfig,
         layout: StepLayout,
         state_spec,
+        draft: DraftModel | None = None,
     ):
         """The group's kinds of executable for `config` and its `params` on `mesh`, every
-        step laid out in `layout`; `state_spec`: (params, kv_cache, token_cache) as
-        ShapeDtypeStructs, what each executable is lowered for."""
+        step laid out in `layout`; `state_spec`: (params, kv_cache, token_cache, bias rows) as
+        ShapeDtypeStructs, what each executable is lowered for. With a speculative `draft`
+        (its params on `mesh`) the params and KV caches are (target's, draft's) pairs."""
         self.mesh, self.layout, self.state_spec = mesh, layout, state_spec
         self.num_ranks = mesh.shape[DP_AXIS]
         step = functools.partial(
@@ -72,15 +102,22 @@ class GroupExecutables:
             max_logprobs=runner_config.max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
             num_drafts=layout.num_speculative_tokens,
+            **_draft_options(draft, config, mesh, runner_config),
         )
         counts_shape = (num_moe_layers(config), config.num_experts)
         kinds = StepKinds(runner_config, window_steps_per_check(), counts_shape)
         self.kinds = ("step", "window") if runner_config.num_scheduler_steps > 1 else ("step",)
         specs = params_in_specs(param_specs(config), params)
-        self._jitted = {kind: self._jit(kinds.body(kind, step), specs) for kind in self.kinds}
+        kv_spec = KV_CACHE_SPEC
+        if draft is not None:
+            specs = (specs, params_in_specs(param_specs(draft.config), draft.params))
+            kv_spec = (KV_CACHE_SPEC, KV_CACHE_SPEC)
+        self._jitted = {
+            kind: self._jit(kinds.body(kind, step), specs, kv_spec) for kind in self.kinds
+        }
         self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
 
-    def _jit(self, body, param_specs_):
+    def _jit(self, body, param_specs_, kv_spec):
         """jit of `body` (a StepKinds body) on every device: (params, kv_cache, token_cache,
         bias_rows [D R, V], inputs [D, ...], and a window's WindowInputs [D, ...]) -> (its
         output with a leading [D], kv_cache, token_cache), the caches donated."""
@@ -94,12 +131,12 @@ class GroupExecutables:
             return jax.tree.map(lambda a: a[None], out), kv_cache, token_cache
 
         def mapped(params, kv_cache, token_cache, bias_rows, *inputs):
-            in_specs = (param_specs_, KV_CACHE_SPEC, RANKS_SPEC, RANKS_SPEC)
+            in_specs = (param_specs_, kv_spec, RANKS_SPEC, RANKS_SPEC)
             return jax.shard_map(
                 on_rank,
                 mesh=self.mesh,
                 in_specs=(*in_specs, *[RANKS_SPEC] * len(inputs)),
-                out_specs=(RANKS_SPEC, KV_CACHE_SPEC, RANKS_SPEC),
+                out_specs=(RANKS_SPEC, kv_spec, RANKS_SPEC),
                 check_vma=False,
             )(params, kv_cache, token_cache, bias_rows, *inputs)
 

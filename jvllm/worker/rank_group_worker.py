@@ -23,8 +23,10 @@ from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import expected_dtype, load_engine_model
 from jvllm.models.model import takes_images
 from jvllm.quantization import describe_weights
+from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.device_sleep import DeviceSleep
+from jvllm.worker.draft_model import check_draft, load_draft
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.rank_group import RankGroupRunner, RankRunner
@@ -48,13 +50,15 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one, a decode window, or verifies n-gram drafts (no windows of
-    speculative rounds, steps run ahead, draft models or heads, adapters or pooling), and
-    sleep mode runs in one process."""
+    step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, or at
+    tensor_parallel_size 1 a draft head; no windows of speculative rounds), no steps run
+    ahead, adapters or pooling, and sleep mode runs in one process."""
     runner, spec = config.runner_config, config.speculative_config
+    num_shards = config.parallel_config.tensor_parallel_size
     refused = {
-        f"speculative_config method {spec and spec.method!r} (only 'ngram')": (
-            spec is not None and spec.method != "ngram"
+        f"speculative_config method {spec and spec.method!r} at tensor_parallel_size "
+        f"{num_shards} (a draft head runs at 1)": (
+            spec is not None and spec.method in HEAD_METHODS and num_shards > 1
         ),
         "num_scheduler_steps > 1 with speculative_config": (
             runner.num_scheduler_steps > 1 and spec is not None
@@ -96,6 +100,8 @@ class RankGroupWorker:
         model_config, self.params, self.tokenizer = load_engine_model(
             load, self.mesh, enable_expert_parallel=True
         )
+        # A draft model or head, its experts placed over the group's devices as the target's.
+        self.draft = load_draft(config.speculative_config, load, model_config, self.mesh, True)
         self.load_seconds = time.perf_counter() - start
         if takes_images(model_config):
             raise ValueError(
@@ -111,6 +117,11 @@ class RankGroupWorker:
         self.config = config.resolved(
             max_model_len, backend, layer_windows=model_config.layer_windows
         )
+        if self.draft is not None:
+            groups = self.config.cache_config.kv_groups
+            check_draft(
+                self.model_config, self.draft, groups is not None and groups.windows != (None,)
+            )
         self.num_blocks = self._size_kv_cache()
         self.runner: RankGroupRunner | None = None
         self.device_sleep: DeviceSleep | None = None  # the runner's, once it is made
@@ -128,7 +139,14 @@ class RankGroupWorker:
         num_ranks, num_shards = self.mesh.devices.shape
         probe, cache = probe_memory(), config.cache_config
         size = size_kv_cache(
-            cache, runner, self.model_config, spec, config.max_model_len, probe, num_shards
+            cache,
+            runner,
+            self.model_config,
+            spec,
+            config.max_model_len,
+            probe,
+            num_shards,
+            self.draft and self.draft.config,
         )
         num_blocks = size.num_blocks
         is_sized = cache.num_gpu_blocks_override is not None or cache.kv_cache_memory_bytes
@@ -157,7 +175,9 @@ class RankGroupWorker:
                 num_blocks=self.num_blocks,
                 mesh=self.mesh,
                 kv_groups=self.config.cache_config.kv_groups,
+                draft=self.draft,
             )
+            self.draft = None  # the runner holds it
             self.device_sleep = DeviceSleep(self.runner, self.model_config)
         return self.runner
 

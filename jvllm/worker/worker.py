@@ -21,7 +21,6 @@ from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.mesh import describe_placement, engine_mesh
 from jvllm.logger import init_logger
 from jvllm.lora.config import adapter_config
-from jvllm.model_loader import load_model
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import (
@@ -31,12 +30,10 @@ from jvllm.model_loader.loader import (
     resolve_quantization,
 )
 from jvllm.models.model import image_num_embeds, takes_images
-from jvllm.models.registry import EAGLE_HEAD_ARCHITECTURE, mtp_head_architecture
 from jvllm.quantization import build_kernels_early, describe_weights
-from jvllm.spec_decode.config import HEAD_METHODS, MODEL_METHODS, SpeculativeConfig
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.device_sleep import DeviceSleep
-from jvllm.worker.draft_model import DraftModel, check_draft
+from jvllm.worker.draft_model import check_draft, load_draft
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
@@ -67,7 +64,13 @@ class Worker:
         self.model_config, self.params, self.tokenizer = load_engine_model(
             load, self.mesh, parallel.enable_expert_parallel
         )
-        self.draft = self._load_draft(config.speculative_config, load, parallel)
+        self.draft = load_draft(
+            config.speculative_config,
+            load,
+            self.model_config,
+            self.mesh,
+            parallel.enable_expert_parallel,
+        )
         self.load_seconds = time.perf_counter() - self._start
         model_config = self.model_config
         max_model_len = model_config.checked_max_model_len(load.max_model_len)
@@ -115,31 +118,6 @@ class Worker:
             check_draft(self.model_config, self.draft, has_windows)
         self.model_runner: ModelRunner | None = None
         self.device_sleep: DeviceSleep | None = None  # the runner's, once it is made
-
-    def _load_draft(self, spec: SpeculativeConfig | None, load, parallel) -> DraftModel | None:
-        """speculative_config's draft model (method "draft_model"), EAGLE-3 head ("eagle3") or
-        the MTP layer of a checkpoint ("mtp": by default the target's own, read as its draft
-        head's architecture), on the target's mesh in the target's dtype, without a
-        tokenizer: it must share the target's."""
-        if spec is None or spec.method not in MODEL_METHODS:
-            return None
-        path, overrides = spec.model, spec.hf_overrides
-        if spec.method == "mtp":
-            path = load.model if path is None else path
-            head = mtp_head_architecture(self.model_config.architecture)
-            overrides = {**(overrides or {}), "architectures": [head]}
-        elif spec.method == "eagle":  # its checkpoints name themselves LlamaForCausalLM
-            overrides = {**(overrides or {}), "architectures": [EAGLE_HEAD_ARCHITECTURE]}
-        config, params, _ = load_model(
-            path,
-            self.model_config.dtype,
-            mesh=self.mesh,
-            skip_tokenizer_init=True,
-            hf_overrides=overrides,
-            enable_expert_parallel=parallel.enable_expert_parallel,
-            draft_head=spec.method in HEAD_METHODS,
-        )
-        return DraftModel(config, params, spec.method)
 
     @staticmethod
     def _build_kernels_early(config: EngineConfig, backend: str) -> None:

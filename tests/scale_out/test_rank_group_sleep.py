@@ -28,13 +28,14 @@ def mixtral(tmp_path_factory) -> str:
     return str(path)
 
 
-def _group(path: str) -> LLM:
+def _group(path: str, **kwargs) -> LLM:
     return LLM(
         path,
         data_parallel_size=2,
         enable_expert_parallel=True,
         enable_sleep_mode=True,
         **ENGINE_KWARGS,
+        **kwargs,
     )
 
 
@@ -47,14 +48,18 @@ def _is_deleted(tree) -> bool:
     return all(a.is_deleted() for a in jax.tree.leaves(tree))
 
 
-def test_level_1_frees_the_weights_and_every_ranks_kv_and_wakes_as_one_device(mixtral):
+@pytest.mark.parametrize("drafts", [False, True])
+def test_level_1_frees_the_weights_and_every_ranks_kv_and_wakes_as_one_device(mixtral, drafts):
+    """With a draft model too (the target as its own draft), whose params and KV pages go and
+    come back with the target's."""
     expected = _greedy(LLM(mixtral, **ENGINE_KWARGS))
-    llm = _group(mixtral)
+    spec = {"method": "draft_model", "model": mixtral, "num_speculative_tokens": 2}
+    llm = _group(mixtral, speculative_config=spec) if drafts else _group(mixtral)
     group = llm.llm_engine.group.group_runner()
     assert _greedy(llm) == expected
     num_compilations = group.num_compilations
-    params, kv_cache, token_cache = group.params, group.kv_cache, group.token_cache
-    assert len(jax.tree.leaves(kv_cache)[0].sharding.device_set) == 2  # both ranks' pages
+    params, kv_cache, token_cache = group._step_params(), group.kv_cache, group.token_cache
+    assert len(jax.tree.leaves(kv_cache)[-1].sharding.device_set) == 2  # both ranks' pages
 
     llm.sleep(level=1)
     assert llm.is_sleeping()
@@ -67,6 +72,8 @@ def test_level_1_frees_the_weights_and_every_ranks_kv_and_wakes_as_one_device(mi
     assert not llm.is_sleeping()
     assert _greedy(llm) == expected
     assert group.num_compilations == num_compilations
+    if drafts:
+        assert all(e.spec_decoding_stats.num_accepted_tokens for e in llm.llm_engine.replicas)
 
 
 def test_level_2_discards_the_weights_until_load_weights_brings_them(mixtral, monkeypatch):
