@@ -33,7 +33,7 @@ def test_windows_of_speculative_rounds_compile_only_for_buckets_a_window_can_tak
     )
     windows = {shape for shape in compiler.all_shapes() if shape[1] == "spec_window"}
     taken = {
-        (compiler._window_shape(n)[0], "spec_window", SamplerPlan.DYNAMIC)
+        (*spec.window_shape(n, k), SamplerPlan.DYNAMIC)
         for n in range(1, spec.max_num_seqs + 1)
         if n * (k + 1) <= budget
     }
@@ -54,4 +54,4 @@ def test_a_step_queues_only_decode_shapes_the_runner_compiles_up_front():
     for num_seqs in range(1, spec.max_num_seqs + 1):
         compiler.queue_decode_shapes(num_seqs)
     assert set(queued) <= set(compiler.all_shapes())
-    assert (compiler._window_shape(16)[0], "spec_window", SamplerPlan.DYNAMIC) in queued
+    assert (*spec.window_shape(16, k), SamplerPlan.DYNAMIC) in queued

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from jvllm.core.decode_window import window_capacity
+
 _MIN_TOKENS = 16
 # With speculative decoding, mixed buckets from 2 tokens: a few requests' last tokens and
 # drafts (k + 1 tokens each) then run in as few rows as a decode step, which on CPU costs about
@@ -88,3 +90,31 @@ class BucketSpec:
             size = next(s for s in self.seq_sizes() if s >= num_seqs)
             return Bucket(size, size, 1)
         return self._mixed(next(t for t in self.token_sizes() if t >= num_tokens))
+
+    def window_shape(self, num_seqs: int, num_drafts: int) -> tuple[Bucket, str]:
+        """(bucket, kind) of a decode window of `num_seqs` sequences: a decode bucket's
+        "window", or with speculation (k = `num_drafts`) a "spec_window" of the decode
+        bucket's rows with k + 1 tokens each (worker/spec_window.py)."""
+        bucket = self.select(num_seqs, num_seqs)
+        if not num_drafts:
+            return bucket, "window"
+        return Bucket(bucket.num_seqs * (num_drafts + 1), bucket.num_seqs, 1), "spec_window"
+
+    def window_shapes(self, num_drafts: int) -> list[tuple[Bucket, str]]:
+        """The window shapes a scheduler can run, by decode bucket (ascending): a window of
+        n requests takes n (k + 1) tokens, at most max_num_batched_tokens
+        (core/decode_window.py), so a bucket whose fewest requests (one more than the bucket
+        below holds) take more never runs one (with speculation; without, every decode
+        bucket fits the budget)."""
+        sizes = self.seq_sizes()
+        fewest = [1] + [n + 1 for n in sizes[:-1]]
+        return [
+            self.window_shape(n, num_drafts)
+            for n, least in zip(sizes, fewest, strict=True)
+            if self.runs_window(least, num_drafts)
+        ]
+
+    def runs_window(self, num_seqs: int, num_drafts: int) -> bool:
+        """Whether the scheduler runs a window of `num_seqs` requests (their rounds'
+        n (k + 1) tokens fit max_num_batched_tokens)."""
+        return num_seqs <= window_capacity(self.max_num_batched_tokens, num_drafts)

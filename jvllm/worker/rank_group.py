@@ -52,6 +52,7 @@ from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_s
 from jvllm.worker.proposal_runner import DraftProposals
 from jvllm.worker.rank_group_step import GroupExecutables
 from jvllm.worker.runner_output import ModelRunnerOutput, as_window, fetch_output
+from jvllm.worker.spec_window import cut_short, fetch_spec_window, first_round
 from jvllm.worker.step_compiler import abstract_state
 from jvllm.worker.step_hand_over import StepHandOver
 from jvllm.worker.step_inputs import (
@@ -165,7 +166,7 @@ class RankGroupRunner:
     def compile_all(self) -> float:
         """Compile every bucket's executables up front -> the seconds it took."""
         start = time.perf_counter()
-        self.executables.compile_all(self.buckets.all_buckets())
+        self.executables.compile_all(self.buckets)
         return time.perf_counter() - start
 
     def rank_runner(self, rank: int) -> RankRunner:
@@ -185,20 +186,31 @@ class RankGroupRunner:
             sizes = [size for sizes in gather_objects(sizes) for size in sizes]
             if not sizes:
                 return {}  # no rank of any process has a step
-        bucket = self._bucket([size[:2] for size in sizes])
-        # A decode window where every rank with a step scheduled one; else a step, of which a
-        # window's requests take one token each (the rest of their window's blocks stay theirs).
-        kind = "window" if all(is_window for *_, is_window in sizes) else "step"
+        # A decode window (of speculative rounds, with drafts) where every rank with a step
+        # scheduled one; else a step, of which a window's requests take one token each, or
+        # verify the drafts of their first round (the rest of their window's blocks stay
+        # theirs).
+        kind = "step"
+        if all(is_window for *_, is_window in sizes):
+            kind = self.executables.window_kind
+        if kind == "spec_window":  # a decode bucket's rows, k + 1 tokens each
+            k = self.layout.num_speculative_tokens
+            bucket = self.buckets.window_shape(max(size[1] for size in sizes), k)[0]
+        else:
+            bucket = self._bucket([size[:2] for size in sizes])
         ranks, windows, drafts = [], [], {}
         for r in self.local_ranks:
             if r not in steps:  # padding, its window's limits 0
                 ranks.append(self.layout.inputs([], [], [], bucket))
-                if kind == "window":
+                if kind != "step":
                     windows.append(prepare_window_inputs([], [], bucket.num_seqs))
                 continue
             step = steps[r]
             requests = _requests(step)
             drafts[r] = scheduled_drafts(step.scheduler_output)
+            draft_lists = drafts[r]
+            if kind == "spec_window":
+                draft_lists, counts[r] = first_round(drafts[r], len(requests), k)
             masks = split_bitmask(step.token_bitmask, len(requests))
             ranks.append(
                 self.layout.inputs(
@@ -208,45 +220,36 @@ class RankGroupRunner:
                     bucket,
                     bias_slots=self.bias_rows[r].slots_for(requests),
                     token_bitmask=masks[0],
-                    draft_token_ids=drafts[r],
+                    draft_token_ids=draft_lists,
                     draft_bitmask=masks[1],
                     window_block_ids=window_block_ids(step.scheduler_output),
                 )
             )
-            if kind == "window":
+            if kind != "step":
                 limits = step.scheduler_output.window_limits
                 limits = [limits[q.request_id] for q in requests]
                 windows.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
         stack = lambda inputs: jax.tree.map(lambda *a: np.stack(a), *inputs)  # [local ranks, ...]
         local = stack(ranks)
         args = [self._global(local)]
-        if kind == "window":
+        if kind != "step":
             args.append(self._global(stack(windows)))
         out, self.kv_cache, self.token_cache = self.executables(bucket, kind)(
             self._step_params(), self.kv_cache, self.token_cache, self._joint_bias_rows(), *args
         )
         self.num_group_steps += 1
-        self.num_windows += kind == "window"
+        self.num_windows += kind != "step"
         out = jax.tree.map(self._local_rows, out)  # [local ranks, ...] each, on the host
         results = {}
         for r, step in steps.items():
             i = self.local_ranks.index(r)
             rank_out = jax.tree.map(lambda a, i=i: a[i], out)
-            num_reqs = len(counts[r])
             sampling = jax.tree.map(lambda a, i=i: a[i], local.sampling)
-            results[r] = fetch_output(
-                rank_out,
-                list(range(num_reqs)),
-                kind == "window",
-                bool(sampling.any_logprobs),
-                kind == "step" and bool(sampling.any_prompt_logprobs),
-            )
+            results[r] = _rank_result(kind, rank_out, step, sampling, drafts[r])
             if self.draft is not None:
                 self.proposals[r].keep_drafts(rank_out.draft_tokens, _requests(step))
-            if drafts[r]:  # each request's run, a list
-                results[r] = with_accepted_runs(results[r], rank_out, drafts[r])
-            elif kind == "step" and step.scheduler_output.num_steps > 1:
-                results[r] = as_window(results[r])
+                if kind == "spec_window":  # the drafts past a run cut short go
+                    self.proposals[r].drop_drafts(cut_short(results[r], _requests(step)))
             self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
         return results
 
@@ -286,6 +289,31 @@ class RankGroupRunner:
 
 def _requests(step: _Step) -> list:
     return step.scheduler_output.scheduled_requests
+
+
+def _rank_result(
+    kind: str, out, step: _Step, sampling, drafts: list[list[int]] | None
+) -> ModelRunnerOutput:
+    """One rank's result of the group's `kind` executable, `out` its rows on the host, as its
+    own runner would give it (scheduled_step.read_results): a window of speculative rounds'
+    tokens and each round's drafts; a decode window's tokens as a list each; a step's with
+    `drafts` each request's accepted run as a list, a window's requests run as a step their
+    one token as a list (`as_window`)."""
+    num_reqs = len(_requests(step))
+    if kind == "spec_window":
+        return fetch_spec_window(out, num_reqs, bool(sampling.any_logprobs))
+    result = fetch_output(
+        out,
+        list(range(num_reqs)),
+        kind == "window",
+        bool(sampling.any_logprobs),
+        kind == "step" and bool(sampling.any_prompt_logprobs),
+    )
+    if drafts:  # each request's run, a list
+        return with_accepted_runs(result, out, drafts)
+    if kind == "step" and step.scheduler_output.num_steps > 1:
+        return as_window(result)
+    return result
 
 
 class _NoCompiler:

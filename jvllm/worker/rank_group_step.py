@@ -30,7 +30,7 @@ from jvllm.distributed.sharded_model import ShardedModel
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs
 from jvllm.models.model import compute_logits, forward, forward_counting_experts, num_moe_layers
 from jvllm.spec_decode.config import HEAD_METHODS
-from jvllm.worker.buckets import Bucket
+from jvllm.worker.buckets import Bucket, BucketSpec
 from jvllm.worker.decode_loop import prepare_window_inputs, window_steps_per_check
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.eagle import draft_head
@@ -106,7 +106,11 @@ class GroupExecutables:
         )
         counts_shape = (num_moe_layers(config), config.num_experts)
         kinds = StepKinds(runner_config, window_steps_per_check(), counts_shape)
-        self.kinds = ("step", "window") if runner_config.num_scheduler_steps > 1 else ("step",)
+        # A decode window's kind: with drafts, a window of speculative rounds.
+        self.num_drafts = num_drafts = runner_config.num_speculative_tokens
+        self.window_kind = "spec_window" if num_drafts else "window"
+        is_windowed = runner_config.num_scheduler_steps > 1
+        self.kinds = ("step", self.window_kind) if is_windowed else ("step",)
         specs = params_in_specs(param_specs(config), params)
         kv_spec = KV_CACHE_SPEC
         if draft is not None:
@@ -154,19 +158,21 @@ class GroupExecutables:
             self._executables[bucket, kind] = exe
         return exe
 
-    def compile_all(self, buckets: list[Bucket]) -> None:
-        """Every bucket's step, and every decode bucket's window where windows run."""
-        for bucket in buckets:
-            for kind in self.kinds:
-                if kind == "step" or bucket.is_decode:
-                    self(bucket, kind)
+    def compile_all(self, buckets: BucketSpec) -> None:
+        """Every bucket's step, and where windows run every window shape that the ranks'
+        schedulers can run."""
+        for bucket in buckets.all_buckets():
+            self(bucket, "step")
+        if len(self.kinds) > 1:
+            for bucket, kind in buckets.window_shapes(self.num_drafts):
+                self(bucket, kind)
 
     def _abstract_args(self, bucket: Bucket, kind: str):
         """An executable's arguments as ShapeDtypeStructs: the arrays' own, and every rank's
         step (and window) of `bucket` [D, ...] cut over "data"."""
         ranks = NamedSharding(self.mesh, RANKS_SPEC)
         padding = [self.layout.inputs([], [], [], bucket)]
-        if kind == "window":
+        if kind != "step":
             padding.append(prepare_window_inputs([], [], bucket.num_seqs))
         stacked = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(

@@ -51,17 +51,14 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
     step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, or at
-    tensor_parallel_size 1 a draft head; no windows of speculative rounds), no steps run
-    ahead, adapters or pooling, and sleep mode runs in one process."""
+    tensor_parallel_size 1 a draft head), alone or in a window of rounds; no steps run ahead,
+    adapters or pooling, and sleep mode runs in one process."""
     runner, spec = config.runner_config, config.speculative_config
     num_shards = config.parallel_config.tensor_parallel_size
     refused = {
         f"speculative_config method {spec and spec.method!r} at tensor_parallel_size "
         f"{num_shards} (a draft head runs at 1)": (
             spec is not None and spec.method in HEAD_METHODS and num_shards > 1
-        ),
-        "num_scheduler_steps > 1 with speculative_config": (
-            runner.num_scheduler_steps > 1 and spec is not None
         ),
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,

@@ -195,6 +195,7 @@ def run_spec_window(
     rounds_per_check: int = 1,
     expert_counts_shape: tuple[int, int] | None = None,
     prompt_lookup: tuple[int, int] | None = None,
+    any_active=jnp.any,
 ) -> tuple[SpecWindowOutput, object, jax.Array]:
     """Up to `num_rounds` rounds of k = `num_drafts` drafts in one call, until every row has
     stopped -> (SpecWindowOutput, kv_cache, token_cache). `inputs`: the first round, each row's
@@ -203,7 +204,8 @@ def run_spec_window(
     window checks (decode_loop.run_window: on a GPU each check waits for the host); the rounds
     of a run past `num_rounds` keep every row stopped. `prompt_lookup`: n-gram drafts'
     (min_n, max_n), looked up on the device after each round (`ngram_drafts`); None: the
-    step's draft model or head proposes them."""
+    step's draft model or head proposes them. `any_active` as decode_loop.run_window takes it
+    (a group of ranks goes on while any rank's row is active)."""
     num_seqs, width = window.limits.shape[0], num_drafts + 1
     block_size, k = token_cache.shape[1], max(max_logprobs, 1)
     zeros = jnp.zeros((num_rounds, num_seqs), jnp.int32)
@@ -272,7 +274,7 @@ def run_spec_window(
 
     def keep_going(state):
         r, carry, _ = state
-        return (r < num_rounds) & jnp.any(carry.active)
+        return (r < num_rounds) & any_active(carry.active)
 
     def rounds(state):
         if rounds_per_check == 1:

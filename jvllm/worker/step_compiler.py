@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm.core.decode_window import window_capacity
 from jvllm.layers.image_embeds import ImageEmbeds
 from jvllm.sample.plan import SamplerPlan, choose_plan
 from jvllm.worker.buckets import Bucket, BucketSpec
@@ -129,12 +128,11 @@ class StepCompiler:
         buckets = self.buckets.all_buckets()
         if self.pooling_type is not None:
             return [(b, "pool", SamplerPlan.DYNAMIC) for b in buckets]
-        decode = [b for b in buckets if b.is_decode]
         shapes = [(b, "step") for b in buckets]
         if self.num_scheduler_steps > 1:
-            shapes += [self._window_shape(b.num_seqs) for b in self._window_buckets(decode)]
+            shapes += self.buckets.window_shapes(self.layout.num_speculative_tokens)
         if self.async_scheduling:
-            shapes += [(b, "ahead") for b in decode]
+            shapes += [(b, "ahead") for b in buckets if b.is_decode]
         return [(b, kind, SamplerPlan.DYNAMIC) for b, kind in shapes]
 
     def compile(self, shape: Shape) -> jax.stages.Compiled:
@@ -231,7 +229,7 @@ class StepCompiler:
         background); when none does, the exact one, whose compile the step waits for.
         -> (bucket, whether it is only lent to the step)."""
         if kind == "spec_window":  # its buckets are a decode bucket's rows, k + 1 tokens each
-            return self._window_shape(num_seqs)[0], False
+            return self.buckets.window_shape(num_seqs, self.layout.num_speculative_tokens)[0], False
         exact = self.buckets.select(num_tokens, num_seqs)
         if self.is_ready(exact, kind):
             return exact, False
@@ -248,37 +246,14 @@ class StepCompiler:
         runs one of `num_seqs` (all_shapes lists no other)."""
         bucket = self.buckets.select(num_seqs, num_seqs)
         shapes = [(bucket, "step")]
-        if self.num_scheduler_steps > 1 and self._runs_window(num_seqs):
-            shapes.append(self._window_shape(num_seqs))
+        k = self.layout.num_speculative_tokens
+        if self.num_scheduler_steps > 1 and self.buckets.runs_window(num_seqs, k):
+            shapes.append(self.buckets.window_shape(num_seqs, k))
         if self.async_scheduling:
             shapes.append((bucket, "ahead"))
         self.executables.compile_in_background(
             [(bucket, kind, SamplerPlan.DYNAMIC) for bucket, kind in shapes]
         )
-
-    def _window_buckets(self, decode: list[Bucket]) -> list[Bucket]:
-        """The decode buckets (ascending) a window can run in: a window of n requests takes
-        n (k + 1) tokens, at most max_num_batched_tokens (core/decode_window.py), so a bucket
-        whose fewest requests (one more than the bucket below holds) take more never runs one
-        (with speculation; without, every decode bucket fits the budget)."""
-        fewest = [1] + [b.num_seqs + 1 for b in decode[:-1]]
-        return [b for b, n in zip(decode, fewest, strict=True) if self._runs_window(n)]
-
-    def _runs_window(self, num_seqs: int) -> bool:
-        """Whether the scheduler runs a window of `num_seqs` requests (their rounds' n (k + 1)
-        tokens fit max_num_batched_tokens)."""
-        budget, k = self.buckets.max_num_batched_tokens, self.layout.num_speculative_tokens
-        return num_seqs <= window_capacity(budget, k)
-
-    def _window_shape(self, num_seqs: int) -> tuple[Bucket, str]:
-        """(bucket, kind) of a decode window of `num_seqs` sequences: a decode bucket's
-        "window", or with speculation (k drafts) a "spec_window" of the decode bucket's rows
-        with k + 1 tokens each (worker/spec_window.py)."""
-        bucket = self.buckets.select(num_seqs, num_seqs)
-        k = self.layout.num_speculative_tokens
-        if not k:
-            return bucket, "window"
-        return Bucket(bucket.num_seqs * (k + 1), bucket.num_seqs, 1), "spec_window"
 
 
 def describe_shape(bucket: Bucket, kind: str, plan: SamplerPlan, num_steps: int) -> str:

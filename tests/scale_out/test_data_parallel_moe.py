@@ -368,9 +368,13 @@ def test_each_rank_samples_and_scores_its_own_requests_as_one_device(model_dir):
                     )
 
 
-def _speculating_ranks_give_one_devices_tokens(path: str, spec: dict, t: int = 1) -> None:
-    """Greedy and seeded requests over two ranks that speculate as `spec` says give the
-    tokens of one device without speculation, and both ranks accept drafts."""
+def _speculating_ranks_give_one_devices_tokens(
+    path: str, spec: dict, t: int = 1, num_scheduler_steps: int = 1
+) -> None:
+    """Greedy and seeded requests over two ranks that speculate as `spec` says (in windows of
+    rounds with `num_scheduler_steps` > 1: every rank's rounds in one call, going on while
+    any rank's row does) give the tokens of one device without speculation, and both ranks
+    accept drafts."""
     prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20))
     params = [
         SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
@@ -390,42 +394,55 @@ def _speculating_ranks_give_one_devices_tokens(path: str, spec: dict, t: int = 1
         tensor_parallel_size=t,
         enable_expert_parallel=True,
         speculative_config=spec,
+        num_scheduler_steps=num_scheduler_steps,
         **ENGINE_KWARGS,
     )
     assert run(llm) == expected
     stats = [engine.spec_decoding_stats for engine in llm.llm_engine.replicas]
     assert all(s.num_accepted_tokens > 0 for s in stats)  # both ranks' drafts verified
+    group = llm.llm_engine.group.group_runner()
+    if num_scheduler_steps > 1:  # windows ran, and steps where a rank prefilled
+        assert 0 < group.num_windows < group.num_group_steps
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_ranks_verify_ngram_drafts_and_give_the_tokens_of_no_speculation(model_dir, t):
+@pytest.mark.parametrize(("t", "num_scheduler_steps"), [(1, 1), (2, 1), (1, 4)])
+def test_ranks_verify_ngram_drafts_and_give_the_tokens_of_no_speculation(
+    model_dir, t, num_scheduler_steps
+):
     """speculative_config's n-gram drafts in the group: each rank's scheduler looks drafts up
     for its own requests and the group's one step verifies them all (a Mixtral whose
     attention is scaled down, so that its continuations loop while the context still steers
     them)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     spec["prompt_lookup_min"] = 1
-    _speculating_ranks_give_one_devices_tokens(model_dir("looping_mixtral"), spec, t)
+    _speculating_ranks_give_one_devices_tokens(
+        model_dir("looping_mixtral"), spec, t, num_scheduler_steps
+    )
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_ranks_draft_with_a_draft_model_and_give_the_tokens_of_no_speculation(model_dir, t):
+@pytest.mark.parametrize(("t", "num_scheduler_steps"), [(1, 1), (2, 1), (1, 4)])
+def test_ranks_draft_with_a_draft_model_and_give_the_tokens_of_no_speculation(
+    model_dir, t, num_scheduler_steps
+):
     """speculative_config's draft model in the group: every rank's step runs the draft (a
     Mixtral, its experts across the ranks as the target's, cut over T with its layers) over
     its rows and its own draft pages, and proposes k drafts a sequence that its scheduler
     hands back next step (the target as its own draft)."""
     path = model_dir("looping_mixtral")
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    _speculating_ranks_give_one_devices_tokens(path, spec, t)
+    _speculating_ranks_give_one_devices_tokens(path, spec, t, num_scheduler_steps)
 
 
-def test_ranks_draft_with_the_mtp_layer_and_give_the_tokens_of_no_speculation(tmp_path):
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_ranks_draft_with_the_mtp_layer_and_give_the_tokens_of_no_speculation(
+    tmp_path, num_scheduler_steps
+):
     """DeepSeek-V3's MTP layer as the group's draft head (the deployment of data-parallel
     attention with the experts over every device): its MoE layer's experts placed over the
     ranks as the target's, exchanging tokens in each of its draft steps."""
     save_v3_with_mtp(str(tmp_path))
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    _speculating_ranks_give_one_devices_tokens(str(tmp_path), spec)
+    _speculating_ranks_give_one_devices_tokens(str(tmp_path), spec, 1, num_scheduler_steps)
 
 
 def test_a_draft_head_past_one_device_a_rank_is_refused(model_dir):
@@ -484,15 +501,25 @@ def test_ranks_run_decode_windows_as_one_and_decode_as_one_device(model_dir, t):
     assert group.num_windows > 0 and group.num_windows < group.num_group_steps
 
 
-def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(model_dir, monkeypatch):
-    """Requests arriving on one rank while the other decodes in windows: that step runs every
-    rank's as one step (a window's requests take one token each, in a window's form), and
-    every request gives one device's greedy tokens."""
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(
+    model_dir, monkeypatch, drafts
+):
+    """Requests arriving on one rank while the other decodes in windows (of speculative
+    rounds, with a draft model: the target as its own): that step runs every rank's as one
+    step (a window's requests take one token each, or verify their first round's drafts, in
+    a window's form), and every request gives one device's greedy tokens."""
     from jvllm.worker import rank_group
 
-    cut, as_window = [], rank_group.as_window
-    monkeypatch.setattr(rank_group, "as_window", lambda out: cut.append(1) or as_window(out))
+    cut, rank_result = [], rank_group._rank_result
+
+    def recording(kind, out, step, *args):
+        cut.append(kind == "step" and step.scheduler_output.num_steps > 1)
+        return rank_result(kind, out, step, *args)
+
+    monkeypatch.setattr(rank_group, "_rank_result", recording)
     path = model_dir("mixtral")
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
     prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20, 4, 11))
     one = LLM(path, **ENGINE_KWARGS)
     expected = [o.outputs[0].token_ids for o in one.generate(
@@ -502,6 +529,7 @@ def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(model_dir, 
         data_parallel_size=2,
         enable_expert_parallel=True,
         num_scheduler_steps=4,
+        speculative_config=spec if drafts else None,
         **ENGINE_KWARGS,
     )
     engine, tokens = llm.llm_engine, {}
@@ -516,7 +544,10 @@ def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(model_dir, 
         if not engine.has_unfinished_requests() and len(tokens) == len(prompts):
             break
     assert [tokens[str(i)] for i in range(len(prompts))] == expected
-    assert cut  # some step ran a rank's window as one step
+    assert any(cut)  # some step ran a rank's window as one step
+    if drafts:
+        stats = [engine.spec_decoding_stats for engine in llm.llm_engine.replicas]
+        assert all(s.num_accepted_tokens > 0 for s in stats)
 
 
 def test_a_rank_waiting_on_a_grammar_holds_no_other_ranks_step(tmp_path, monkeypatch):
