@@ -43,6 +43,9 @@ if mode == "data-parallel":
         "ranks": ranks,
         "generate": [o.outputs[0].token_ids for o in again],
         "group_steps": group and group.num_group_steps,
+        "windows": group and group.num_windows,
+        # Rank 0's accepted drafts (process 0's engine), None without speculation.
+        "accepted": getattr(engine.replicas[0].spec_decoding_stats, "num_accepted_tokens", None),
     }
     print("RESULT", json.dumps(result), flush=True)
     sys.exit(0)

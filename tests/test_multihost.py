@@ -131,6 +131,7 @@ def test_initializing_twice_is_refused(processes):
         (True, {"tensor_parallel_size": 2}),
         (True, {"tensor_parallel_size": 2, "all2all_backend": "ragged_all_to_all"}),
         (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4}),
+        (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4, "draft": True}),
     ],
     ids=[
         "dense",
@@ -138,6 +139,7 @@ def test_initializing_twice_is_refused(processes):
         "moe, T=2, experts over all 4",
         "moe, T=2, tokens by all-to-all",
         "moe, decode windows",
+        "moe, windows of speculative rounds, a draft model",
     ],
 )
 def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
@@ -149,9 +151,16 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
     spread over both processes' devices, every step of the two ranks one SPMD call whose MoE
     layers exchange their tokens (gathered, "auto" on CPUs, or by all-to-all across the
     processes), rank 1 stepping padding once its one request is done; with decode windows
-    the processes agree on a window only where both ranks scheduled one."""
+    the processes agree on a window only where both ranks scheduled one, and with a draft
+    model (the target as its own) each rank's step drafts for its own requests."""
     path = moe_dir if moe else model_dir
     options = {**options, "enable_expert_parallel": True} if moe else {}
+    if options.pop("draft", False):
+        options["speculative_config"] = {
+            "method": "draft_model",
+            "model": path,
+            "num_speculative_tokens": 2,
+        }
     port, prompts = _free_port(), json.dumps(PROMPTS)
     worker = _start(1, port, path, "data-parallel", prompts, json.dumps(options))
     leader = _start(0, port, path, "data-parallel", prompts, json.dumps(options))
@@ -162,6 +171,8 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
     assert result["ranks"] == [0, 1, 0]
     if moe:  # every step one call of the group
         assert result["group_steps"] > 0
+        assert (result["windows"] > 0) == ("num_scheduler_steps" in options)
+        assert bool(result["accepted"]) == ("speculative_config" in options)
     else:
         assert result["group_steps"] is None
     assert leader.wait(timeout=60) == 0
