@@ -20,6 +20,12 @@ def sum_over_shards(x: jax.Array, num_shards: int) -> jax.Array:
     return x if num_shards == 1 else jax.lax.psum(x, TP_AXIS)
 
 
+def gather_over_shards(x: jax.Array, num_shards: int, axis: int) -> jax.Array:
+    """Each device's slice of x along `axis` (its share of a vocabulary-cut LM head's logits)
+    -> the whole on every device, slices in device order (x itself when num_shards is 1)."""
+    return x if num_shards == 1 else jax.lax.all_gather(x, TP_AXIS, axis=axis, tiled=True)
+
+
 def first_local_expert(
     num_local_experts: int, num_expert_shards: int, num_data_ranks: int = 1
 ) -> jax.Array | None:

@@ -32,6 +32,7 @@ from jvllm.config import ModelConfig
 from jvllm.layers.attention import AttentionFn
 from jvllm.layers.linear import Linear
 from jvllm.layers.norm import RMSNorm
+from jvllm.layers.parallel import gather_over_shards
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
 from jvllm.models.deepseek import (
@@ -115,8 +116,10 @@ class DeepseekMTPHead(nnx.Module):
         return self.shared_norm(x), x, kv_cache
 
     def draft_logits(self, normed: jax.Array, vocab_size: int) -> jax.Array:
-        """normed f32[S, D] -> f32[S, V] logits over the target's `vocab_size` ids."""
-        return self.shared_head(normed)[:, :vocab_size].astype(jnp.float32)
+        """normed f32[S, D] -> f32[S, V] logits over the target's `vocab_size` ids (on one
+        device of several inside a shard_map, its share of them gathered)."""
+        logits = gather_over_shards(self.shared_head(normed), self.config.num_shards, axis=1)
+        return logits[:, :vocab_size].astype(jnp.float32)
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:

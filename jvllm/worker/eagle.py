@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.config import ModelConfig
+from jvllm.layers.parallel import gather_over_shards
 from jvllm.models.model import compute_logits, module_method, token_embeddings
 from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
@@ -64,16 +65,29 @@ class DraftHead:
     num_drafts: int  # k, the drafts a sequence gets each step
 
 
-def draft_head(head: ModelConfig, target: ModelConfig, attn, num_drafts: int) -> DraftHead:
+def draft_head(
+    head: ModelConfig,
+    target: ModelConfig,
+    attn,
+    num_drafts: int,
+    vocab_size: int | None = None,
+) -> DraftHead:
+    """`head` drafting for `target` (both one device's shard inside a group's shard_map,
+    distributed/data_parallel_moe.rank_config: then `vocab_size` is the target's whole
+    vocabulary, which the head's logits are gathered to)."""
+    vocab_size = vocab_size or target.vocab_size
+
     def call(method: str, *last):
         return lambda params, *args: module_method(params, method, *args, *last, config=head)
 
     family = model_class(head.architecture)
     if getattr(family, "uses_target_lm_head", False):  # EAGLE-1: the target's LM head reads it
         logits = functools.partial(compute_logits, config=target)
-        draft_logits = lambda params, rows: logits(params[0], rows)[:, : target.vocab_size]
+        draft_logits = lambda params, rows: gather_over_shards(
+            logits(params[0], rows), target.num_shards, axis=1
+        )[:, :vocab_size]
     else:
-        own = call("draft_logits", target.vocab_size)
+        own = call("draft_logits", vocab_size)
         draft_logits = lambda params, rows: own(params[1], rows)
     return DraftHead(
         family.target_layer_ids(head, target),

@@ -63,12 +63,10 @@ def _draft_options(
         return {}
     config, backend = draft.config, runner_config.attention_backend
     local = rank_config(config, mesh)
-    if draft.method in HEAD_METHODS:  # at T = 1 (check_rank_group)
+    if draft.method in HEAD_METHODS:  # an EAGLE-3 head at T = 1 (check_rank_group)
         attn = get_attention(backend, sm_scale=config.sm_scale)
-        head = draft_head(
-            local, rank_config(target, mesh), attn, runner_config.num_speculative_tokens
-        )
-        return {"draft_head": head}
+        k, vocab = runner_config.num_speculative_tokens, target.vocab_size
+        return {"draft_head": draft_head(local, rank_config(target, mesh), attn, k, vocab)}
     attn = get_attention(backend, sm_scale=config.sm_scale, logit_softcap=config.attn_logit_softcap)
     return {"draft_model": _rank_model(local, attn, config.vocab_size)}
 

@@ -23,7 +23,6 @@ from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import expected_dtype, load_engine_model
 from jvllm.models.model import takes_images
 from jvllm.quantization import describe_weights
-from jvllm.spec_decode.config import HEAD_METHODS
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.device_sleep import DeviceSleep
 from jvllm.worker.draft_model import check_draft, load_draft
@@ -50,15 +49,15 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, or at
-    tensor_parallel_size 1 a draft head), alone or in a window of rounds; no steps run ahead,
-    adapters or pooling, and sleep mode runs in one process."""
+    step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP
+    or EAGLE head, at tensor_parallel_size 1 an EAGLE-3 head), alone or in a window of
+    rounds; no steps run ahead, adapters or pooling, and sleep mode runs in one process."""
     runner, spec = config.runner_config, config.speculative_config
     num_shards = config.parallel_config.tensor_parallel_size
     refused = {
-        f"speculative_config method {spec and spec.method!r} at tensor_parallel_size "
-        f"{num_shards} (a draft head runs at 1)": (
-            spec is not None and spec.method in HEAD_METHODS and num_shards > 1
+        f"speculative_config method 'eagle3' at tensor_parallel_size {num_shards} (its "
+        "draft vocabulary runs at 1)": (
+            spec is not None and spec.method == "eagle3" and num_shards > 1
         ),
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,

@@ -433,23 +433,24 @@ def test_ranks_draft_with_a_draft_model_and_give_the_tokens_of_no_speculation(
     _speculating_ranks_give_one_devices_tokens(path, spec, t, num_scheduler_steps)
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+@pytest.mark.parametrize(("t", "num_scheduler_steps"), [(1, 1), (2, 1), (1, 4)])
 def test_ranks_draft_with_the_mtp_layer_and_give_the_tokens_of_no_speculation(
-    tmp_path, num_scheduler_steps
+    tmp_path, t, num_scheduler_steps
 ):
     """DeepSeek-V3's MTP layer as the group's draft head (the deployment of data-parallel
     attention with the experts over every device): its MoE layer's experts placed over the
-    ranks as the target's, exchanging tokens in each of its draft steps."""
+    ranks as the target's, exchanging tokens in each of its draft steps; at T = 2 its heads
+    cut over the rank's devices and its LM head's logits gathered."""
     save_v3_with_mtp(str(tmp_path))
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    _speculating_ranks_give_one_devices_tokens(str(tmp_path), spec, 1, num_scheduler_steps)
+    _speculating_ranks_give_one_devices_tokens(str(tmp_path), spec, t, num_scheduler_steps)
 
 
-def test_a_draft_head_past_one_device_a_rank_is_refused(model_dir):
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"method 'mtp' at tensor_parallel_size 2"):
+def test_an_eagle3_head_past_one_device_a_rank_is_refused(model_dir):
+    spec = {"method": "eagle3", "model": model_dir("mixtral"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"method 'eagle3' at tensor_parallel_size 2"):
         LLM(
-            model_dir("deepseek_v3"),
+            model_dir("mixtral"),
             data_parallel_size=2,
             tensor_parallel_size=2,
             enable_expert_parallel=True,
