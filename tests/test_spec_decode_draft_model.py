@@ -76,6 +76,19 @@ def test_the_target_as_its_own_draft_gives_the_same_tokens_and_is_accepted(
     assert _tokens(llm, prompts[:4], sampled) == _tokens(plain_llm, prompts[:4], sampled)
     rate = (stats.num_accepted_tokens - accepted) / (stats.num_draft_tokens - drafts)
     assert rate > 0.95, rate
+    # Its penalties too, over the history and the drafts before each (0.53 without them).
+    drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    penalized = [
+        SamplingParams(temperature=0.8, seed=4, max_tokens=24, ignore_eos=True, **penalties)
+        for penalties in (
+            {"repetition_penalty": 1.8},
+            {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+            {"repetition_penalty": 1.3, "frequency_penalty": 0.7},
+        )
+    ]
+    assert _tokens(llm, prompts[:3], penalized) == _tokens(plain_llm, prompts[:3], penalized)
+    rate = (stats.num_accepted_tokens - accepted) / (stats.num_draft_tokens - drafts)
+    assert rate > 0.95, rate
     assert _tokens(llm, prompts, params) == _tokens(plain_llm, prompts, params)
 
 

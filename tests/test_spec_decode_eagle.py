@@ -325,7 +325,7 @@ def test_the_draft_loops_stop_a_row_at_its_tables_end():
 
     model = SimpleNamespace(forward=forward, logits=lambda params, hidden: jnp.zeros((1, 16)))
     active = step_inputs.attn.seq_lens > 0
-    choose = functools.partial(choose_drafts, plan=SamplerPlan.GREEDY, bias_rows=None)
+    choose = functools.partial(choose_drafts, plan=SamplerPlan.GREEDY, bias_rows=None, history=None)
     _, kv = propose(
         None, jnp.zeros(8 * block_size), step_inputs, active, jnp.asarray([1]),
         model=model, num_steps=4, block_size=block_size, choose=choose,

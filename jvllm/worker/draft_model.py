@@ -17,6 +17,7 @@ Given the request's seed a draft is deterministic, so the verification
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -33,6 +34,7 @@ from jvllm.spec_decode.config import HEAD_METHODS, MODEL_METHODS, SpeculativeCon
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import (
     decode_after,
+    draft_history,
     first_draft_index,
     in_table,
     last_kept_and_next_tokens,
@@ -134,9 +136,9 @@ def propose(
     """k = `num_steps` draft decode steps from `inputs` (draft_positions.decode_after's: each
     sequence's token after its last kept position, at p) for the rows `active` bool[S],
     writing the draft's KV at p..p+k-1 -> (drafts i32[S, k], kv_cache). Draft i of a row stands
-    for output index `first_index` i32[S] + i: `choose(logits, sampling, output_index)` picks
-    it (draft_positions.choose_drafts, its step's plan and bias rows bound). The other rows
-    write the null page, and their drafts are meaningless."""
+    for output index `first_index` i32[S] + i: `choose(logits, sampling, output_index, drafts,
+    i)` picks it (draft_positions.choose_drafts, its step's plan, bias rows and history
+    bound). The other rows write the null page, and their drafts are meaningless."""
     num_seqs = inputs.positions.shape[0]
 
     def body(i, carry):
@@ -148,7 +150,7 @@ def propose(
             params_i, kv, step_inputs.token_ids, step_inputs.positions, md, None
         )
         logits = model.logits(params_i, hidden[md.logits_indices])  # [S, V]
-        token_ids = choose(logits, step_inputs.sampling, first_index + i)  # [S]
+        token_ids = choose(logits, step_inputs.sampling, first_index + i, drafts, i)  # [S]
         drafts = drafts.at[:, i].set(token_ids)
         tables = step_inputs.attn.block_tables
         next_active = active & in_table(step_inputs.positions + 1, tables, block_size)
@@ -167,6 +169,7 @@ def draft_model_in_step(
     inputs: StepInputs,
     sampled: jax.Array,
     targets: jax.Array,
+    token_cache: jax.Array,
     *,
     num_drafts: int,
     block_size: int,
@@ -174,9 +177,11 @@ def draft_model_in_step(
 ):
     """The draft's k drafts for each sequence of a step that sampled, proposed from the token
     after its last kept position (`sampled` i32[S] the step's samples, `targets` i32[NP] its
-    tokens at the scored positions) -> (drafts i32[S, k], kv_cache); `choose` as `propose`
-    takes it."""
+    tokens at the scored positions, `token_cache` i32[P, B] the step's tokens written) ->
+    (drafts i32[S, k], kv_cache); `choose`: draft_positions.choose_drafts with all but its
+    history bound."""
     last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
+    history = draft_history(token_cache, inputs, last_kept, next_tokens)
     step_inputs = decode_after(inputs, last_kept, next_tokens[last_kept], block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
     return propose(
@@ -188,5 +193,5 @@ def draft_model_in_step(
         model=model,
         num_steps=num_drafts,
         block_size=block_size,
-        choose=choose,
+        choose=functools.partial(choose, history=history),
     )

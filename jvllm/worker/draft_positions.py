@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jvllm.attention.metadata import AttentionMetadata, Tiles
 from jvllm.sample.metadata import SamplingMetadata
+from jvllm.sample.penalties import apply_penalties, token_counts
 from jvllm.sample.plan import SamplerPlan
 from jvllm.sample.sampler import sample
 from jvllm.worker.step_inputs import StepInputs
@@ -89,25 +90,79 @@ def first_draft_index(inputs: StepInputs, last_kept: jax.Array) -> jax.Array:
     return inputs.sampling.output_index - (inputs.attn.logits_indices - last_kept) + 1
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftHistory:
+    """The tokens the target's penalties count at a sequence's drafts: its tokens in the token
+    cache (the step's written) up to its last kept position, then the token after that
+    position, then the drafts before the one drawn."""
+
+    token_cache: jax.Array  # i32[P, B]
+    block_tables: jax.Array  # i32[S, M]
+    kept_lens: jax.Array  # i32[S] each sequence's tokens up to and with its last kept position
+    next_tokens: jax.Array  # i32[S] the token after it
+
+    def penalize(self, logits, sampling: SamplingMetadata, drafts, num_drawn) -> jax.Array:
+        """f32[S, V] logits with the rows' penalties over their history and their first
+        `num_drawn` (i32[], or an int) drafts of i32[S, k] `drafts` (vLLM's, as the target's
+        sampler applies them: sample/penalties.py)."""
+        counts, prompt_mask = token_counts(
+            self.token_cache,
+            self.block_tables,
+            self.kept_lens,
+            sampling.num_prompt_tokens,
+            logits.shape[-1],
+        )
+        after = jnp.concatenate([self.next_tokens[:, None], drafts], axis=1)  # [S, 1 + k]
+        rows = jnp.broadcast_to(jnp.arange(after.shape[0])[:, None], after.shape)
+        drawn = jnp.arange(after.shape[1])[None] <= num_drawn  # [1, 1 + k]
+        counts = counts.at[rows, after].add(jnp.broadcast_to(drawn, after.shape))
+        return apply_penalties(
+            logits,
+            counts,
+            prompt_mask,
+            sampling.presence_penalty,
+            sampling.frequency_penalty,
+            sampling.repetition_penalty,
+        )
+
+
+def draft_history(token_cache, inputs: StepInputs, last_kept, next_tokens) -> DraftHistory:
+    """A step's DraftHistory from its sequences' last kept positions i32[S] (flat) and the
+    token after each position i32[T] (last_kept_and_next_tokens)."""
+    kept_lens = inputs.positions[last_kept] + 1
+    return DraftHistory(token_cache, inputs.attn.block_tables, kept_lens, next_tokens[last_kept])
+
+
 def choose_drafts(
     logits: jax.Array,
     sampling: SamplingMetadata,
     output_index: jax.Array,
+    drafts: jax.Array,
+    num_drawn,
     *,
     plan: SamplerPlan,
     bias_rows: jax.Array,
+    history: DraftHistory,
 ) -> jax.Array:
     """Each sequence's draft i32[S] from the draft's logits f32[S, V] over the target's
-    vocabulary, for output index `output_index` i32[S]: a greedy row's argmax; a sampled row's
-    draw from the draft's distribution under the row's logit-bias row (`bias_rows` f32[R, V]:
-    its bias, allowed and banned ids, as the target's) and its temperature, top-k, top-p and
-    min-p, with the uniform the target's sampler draws that output index with
-    (sample/sampler.py). The target's token there is drawn with the same uniform from its own
-    distribution, so the two agree wherever the distributions are close (common random numbers:
-    the target itself as its draft agrees always), and the verification keeps the target's
-    sample, as ever. Penalties and grammar masks shape the target's alone."""
-    if plan is SamplerPlan.DYNAMIC:  # other plans run steps without bias rows (sample/plan.py)
+    vocabulary, for output index `output_index` i32[S], after its first `num_drawn` drafts of
+    i32[S, k] `drafts`: a greedy row's argmax; a sampled row's draw from the draft's
+    distribution under the row's logit-bias row (`bias_rows` f32[R, V]: its bias, allowed and
+    banned ids, as the target's), its penalties over its `history` and drafts, and its
+    temperature, top-k, top-p and min-p, with the uniform the target's sampler draws that
+    output index with (sample/sampler.py). The target's token there is drawn with the same
+    uniform from its own distribution, so the two agree wherever the distributions are close
+    (common random numbers: the target itself as its draft agrees always), and the
+    verification keeps the target's sample, as ever. Grammar masks shape the target's alone
+    (the draft's tokens would move the grammar's state, which the host keeps)."""
+    if plan is SamplerPlan.DYNAMIC:  # other plans run steps without these (sample/plan.py)
         logits = jax.lax.cond(
             sampling.any_bias, lambda x: x + bias_rows[sampling.bias_slot], lambda x: x, logits
+        )
+        logits = jax.lax.cond(
+            sampling.any_penalties,
+            lambda x: history.penalize(x, sampling, drafts, num_drawn),
+            lambda x: x,
+            logits,
         )
     return sample(logits, dataclasses.replace(sampling, output_index=output_index), plan)

@@ -38,6 +38,7 @@ from jvllm.models.registry import model_class
 from jvllm.worker.decode_loop import advance_inputs
 from jvllm.worker.draft_positions import (
     decode_after,
+    draft_history,
     first_draft_index,
     in_table,
     last_kept_and_next_tokens,
@@ -109,6 +110,7 @@ def head_in_step(
     target_rows: jax.Array,
     sampled: jax.Array,
     targets: jax.Array,
+    token_cache: jax.Array,
     block_size: int,
     choose: Callable,
 ):
@@ -118,6 +120,9 @@ def head_in_step(
     sequence s's, meaningful where it sampled and its blocks hold the positions they were
     computed at, p..p+k-2 after its last kept one; elsewhere they write the null page)."""
     last_kept, next_tokens = last_kept_and_next_tokens(inputs, sampled, targets)
+    choose = functools.partial(
+        choose, history=draft_history(token_cache, inputs, last_kept, next_tokens)
+    )
     embeds = head.embed(target_params, next_tokens)  # [T, D]
     hidden = head.combine(head_params, target_rows)  # [T, D_h]
     normed, prenorm, head_kv = head.forward(
@@ -125,10 +130,11 @@ def head_in_step(
     )
     first_index = first_draft_index(inputs, last_kept)  # [S]
     logits = head.draft_logits((target_params, head_params), normed[last_kept])  # [S, V]
-    tokens = choose(logits, inputs.sampling, first_index)  # [S] firsts
+    drafts = jnp.zeros((logits.shape[0], head.num_drafts), jnp.int32)
+    tokens = choose(logits, inputs.sampling, first_index, drafts, 0)  # [S] firsts
     step_inputs = decode_after(inputs, last_kept, tokens, block_size)
     active = step_inputs.attn.seq_lens > 0  # [S] the sequences that sampled
-    drafts = jnp.zeros((tokens.shape[0], head.num_drafts), jnp.int32).at[:, 0].set(tokens)
+    drafts = drafts.at[:, 0].set(tokens)
 
     def body(i, carry):
         # Through a barrier with the carry: decode_loop.decode_step says why.
@@ -140,7 +146,7 @@ def head_in_step(
             params_i[1], kv, embeds, hidden, step_inputs.positions, step_inputs.attn
         )
         logits = head.draft_logits(params_i, normed)  # [S, V]
-        token_ids = choose(logits, step_inputs.sampling, first_index + i + 1)
+        token_ids = choose(logits, step_inputs.sampling, first_index + i + 1, drafts, i + 1)
         drafts = drafts.at[:, i + 1].set(token_ids)
         tables = step_inputs.attn.block_tables
         next_active = active & in_table(step_inputs.positions + 1, tables, block_size)

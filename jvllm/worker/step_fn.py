@@ -138,6 +138,7 @@ def model_step(
             inputs,
             out.sampled_token_ids,
             out.draft_target_ids,
+            token_cache,
             num_drafts=num_drafts,
             block_size=block_size,
             choose=choose,
@@ -152,6 +153,7 @@ def model_step(
             hidden if draft_head.layer_ids is None else captured.rows,
             out.sampled_token_ids,
             out.draft_target_ids,
+            token_cache,
             block_size,
             choose,
         )
