@@ -4,10 +4,10 @@ each run by every device of the ("data", "model") mesh on its rank's inputs insi
 shard_map, one executable a (bucket, kind), compiled on first use or all up front.
 
 With a draft model or head (speculative decoding) each device runs it inside the step as one
-engine does (step_fn.model_step), on its rank's rows and draft KV pages: a draft model cut
-over the rank's T devices as the target is, a head (MTP, EAGLE) at T = 1; an MoE layer of
-either (an MTP layer's experts) reaches across the ranks as the target's do, every rank
-running the same k draft steps.
+engine does (step_fn.model_step), on its rank's rows and draft KV pages: a draft model or an
+MTP or EAGLE-1 head cut over the rank's T devices as the target is (a head's logits gathered
+over them), an EAGLE-3 head at T = 1; an MoE layer of either (an MTP layer's experts) reaches
+across the ranks as the target's do, every rank running the same k draft steps.
 
 A window's MoE layers exchange tokens with every rank at every step, so every rank steps as
 long as any row of any rank still decodes (decode_loop.run_window's `any_active`, a psum over
