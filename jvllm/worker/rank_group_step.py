@@ -1,6 +1,6 @@
 """The executables of a group of data-parallel ranks whose MoE layers run across them
-(worker/rank_group.py): the engine's step, and with num_scheduler_steps > 1 its decode window,
-each run by every device of the ("data", "model") mesh on its rank's inputs inside one
+(worker/rank_group.py): the engine's step, and with num_scheduler_steps > 1 its decode window
+(with drafts, a window of speculative rounds: worker/spec_window.py), each run by every device of the ("data", "model") mesh on its rank's inputs inside one
 shard_map, one executable a (bucket, kind), compiled on first use or all up front.
 
 With a draft model or head (speculative decoding) each device runs it inside the step as one
@@ -63,7 +63,7 @@ def _draft_options(
         return {}
     config, backend = draft.config, runner_config.attention_backend
     local = rank_config(config, mesh)
-    if draft.method in HEAD_METHODS:  # an EAGLE-3 head at T = 1 (check_rank_group)
+    if draft.method in HEAD_METHODS:  # an EAGLE-3 one at T = 1 only (check_rank_group)
         attn = get_attention(backend, sm_scale=config.sm_scale)
         k, vocab = runner_config.num_speculative_tokens, target.vocab_size
         return {"draft_head": draft_head(local, rank_config(target, mesh), attn, k, vocab)}

@@ -6,6 +6,7 @@ engine reaches the device through, as it would its own Worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable
@@ -107,6 +108,10 @@ class RankGroupWorker:
         model_config = choose_all2all_backend(
             model_config, self.mesh, parallel.all2all_backend, runner.max_num_batched_tokens
         )
+        if self.draft is not None:  # an MoE draft's (an MTP layer's) exchange: the target's
+            backend_chosen = model_config.all2all_backend
+            draft_config = dataclasses.replace(self.draft.config, all2all_backend=backend_chosen)
+            self.draft = dataclasses.replace(self.draft, config=draft_config)
         max_model_len = model_config.checked_max_model_len(load.max_model_len)
         self.model_config = model_config.for_max_model_len(max_model_len)
         self.model_config.check_can_generate()

@@ -24,7 +24,6 @@ from test_expert_parallel import FAMILIES
 from test_family_deepseek import _save as _save_deepseek
 from test_family_deepseek import v3_like
 from test_family_gpt_oss import _save_gpt_oss
-from test_spec_decode_mtp import save_v3_with_mtp
 
 from jvllm import LLM
 from jvllm.attention.backends import get_attention
@@ -366,97 +365,6 @@ def test_each_rank_samples_and_scores_its_own_requests_as_one_device(model_dir):
                     np.testing.assert_allclose(
                         [row[k] for k in want_row], list(want_row.values()), atol=1e-4
                     )
-
-
-def _speculating_ranks_give_one_devices_tokens(
-    path: str, spec: dict, t: int = 1, num_scheduler_steps: int = 1
-) -> None:
-    """Greedy and seeded requests over two ranks that speculate as `spec` says (in windows of
-    rounds with `num_scheduler_steps` > 1: every rank's rounds in one call, going on while
-    any rank's row does) give the tokens of one device without speculation, and both ranks
-    accept drafts."""
-    prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20))
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=5, max_tokens=32, ignore_eos=True),
-    ]
-
-    def run(llm):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs]
-
-    expected = run(LLM(path, **ENGINE_KWARGS))
-    llm = LLM(
-        path,
-        data_parallel_size=2,
-        tensor_parallel_size=t,
-        enable_expert_parallel=True,
-        speculative_config=spec,
-        num_scheduler_steps=num_scheduler_steps,
-        **ENGINE_KWARGS,
-    )
-    assert run(llm) == expected
-    stats = [engine.spec_decoding_stats for engine in llm.llm_engine.replicas]
-    assert all(s.num_accepted_tokens > 0 for s in stats)  # both ranks' drafts verified
-    group = llm.llm_engine.group.group_runner()
-    if num_scheduler_steps > 1:  # windows ran, and steps where a rank prefilled
-        assert 0 < group.num_windows < group.num_group_steps
-
-
-@pytest.mark.parametrize(("t", "num_scheduler_steps"), [(1, 1), (2, 1), (1, 4)])
-def test_ranks_verify_ngram_drafts_and_give_the_tokens_of_no_speculation(
-    model_dir, t, num_scheduler_steps
-):
-    """speculative_config's n-gram drafts in the group: each rank's scheduler looks drafts up
-    for its own requests and the group's one step verifies them all (a Mixtral whose
-    attention is scaled down, so that its continuations loop while the context still steers
-    them)."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    spec["prompt_lookup_min"] = 1
-    _speculating_ranks_give_one_devices_tokens(
-        model_dir("looping_mixtral"), spec, t, num_scheduler_steps
-    )
-
-
-@pytest.mark.parametrize(("t", "num_scheduler_steps"), [(1, 1), (2, 1), (1, 4)])
-def test_ranks_draft_with_a_draft_model_and_give_the_tokens_of_no_speculation(
-    model_dir, t, num_scheduler_steps
-):
-    """speculative_config's draft model in the group: every rank's step runs the draft (a
-    Mixtral, its experts across the ranks as the target's, cut over T with its layers) over
-    its rows and its own draft pages, and proposes k drafts a sequence that its scheduler
-    hands back next step (the target as its own draft)."""
-    path = model_dir("looping_mixtral")
-    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    _speculating_ranks_give_one_devices_tokens(path, spec, t, num_scheduler_steps)
-
-
-@pytest.mark.parametrize(("t", "num_scheduler_steps"), [(1, 1), (2, 1), (1, 4)])
-def test_ranks_draft_with_the_mtp_layer_and_give_the_tokens_of_no_speculation(
-    tmp_path, t, num_scheduler_steps
-):
-    """DeepSeek-V3's MTP layer as the group's draft head (the deployment of data-parallel
-    attention with the experts over every device): its MoE layer's experts placed over the
-    ranks as the target's, exchanging tokens in each of its draft steps; at T = 2 its heads
-    cut over the rank's devices and its LM head's logits gathered."""
-    save_v3_with_mtp(str(tmp_path))
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
-    _speculating_ranks_give_one_devices_tokens(str(tmp_path), spec, t, num_scheduler_steps)
-
-
-def test_an_eagle3_head_past_one_device_a_rank_is_refused(model_dir):
-    spec = {"method": "eagle3", "model": model_dir("mixtral"), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"method 'eagle3' at tensor_parallel_size 2"):
-        LLM(
-            model_dir("mixtral"),
-            data_parallel_size=2,
-            tensor_parallel_size=2,
-            enable_expert_parallel=True,
-            speculative_config=spec,
-            **ENGINE_KWARGS,
-        )
 
 
 @pytest.mark.parametrize("t", [1, 2])
