@@ -205,6 +205,18 @@ ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+def group_llm(path: str, t: int = 1, **options) -> LLM:
+    """The model at `path` over two ranks whose MoE layers run across them, T devices each."""
+    return LLM(
+        path,
+        data_parallel_size=2,
+        tensor_parallel_size=t,
+        enable_expert_parallel=True,
+        **ENGINE_KWARGS,
+        **options,
+    )
+
+
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
@@ -389,14 +401,7 @@ def test_ranks_run_decode_windows_as_one_and_decode_as_one_device(model_dir, t):
         return [o.outputs[0] for o in outputs]
 
     expected = run(LLM(path, **ENGINE_KWARGS))
-    llm = LLM(
-        path,
-        data_parallel_size=2,
-        tensor_parallel_size=t,
-        enable_expert_parallel=True,
-        num_scheduler_steps=4,
-        **ENGINE_KWARGS,
-    )
+    llm = group_llm(path, t, num_scheduler_steps=4)
     group = llm.llm_engine.group.group_runner()
     for got, want in zip(run(llm), expected):
         assert got.token_ids == want.token_ids

@@ -5,7 +5,7 @@ one device's tokens without speculation; an EAGLE-1 head's drafts at T = 2 are o
 
 import pytest
 from family_parity import ragged_prompts
-from test_data_parallel_moe import ENGINE_KWARGS, VOCAB, model_dir
+from test_data_parallel_moe import ENGINE_KWARGS, VOCAB, group_llm, model_dir
 from test_spec_decode_mtp import save_v3_with_mtp
 
 from jvllm import LLM, SamplingParams
@@ -35,15 +35,8 @@ def _speculating_ranks_give_one_devices_tokens(
         return [o.outputs[0].token_ids for o in outputs]
 
     expected = run(LLM(path, **ENGINE_KWARGS))
-    llm = LLM(
-        path,
-        data_parallel_size=2,
-        tensor_parallel_size=t,
-        enable_expert_parallel=True,
-        speculative_config=spec,
-        num_scheduler_steps=num_scheduler_steps,
-        **ENGINE_KWARGS,
-        **options,
+    llm = group_llm(
+        path, t, speculative_config=spec, num_scheduler_steps=num_scheduler_steps, **options
     )
     assert run(llm) == expected
     stats = [engine.spec_decoding_stats for engine in llm.llm_engine.replicas]
@@ -136,13 +129,6 @@ def test_an_eagle1_head_at_t2_proposes_one_devices_drafts(model_dir, tmp_path):
         return drafts
 
     one = LLM(path, speculative_config=spec, **ENGINE_KWARGS).llm_engine
-    group = LLM(
-        path,
-        data_parallel_size=2,
-        tensor_parallel_size=2,
-        enable_expert_parallel=True,
-        speculative_config=spec,
-        **ENGINE_KWARGS,
-    ).llm_engine
+    group = group_llm(path, 2, speculative_config=spec).llm_engine
     want = drafts_after_prefill(one, [one])
     assert len(want) == 3 and drafts_after_prefill(group, group.replicas) == want
