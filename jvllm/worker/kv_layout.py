@@ -5,7 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jvllm.attention.kv_quant import (
     SCALE_DTYPE,
@@ -15,6 +15,7 @@ from jvllm.attention.kv_quant import (
     quantized_dtype,
 )
 from jvllm.config import ModelConfig
+from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.tensor_parallel import num_kv_heads
 
 
@@ -79,3 +80,23 @@ def allocate_kv_cache(spec: KVCacheSpec, shape: tuple[int, ...], sharding: Shard
     if spec.scale_dtype is None:
         return values
     return QuantizedKVCache(values, jnp.zeros(shape[:-1], spec.scale_dtype, device=sharding))
+
+
+def new_kv_cache(
+    config: ModelConfig,
+    mesh: Mesh,
+    partition: PartitionSpec,
+    *,
+    num_blocks: int,
+    block_size: int,
+    attention_backend: str,
+    kv_cache_dtype: str,
+    num_slots: int | None = None,
+) -> KVCache:
+    """A model's zero cache of `num_blocks` pages over the mesh, its KV heads cut over the
+    tensor-parallel axis as `partition` places them (kv_cache_spec, kv_cache_shape)."""
+    return allocate_kv_cache(
+        kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
+        kv_cache_shape(config, num_blocks, block_size, mesh.shape[TP_AXIS], num_slots),
+        NamedSharding(mesh, partition),
+    )

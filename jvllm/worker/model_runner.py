@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
@@ -31,7 +31,7 @@ from jvllm.worker.decode_loop import window_steps_per_check
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.drafters import make_drafter
 from jvllm.worker.encoder_runner import EncoderRunner
-from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.kv_layout import new_kv_cache
 from jvllm.worker.pooler import pool_step
 from jvllm.worker.runner_output import ModelRunnerOutput
 from jvllm.worker.scheduled_step import prepare_pool_step, prepare_step, read_results
@@ -97,13 +97,15 @@ class ModelRunner:
         layout = step_layout(config, runner_config, kv_groups, self.encoder)
         self.max_pages, self.num_kv_groups = layout.max_pages, layout.num_kv_groups
         self.attention_backend = attention_backend
-        num_shards = mesh.shape[TP_AXIS]
-        self.kv_cache = allocate_kv_cache(
-            kv_cache_spec(config.dtype, attention_backend, runner_config.kv_cache_dtype),
-            kv_cache_shape(
-                config, num_blocks, block_size, num_shards, kv_groups and kv_groups.num_slots
-            ),
-            NamedSharding(mesh, KV_CACHE_SPEC),
+        self.kv_cache = new_kv_cache(
+            config,
+            mesh,
+            KV_CACHE_SPEC,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            attention_backend=attention_backend,
+            kv_cache_dtype=runner_config.kv_cache_dtype,
+            num_slots=kv_groups and kv_groups.num_slots,
         )
         self.draft = None
         if draft is not None:  # the runner's kv_cache becomes the pair (target's, draft's)

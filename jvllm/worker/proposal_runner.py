@@ -5,14 +5,13 @@ group of data-parallel ranks keeps one DraftProposals a rank (worker/rank_group.
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jvllm.config import ModelConfig
 from jvllm.core.request import Request
-from jvllm.distributed.mesh import TP_AXIS
 from jvllm.distributed.sharded_model import KV_CACHE_SPEC
 from jvllm.worker.draft_model import num_drafts_room
-from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.kv_layout import new_kv_cache
 
 
 class DraftProposals:
@@ -71,10 +70,14 @@ class ProposalRunner(DraftProposals):
     ) -> None:
         """The draft's KV cache `kv_cache` over `num_blocks` pages (the target's page ids)."""
         super().__init__(block_size, num_speculative_tokens)
-        self.kv_cache = allocate_kv_cache(
-            kv_cache_spec(config.dtype, attention_backend, kv_cache_dtype),
-            kv_cache_shape(config, num_blocks, block_size, mesh.shape[TP_AXIS]),
-            NamedSharding(mesh, KV_CACHE_SPEC),
+        self.kv_cache = new_kv_cache(
+            config,
+            mesh,
+            KV_CACHE_SPEC,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
         )
         # The step's options (step_fn.model_step) that run the draft: its model, or its head;
         # whether it reads the inputs of some of the target's layers (EAGLE-3). Set by each

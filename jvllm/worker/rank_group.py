@@ -40,7 +40,7 @@ from jvllm.core.kv_groups import KVCacheGroups
 from jvllm.core.request import Request
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC
-from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, replica_mesh, replicated
+from jvllm.distributed.mesh import DP_AXIS, replica_mesh, replicated
 from jvllm.distributed.multihost import gather_objects
 from jvllm.models.model import num_moe_layers
 from jvllm.worker.bias_rows import BiasRows, set_row
@@ -48,7 +48,7 @@ from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import prepare_window_inputs
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.draft_scoring import with_accepted_runs
-from jvllm.worker.kv_layout import allocate_kv_cache, kv_cache_shape, kv_cache_spec
+from jvllm.worker.kv_layout import new_kv_cache
 from jvllm.worker.proposal_runner import DraftProposals
 from jvllm.worker.rank_group_step import GroupExecutables
 from jvllm.worker.runner_output import ModelRunnerOutput, as_window, fetch_output
@@ -102,14 +102,17 @@ class RankGroupRunner:
         self.layout = step_layout(config, runner_config, kv_groups, None)
         self.buckets = step_buckets(runner_config)
 
-        def kv_cache(config: ModelConfig, num_slots: int | None):
-            spec = kv_cache_spec(
-                config.dtype, runner_config.attention_backend, runner_config.kv_cache_dtype
+        def kv_cache(config: ModelConfig, num_slots: int | None):  # each rank's pages
+            return new_kv_cache(
+                config,
+                mesh,
+                KV_CACHE_SPEC,
+                num_blocks=num_ranks * num_blocks,
+                block_size=block_size,
+                attention_backend=runner_config.attention_backend,
+                kv_cache_dtype=runner_config.kv_cache_dtype,
+                num_slots=num_slots,
             )
-            shape = kv_cache_shape(
-                config, num_ranks * num_blocks, block_size, mesh.shape[TP_AXIS], num_slots
-            )
-            return allocate_kv_cache(spec, shape, NamedSharding(mesh, KV_CACHE_SPEC))
 
         self.kv_cache = kv_cache(config, kv_groups and kv_groups.num_slots)
         self.draft = draft
