@@ -14,6 +14,7 @@ from jvllm.core.request import Request, RequestStatus
 from jvllm.core.scheduler_output import SchedulerOutput
 from jvllm.core.scheduling_policy import enqueue, pick_victim
 from jvllm.core.spec_decode import DraftProposer
+from jvllm.core.stop_checks import check_grammar, check_stop, never_fits
 
 logger = logging.getLogger("jvllm.scheduler")
 
@@ -148,7 +149,9 @@ class Scheduler:
                 request.num_computed_tokens += i > 0
                 request.append_output_token_ids(token_id)
                 self.num_generation_tokens_total += 1
-                if self._check_grammar(request, token_id) or self._check_stop(request):
+                if check_grammar(request, token_id) or check_stop(
+                    request, self.config.max_model_len
+                ):
                     stopped.append(request)
                     self._free_finished(request)
                     break
@@ -371,74 +374,14 @@ class Scheduler:
 
     def _finish_if_never_fits(self, request: Request) -> bool:
         """Finish a waiting request that could never be scheduled, instead of letting it block
-        the queue forever. A new prompt needs room for its first decode step too, unless
-        max_model_len ends it before that."""
-        kv = self.kv_cache_manager
-        has_outputs = request.num_output_tokens > 0
-        num_tokens_needed = request.num_tokens + (0 if has_outputs else 1)
-        num_blocks_needed = kv.num_blocks_to_hold(
-            min(num_tokens_needed, self.config.max_model_len),
-            self.config.max_num_batched_tokens,
-            request.sampling_params.has_penalties,
-        )
-        if request.num_prompt_tokens > self.config.max_model_len:
-            status = RequestStatus.FINISHED_IGNORED
-            message = (
-                f"prompt of {request.num_prompt_tokens} tokens is longer than "
-                f"max_model_len={self.config.max_model_len}"
-            )
-        elif num_blocks_needed > kv.num_usable_blocks:
-            # A preempted request that outgrew the whole pool ends with what it has.
-            status = (
-                RequestStatus.FINISHED_LENGTH if has_outputs else RequestStatus.FINISHED_IGNORED
-            )
-            message = (
-                f"request needs {num_blocks_needed} KV blocks of {kv.block_size} tokens, "
-                f"the KV cache has {kv.num_usable_blocks}"
-            )
-        else:
+        the queue forever."""
+        never = never_fits(request, self.kv_cache_manager, self.config)
+        if never is None:
             return False
-        request.status = status
-        request.status_message = message
+        request.status, request.status_message = never
         self._free_finished(request)
-        logger.warning("finished %s as %s: %s", request.request_id, status.name, message)
+        logger.warning("finished %s as %s: %s", request.request_id, never[0].name, never[1])
         return True
-
-    def _check_stop(self, request: Request) -> bool:
-        """Stop checks after a token was appended; sets the final status when one fires."""
-        params = request.sampling_params
-        last_token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last_token_id == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last_token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token_id
-                return True
-        if request.num_output_tokens >= params.max_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        if request.num_tokens >= self.config.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    def _check_grammar(self, request: Request, token_id: int) -> bool:
-        """Advance a constrained request's matcher past its new token; its end (nothing more
-        can follow) stops the request, a token it rejects aborts it."""
-        grammar = request.structured_output
-        if grammar is None:
-            return False
-        if not grammar.accept(token_id):
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.status_message = f"the grammar rejected token {token_id}"
-            logger.warning("aborted %s: %s", request.request_id, request.status_message)
-            return True
-        if grammar.is_terminated:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
 
     def _free_finished(self, request: Request) -> None:
         if self.drafter is not None:
