@@ -27,13 +27,7 @@ from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.mm_processor import ProcessedPrompt
 from jvllm.engine.output_shaper import OutputShaper
 from jvllm.engine.request_stream import PoolingStream, RequestStream
-from jvllm.engine.stat_logger import (
-    LoggingStatLogger,
-    SchedulerStats,
-    adapter_names,
-    expert_token_counts,
-    spec_decoding_counts,
-)
+from jvllm.engine.stat_logger import LoggingStatLogger, SchedulerStats, scheduler_stats
 from jvllm.logger import init_logger
 from jvllm.outputs import RequestOutput
 from jvllm.pooling_outputs import PoolingRequestOutput
@@ -338,7 +332,7 @@ class AsyncLLM:
                 if stream is not None:
                     engine.abort_request(command[1])
                     self._record_aborted(stream)
-                    _tell_aborted(stream)
+                    stream.call_on_loop(stream.abort)
             elif op == "call":
                 _, fn, done = command
                 if not done.set_running_or_notify_cancel():
@@ -351,7 +345,7 @@ class AsyncLLM:
                 engine.abort_request(list(self._live))
                 for stream in self._live.values():
                     self._record_aborted(stream)
-                    _tell_aborted(stream)
+                    stream.call_on_loop(stream.abort)
                 self._live.clear()
         return had_commands
 
@@ -377,10 +371,10 @@ class AsyncLLM:
         lost = [s for rid, s in self._live.items() if not self._engine_has(rid)]
         for stream in lost:  # the engine dropped it (its output processing failed)
             del self._live[stream.request_id]
-            self._fail(
-                stream,
-                RuntimeError(f"request {stream.request_id} failed in the engine and was aborted"),
+            error = RuntimeError(
+                f"request {stream.request_id} failed in the engine and was aborted"
             )
+            stream.call_on_loop(stream.fail, error)
         before, self.stats = self.stats, self._snapshot()
         self._record_step(before, self.stats)
         self._deliver_many(pairs, now)
@@ -398,23 +392,7 @@ class AsyncLLM:
         return self.engine.has_request(request_id)
 
     def _snapshot(self) -> SchedulerStats:
-        """Summed over the data-parallel replicas (KV usage: their mean)."""
-        schedulers = [replica.scheduler for replica in replicas(self.engine)]
-        kvs = [s.kv_cache_manager for s in schedulers]
-        return SchedulerStats(
-            num_running=sum(len(s.running) for s in schedulers),
-            num_waiting=sum(len(s.waiting) for s in schedulers),
-            kv_cache_usage=sum(kv.usage for kv in kvs) / len(kvs),
-            prefix_cache_queries=sum(kv.prefix_cache_queries for kv in kvs),
-            prefix_cache_hits=sum(kv.prefix_cache_hits for kv in kvs),
-            num_preemptions=sum(s.num_preemptions_total for s in schedulers),
-            num_prompt_tokens=sum(s.num_prompt_tokens_total for s in schedulers),
-            num_generation_tokens=sum(s.num_generation_tokens_total for s in schedulers),
-            running_lora_adapters=adapter_names(r for s in schedulers for r in s.running),
-            waiting_lora_adapters=adapter_names(r for s in schedulers for r in s.waiting),
-            **spec_decoding_counts(schedulers),
-            **expert_token_counts([replica.model_runner for replica in replicas(self.engine)]),
-        )
+        return scheduler_stats(replicas(self.engine))
 
     def _deliver_many(self, pairs: list[tuple[RequestStream, RequestOutput]], now: float) -> None:
         """One wake-up per event loop per step; the loop puts outputs and records metrics."""
@@ -434,25 +412,11 @@ class AsyncLLM:
         for stream, output in items:
             stream.put(output)
 
-    def _fail(self, stream: RequestStream, error: BaseException) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.fail, error)
-        except RuntimeError:
-            pass
-
     def _fail_all(self, error: BaseException) -> None:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add" and command[-1].set_running_or_notify_cancel():
                 command[-1].set_exception(EngineDeadError(str(error)))
         for stream in self._live.values():
-            self._fail(stream, EngineDeadError(f"the engine loop stopped: {error!r}"))
+            stream.call_on_loop(stream.fail, EngineDeadError(f"the engine loop stopped: {error!r}"))
         self._live.clear()
-
-
-def _tell_aborted(stream: RequestStream) -> None:
-    """End an aborted stream on its consumer's event loop."""
-    try:
-        stream.loop.call_soon_threadsafe(stream.abort)
-    except RuntimeError:  # that loop is closed: its consumer is gone
-        pass

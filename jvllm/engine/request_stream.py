@@ -28,6 +28,14 @@ class _Mailbox:
         self.error = error
         self.ready.set()
 
+    def call_on_loop(self, fn, *args) -> None:
+        """fn(*args) on the consumer's event loop, from the engine thread; nothing where that
+        loop is closed (its consumer is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
 
 class RequestStream(_Mailbox):
     """One request's mailbox on its event loop. Outputs the consumer has not taken yet are merged

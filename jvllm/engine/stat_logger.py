@@ -41,7 +41,28 @@ class SchedulerStats:
     first_moe_layer: int = 0
 
 
-def spec_decoding_counts(schedulers) -> dict:
+def scheduler_stats(engines) -> SchedulerStats:
+    """The stats now, summed over the data-parallel replicas' `engines` (KV usage: their
+    mean)."""
+    schedulers = [engine.scheduler for engine in engines]
+    kvs = [s.kv_cache_manager for s in schedulers]
+    return SchedulerStats(
+        num_running=sum(len(s.running) for s in schedulers),
+        num_waiting=sum(len(s.waiting) for s in schedulers),
+        kv_cache_usage=sum(kv.usage for kv in kvs) / len(kvs),
+        prefix_cache_queries=sum(kv.prefix_cache_queries for kv in kvs),
+        prefix_cache_hits=sum(kv.prefix_cache_hits for kv in kvs),
+        num_preemptions=sum(s.num_preemptions_total for s in schedulers),
+        num_prompt_tokens=sum(s.num_prompt_tokens_total for s in schedulers),
+        num_generation_tokens=sum(s.num_generation_tokens_total for s in schedulers),
+        running_lora_adapters=_adapter_names(r for s in schedulers for r in s.running),
+        waiting_lora_adapters=_adapter_names(r for s in schedulers for r in s.waiting),
+        **_spec_decoding_counts(schedulers),
+        **_expert_token_counts([engine.model_runner for engine in engines]),
+    )
+
+
+def _spec_decoding_counts(schedulers) -> dict:
     """SchedulerStats' speculative-decoding fields, summed over `schedulers` (none without
     drafts)."""
     stats = [s.drafter.stats for s in schedulers if s.drafter is not None]
@@ -56,7 +77,7 @@ def spec_decoding_counts(schedulers) -> dict:
     }
 
 
-def expert_token_counts(runners) -> dict:
+def _expert_token_counts(runners) -> dict:
     """SchedulerStats' expert-count fields, summed over the data-parallel replicas' model
     `runners` (none for a model without routed experts)."""
     counts = [r.expert_token_counts for r in runners if r.expert_token_counts is not None]
@@ -68,7 +89,7 @@ def expert_token_counts(runners) -> dict:
     }
 
 
-def adapter_names(requests) -> tuple[str, ...]:
+def _adapter_names(requests) -> tuple[str, ...]:
     """The LoRA adapters `requests` run with, by name, each once, in order."""
     return tuple(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request))
 
