@@ -39,7 +39,7 @@ def check_grammar(request: Request, token_id: int) -> bool:
         return False
     if not grammar.accept(token_id):
         request.status = RequestStatus.FINISHED_ABORTED
-        request.status_message = f"the grammar rejected token {token_id}"
+        request.status_message = grammar.error or f"the grammar rejected token {token_id}"
         logger.warning("aborted %s: %s", request.request_id, request.status_message)
         return True
     if grammar.is_terminated:

@@ -49,8 +49,16 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.grammar_from("regex", params.regex)
     if kind == "choice":
-        return llguidance.grammar_from("choice", json.dumps(params.choice))
+        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(params.choice))
     return llguidance.grammar_from("grammar", params.grammar)
+
+
+def _choice_lark(choice: list[str]) -> str:
+    """The choices as one terminal, which the lexer matches as one automaton. llguidance's own
+    "choice" grammar makes each a parser alternative, and its parser holds at most 2000 items a
+    row: with more choices than that sharing a first token, the mask allowed that token and
+    consuming it failed."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
 
 
 def cache_key(params: StructuredOutputsParams) -> str:

@@ -35,7 +35,9 @@ class GrammarState:
     def __init__(self, template: concurrent.futures.Future):
         self._template = template
         self.matcher: llguidance.LLMatcher | None = None
-        self.error: str | None = None  # set when the grammar failed to compile
+        # Why the grammar failed: it did not compile, or it rejected a token (its first line
+        # from llguidance, which names a resource limit hit where there is one).
+        self.error: str | None = None
 
     def is_ready(self) -> bool:
         """Whether the grammar is compiled (or failed: then `error` says why)."""
@@ -54,8 +56,12 @@ class GrammarState:
         return self.matcher.validate_tokens(token_ids)
 
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar rejects it."""
-        return self.matcher.consume_token(token_id)
+        """Advance past a sampled token; False if the grammar rejects it (`error` says why)."""
+        if self.matcher.consume_token(token_id):
+            return True
+        reason = self.matcher.get_error().partition("\n")[0]
+        self.error = f"the grammar rejected token {token_id}: {reason}"
+        return False
 
     @property
     def is_terminated(self) -> bool:
