@@ -5,6 +5,8 @@ inside a run at EOS, a stop token id, max_tokens or min_tokens' end, and run in 
 steps.
 """
 
+import dataclasses
+
 import pytest
 import test_spec_decode as ngram_tests
 import test_spec_decode_draft_model as draft_tests
@@ -113,6 +115,28 @@ def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_d
     stats = engine.spec_decoding_stats
     assert stats.num_draft_tokens > 12
     assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_windows_count_drafts_as_one_round_a_step_does(method, looping_model_dir):
+    """Near max_tokens a window's later rounds verify k drafts where a step's scheduler would
+    have proposed only those the request had room for: the counters count those (here, 27
+    tokens in rounds of 4 leave the last round of the last window room for one draft), so
+    the acceptance rate is the same with windows and without."""
+    spec = draft_model(looping_model_dir) if method == "draft_model" else ngram_tests.ngram(3)
+    params = SamplingParams(temperature=0, max_tokens=27, ignore_eos=True)
+    counts = []
+    for num_steps in (1, 4):
+        llm = LLM(
+            looping_model_dir,
+            speculative_config=spec,
+            num_scheduler_steps=num_steps,
+            **ENGINE_KWARGS,
+        )
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        counts.append(dataclasses.astuple(llm.llm_engine.spec_decoding_stats))
+    assert counts[0] == counts[1]
+    assert counts[0][1] > 12  # drafts were proposed
 
 
 def test_eagle3_windows_give_the_tokens_of_no_speculation(looping_model_dir, plain_llm, head):

@@ -137,12 +137,7 @@ class Scheduler:
             drafts = scheduler_output.spec_token_ids.get(request.request_id, [])
             rounds = (round_drafts or {}).get(request.request_id)
             if rounds:  # a window of speculative rounds: its own drafts, then the device's
-                (_, first), *later = rounds
-                if drafts:
-                    self.drafter.stats.observe(len(drafts), min(first, len(drafts)))
-                for proposed, accepted in later:
-                    if proposed:  # n-gram drafts may find none: a round of padding
-                        self.drafter.stats.observe(proposed, min(accepted, proposed))
+                self.drafter.observe_window(request, drafts, rounds)
             elif drafts:
                 self.drafter.stats.observe(len(drafts), len(token_ids) - 1)
             for i, token_id in enumerate([token_ids] if isinstance(token_ids, int) else token_ids):

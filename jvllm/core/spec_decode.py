@@ -108,6 +108,30 @@ class DraftProposer:
         """Forget a request's proposal (it finished or was preempted)."""
         self._proposals.pop(request_id, None)
 
+    def observe_window(
+        self, request: Request, drafts: list[int], rounds: list[tuple[int, int]]
+    ) -> None:
+        """Count a window of speculative rounds' drafts as the host would have proposed them
+        round by round: `drafts` the first round's (the scheduler's), `rounds` each round's
+        (drafts proposed, accepted) on the device, which proposes k whatever room a request
+        has left; a later round counts only the drafts that max_tokens and max_model_len left
+        room for (drafts_for's caps), and none where there was no room (the request, before
+        its window, has not taken the window's tokens yet)."""
+        (_, first), *later = rounds
+        if drafts:
+            self.stats.observe(len(drafts), min(first, len(drafts)))
+        num_taken = first + 1  # a padding draft the target's token matched is taken too
+        params = request.sampling_params
+        for proposed, accepted in later:
+            room = min(
+                params.max_tokens - request.num_output_tokens - num_taken - 1,
+                self.max_model_len - request.num_tokens - num_taken - 1,
+            )
+            proposed = min(proposed, room)
+            if proposed > 0:  # n-gram drafts may find none: a round of padding
+                self.stats.observe(proposed, min(accepted, proposed))
+            num_taken += accepted + 1
+
     def drafts_for(self, request: Request, token_budget: int) -> list[int]:
         """Up to num_speculative_tokens drafts for a request that decodes this step, within
         what it may still output (max_tokens, max_model_len: every draft and the token after
