@@ -222,6 +222,17 @@ def test_a_root_ref_beside_its_defs_is_closed():
     assert closed["$defs"]["N"]["additionalProperties"] is False
 
 
+def test_a_required_key_the_object_does_not_list_stays_allowed_when_closed():
+    """Closed as it was, {"properties": {"a"}, "required": ["a", "b"]} admitted nothing and
+    was refused as unsatisfiable; "b" is now a listed key of any value."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+    closed = close_objects(schema)
+    assert closed["properties"] == {"a": {"type": "integer"}, "b": {}}
+    assert closed["additionalProperties"] is False
+    jsonschema.validate({"a": 1, "b": [2]}, closed)
+    validate(StructuredOutputsParams(json=schema))
+
+
 def test_the_false_schema_is_refused_and_key_order_is_kept():
     with pytest.raises(ValueError, match="false accepts no value"):
         validate(StructuredOutputsParams(json="false"))

@@ -32,7 +32,9 @@ _ANNOTATIONS |= {*_DEFS, "$schema", "$id", "$anchor"}
 
 def close_objects(schema):
     """A copy of `schema` (a dict, or a bool) in which every object that lists its properties,
-    says nothing of others and composes no other schema has `"additionalProperties": false`."""
+    says nothing of others and composes no other schema has `"additionalProperties": false`.
+    A key such an object requires without listing it becomes a listed key of any value: it was
+    one of the others, and closed without it the object would admit nothing."""
     schema = copy.deepcopy(schema)
     composed_refs: set[str] = set()
     while True:  # a composed $ref's target is composed, and so are the $refs it holds
@@ -48,6 +50,11 @@ def close_objects(schema):
     for node, composed in nodes:
         if "properties" in node and not composed and not any(k in node for k in _OPEN_KEYS):
             node["additionalProperties"] = False
+            properties, required = node["properties"], node.get("required")
+            if isinstance(properties, dict) and isinstance(required, list):
+                for name in required:
+                    if isinstance(name, str):
+                        properties.setdefault(name, {})
     return schema
 
 
