@@ -478,6 +478,12 @@ def test_tokenize_return_token_strs_and_continue_final_message(served):
         {"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
     )
     assert tokenizer.decode(continued["tokens"]).endswith("The capital is")
+    # add_generation_prompt left at its default lets the reply continue; sent true, it is a
+    # 400 (vLLM's), as in chat completions.
+    alone = {"messages": messages, "continue_final_message": True}
+    assert _post(served["url"], "/tokenize", alone)["tokens"] == continued["tokens"]
+    both = {**alone, "add_generation_prompt": True}
+    assert _error(served["url"], "/tokenize", both)["param"] == "continue_final_message"
     closed = _post(
         served["url"], "/tokenize", {"messages": messages, "add_generation_prompt": False}
     )

@@ -314,14 +314,69 @@ def _error(response: httpx.Response, status: int) -> dict:
             {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1000000": 1}},
             "logit_bias",
         ),
+        # A wrong type in a union field names the field, not pydantic's member ("prompt.str").
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": "hi", "stop": 123}, "stop"),
+        # max_tokens past what the prompt leaves names the field the request set it with.
+        ({"prompt": "hi", "max_tokens": 300}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 300},
+            "max_completion_tokens",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
+            "max_completion_tokens",
+        ),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        # vLLM's refusal of both: a reply continues the last message or starts a new one.
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "Hello"},
+                ],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            "continue_final_message",
+        ),
     ],
 )
 def test_out_of_range_params_are_400_naming_the_field(setup, body, param):
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    path = "/v1/completions"
+    if "messages" in body:
+        path = "/v1/chat/completions"
+    elif "input" in body:
+        path = "/v1/responses"
     response = httpx.post(setup["url"] + path, json={"model": MODEL, **body})
     error = _error(response, 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", r'{"prompt": "hi \ud800"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            r'{"messages": [{"role": "user", "content": "\udc00"}]}',
+            "messages.0.content",
+        ),
+        ("/v1/responses", r'{"input": "hi", "user": "\ud800", "max_output_tokens": 1}', "user"),
+        ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(setup, path, body, param):
+    r"""JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer takes and no UTF-8
+    reply can carry: refused before any work (it was a 500, the Responses API's after generating)."""
+    headers = {"Content-Type": "application/json"}
+    response = httpx.post(setup["url"] + path, content=body, headers=headers)
+    assert _error(response, 400)["param"] == param
+    pair = r'{"model": "tiny", "prompt": "\ud83d\ude00", "max_tokens": 1}'  # one character
+    response = httpx.post(setup["url"] + "/v1/completions", content=pair, headers=headers)
+    assert response.status_code == 200, response.text
 
 
 def test_param_is_the_first_request_field_an_error_message_names():

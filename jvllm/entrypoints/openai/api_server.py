@@ -91,13 +91,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ".".join(_field_path(first.get("loc", ()))) or None
     messages = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
         for e in errors[:5]
     )
     return messages, param
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """An error's location as the request's field path: without FastAPI's leading "body", and
+    cut where pydantic names a member of a union (`prompt.list[int].1` is the field `prompt`)."""
+    path = []
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, str) and ("[" in part or part in _UNION_MEMBER_TAGS):
+            break
+        path.append(str(part))
+    return path
+
+
+# The tags pydantic gives the plain members of a union (str | list[int]: "str", "list[int]").
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def build_app(

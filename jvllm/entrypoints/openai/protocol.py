@@ -63,6 +63,14 @@ class _Request(BaseModel):
                 for name, value in data.items()
                 if value is not None or name not in cls.model_fields or _takes_none(cls, name)
             }
+            path = _lone_surrogate_path(data)
+            if path is not None:
+                param = ".".join(map(str, path))
+                raise OpenAIError(
+                    f"{param} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without "
+                    "its pair), which is not text; send valid Unicode",
+                    param=param,
+                )
             name = first_unsupported(data, cls.unsupported_fields, set(cls.model_fields))
             if name is not None:
                 raise OpenAIError(
@@ -72,9 +80,49 @@ class _Request(BaseModel):
         return data
 
 
+def _lone_surrogate_path(data: Any) -> tuple | None:
+    """Where in a parsed JSON body a string holds a lone surrogate (JSON's "\\ud800" decodes to
+    one), or None. No tokenizer takes such a string and no UTF-8 reply can carry it back."""
+    pending = [((), data)]  # a stack, not recursion: JSON nests as deep as its parser allows
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_unicode(key):
+                    return (*path, key)
+                pending.append(((*path, key), item))
+        elif isinstance(value, list) and not set(map(type, value)) <= {int, float}:
+            pending.extend(((*path, i), item) for i, item in enumerate(value))  # not token ids
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _takes_none(model: type[BaseModel], name: str) -> bool:
     annotation = model.model_fields[name].annotation
     return annotation is Any or type(None) in typing.get_args(annotation)
+
+
+def _check_generation_prompt(request):
+    """vLLM's refusal of both continuing the last message and opening a new one: a request
+    that sets add_generation_prompt true itself (its default is true) cannot continue."""
+    sent = "add_generation_prompt" in request.model_fields_set
+    if request.continue_final_message and request.add_generation_prompt and sent:
+        raise OpenAIError(
+            "continue_final_message and add_generation_prompt cannot both be true: the reply "
+            "either continues the last message or starts a new one",
+            param="continue_final_message",
+        )
+    return request
 
 
 class StreamOptions(_Request):
@@ -156,6 +204,10 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None  # tags, like `user`: they change no answer
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (--reasoning-parser)
 
+    @model_validator(mode="after")
+    def _continue_or_generate(self) -> "ChatCompletionRequest":
+        return _check_generation_prompt(self)
+
 
 class ResponsesRequest(_SamplingFields):
     """OpenAI's Responses API (POST /v1/responses), with vLLM's sampling extras; `text.format`
@@ -203,6 +255,10 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _continue_or_generate(self) -> "TokenizeRequest":
+        return _check_generation_prompt(self)
 
 
 class DetokenizeRequest(_Request):

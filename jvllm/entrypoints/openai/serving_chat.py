@@ -161,10 +161,12 @@ class OpenAIServingChat(OpenAIServing):
         # Images are fetched (http(s) with a timeout) off the event loop.
         rendered = await asyncio.to_thread(render) if has_images(request.messages) else render()
         prompt_token_ids = self.truncated(rendered["prompt_token_ids"], request)
-        max_tokens = request.max_completion_tokens
+        max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
-            max_tokens = request.max_tokens
-        max_tokens = self.check_length(len(prompt_token_ids), max_tokens, "messages")
+            max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+        max_tokens = self.check_length(
+            len(prompt_token_ids), max_tokens, "messages", max_tokens_param
+        )
         top = request.top_logprobs
         if top is not None and not 0 <= top <= self.max_logprobs:
             raise OpenAIError(

@@ -220,28 +220,39 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    def check_length(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        prompt_param: str,
+        max_tokens_param: str = "max_tokens",
+    ) -> int:
         """The request's max_tokens, checked against max_model_len (None: all the room left),
         and at most the model's max_new_tokens when its generation_config.json sets one (as
-        vLLM does)."""
+        vLLM does). A refusal names the prompt's field (`prompt_param`) when the prompt leaves
+        no room, else the field the request set max_tokens with (`max_tokens_param`)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(
+                f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param
+            )
         room = self.max_model_len - num_prompt_tokens
         cap = self.defaults.get("max_tokens", room)
+        if room < 1:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; your "
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room for output.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
-            if room < 1:
-                raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens; your "
-                    f"prompt has {num_prompt_tokens} tokens, which leaves no room for output.",
-                    param=param,
-                    code="context_length_exceeded",
-                )
             return min(room, cap)
         if max_tokens > room:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
                 f"the prompt, {max_tokens} for the completion). Please reduce the prompt or "
-                "max_tokens.",
-                param=param,
+                f"{max_tokens_param}.",
+                param=max_tokens_param,
                 code="context_length_exceeded",
             )
         return min(max_tokens, cap)

@@ -78,7 +78,7 @@ class OpenAIServingResponses(OpenAIServing):
         )
         prompt_token_ids = self.truncated(prompt_token_ids, request)
         max_tokens = self.check_length(
-            len(prompt_token_ids), request.max_output_tokens, "max_output_tokens"
+            len(prompt_token_ids), request.max_output_tokens, "input", "max_output_tokens"
         )
         logprobs = self._num_logprobs(request)
         params = self.sampling_params(request, max_tokens, logprobs, constraint=constraint)
