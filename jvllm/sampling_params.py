@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters, with vLLM's field names and defaults."""
 
 import enum
+import json
 import math
 from dataclasses import dataclass
 
@@ -59,6 +60,11 @@ class StructuredOutputsParams:
             )
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a dict or a str, got {self.json!r}")
+        if isinstance(self.json, dict):
+            try:  # a schema is JSON: no sets, no NaN or infinity
+                json.dumps(self.json, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json must be JSON data: {e}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

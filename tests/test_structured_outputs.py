@@ -408,6 +408,13 @@ def test_structured_outputs_params_take_exactly_one_constraint():
     assert params.structured_outputs.kind == "regex"
 
 
+@pytest.mark.parametrize("schema", [{"enum": {1, 2}}, {"const": float("nan")}])
+def test_a_schema_that_is_not_json_data_is_a_value_error(schema):
+    """A set was a TypeError from deep in add_request, and NaN went through to llguidance."""
+    with pytest.raises(ValueError, match="structured_outputs.json must be JSON data"):
+        StructuredOutputsParams(json=schema)
+
+
 def test_mask_agrees_with_the_matcher_on_random_token_walks(smollm2_llm):
     """The device's unpacked mask allows exactly the tokens llguidance's matcher accepts, along
     random walks through a schema (at each step a random allowed token is taken)."""
