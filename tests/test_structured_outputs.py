@@ -201,6 +201,17 @@ _NAME_REQUIRED = {"properties": {"name": {"type": "string"}}, "required": ["name
             },
             {"id": 1, "name": "a"},
         ),
+        (  # composed $refs that are not plain JSON pointers: percent-encoded, an $anchor
+            {"$defs": {"Base": _BASE}, "allOf": [{"$ref": "#/%24defs/Base"}, _NAME_REQUIRED]},
+            {"id": 1, "name": "a"},
+        ),
+        (
+            {
+                "$defs": {"Base": {"$anchor": "base", **_BASE}},
+                "allOf": [{"$ref": "#base"}, _NAME_REQUIRED],
+            },
+            {"id": 1, "name": "a"},
+        ),
         ({"type": "object", "required": ["x"]}, {"x": 1, "y": 2}),
         ("true", 5),
     ],
@@ -220,6 +231,9 @@ def test_a_root_ref_beside_its_defs_is_closed():
     }
     closed = close_objects({"$defs": {"N": node}, "$ref": "#/$defs/N"})
     assert closed["$defs"]["N"]["additionalProperties"] is False
+    # An $anchor named by a $ref that composes nothing: its target closes as well.
+    anchored = {"$defs": {"N": {"$anchor": "n", **node}}, "items": {"$ref": "#n"}}
+    assert close_objects(anchored)["$defs"]["N"]["additionalProperties"] is False
 
 
 def test_a_required_key_the_object_does_not_list_stays_allowed_when_closed():

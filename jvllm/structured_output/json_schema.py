@@ -10,6 +10,7 @@ to, since each one's keys are "additional" to the others'.
 """
 
 import copy
+import urllib.parse
 
 # Keywords that hold one schema of a value of the object's own (an item, a property's value).
 _VALUE_SCHEMA = ("items", "additionalItems", "contains", "propertyNames")
@@ -34,16 +35,20 @@ def close_objects(schema):
     """A copy of `schema` (a dict, or a bool) in which every object that lists its properties,
     says nothing of others and composes no other schema has `"additionalProperties": false`.
     A key such an object requires without listing it becomes a listed key of any value: it was
-    one of the others, and closed without it the object would admit nothing."""
+    one of the others, and closed without it the object would admit nothing.
+    A composed $ref that names its target otherwise than by a JSON pointer into `schema` (an
+    $anchor, an $id) is not followed here: then no object is closed."""
     schema = copy.deepcopy(schema)
     composed_refs: set[str] = set()
     while True:  # a composed $ref's target is composed, and so are the $refs it holds
         nodes = list(_schemas(schema, "#", composed_refs, composed=False))
         found = {
-            node["$ref"]
+            _pointer(node["$ref"])
             for node, composed in nodes
             if _ref(node) is not None and (composed or set(node) - _ANNOTATIONS)
         }
+        if None in found:
+            return schema
         if found <= composed_refs:
             break
         composed_refs |= found
@@ -93,6 +98,14 @@ def _schemas(schema, pointer: str, composed_refs: set[str], composed: bool):
 def _escape(key: str) -> str:
     """A key as a JSON pointer's reference token."""
     return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def _pointer(ref: str) -> str | None:
+    """The JSON pointer into this document that a $ref names ("#/$defs/A", percent-encoded or
+    not), else None."""
+    if ref == "#" or ref.startswith("#/"):
+        return urllib.parse.unquote(ref)
+    return None
 
 
 def _ref(node) -> str | None:
