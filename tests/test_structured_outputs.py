@@ -223,14 +223,19 @@ def test_schemas_that_compose_objects_stay_satisfiable(schema, instance):
     validate(StructuredOutputsParams(json=schema))
 
 
-def test_a_root_ref_beside_its_defs_is_closed():
-    """pydantic's schema of a recursive model: $defs beside the root $ref add no keys."""
+def test_refs_that_only_name_a_schema_close_its_target():
+    """pydantic's schema of a recursive model: $defs beside the root $ref add no keys; nor do
+    annotations beside an allOf of one $ref (pydantic v1)."""
     node = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "children": {"items": {"$ref": "#/$defs/N"}}},
     }
     closed = close_objects({"$defs": {"N": node}, "$ref": "#/$defs/N"})
     assert closed["$defs"]["N"]["additionalProperties"] is False
+    # pydantic v1's field of a model type with a description: an allOf of that one $ref.
+    field = {"description": "a node", "default": None, "allOf": [{"$ref": "#/definitions/N"}]}
+    v1 = {"type": "object", "properties": {"n": field}, "definitions": {"N": node}}
+    assert close_objects(v1)["definitions"]["N"]["additionalProperties"] is False
     # An $anchor named by a $ref that composes nothing: its target closes as well.
     anchored = {"$defs": {"N": {"$anchor": "n", **node}}, "items": {"$ref": "#n"}}
     assert close_objects(anchored)["$defs"]["N"]["additionalProperties"] is False

@@ -83,8 +83,11 @@ def _schemas(schema, pointer: str, composed_refs: set[str], composed: bool):
             yield from _schemas(value, at, composed_refs, True)
         elif key in _COMPOSING_LISTS and isinstance(value, list):
             # An anyOf's alternatives are whole values, unless they add to the object's own
-            # (or to the schemas this one applies beside).
-            beside = composed or key == "allOf" or is_object
+            # (or to the schemas this one applies beside); so is an allOf's only member under
+            # nothing but annotations (pydantic v1's wrapping of a described $ref).
+            is_alias = len(value) == 1 and "$ref" not in schema
+            is_alias = is_alias and set(schema) <= _ANNOTATIONS | {key}
+            beside = composed or is_object or (key == "allOf" and not is_alias)
             for i, item in enumerate(value):
                 yield from _schemas(item, f"{at}/{i}", composed_refs, beside)
         elif key == "prefixItems" and isinstance(value, list):
