@@ -11,7 +11,7 @@ import pytest
 
 from jvllm import LLM, SamplingParams, StructuredOutputsParams
 from jvllm.structured_output.grammar import cache_key, validate
-from jvllm.structured_output.json_schema import close_objects
+from jvllm.structured_output.json_schema import close_objects, rebase_refs
 
 # Every leaf has a bounded length (strings, integers) so that sampled outputs close in time
 # on any CPU; a bounded number may still have any number of decimals, so it is tested greedy.
@@ -250,6 +250,29 @@ def test_a_required_key_the_object_does_not_list_stays_allowed_when_closed():
     assert closed["additionalProperties"] is False
     jsonschema.validate({"a": 1, "b": [2]}, closed)
     validate(StructuredOutputsParams(json=schema))
+
+
+def test_refs_of_a_schema_placed_inside_another_point_where_it_now_is():
+    schema = {
+        "$defs": {"A": {"type": "integer"}},
+        "properties": {
+            "a": {"$ref": "#/$defs/A"},
+            "self": {"$ref": "#"},
+            "default": {"$ref": "#/$defs/A"},  # a property so named: a schema, not data
+            "url": {"$ref": "https://example.com/a.json"},
+        },
+        "default": {"$ref": "#/$defs/A"},  # data
+    }
+    rebased = rebase_refs(schema, "#/items/0")
+    refs = {name: value["$ref"] for name, value in rebased["properties"].items()}
+    assert refs == {
+        "a": "#/items/0/$defs/A",
+        "self": "#/items/0",
+        "default": "#/items/0/$defs/A",
+        "url": "https://example.com/a.json",
+    }
+    assert rebased["default"] == schema["default"]
+    assert schema["properties"]["a"]["$ref"] == "#/$defs/A"  # a copy
 
 
 def test_the_false_schema_is_refused_and_key_order_is_kept():

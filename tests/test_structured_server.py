@@ -188,6 +188,25 @@ def test_tool_choice_required_and_named_give_calls_that_match_their_schemas(clie
     assert _streamed(client, tools=tools, tool_choice=named)[1:] == ([call], "stop")
 
 
+def test_tool_choice_required_takes_tools_whose_schemas_have_defs(client):
+    """pydantic's schema of nested models refers to its own $defs ("#/$defs/City"): under
+    tool_choice "required" the tools sit inside one array schema, where such a $ref was a
+    400 (the pointer named nothing at the new root)."""
+    city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}}
+    parameters = {
+        "$defs": {"City": {**city, "required": ["name"]}},
+        "type": "object",
+        "properties": {"city": {"$ref": "#/$defs/City"}},
+        "required": ["city"],
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    reply = _chat(client, tools=[tool, TIME], tool_choice="required").choices[0]
+    assert reply.finish_reason == "tool_calls"
+    schemas = {"get_weather": parameters, "get_time": TIME["function"]["parameters"]}
+    for call in _calls(reply.message):
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
 def test_tool_choice_auto_parses_hermes_calls_whole_and_streamed(client):
     body = {"structured_outputs": {"regex": HERMES_CALL}}
     reply = _chat(client, tools=[WEATHER], extra_body=body).choices[0]

@@ -21,6 +21,7 @@ _COMPOSING_LISTS = ("allOf", "anyOf", "oneOf")
 # Keywords holding a dict of schemas (its keys are names, not keywords); "enum", "const",
 # "default" and "examples" hold data, not schemas.
 _SCHEMA_DICTS = ("properties", "patternProperties", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples")
 _DEFS = ("$defs", "definitions")
 # What an object says of properties it does not list, or that composes it with other schemas.
 _OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties", "$ref")
@@ -61,6 +62,28 @@ def close_objects(schema):
                     if isinstance(name, str):
                         properties.setdefault(name, {})
     return schema
+
+
+def rebase_refs(schema, at: str):
+    """A copy of `schema` to be placed at JSON pointer `at` ("#/items/...") of a larger schema:
+    each $ref that points into `schema` ("#", "#/$defs/A") points to the same place there.
+    Data ("enum", "const", "default", "examples") is copied as it is."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            value = at + value[1:]
+        elif key in (*_SCHEMA_DICTS, *_DEFS) and isinstance(value, dict):
+            value = {name: rebase_refs(item, at) for name, item in value.items()}
+        elif key in _DATA:
+            value = copy.deepcopy(value)
+        else:
+            value = rebase_refs(value, at)
+        rebased[key] = value
+    return rebased
 
 
 def _schemas(schema, pointer: str, composed_refs: set[str], composed: bool):

@@ -12,6 +12,7 @@ from jvllm.entrypoints.openai.structured import checked
 from jvllm.entrypoints.openai.tool_parsers import ToolParser
 from jvllm.entrypoints.openai.tool_parsers.base import new_call_id
 from jvllm.sampling_params import StructuredOutputsParams
+from jvllm.structured_output.json_schema import rebase_refs
 
 # A function without `parameters` takes none.
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -103,11 +104,15 @@ def _required(functions: dict[str, dict], parallel: bool | None) -> StructuredOu
     call = [
         {
             "type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+            "properties": {
+                "name": {"type": "string", "enum": [name]},
+                # A tool's $refs ("#/$defs/A") point into its own schema: now placed here.
+                "parameters": rebase_refs(schema, f"#/items/anyOf/{i}/properties/parameters"),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for name, schema in functions.items()
+        for i, (name, schema) in enumerate(functions.items())
     ]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
     if parallel is False:
