@@ -6,6 +6,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 # Sampler plans add executables where some tests count them; test_sampler_plans.py turns them
 # on (on a GPU they are the default).
 os.environ.setdefault("JVLLM_SAMPLER_PLANS", "0")
+# The tests' compiled executables go to a cache of their own without a size limit, which the
+# engine leaves as it finds it (worker/compilation_cache.py). Under the engine's limit JAX lists
+# every entry and reads its last-use time at each write: 0.3 s a write once a run had written
+# 6,000, a run's thousands of writes adding minutes (docs/testing.md).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla-tests"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # as the engine's
 # tests/scale_out/ (tensor and data parallelism) runs in a process of its own, on 8 fake CPU
 # devices set before JAX starts (test_scale_out_suite.py starts it): in this process the flag
 # would slow every other test by a third, XLA:CPU sharing the cores among the devices.
@@ -109,6 +118,13 @@ def random_gguf_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
     return blocks
 
 
+@functools.cache
+def _gguf_reader(path: str) -> GGUFReader:
+    """The gguf package's reader of a file, once a run: it takes 5 s for the default model's
+    (a NumPy view for each of its vocabulary's items), which several tests rewrite."""
+    return GGUFReader(path)
+
+
 def rewrite_gguf(
     src: str, dst: str, retype=lambda name: None, extra_tensors=None, metadata=None
 ) -> None:
@@ -117,7 +133,7 @@ def rewrite_gguf(
     `extra_tensors` ({name: float32 array}) added and `metadata` ({key: str, bool, int or float})
     set."""
     metadata = dict(metadata or {})
-    reader = GGUFReader(src)
+    reader = _gguf_reader(src)
     writer = GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if not name.startswith("GGUF.") and name != "general.architecture":
