@@ -108,6 +108,7 @@ def test_deepseek_v3_like_decodes_like_hf(tmp_path):
     assert_matches_hf(tmp_path, hf_model, PROMPTS, max_tokens=8)
 
 
+@pytest.mark.slow  # 30 s cold; test_deepseek_v3_like_decodes_like_hf keeps V3 in the default run
 def test_deepseek_v3_unstacked_rotate_half_decodes_like_hf(tmp_path, monkeypatch):
     """The layers split per layer (the GPU layout) across the two stacks, and V3 without
     rope_interleave."""

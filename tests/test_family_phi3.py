@@ -42,6 +42,7 @@ def test_phi3_decodes_like_hf(tmp_path):
     assert_matches_hf(tmp_path, hf_model, ragged_prompts(TINY["vocab_size"]))
 
 
+@pytest.mark.slow  # 16-27 s; LongRoPE past the original context stays in the default run
 def test_longrope_within_original_context_uses_short_factors_like_hf(tmp_path):
     # max_model_len <= original: every sequence stays short, HF's choice and ours agree.
     hf_model = save_random_model(tmp_path, _longrope_config(original=64))

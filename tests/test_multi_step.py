@@ -81,7 +81,7 @@ def _generate(llm: LLM, params, prompts=PROMPTS) -> _Summary:
     return outputs
 
 
-@pytest.mark.parametrize("k", [2, 4, 16, "async"])
+@pytest.mark.parametrize("k", [2, 4, pytest.param(16, marks=pytest.mark.slow), "async"])
 def test_greedy_and_seeded_sampling_match_single_steps(engines, k):
     greedy = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
     seeded = SamplingParams(
@@ -136,6 +136,7 @@ def test_stops_inside_a_window_match_single_steps(engines):
     assert any(c[4] == stop_text for c in by_text)
 
 
+@pytest.mark.slow  # 15-22 s; test_spec_decode_window.py checks rounds every few in the default run
 def test_stops_checked_every_few_steps_match_single_steps(engines, tiny_llama_dir, monkeypatch):
     """A window that checks for stopped rows after every 3 steps (so a run of steps passes
     the window's end when 3 does not divide k, and steps run after every row has stopped)
@@ -183,6 +184,7 @@ def eos_model_dir(tmp_path_factory, tiny_llama_dir, engines):
     return path
 
 
+@pytest.mark.slow  # EOS is one of a window's stop ids (test_stops_inside_a_window_match_...)
 def test_eos_inside_a_window_matches_single_steps(engines, eos_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=24)
     expected = _generate(engines(1, eos_model_dir), params)

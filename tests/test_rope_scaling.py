@@ -110,7 +110,7 @@ def test_yarn_logits_match_hf(tmp_path, family, variant):
     assert np.abs(_hf_logits(unscaled_model, prompt) - expected).max() > 0.1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_yarn_decodes_like_hf(tmp_path, family):
     hf_model = save_random_model(tmp_path, _hf_config(family, YARN))
     assert_matches_hf(tmp_path, hf_model, ragged_prompts(TINY["vocab_size"]))

@@ -185,7 +185,9 @@ def test_speculative_config_is_checked():
 
 
 # k = 5 runs in a KV cache too small for the batch: requests with drafts get preempted.
-@pytest.mark.parametrize(("k", "num_blocks"), [(1, None), (3, None), (5, 14)])
+@pytest.mark.parametrize(
+    ("k", "num_blocks"), [pytest.param(1, None, marks=pytest.mark.slow), (3, None), (5, 14)]
+)
 def test_greedy_tokens_equal_those_without_speculation(k, num_blocks, looping_model_dir, plain_llm):
     """A batch of greedy requests with seeded sampled, logprobs and penalties ones beside them,
     all drafting, and one whose drafts stop short of its min_tokens (EOS is banned below it),

@@ -117,7 +117,7 @@ def test_a_window_runs_its_rounds_in_one_engine_step(max_tokens, looping_model_d
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_windows_count_drafts_as_one_round_a_step_does(method, looping_model_dir):
     """Near max_tokens a window's later rounds verify k drafts where a step's scheduler would
     have proposed only those the request had room for: the counters count those (here, 27
@@ -139,6 +139,7 @@ def test_windows_count_drafts_as_one_round_a_step_does(method, looping_model_dir
     assert counts[0][1] > 12  # drafts were proposed
 
 
+@pytest.mark.slow  # 50 s cold; windows with a draft model and EAGLE-3 alone stay in the default run
 def test_eagle3_windows_give_the_tokens_of_no_speculation(looping_model_dir, plain_llm, head):
     llm = LLM(
         looping_model_dir,

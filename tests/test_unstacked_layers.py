@@ -74,16 +74,22 @@ def test_split_array_gives_each_layer_and_deletes_the_stack(through_host):
     "hf_config",
     [
         transformers.MistralConfig(**TINY, sliding_window=8),
-        transformers.Gemma2Config(
-            **{**TINY, "num_hidden_layers": 4},
-            sliding_window=8,
-            query_pre_attn_scalar=64,
-            attn_logit_softcapping=3.0,
-            attn_implementation="eager",
+        pytest.param(  # slow: Mistral's windows and Mixtral's experts keep the default run's
+            transformers.Gemma2Config(
+                **{**TINY, "num_hidden_layers": 4},
+                sliding_window=8,
+                query_pre_attn_scalar=64,
+                attn_logit_softcapping=3.0,
+                attn_implementation="eager",
+            ),
+            marks=pytest.mark.slow,
         ),
         transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
-        transformers.GPT2Config(
-            n_layer=3, n_embd=64, n_head=4, vocab_size=TINY["vocab_size"], n_positions=512
+        pytest.param(
+            transformers.GPT2Config(
+                n_layer=3, n_embd=64, n_head=4, vocab_size=TINY["vocab_size"], n_positions=512
+            ),
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["mistral_window", "gemma2_alternate_windows", "mixtral_experts", "gpt2"],
