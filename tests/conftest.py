@@ -6,10 +6,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 # Sampler plans add executables where some tests count them; test_sampler_plans.py turns them
 # on (on a GPU they are the default).
 os.environ.setdefault("JVLLM_SAMPLER_PLANS", "0")
-# The tests' compiled executables go to a cache of their own without a size limit, which the
-# engine leaves as it finds it (worker/compilation_cache.py). Under the engine's limit JAX lists
-# every entry and reads its last-use time at each write: 0.3 s a write once a run had written
-# 6,000, a run's thousands of writes adding minutes (docs/testing.md).
+# The tests' compiled executables (thousands, of tiny models) go to a cache of their own, which
+# the engine leaves as it finds it (worker/compilation_cache.py), rather than pushing a user's
+# out of the engine's; with no size limit, as JAX's own lists every entry at each write
+# (docs/testing.md).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla-tests"),

@@ -1,4 +1,5 @@
-"""The on-disk XLA cache: a second process compiles nothing; old entries keep the size limit."""
+"""The on-disk XLA cache: a second process compiles nothing; the least recently used entries go
+past the size limit."""
 
 import json
 import os
@@ -6,26 +7,33 @@ import subprocess
 import sys
 
 import pytest
-from jax._src.lru_cache import LRUCache
 
-from jvllm.worker.compilation_cache import date_undated_entries
+from jvllm.worker.compilation_cache import prune
 
 
-def test_entries_written_without_a_size_limit_become_the_first_evicted(tmp_path):
-    (tmp_path / "old-cache").write_bytes(b"x" * 600)  # written by jvllm without the limit
-    (tmp_path / "recent-cache").write_bytes(b"y" * 300)
-    (tmp_path / "recent-atime").write_bytes((123).to_bytes(8, "little"))
-    date_undated_entries(str(tmp_path))
-    assert (tmp_path / "old-atime").read_bytes() == bytes(8)
-    assert (tmp_path / "recent-atime").read_bytes() == (123).to_bytes(8, "little")
+def _entry(directory, key: str, size: int, used_ns: int) -> None:
+    path = directory / f"{key}-cache"
+    path.write_bytes(b"x" * size)
+    os.utime(path, ns=(used_ns, used_ns))  # (access, modification)
 
-    cache = LRUCache(str(tmp_path), max_size=1000)  # JAX's own, as the engine configures it
-    cache.put("new", b"z" * 300)
-    assert sorted(p.name for p in tmp_path.glob("*-cache")) == ["new-cache", "recent-cache"]
+
+def test_pruning_deletes_the_least_recently_used_entries_past_the_limit(tmp_path):
+    _entry(tmp_path, "old", 400, 1_000)
+    _entry(tmp_path, "read_lately", 400, 3_000)
+    _entry(tmp_path, "middle", 400, 2_000)
+    # An entry JAX's own limit dated as used after its file's access time.
+    _entry(tmp_path, "dated_by_jax", 400, 500)
+    (tmp_path / "dated_by_jax-atime").write_bytes((4_000).to_bytes(8, "little"))
+    (tmp_path / "old-atime").write_bytes((0).to_bytes(8, "little"))
+    prune(str(tmp_path), max_bytes=900)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["dated_by_jax-atime", "dated_by_jax-cache", "read_lately-cache"]
+    prune(str(tmp_path), max_bytes=900)  # within the limit: nothing more goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == left
 
 
 def test_missing_cache_dir_is_left_for_jax_to_create(tmp_path):
-    date_undated_entries(str(tmp_path / "absent"))
+    prune(str(tmp_path / "absent"), max_bytes=1)
     assert not (tmp_path / "absent").exists()
 
 
