@@ -15,6 +15,10 @@ os.environ.setdefault(
     os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla-tests"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # as the engine's
+# XLA at its lowest optimization level (backend level 0, no costly LLVM passes): the tests'
+# tiny models spend their time compiling, which this nearly halves (docs/testing.md: 608 ->
+# 348 s for six of the costliest files, cold, none slower); =0 compiles as the engine does.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # tests/scale_out/ (tensor and data parallelism) runs in a process of its own, on 8 fake CPU
 # devices set before JAX starts (test_scale_out_suite.py starts it): in this process the flag
 # would slow every other test by a third, XLA:CPU sharing the cores among the devices.
