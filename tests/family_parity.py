@@ -42,7 +42,7 @@ def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15, auto_
 TP_VOCAB = 1001  # not a multiple of T: a sharded vocabulary is padded
 
 
-def save_tp_llama(path, num_kv_heads: int, tie: bool) -> str:
+def save_tp_llama(path, num_kv_heads: int, tie: bool, seed: int = 0) -> str:
     """A 2-layer Llama with 8 query heads, for tensor parallelism up to T = 8."""
     config = transformers.LlamaConfig(
         num_hidden_layers=2,
@@ -55,7 +55,7 @@ def save_tp_llama(path, num_kv_heads: int, tie: bool) -> str:
         max_position_embeddings=256,
         tie_word_embeddings=tie,
     )
-    save_random_model(str(path), config)
+    save_random_model(str(path), config, seed=seed)
     return str(path)
 
 

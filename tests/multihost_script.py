@@ -5,15 +5,19 @@ its outputs as JSON after "RESULT "; a worker follows it inside LLM() and exits 
 argv: model directory, then "generate-then-wait" and the prompts as JSON (process 0 generates,
 waits 3 s, generates again), "data-parallel", the prompts and more engine options as JSON
 (one rank a process: process 0 prints each prompt's tokens and rank, then the same through
-LLM.generate), or
+LLM.generate), "sleep", the prompts, engine options as JSON and a second model directory
+(process 0 generates, sleeps at level 1 and wakes, sleeps at level 2, loads the second model's
+weights and wakes, then loads the first's back: the tokens after each), or
 "initialize-twice" and a coordinator address."""
 
+import glob
 import json
 import sys
 import time
 
 from jvllm import LLM, SamplingParams
 from jvllm.distributed.multihost import DistributedConfig, initialize
+from jvllm.model_loader.safetensors_file import read_safetensors
 
 model, mode = sys.argv[1], sys.argv[2]
 if mode == "initialize-twice":
@@ -47,6 +51,27 @@ if mode == "data-parallel":
         # Rank 0's accepted drafts (process 0's engine), None without speculation.
         "accepted": getattr(engine.replicas[0].spec_decoding_stats, "num_accepted_tokens", None),
     }
+    print("RESULT", json.dumps(result), flush=True)
+    sys.exit(0)
+if mode == "sleep":
+    options, other_model = json.loads(sys.argv[4]), sys.argv[5]
+    llm = LLM(model, dtype="float32", max_num_batched_tokens=32, enable_sleep_mode=True, **options)
+    generate = lambda: [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
+    weights = lambda path: read_safetensors(glob.glob(f"{path}/*.safetensors")[0]).items()
+    result = {"first": generate()}
+    llm.sleep(level=1)
+    result["asleep"] = llm.is_sleeping()
+    llm.wake_up()
+    result["after_sleep_1"] = generate()
+    llm.sleep(level=2)
+    llm.load_weights(weights(other_model))
+    llm.wake_up()
+    result["other_weights"] = generate()
+    llm.load_weights(weights(model))  # awake: replaced in place, the prefix cache reset
+    result["weights_back"] = generate()
     print("RESULT", json.dumps(result), flush=True)
     sys.exit(0)
 llm = LLM(model, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=4)

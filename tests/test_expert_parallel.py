@@ -139,12 +139,9 @@ def test_experts_across_data_parallel_ranks_divide_over_every_device():
         expert_parallel_config(model_config_from_hf(_qwen2_moe(6), "float32"), 2, True, 2)
 
 
-def test_moe_layers_run_across_ranks_only_for_an_moe_checkpoint_with_the_option(
-    tmp_path, monkeypatch
-):
+def test_moe_layers_run_across_ranks_only_for_an_moe_checkpoint_with_the_option(tmp_path):
     """Data parallelism runs one group of ranks for a mixture of experts with
-    enable_expert_parallel; a dense model, or no option, runs independent replicas. A group
-    sleeps in one process only."""
+    enable_expert_parallel; a dense model, or no option, runs independent replicas."""
     _qwen2_moe().save_pretrained(tmp_path / "moe")
     transformers.LlamaConfig(**TINY_SHAPES).save_pretrained(tmp_path / "dense")
     config = lambda name, **kwargs: EngineArgs(
@@ -159,9 +156,6 @@ def test_moe_layers_run_across_ranks_only_for_an_moe_checkpoint_with_the_option(
             config("moe", enable_expert_parallel=True, async_scheduling=True, enable_lora=True)
         )
     check_rank_group(config("moe", enable_expert_parallel=True, enable_sleep_mode=True))
-    monkeypatch.setattr(jax, "process_count", lambda: 2)  # one rank a process
-    with pytest.raises(ValueError, match="does not take enable_sleep_mode across processes"):
-        check_rank_group(config("moe", enable_expert_parallel=True, enable_sleep_mode=True))
 
 
 def test_without_experts_or_on_one_device_it_is_a_logged_no_op(capsys):

@@ -177,3 +177,49 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
         assert result["group_steps"] is None
     assert leader.wait(timeout=60) == 0
     assert worker.wait(timeout=60) == 0  # process 0's exit stopped it
+
+
+@pytest.fixture(scope="module")
+def other_dirs(tmp_path_factory):
+    """(dense, MoE) models of model_dir's and moe_dir's configs with other weights."""
+    dense = save_tp_llama(tmp_path_factory.mktemp("multihost_b"), 2, tie=True, seed=1)
+    moe = tmp_path_factory.mktemp("multihost_moe_b")
+    config = transformers.MixtralConfig(
+        **{**TINY_SHAPES, "vocab_size": TP_VOCAB}, num_local_experts=4, num_experts_per_tok=2
+    )
+    save_random_model(moe, config, seed=1)
+    return dense, str(moe)
+
+
+@pytest.mark.parametrize(
+    ("moe", "options"),
+    [
+        (False, {"tensor_parallel_size": 4}),
+        (False, {"data_parallel_size": 2}),
+        (True, {"data_parallel_size": 2, "enable_expert_parallel": True}),
+    ],
+    ids=["T=4 across the processes", "a replica a process", "moe, a group of ranks"],
+)
+def test_sleep_and_new_weights_across_processes(
+    model_dir, moe_dir, other_dirs, processes, moe, options
+):
+    """sleep, wake_up and load_weights on process 0 reach every process: at T = 4 the params
+    cut over both processes' devices come back whole (each process its pieces), independent
+    replicas each sleep and load, and a group of ranks frees and refills its shared arrays on
+    both processes; the tokens equal one device's, of the second model's weights once loaded."""
+    path, other = (moe_dir, other_dirs[1]) if moe else (model_dir, other_dirs[0])
+    port, prompts = _free_port(), json.dumps(PROMPTS)
+    args = ("sleep", prompts, json.dumps(options), other)
+    worker = _start(1, port, path, *args)
+    leader = _start(0, port, path, *args)
+    processes += [worker, leader]
+    result = _result(leader)
+    expected = _one_device(path)
+    assert result["asleep"]
+    assert result["first"] == result["after_sleep_1"] == result["weights_back"] == expected
+    assert result["other_weights"] == _one_device(other) != expected
+    assert leader.wait(timeout=60) == 0
+    _, worker_log = worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    for level, kept in ((1, "kept in host memory"), (2, "discarded")):  # process 1 slept too
+        assert f"asleep (level {level}): the weights {kept}" in worker_log

@@ -4,7 +4,9 @@ in one mesh.
 JAX is multi-controller: each process must make the same jitted calls in the same order. So
 every process runs the same engine in lockstep. Process 0 (the leader) runs the API and the
 server; with each step it broadcasts what changed since the last one (requests added or
-aborted), and every other process (a worker) applies the same changes and steps too. Given the
+aborted), and every other process (a worker) applies the same changes and steps too; the
+engine-wide calls that RL loops make between steps (sleep, wake_up, load_weights,
+reset_prefix_cache) go the same way, each as the leader makes it. Given the
 same requests in the same order an engine's steps are deterministic, and the sampled tokens
 come back identical on every process, so the schedulers never diverge; compiles happen in the
 caller (ModelRunner's lockstep mode), never in background threads whose timing would differ.
@@ -38,6 +40,8 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 # Seconds to wait for every process to join, and before a silent process counts as dead.
 ENV_TIMEOUT = "JVLLM_DISTRIBUTED_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60
+# The engine calls the leader sends its workers besides requests and steps (engine/sleep.py).
+ENGINE_CALLS = ("sleep", "wake_up", "load_weights", "reset_prefix_cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +139,5 @@ def run_worker(engine: Any) -> None:
                 engine.abort_request(*args)
             elif name == "step":
                 engine.step()
+            elif name in ENGINE_CALLS:
+                getattr(engine, name)(*args)

@@ -1,7 +1,9 @@
 """Process 0's engine when the engine spans several processes (distributed/multihost.py).
 
 An LLMEngine that records what enters it (requests added, aborted) and broadcasts the record
-with each step, so that every worker process applies the same changes and steps alongside.
+with each step, so that every worker process applies the same changes and steps alongside. It is
+its own `peers` (engine/sleep.py): sleep, wake_up, load_weights and reset_prefix_cache go to the
+workers the same way, right away.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class LeaderEngine(LLMEngine):
         super().__init__(model, **kwargs)
         self._pending: list[tuple] = []
         self._stopped = False
+        self.peers = self  # the workers mirror this engine: sleep and the like go to them too
         # At exit (before jax.distributed shuts down: its hook was registered first).
         ref = weakref.ref(self)
         atexit.register(lambda: (engine := ref()) and engine.stop_workers())
@@ -46,19 +49,25 @@ class LeaderEngine(LLMEngine):
         self._pending.append(("abort", request_id))
 
     def step(self) -> list[RequestOutput]:
-        self._send("step")
+        self._send(("step",))
         return super().step()
+
+    def num_unfinished_elsewhere(self) -> int:
+        return 0  # the workers hold this engine's requests
+
+    def announce(self, call: str, *args) -> None:
+        self._send((call, *args))
 
     def stop_workers(self) -> None:
         """Let the workers end (once; later steps would wait for them forever)."""
         if not self._stopped:
             self._stopped = True
-            self._send("stop")
+            self._send(("stop",))
 
-    def _send(self, last: str) -> None:
-        if self._stopped and last == "step":
+    def _send(self, last: tuple) -> None:
+        if self._stopped and last[0] != "stop":
             raise WorkersLostError("the worker processes were stopped; start every process anew")
-        commands, self._pending = [*self._pending, (last,)], []
+        commands, self._pending = [*self._pending, last], []
         try:
             broadcast_commands(commands)
         except Exception as e:

@@ -11,7 +11,7 @@ from jvllm.engine.output_processor import OutputProcessor
 from jvllm.engine.pooling import make_pooling_processor
 from jvllm.engine.request_factory import RequestFactory
 from jvllm.engine.scheduler_factory import make_scheduler
-from jvllm.engine.sleep import SleepMode
+from jvllm.engine.sleep import Peers, SleepMode
 from jvllm.engine.step_executor import StepExecutor
 from jvllm.engine.step_loop_lease import StepLoopLease
 from jvllm.logger import init_logger
@@ -95,6 +95,9 @@ class LLMEngine:
         # sleep, wake_up and load_weights (engine/sleep.py; the device half is the worker's)
         load = config.load_config
         self.sleep_mode = SleepMode(self, load.enable_sleep_mode, load.quantization)
+        # Process 0's engine of one that spans several processes: the others, which run its
+        # sleep, wake_up, load_weights and reset_prefix_cache too (engine/sleep.py).
+        self.peers: Peers | None = None
 
     @property
     def model_runner(self):
@@ -190,6 +193,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache block (vLLM's), so that no later request reuses KV computed
         before; False, changing nothing, while running requests hold blocks."""
+        if self.peers is not None:
+            self.peers.announce("reset_prefix_cache")
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:

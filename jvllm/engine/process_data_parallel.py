@@ -8,7 +8,9 @@ step it broadcasts what changed (requests added to or aborted on a rank) with `j
 collectives (distributed/multihost.py); every process applies its rank's share, steps its own
 engine if it has work, and the step's outputs of every rank come back to process 0 in one
 all-gather. A rank's step runs no collective, so the ranks' steps overlap; only the two small
-exchanges a step are in lockstep.
+exchanges a step are in lockstep. Process 0's rank announces the engine-wide calls (sleep,
+wake_up, load_weights, reset_prefix_cache: engine/sleep.py) to every other rank the same way,
+each rank running them on its own engine.
 
 For a mixture of experts with enable_expert_parallel the ranks are one group instead
 (worker/rank_group.py): the experts spread over every process's devices, and every step every
@@ -26,7 +28,7 @@ import time
 import weakref
 
 from jvllm.core.request import RequestStatus
-from jvllm.distributed.multihost import broadcast_commands, gather_objects
+from jvllm.distributed.multihost import ENGINE_CALLS, broadcast_commands, gather_objects
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.input_processor import PromptType
 from jvllm.engine.leader import WorkersLostError
@@ -48,6 +50,7 @@ class ProcessDataParallelEngine(ReplicaFront):
         kwargs.pop("data_parallel_rank", None)
         local, self._group = rank_engine(model, 0, **kwargs)
         self.replicas = [local]  # the ones in this process
+        local.peers = self  # sleep and the like reach every rank
         self._share_first_replica()
         self.num_ranks = self.engine_config.parallel_config.data_parallel_size
         self._requests_of: list[set[str]] = [set() for _ in range(self.num_ranks)]
@@ -105,6 +108,24 @@ class ProcessDataParallelEngine(ReplicaFront):
 
     def get_num_unfinished_requests(self) -> int:
         return sum(len(ids) for ids in self._requests_of)
+
+    def load_weights(self, weights) -> set[str]:
+        """LLMEngine.load_weights on every rank: process 0's sends the pairs to the others."""
+        return self.replicas[0].load_weights(weights)
+
+    def num_unfinished_elsewhere(self) -> int:
+        """The other ranks' unfinished requests (Peers', for process 0's rank)."""
+        return sum(len(ids) for ids in self._requests_of[1:])
+
+    def announce(self, call: str, *args) -> None:
+        """Every other rank runs LLMEngine.`call`(*args) on its engine (Peers')."""
+        if self._stopped:
+            raise WorkersLostError("the worker processes were stopped; start every process anew")
+        commands, self._pending = [*self._pending, (call, *args)], []
+        try:
+            broadcast_commands(commands)
+        except Exception as e:
+            raise self._lost(e) from e
 
     def step(self) -> list[RequestOutput]:
         """One step of every rank with work; their outputs in rank order."""
@@ -215,6 +236,7 @@ def run_rank(engine: LLMEngine, rank: int, group: RankGroupRunner | None = None)
     step (in its `group`, where the ranks' MoE layers run across them), and send the outputs
     back, until it says stop."""
     logger.info("data-parallel rank %d following process 0", rank)
+    refused = []  # since the last step's report
     while True:
         try:
             commands = broadcast_commands(None)
@@ -223,7 +245,6 @@ def run_rank(engine: LLMEngine, rank: int, group: RankGroupRunner | None = None)
                 f"data-parallel rank {rank} lost process 0 (it exited or crashed without "
                 f"stopping the ranks): {type(e).__name__}: {e}"
             ) from e
-        refused = []
         for name, *args in commands:
             if name == "stop":
                 logger.info("process 0 stopped; data-parallel rank %d ends", rank)
@@ -236,7 +257,12 @@ def run_rank(engine: LLMEngine, rank: int, group: RankGroupRunner | None = None)
                     refused.append(args[1])
             elif name == "abort" and args[0] == rank:
                 engine.abort_request(args[1])
+            elif name in ENGINE_CALLS:
+                getattr(engine, name)(*args)
+        if commands[-1] != ("step",):  # an engine call, announced alone: no step follows
+            continue
         report, error = _step_and_report(engine, refused, group)
         gather_objects(report)
+        refused = []
         if error is not None:  # process 0 stops the engine on it
             raise error

@@ -7,13 +7,18 @@ weights then coming back only through load_weights (vLLM: "reload the weights").
 comes back with the layout the executables were compiled for, so waking compiles nothing
 (worker/device_buffers.py). This is the engine's half (the state, what it requires of the
 engine, the prefix cache); the Worker frees and refills the device.
+
+An engine that spans several processes (engine/leader.py, engine/process_data_parallel.py)
+runs each call on every process: process 0's engine checks it, announces it to the others
+(`Peers`), which run it on their engines in the same order, and then runs it itself, so that
+their device work (placing arrays cut across processes) goes in step. Weights given to
+load_weights travel from process 0 with the announcement.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
-import jax
+from typing import Protocol
 
 from jvllm.logger import init_logger
 
@@ -25,6 +30,18 @@ SLEEP_TAGS = ("weights", "kv_cache")  # what wake_up(tags) brings back
 
 class EngineSleepingError(RuntimeError):
     """A request reached an engine put to sleep."""
+
+
+class Peers(Protocol):
+    """The other processes of an engine that spans several, as process 0's engine reaches
+    them (LLMEngine.peers)."""
+
+    def num_unfinished_elsewhere(self) -> int:
+        """The requests unfinished on the other processes' engines and not on this one."""
+
+    def announce(self, call: str, *args) -> None:
+        """Have every other process run LLMEngine.`call`(*args) (one of multihost.py's
+        ENGINE_CALLS) before this one runs it."""
 
 
 class SleepMode:
@@ -69,6 +86,7 @@ class SleepMode:
                 f"load_weights does not take quantized weights ({self._quantization}): use "
                 "sleep(level=1)"
             )
+        self._announce("sleep", level)
         self._worker.sleep(level)
         self._engine.scheduler.kv_cache_manager.reset_prefix_cache()
         self._asleep, self._level = set(SLEEP_TAGS), level
@@ -85,14 +103,15 @@ class SleepMode:
         if not self._asleep:
             logger.warning("wake_up(): the engine is not asleep")
             return
+        missing = self._worker.missing_params() if "weights" in tags else []
+        if missing:
+            raise ValueError(
+                f"wake_up: sleep(level=2) discarded the weights, and load_weights has not "
+                f"given {len(missing)} params since ({', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}): load the weights first"
+            )
+        self._announce("wake_up", list(tags))
         if "weights" in tags and "weights" in self._asleep:
-            missing = self._worker.missing_params()
-            if missing:
-                raise ValueError(
-                    f"wake_up: sleep(level=2) discarded the weights, and load_weights has not "
-                    f"given {len(missing)} params since ({', '.join(missing[:4])}"
-                    f"{', ...' if len(missing) > 4 else ''}): load the weights first"
-                )
             self._worker.wake_up_weights()
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
@@ -111,6 +130,9 @@ class SleepMode:
                 f"load_weights does not take quantized weights ({self._quantization}): it reads "
                 "float tensors into float params; start the engine without quantization"
             )
+        if self._engine.peers is not None:
+            weights = list(weights)  # sent to the other processes, then read here
+            self._announce("load_weights", weights)
         replaced = self._worker.load_weights(weights)
         self._engine.scheduler.kv_cache_manager.reset_prefix_cache()
         return replaced
@@ -118,16 +140,20 @@ class SleepMode:
     def check_idle(self, call: str) -> None:
         """What `call` (sleep, load_weights) requires of the engine: raises what it lacks."""
         engine = self._engine
-        if jax.process_count() > 1:
-            raise ValueError(f"{call} runs in one process; this engine spans several")
         if engine.held_by_step_loop:
             raise RuntimeError(f"{call}: a StepLoop holds the KV cache; finish it first")
         num_unfinished = engine.get_num_unfinished_requests()
+        if engine.peers is not None:
+            num_unfinished += engine.peers.num_unfinished_elsewhere()
         if num_unfinished:
             raise RuntimeError(
                 f"{call} needs an idle engine, and {num_unfinished} requests are unfinished: "
                 "let them finish or abort them first"
             )
+
+    def _announce(self, call: str, *args) -> None:
+        if self._engine.peers is not None:
+            self._engine.peers.announce(call, *args)
 
 
 def check_replicas_idle(engines, call: str) -> None:

@@ -6,10 +6,15 @@ nothing compiles again. The Worker (worker/worker.py) drives these between RL tr
 A param here is a leaf of the params tree as the model takes it: an array, a quantized weight
 of several arrays, or a stacked weight split by layers (layers/scan.py's `Unstacked`); it is
 named by its dotted path ("layers.attn.qkv.weight").
+
+Where the runner's arrays span several processes (tensor parallelism across hosts, a group of
+data-parallel ranks: distributed/multihost.py), each process keeps its own devices' pieces in
+host memory and puts them back on the same devices, every process in the same call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +24,20 @@ import numpy as np
 
 from jvllm.layers.scan import Unstacked, is_unstacked
 
-HostParams = dict[str, Any]  # param path -> its arrays as NumPy, in the runner's layout
+HostParams = dict[str, Any]  # param path -> its arrays on the host, in the runner's layout
+
+
+@dataclasses.dataclass
+class HostShards:
+    """The pieces of an array that spans several processes that this process's devices hold,
+    in host memory, by where each lies in the whole."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: dict[tuple, np.ndarray]  # _index_key(piece's index) -> its values
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        return self.pieces[_index_key(index)]
 
 
 def param_specs(runner) -> dict[str, Any]:
@@ -46,7 +64,7 @@ def release_params(runner, keep_on_host) -> HostParams:
     """Delete every param from the device; -> host copies of those whose path `keep_on_host`
     accepts (the others are lost)."""
     host = {
-        path: jax.tree.map(lambda a: np.array(a, copy=True), param)  # not a view of the buffer
+        path: jax.tree.map(_to_host, param)
         for path, param in _flatten(runner.params)
         if keep_on_host(path)
     }
@@ -63,7 +81,7 @@ def release_draft_params(runner) -> tuple[Any, Any]:
     specs = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
     )
-    host = jax.tree.map(lambda a: np.array(a, copy=True), params)
+    host = jax.tree.map(_to_host, params)
     _delete(params)
     runner.draft.params = None
     return host, specs
@@ -72,7 +90,7 @@ def release_draft_params(runner) -> tuple[Any, Any]:
 def restore_draft_params(runner, saved: tuple[Any, Any]) -> None:
     """Put release_draft_params' host copies back on the device, laid out as before."""
     host, specs = saved
-    runner.draft.params = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), host, specs)
+    runner.draft.params = jax.tree.map(_on_devices, host, specs)
 
 
 def restore_params(runner, host: HostParams) -> None:
@@ -106,15 +124,37 @@ def in_runner_layout(runner, path: str, value: np.ndarray) -> Any:
 def _put(value: Any, spec: Any, path: str) -> Any:
     """`value`'s arrays on the device, each laid out as its ShapeDtypeStruct in `spec`."""
 
-    def put(array: np.ndarray, s: jax.ShapeDtypeStruct) -> jax.Array:
-        if (array.shape, array.dtype) != (s.shape, s.dtype):
+    def put(array: np.ndarray | HostShards, s: jax.ShapeDtypeStruct) -> jax.Array:
+        if (tuple(array.shape), array.dtype) != (s.shape, s.dtype):
             raise ValueError(
                 f"param {path!r}: got {array.dtype}{list(array.shape)}, the compiled model "
                 f"takes {s.dtype}{list(s.shape)}"
             )
-        return jax.device_put(array, s.sharding)
+        return _on_devices(array, s)
 
     return jax.tree.map(put, value, spec)
+
+
+def _to_host(array: jax.Array) -> np.ndarray | HostShards:
+    """A copy of `array` in host memory (not a view of its buffer): whole, or this process's
+    pieces of one that spans several processes."""
+    if array.is_fully_addressable:
+        return np.array(array, copy=True)
+    pieces = {_index_key(s.index): np.array(s.data, copy=True) for s in array.addressable_shards}
+    return HostShards(array.shape, array.dtype, pieces)
+
+
+def _on_devices(array: np.ndarray | HostShards, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """`array` (whole, or this process's pieces) on the devices of `spec`'s sharding, each
+    given its piece: every process of a sharding that spans several calls this alike."""
+    if isinstance(array, np.ndarray) and spec.sharding.is_fully_addressable:
+        return jax.device_put(array, spec.sharding)
+    return jax.make_array_from_callback(spec.shape, spec.sharding, lambda index: array[index])
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple:
+    """A piece's index (slices, unhashable before Python 3.12) as a dict key."""
+    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def _delete(tree: Any) -> None:

@@ -17,7 +17,7 @@ from jvllm.attention.backends import default_backend, prepare_backend
 from jvllm.core.engine_config import EngineConfig
 from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.data_parallel_moe import choose_all2all_backend
-from jvllm.distributed.mesh import DP_AXIS, describe_placement, rank_group_mesh
+from jvllm.distributed.mesh import describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_hf_config
@@ -52,7 +52,7 @@ def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
     step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP
     or EAGLE head, at tensor_parallel_size 1 an EAGLE-3 head), alone or in a window of
-    rounds; no steps run ahead, adapters or pooling, and sleep mode runs in one process."""
+    rounds; no steps run ahead, adapters or pooling."""
     runner, spec = config.runner_config, config.speculative_config
     num_shards = config.parallel_config.tensor_parallel_size
     refused = {
@@ -63,9 +63,6 @@ def check_rank_group(config: EngineConfig) -> None:
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,
         "runner='pooling'": config.pooler_config is not None,
-        "enable_sleep_mode across processes": (
-            config.load_config.enable_sleep_mode and jax.process_count() > 1
-        ),
     }
     named = [name for name, is_set in refused.items() if is_set]
     if named:
@@ -227,9 +224,10 @@ class RankWorker:
         """Images are refused across ranks: none to drop."""
 
     # The device half of sleep mode, which engine/sleep.py drives for this rank's engine. The
-    # ranks share the group's params and KV cache: the group frees them once every rank sleeps
-    # (so every rank is idle: a sleeping engine takes no request), and brings each back as soon
-    # as one rank wakes it.
+    # ranks share the group's params and KV cache: the group frees them once every rank of this
+    # process sleeps (so every rank is idle: a sleeping engine takes no request; across
+    # processes each one's rank sleeps as process 0's does), and brings each back as soon as
+    # one rank wakes it.
 
     def has_quantized_weights(self) -> bool:
         return self.group.device_sleep.has_quantized_weights()
@@ -237,7 +235,7 @@ class RankWorker:
     def sleep(self, level: int) -> None:
         asleep = self.group.ranks_asleep
         asleep[self.rank] = level
-        if len(asleep) == self.group.mesh.shape[DP_AXIS]:
+        if len(asleep) == len(self.group.runner.local_ranks):
             self.group.device_sleep.sleep(min(asleep.values()))  # any rank's level 1 keeps them
 
     def missing_params(self) -> list[str]:
