@@ -7,7 +7,8 @@ waits 3 s, generates again), "data-parallel", the prompts and more engine option
 (one rank a process: process 0 prints each prompt's tokens and rank, then the same through
 LLM.generate), "sleep", the prompts, engine options as JSON and a second model directory
 (process 0 generates, sleeps at level 1 and wakes, sleeps at level 2, loads the second model's
-weights and wakes, then loads the first's back: the tokens after each), or
+weights and wakes, loads the first's back, then resets the prefix cache: the tokens after
+each), or
 "initialize-twice" and a coordinator address."""
 
 import glob
@@ -72,6 +73,8 @@ if mode == "sleep":
     result["other_weights"] = generate()
     llm.load_weights(weights(model))  # awake: replaced in place, the prefix cache reset
     result["weights_back"] = generate()
+    llm.reset_prefix_cache()  # every process's: else their schedulers part ways
+    result["after_reset"] = generate()
     print("RESULT", json.dumps(result), flush=True)
     sys.exit(0)
 llm = LLM(model, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=4)

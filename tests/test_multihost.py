@@ -206,7 +206,8 @@ def test_sleep_and_new_weights_across_processes(
     """sleep, wake_up and load_weights on process 0 reach every process: at T = 4 the params
     cut over both processes' devices come back whole (each process its pieces), independent
     replicas each sleep and load, and a group of ranks frees and refills its shared arrays on
-    both processes; the tokens equal one device's, of the second model's weights once loaded."""
+    both processes; the tokens equal one device's, of the second model's weights once loaded.
+    reset_prefix_cache too reaches every process, whose schedulers must stay alike."""
     path, other = (moe_dir, other_dirs[1]) if moe else (model_dir, other_dirs[0])
     port, prompts = _free_port(), json.dumps(PROMPTS)
     args = ("sleep", prompts, json.dumps(options), other)
@@ -217,6 +218,7 @@ def test_sleep_and_new_weights_across_processes(
     expected = _one_device(path)
     assert result["asleep"]
     assert result["first"] == result["after_sleep_1"] == result["weights_back"] == expected
+    assert result["after_reset"] == expected
     assert result["other_weights"] == _one_device(other) != expected
     assert leader.wait(timeout=60) == 0
     _, worker_log = worker.communicate(timeout=60)
