@@ -20,6 +20,7 @@ _STEPS = [
         "issue-22",
         "issue-17",
         "issue-18",
+        "spec-8b",
         "plans",
         "window-checks",
         "check",
@@ -49,7 +50,7 @@ def _recorded_commands(tmp_path, steps: list[str]) -> list[list[str]]:
     stand_in.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record))
     env["OUT"] = str(tmp_path / "out")
-    tokenizer = tmp_path / "tokenizer"  # what issue-18 needs carried, here a stand-in
+    tokenizer = tmp_path / "tokenizer"  # what the 8B shapes' steps need carried: a stand-in
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
     env["GPU_SESSION_TOKENIZER"] = str(tokenizer)

@@ -50,6 +50,10 @@
 #                   shapes (goals: 8B batch-1 within 1.15x of its floor, SmolLM2 batch-1 at least
 #                   632 tok/s, 8B 64 x 512 -> 128 at least 4297 tok/s)
 #     issue-18      cold and warm start-up of the 8B shapes (random weights, SmolLM2's tokenizer)
+#     spec-8b       speculative decoding on the 8B shapes (random weights, SmolLM2's tokenizer)
+#                   with an EAGLE-3-shaped head of random weights (issue 49): a round's cost in
+#                   plain decode steps and the speed-up it implies at 60% / 80% acceptance, one
+#                   call a round and 4 rounds a call (jvllm.benchmarks.spec_decode). Not yet run
 #     plans         sampler plans (sample/plan.py, the GPU default since d06ae85: steps without
 #                   the sampler's conditionals), 8B shapes: async scheduling and decode windows
 #                   against k = 1, then async against k = 1 with JVLLM_SAMPLER_PLANS=0 (the
@@ -98,7 +102,7 @@
 # Put every figure with its command and device in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 check"
+usage="usage: bash tools/gpu_session.sh STEP [STEP...] (layers issue-22 issue-17 issue-18 spec-8b check"
 usage+=" mla plans window-checks scan-slices cond-sync bench-decode bench-mixed engine-small engine-8b engine-gemma engine-moe"
 usage+=" engine-steps)"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
@@ -160,6 +164,17 @@ shape_throughput() {
     workload "jvllm/benchmarks/model_configs/$shape" --max-model-len 2048 "${kv[@]}" --skip-hf "$@"
 }
 
+# The 8B shapes with a tokenizer, for benchmarks whose prompts are text: the shapes have none of
+# their own, so SmolLM2's (carried, see the top) encodes them; ids past its vocabulary decode to
+# nothing. Prints the model directory.
+shape_with_tokenizer() {
+    local tokenizer=${GPU_SESSION_TOKENIZER:-.tokenizer} model=/tmp/llama-3-8b-with-tokenizer
+    [ -f "$tokenizer/tokenizer.json" ] || { echo "carry $tokenizer (see the top)" >&2; exit 2; }
+    mkdir -p "$model"
+    cp jvllm/benchmarks/model_configs/llama-3-8b/config.json "$tokenizer"/* "$model"/
+    echo "$model"
+}
+
 case $step in
 layers)
     {
@@ -218,16 +233,19 @@ issue-17)
     ;;
 issue-18)
     {
-        # The 8B shapes have no tokenizer of their own, and the startup benchmark's prompts are
-        # text: SmolLM2's (carried, see the top) encodes them; ids past its vocabulary decode
-        # to nothing.
-        tokenizer=${GPU_SESSION_TOKENIZER:-.tokenizer}
-        [ -f "$tokenizer/tokenizer.json" ] || { echo "carry $tokenizer (see the top)" >&2; exit 2; }
-        model=/tmp/llama-3-8b-with-tokenizer
-        mkdir -p "$model"
-        cp jvllm/benchmarks/model_configs/llama-3-8b/config.json "$tokenizer"/* "$model"/
+        model=$(shape_with_tokenizer) || exit 2
         python3 -m jvllm.benchmarks.startup --model "$model" --load-format dummy \
             --dtype bfloat16 --skip-serve
+    } 2>&1 | tee "$out/$step.log"
+    ;;
+spec-8b)
+    {
+        # Three engines of the 8B shapes in one process (plain, one call a round, a window):
+        # 2 GiB of KV cache each, the prompts being short.
+        model=$(shape_with_tokenizer) || exit 2
+        python3 -m jvllm.benchmarks.spec_decode --model "$model" \
+            --load-format dummy --method eagle3 -k 3 --max-tokens 128 --num-iters 3 \
+            --num-scheduler-steps 4 --kv-cache-memory-bytes $((2 << 30))
     } 2>&1 | tee "$out/$step.log"
     ;;
 issue-45)

@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 
 from jvllm import LLM, SamplingParams
-from jvllm.benchmarks.moe import cpu_name
 from jvllm.benchmarks.quality import greedy_agreement, parse_engine_kwargs, perplexity_text
+from jvllm.benchmarks.startup import cpu_name
 from jvllm.model_loader.default_model import resolve_default_model
 
 # On CPUs with AMX, llama.cpp's default (native) build crashes; these build it for AVX-512.

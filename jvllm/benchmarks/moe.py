@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jvllm.benchmarks.startup import cpu_name
 from jvllm.benchmarks.workload import median_time
 from jvllm.layers.moe import dense_moe_mlp, moe_mlp, route
 
@@ -77,18 +78,6 @@ def _layer_seconds(x, params, shape, impl, args) -> tuple[float, bool]:
     if warm_up > args.max_call_seconds:
         return warm_up, False
     return median_time(run, args.num_iters), True
-
-
-def cpu_name() -> str:
-    """The host CPU's model name, from /proc/cpuinfo ('unknown' where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def cell(seconds: float, is_median: bool) -> str:

@@ -9,6 +9,7 @@ whose answer does not (a story).
     python -m jvllm.benchmarks.spec_decode --method eagle3
     python -m jvllm.benchmarks.spec_decode --method mtp
     python -m jvllm.benchmarks.spec_decode --method eagle
+    python -m jvllm.benchmarks.spec_decode --method eagle3 --model DIR --load-format dummy
 
 `--method draft_model` drafts with the target's first --draft-layers layers, its final norm and
 its LM head (the same checkpoint loaded with hf_overrides={"num_hidden_layers": N}: the loader
@@ -39,6 +40,8 @@ import argparse
 import statistics
 import tempfile
 import time
+
+import jax
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import (
@@ -98,6 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument(
+        "--load-format", default="auto", help="dummy: random weights of --model's config.json"
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="each engine's KV cache (on a GPU, where the first engine would take the rest)",
+    )
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs; medians")
     parser.add_argument(
         "--temperatures",
@@ -110,7 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         args.model = tempfile.mkdtemp(prefix="jvllm_deepseek_v3_mtp_")
         save_random_deepseek_v3_with_mtp(args.model, default_model_dir())
         target_name = "a random DeepSeek-V3 with an MTP layer"
-    engine_kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": 8}
+    engine_kwargs = {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": 8,
+        "load_format": args.load_format,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+    }
     speculative_config = {
         "method": args.method,
         "num_speculative_tokens": args.num_speculative_tokens,
@@ -150,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     stats = speculative.llm_engine.spec_decoding_stats
     temperatures = [float(t) for t in args.temperatures.split(",")]
     k, rounds = args.num_speculative_tokens, []
-    print(f"CPU: {cpu_name()}; {target_name} in {args.dtype}, batch 1")
+    device = jax.devices()[0].device_kind
+    print(f"CPU: {cpu_name()}; device: {device}; {target_name} in {args.dtype}, batch 1")
     print(f"speculative_config: {speculative_config}, {args.max_tokens} tokens a prompt")
     window_header = "" if windowed is None else f" {'window tok/s':>12} {'/spec':>6} {'same':>5}"
     print(
