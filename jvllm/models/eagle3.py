@@ -24,6 +24,7 @@ from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.linear import Linear
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
+from jvllm.layers.parallel import gather_over_shards
 from jvllm.layers.params import param
 from jvllm.layers.rotary import rope_cos_sin
 from jvllm.models.eagle1 import check_one_layer
@@ -77,7 +78,9 @@ class Eagle3Head(nnx.Module):
     def __init__(self, config: ModelConfig):
         d, dtype = config.hidden_size, jnp.dtype(config.dtype)
         self.config = config
-        draft_vocab = config.option("draft_vocab_size")
+        # One device's share of the draft vocabulary under tensor parallelism (the last one's
+        # padded), as shard_config cuts the target's.
+        draft_vocab = -(-config.option("draft_vocab_size") // config.num_shards)
         self.fc = Linear(
             3 * config.option("target_hidden_size"), d, ("embed", "embed"), dtype=dtype
         )
@@ -113,10 +116,16 @@ class Eagle3Head(nnx.Module):
     def draft_logits(self, normed: jax.Array, vocab_size: int) -> jax.Array:
         """normed f32[S, D] -> f32[S, V] logits over the target's `vocab_size` ids: the draft
         vocabulary's at their target ids (d2t), -inf at the others (a draft vocabulary padded
-        to cut over T devices keeps its padding out)."""
-        draft_vocab_size = self.config.option("draft_vocab_size")
-        logits = self.lm_head(normed)[:, :draft_vocab_size].astype(jnp.float32)
-        target_ids = jnp.arange(draft_vocab_size) + self.d2t[...][:draft_vocab_size]
+        to cut over T devices keeps its padding out). On one device of several inside a
+        shard_map (a group of ranks' step) its share of the LM head and d2t is gathered."""
+        draft_vocab_size, num_shards = (
+            self.config.option("draft_vocab_size"),
+            self.config.num_shards,
+        )
+        logits = gather_over_shards(self.lm_head(normed), num_shards, axis=1)
+        logits = logits[:, :draft_vocab_size].astype(jnp.float32)
+        d2t = gather_over_shards(self.d2t[...], num_shards, axis=0)[:draft_vocab_size]
+        target_ids = jnp.arange(draft_vocab_size) + d2t
         placed = jnp.full((normed.shape[0], vocab_size), -jnp.inf, jnp.float32)
         return placed.at[:, target_ids].set(logits)
 

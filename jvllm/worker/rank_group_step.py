@@ -5,8 +5,8 @@ shard_map, one executable a (bucket, kind), compiled on first use or all up fron
 
 With a draft model or head (speculative decoding) each device runs it inside the step as one
 engine does (step_fn.model_step), on its rank's rows and draft KV pages: a draft model or an
-MTP or EAGLE-1 head cut over the rank's T devices as the target is (a head's logits gathered
-over them), an EAGLE-3 head at T = 1; an MoE layer of either (an MTP layer's experts) reaches
+MTP, EAGLE-1 or EAGLE-3 head cut over the rank's T devices as the target is (a head's
+logits gathered over them); an MoE layer of either (an MTP layer's experts) reaches
 across the ranks as the target's do, every rank running the same k draft steps.
 
 A window's MoE layers exchange tokens with every rank at every step, so every rank steps as
@@ -63,7 +63,7 @@ def _draft_options(
         return {}
     config, backend = draft.config, runner_config.attention_backend
     local = rank_config(config, mesh)
-    if draft.method in HEAD_METHODS:  # an EAGLE-3 one at T = 1 only (check_rank_group)
+    if draft.method in HEAD_METHODS:
         attn = get_attention(backend, sm_scale=config.sm_scale)
         k, vocab = runner_config.num_speculative_tokens, target.vocab_size
         return {"draft_head": draft_head(local, rank_config(target, mesh), attn, k, vocab)}

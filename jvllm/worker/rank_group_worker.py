@@ -50,16 +50,11 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP
-    or EAGLE head, at tensor_parallel_size 1 an EAGLE-3 head), alone or in a window of
-    rounds; no steps run ahead, adapters or pooling."""
-    runner, spec = config.runner_config, config.speculative_config
-    num_shards = config.parallel_config.tensor_parallel_size
+    step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP,
+    EAGLE or EAGLE-3 head), alone or in a window of rounds; no steps run ahead, adapters or
+    pooling."""
+    runner = config.runner_config
     refused = {
-        f"speculative_config method 'eagle3' at tensor_parallel_size {num_shards} (its "
-        "draft vocabulary runs at 1)": (
-            spec is not None and spec.method == "eagle3" and num_shards > 1
-        ),
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,
         "runner='pooling'": config.pooler_config is not None,

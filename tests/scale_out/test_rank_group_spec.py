@@ -1,7 +1,8 @@
 """Speculative decoding in a group of data-parallel ranks whose MoE layers run across them
 (worker/rank_group.py, D = 2 on fake CPU devices): n-gram drafts, a draft model and an MTP or
 EAGLE head drafting inside every rank's step, alone or in windows of speculative rounds, give
-one device's tokens without speculation; an EAGLE-1 head's drafts at T = 2 are one device's."""
+one device's tokens without speculation; an EAGLE-1 or EAGLE-3 head's drafts at T = 2 are one
+device's."""
 
 import pytest
 from family_parity import ragged_prompts
@@ -9,7 +10,7 @@ from test_data_parallel_moe import ENGINE_KWARGS, VOCAB, group_llm, model_dir
 from test_spec_decode_mtp import save_v3_with_mtp
 
 from jvllm import LLM, SamplingParams
-from jvllm.benchmarks.random_heads import save_random_eagle1_head
+from jvllm.benchmarks.random_heads import save_random_eagle1_head, save_random_eagle3_head
 from jvllm.model_loader.hf import read_hf_config
 
 __all__ = ["model_dir"]  # the fixture, shared with test_data_parallel_moe.py
@@ -98,27 +99,22 @@ def test_ranks_draft_with_the_mtp_layer_and_give_the_tokens_of_no_speculation(
         assert group.draft.config.all2all_backend == all2all_backend
 
 
-def test_an_eagle3_head_past_one_device_a_rank_is_refused(model_dir):
-    spec = {"method": "eagle3", "model": model_dir("mixtral"), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"method 'eagle3' at tensor_parallel_size 2"):
-        LLM(
-            model_dir("mixtral"),
-            data_parallel_size=2,
-            tensor_parallel_size=2,
-            enable_expert_parallel=True,
-            speculative_config=spec,
-            **ENGINE_KWARGS,
-        )
-
-
-def test_an_eagle1_head_at_t2_proposes_one_devices_drafts(model_dir, tmp_path):
-    """An EAGLE-1 head reads the target's LM head, cut on the vocabulary over the rank's two
-    devices inside the group's shard_map: its logits gathered whole, the drafts it proposes
-    for a request on rank 0 are one engine's, and the tokens one device's without
-    speculation."""
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_head_at_t2_proposes_one_devices_drafts(model_dir, tmp_path, method):
+    """An EAGLE-1 head reads the target's LM head, an EAGLE-3 head its own over a draft
+    vocabulary (301 ids, padded to cut over T): either cut on the vocabulary over the rank's
+    two devices inside the group's shard_map, its logits (and EAGLE-3's d2t) gathered whole,
+    the drafts it proposes for a request on rank 0 are one engine's, and the tokens one
+    device's without speculation."""
     path = model_dir("looping_mixtral")
-    save_random_eagle1_head(str(tmp_path), read_hf_config(path), seed=7)
-    spec = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3}
+    target = read_hf_config(path, "float32")
+    if method == "eagle":
+        save_random_eagle1_head(str(tmp_path), target, seed=7)
+    else:
+        save_random_eagle3_head(
+            str(tmp_path), target, draft_vocab_size=301, layer_ids=(0, 1, 1), seed=7
+        )
+    spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 3}
 
     def drafts_after_prefill(engine, ranks) -> list[int]:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -129,6 +125,14 @@ def test_an_eagle1_head_at_t2_proposes_one_devices_drafts(model_dir, tmp_path):
         return drafts
 
     one = LLM(path, speculative_config=spec, **ENGINE_KWARGS).llm_engine
-    group = group_llm(path, 2, speculative_config=spec).llm_engine
+    group = group_llm(path, 2, speculative_config=spec)
     want = drafts_after_prefill(one, [one])
-    assert len(want) == 3 and drafts_after_prefill(group, group.replicas) == want
+    assert (
+        len(want) == 3 and drafts_after_prefill(group.llm_engine, group.llm_engine.replicas) == want
+    )
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(VOCAB, lengths=(6, 13, 9))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = lambda llm: [
+        o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+    ]
+    assert tokens(group) == tokens(LLM(path, **ENGINE_KWARGS))
