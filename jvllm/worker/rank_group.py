@@ -47,12 +47,13 @@ from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import prepare_window_inputs
 from jvllm.worker.draft_model import DraftModel
-from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.kv_layout import new_kv_cache
+from jvllm.worker.pooler import prepare_pool_inputs
 from jvllm.worker.proposal_runner import DraftProposals
 from jvllm.worker.rank_group_step import GroupExecutables
-from jvllm.worker.runner_output import ModelRunnerOutput, as_window, fetch_output
-from jvllm.worker.spec_window import cut_short, fetch_spec_window, first_round
+from jvllm.worker.runner_output import ModelRunnerOutput
+from jvllm.worker.scheduled_step import read_rank_results
+from jvllm.worker.spec_window import cut_short, first_round
 from jvllm.worker.step_compiler import abstract_state
 from jvllm.worker.step_hand_over import StepHandOver
 from jvllm.worker.step_inputs import (
@@ -98,7 +99,8 @@ class RankGroupRunner:
         here = jax.process_index()
         self.local_ranks = [r for r in range(num_ranks) if mesh.devices[r, 0].process_index == here]
         block_size = runner_config.block_size
-        # As ModelRunner's steps, drafts scored in them, no adapters or images.
+        # As ModelRunner's steps (or its pooling steps), drafts scored in them, no adapters or
+        # images.
         self.layout = step_layout(config, runner_config, kv_groups, None)
         self.buckets = step_buckets(runner_config)
 
@@ -189,6 +191,8 @@ class RankGroupRunner:
             sizes = [size for sizes in gather_objects(sizes) for size in sizes]
             if not sizes:
                 return {}  # no rank of any process has a step
+        if self.executables.pooling_type is not None:
+            return self._run_pool(steps, counts, self._bucket([size[:2] for size in sizes]))
         # A decode window (of speculative rounds, with drafts) where every rank with a step
         # scheduled one; else a step, of which a window's requests take one token each, or
         # verify the drafts of their first round (the rest of their window's blocks stay
@@ -248,13 +252,39 @@ class RankGroupRunner:
             i = self.local_ranks.index(r)
             rank_out = jax.tree.map(lambda a, i=i: a[i], out)
             sampling = jax.tree.map(lambda a, i=i: a[i], local.sampling)
-            results[r] = _rank_result(kind, rank_out, step, sampling, drafts[r])
+            results[r] = read_rank_results(
+                kind, rank_out, step.scheduler_output, sampling, drafts[r]
+            )
             if self.draft is not None:
                 self.proposals[r].keep_drafts(rank_out.draft_tokens, _requests(step))
                 if kind == "spec_window":  # the drafts past a run cut short go
                     self.proposals[r].drop_drafts(cut_short(results[r], _requests(step)))
             self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
         return results
+
+    def _run_pool(self, steps: dict[int, _Step], counts, bucket: Bucket) -> dict[int, np.ndarray]:
+        """The local ranks' pooling steps (the others padding) in `bucket`, run as one -> each
+        one's pooled rows f32[num_reqs, H] (ModelRunner.execute_pooling's)."""
+        pooling_type, ranks = self.executables.pooling_type, []
+        for r in self.local_ranks:
+            if r not in steps:
+                ranks.append(self.executables.padding(bucket, "pool"))
+                continue
+            step, requests = steps[r], _requests(steps[r])
+            window_ids = window_block_ids(step.scheduler_output)  # a windowed layer's tables
+            inputs = self.layout.inputs(
+                requests, counts[r], step.block_ids, bucket, window_block_ids=window_ids
+            )
+            ranks.append(prepare_pool_inputs(inputs, requests, counts[r], pooling_type))
+        local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...]
+        exe = self.executables(bucket, "pool")
+        pooled, self.kv_cache = exe(self.params, self.kv_cache, self._global(local))
+        self.num_group_steps += 1
+        pooled = self._local_rows(pooled)  # [local ranks, S, H]
+        return {
+            r: pooled[self.local_ranks.index(r)][: len(_requests(step))]
+            for r, step in steps.items()
+        }
 
     def _bucket(self, sizes: list[tuple[int, int]]) -> Bucket:
         """The one bucket of the ranks' steps of (tokens, sequences) `sizes`: a decode bucket
@@ -292,31 +322,6 @@ class RankGroupRunner:
 
 def _requests(step: _Step) -> list:
     return step.scheduler_output.scheduled_requests
-
-
-def _rank_result(
-    kind: str, out, step: _Step, sampling, drafts: list[list[int]] | None
-) -> ModelRunnerOutput:
-    """One rank's result of the group's `kind` executable, `out` its rows on the host, as its
-    own runner would give it (scheduled_step.read_results): a window of speculative rounds'
-    tokens and each round's drafts; a decode window's tokens as a list each; a step's with
-    `drafts` each request's accepted run as a list, a window's requests run as a step their
-    one token as a list (`as_window`)."""
-    num_reqs = len(_requests(step))
-    if kind == "spec_window":
-        return fetch_spec_window(out, num_reqs, bool(sampling.any_logprobs))
-    result = fetch_output(
-        out,
-        list(range(num_reqs)),
-        kind == "window",
-        bool(sampling.any_logprobs),
-        kind == "step" and bool(sampling.any_prompt_logprobs),
-    )
-    if drafts:  # each request's run, a list
-        return with_accepted_runs(result, out, drafts)
-    if kind == "step" and step.scheduler_output.num_steps > 1:
-        return as_window(result)
-    return result
 
 
 class _NoCompiler:
@@ -366,6 +371,14 @@ class RankRunner:
     ) -> ModelRunnerOutput:
         """ModelRunner.execute_model's contract: this rank's step, run in the group's."""
         step = _Step(scheduler_output, block_ids, token_bitmask)
+        return self.group.hand_over.submit(self.rank, step)
+
+    def execute_pooling(
+        self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
+    ) -> np.ndarray:
+        """ModelRunner.execute_pooling's contract: this rank's pooling step, run in the
+        group's."""
+        step = _Step(scheduler_output, block_ids, None)
         return self.group.hand_over.submit(self.rank, step)
 
     def propose_drafts(

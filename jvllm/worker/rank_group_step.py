@@ -1,5 +1,6 @@
 """The executables of a group of data-parallel ranks whose MoE layers run across them
-(worker/rank_group.py): the engine's step, and with num_scheduler_steps > 1 its decode window
+(worker/rank_group.py): the engine's step (a pooling runner's: its pooling step), and with
+num_scheduler_steps > 1 its decode window
 (with drafts, a window of speculative rounds: worker/spec_window.py), each run by every device of the ("data", "model") mesh on its rank's inputs inside one
 shard_map, one executable a (bucket, kind), compiled on first use or all up front.
 
@@ -34,6 +35,7 @@ from jvllm.worker.buckets import Bucket, BucketSpec
 from jvllm.worker.decode_loop import prepare_window_inputs, window_steps_per_check
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.eagle import draft_head
+from jvllm.worker.pooler import pool_step, prepare_pool_inputs
 from jvllm.worker.step_compiler import StepLayout
 from jvllm.worker.step_fn import model_step
 from jvllm.worker.step_kinds import StepKinds
@@ -94,9 +96,21 @@ class GroupExecutables:
         (its params on `mesh`) the params and KV caches are (target's, draft's) pairs."""
         self.mesh, self.layout, self.state_spec = mesh, layout, state_spec
         self.num_ranks = mesh.shape[DP_AXIS]
+        model = _rank_model(rank_config(config, mesh), attn, config.vocab_size)
+        specs = params_in_specs(param_specs(config), params)
+        self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
+        # A decode window's kind: with drafts, a window of speculative rounds.
+        self.num_drafts = num_drafts = runner_config.num_speculative_tokens
+        self.window_kind = "spec_window" if num_drafts else "window"
+        # A pooling runner's ranks pool their prompts' chunks (worker/pooler.py), never sample.
+        self.pooling_type = runner_config.pooling_type
+        if self.pooling_type is not None:
+            self.kinds = ("pool",)
+            self._jitted = {"pool": self._jit_pool(model.forward, specs)}
+            return
         step = functools.partial(
             model_step,
-            model=_rank_model(rank_config(config, mesh), attn, config.vocab_size),
+            model=model,
             max_logprobs=runner_config.max_logprobs,
             logprobs_mode=runner_config.logprobs_mode,
             num_drafts=layout.num_speculative_tokens,
@@ -104,12 +118,8 @@ class GroupExecutables:
         )
         counts_shape = (num_moe_layers(config), config.num_experts)
         kinds = StepKinds(runner_config, window_steps_per_check(), counts_shape)
-        # A decode window's kind: with drafts, a window of speculative rounds.
-        self.num_drafts = num_drafts = runner_config.num_speculative_tokens
-        self.window_kind = "spec_window" if num_drafts else "window"
         is_windowed = runner_config.num_scheduler_steps > 1
         self.kinds = ("step", self.window_kind) if is_windowed else ("step",)
-        specs = params_in_specs(param_specs(config), params)
         kv_spec = KV_CACHE_SPEC
         if draft is not None:
             specs = (specs, params_in_specs(param_specs(draft.config), draft.params))
@@ -117,7 +127,6 @@ class GroupExecutables:
         self._jitted = {
             kind: self._jit(kinds.body(kind, step), specs, kv_spec) for kind in self.kinds
         }
-        self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
 
     def _jit(self, body, param_specs_, kv_spec):
         """jit of `body` (a StepKinds body) on every device: (params, kv_cache, token_cache,
@@ -144,6 +153,26 @@ class GroupExecutables:
 
         return jax.jit(mapped, donate_argnums=(1, 2))
 
+    def _jit_pool(self, model_forward, param_specs_):
+        """jit of the pooling step on every device: (params, kv_cache, PoolInputs [D, ...])
+        -> (pooled f32[D, S, H], kv_cache), the cache donated."""
+
+        def on_rank(params, kv_cache, inputs):
+            local = jax.tree.map(lambda a: a[0], inputs)
+            pooled, kv_cache = pool_step(params, kv_cache, local, forward=model_forward)
+            return pooled[None], kv_cache
+
+        def mapped(params, kv_cache, inputs):
+            return jax.shard_map(
+                on_rank,
+                mesh=self.mesh,
+                in_specs=(param_specs_, KV_CACHE_SPEC, RANKS_SPEC),
+                out_specs=(RANKS_SPEC, KV_CACHE_SPEC),
+                check_vma=False,
+            )(params, kv_cache, inputs)
+
+        return jax.jit(mapped, donate_argnums=1)
+
     def __len__(self) -> int:
         return len(self._executables)
 
@@ -160,7 +189,7 @@ class GroupExecutables:
         """Every bucket's step, and where windows run every window shape that the ranks'
         schedulers can run."""
         for bucket in buckets.all_buckets():
-            self(bucket, "step")
+            self(bucket, self.kinds[0])
         if len(self.kinds) > 1:
             for bucket, kind in buckets.window_shapes(self.num_drafts):
                 self(bucket, kind)
@@ -169,8 +198,8 @@ class GroupExecutables:
         """An executable's arguments as ShapeDtypeStructs: the arrays' own, and every rank's
         step (and window) of `bucket` [D, ...] cut over "data"."""
         ranks = NamedSharding(self.mesh, RANKS_SPEC)
-        padding = [self.layout.inputs([], [], [], bucket)]
-        if kind != "step":
+        padding = [self.padding(bucket, kind)]
+        if kind not in ("step", "pool"):
             padding.append(prepare_window_inputs([], [], bucket.num_seqs))
         stacked = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
@@ -179,4 +208,11 @@ class GroupExecutables:
             padding,
         )
         params, kv_cache, token_cache, bias_rows = self.state_spec
+        if kind == "pool":
+            return (params, kv_cache, *stacked)
         return (params, kv_cache, token_cache, bias_rows, *stacked)
+
+    def padding(self, bucket: Bucket, kind: str):
+        """A rank's step of nothing in `bucket` (its rows write only the null page)."""
+        step = self.layout.inputs([], [], [], bucket)
+        return step if kind != "pool" else prepare_pool_inputs(step, [], [], self.pooling_type)

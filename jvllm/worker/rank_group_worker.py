@@ -20,7 +20,7 @@ from jvllm.distributed.data_parallel_moe import choose_all2all_backend
 from jvllm.distributed.mesh import describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
 from jvllm.model_loader.generation_config import load_generation_config
-from jvllm.model_loader.hf import read_hf_config
+from jvllm.model_loader.hf import read_config_json, read_hf_config
 from jvllm.model_loader.loader import expected_dtype, load_engine_model
 from jvllm.models.model import takes_images
 from jvllm.quantization import describe_weights
@@ -51,13 +51,12 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
     step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP,
-    EAGLE or EAGLE-3 head), alone or in a window of rounds; no steps run ahead, adapters or
-    pooling."""
+    EAGLE or EAGLE-3 head), alone or in a window of rounds, or a pooling runner's; no steps
+    run ahead or adapters."""
     runner = config.runner_config
     refused = {
         "async_scheduling": runner.async_scheduling,
         "enable_lora": config.lora_config is not None,
-        "runner='pooling'": config.pooler_config is not None,
     }
     named = [name for name, is_set in refused.items() if is_set]
     if named:
@@ -106,7 +105,13 @@ class RankGroupWorker:
             self.draft = dataclasses.replace(self.draft, config=draft_config)
         max_model_len = model_config.checked_max_model_len(load.max_model_len)
         self.model_config = model_config.for_max_model_len(max_model_len)
-        self.model_config.check_can_generate()
+        # A pooling model's config.json as a dict, as Worker.hf_config (the group is of a
+        # checkpoint directory: runs_moe_across_ranks); None for a generating one.
+        self.hf_config = None
+        if load.runner == "pooling":
+            self.hf_config = read_config_json(load.model, load.hf_overrides)
+        else:
+            self.model_config.check_can_generate()
         self.config = config.resolved(
             max_model_len, backend, layer_windows=model_config.layer_windows
         )
@@ -193,7 +198,6 @@ class RankWorker:
     """Rank `rank`'s Worker, as its LLMEngine uses one: the group's resolved config, model and
     tokenizer, its own KV pool's size, and its view of the group's runner."""
 
-    hf_config = None  # a generating engine's
     draft = None
 
     def __init__(self, group: RankGroupWorker, rank: int):
@@ -202,6 +206,7 @@ class RankWorker:
         self.model_config = group.model_config
         self.tokenizer = group.tokenizer
         self.generation_config = group.generation_config
+        self.hf_config = group.hf_config
         self.load_seconds = group.load_seconds
         self.model_runner: RankRunner | None = None
 

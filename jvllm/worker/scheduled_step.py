@@ -15,7 +15,7 @@ from jvllm.worker.decode_loop import WindowInputs, prepare_window_inputs
 from jvllm.worker.draft_scoring import with_accepted_runs
 from jvllm.worker.encoder_runner import EncoderRunner
 from jvllm.worker.pooler import PoolInputs, prepare_pool_inputs
-from jvllm.worker.runner_output import ModelRunnerOutput, fetch_output
+from jvllm.worker.runner_output import ModelRunnerOutput, as_window, fetch_output
 from jvllm.worker.spec_window import SpecWindowOutput, fetch_spec_window, first_round
 from jvllm.worker.step_compiler import StepCompiler
 from jvllm.worker.step_inputs import (
@@ -124,4 +124,29 @@ def read_results(
     drafts = scheduled_drafts(scheduler_output)
     if drafts is not None and not is_window:
         result = with_accepted_runs(result, out, drafts)
+    return result
+
+
+def read_rank_results(
+    kind: str, out, scheduler_output: SchedulerOutput, sampling, drafts: list[list[int]] | None
+) -> ModelRunnerOutput:
+    """One rank's result of a group of ranks' `kind` executable (worker/rank_group.py), `out`
+    its rows on the host, as its own runner would give it (read_results): a window of
+    speculative rounds' tokens and each round's drafts; a decode window's tokens as a list
+    each; a step's with `drafts` each request's accepted run as a list, a window's requests run
+    as a step their one token as a list (`as_window`)."""
+    num_reqs = len(scheduler_output.scheduled_requests)
+    if kind == "spec_window":
+        return fetch_spec_window(out, num_reqs, bool(sampling.any_logprobs))
+    result = fetch_output(
+        out,
+        list(range(num_reqs)),
+        kind == "window",
+        bool(sampling.any_logprobs),
+        kind == "step" and bool(sampling.any_prompt_logprobs),
+    )
+    if drafts:  # each request's run, a list
+        return with_accepted_runs(result, out, drafts)
+    if kind == "step" and scheduler_output.num_steps > 1:
+        return as_window(result)
     return result
