@@ -118,10 +118,8 @@ class Eagle3Head(nnx.Module):
         vocabulary's at their target ids (d2t), -inf at the others (a draft vocabulary padded
         to cut over T devices keeps its padding out). On one device of several inside a
         shard_map (a group of ranks' step) its share of the LM head and d2t is gathered."""
-        draft_vocab_size, num_shards = (
-            self.config.option("draft_vocab_size"),
-            self.config.num_shards,
-        )
+        draft_vocab_size = self.config.option("draft_vocab_size")
+        num_shards = self.config.num_shards
         logits = gather_over_shards(self.lm_head(normed), num_shards, axis=1)
         logits = logits[:, :draft_vocab_size].astype(jnp.float32)
         d2t = gather_over_shards(self.d2t[...], num_shards, axis=0)[:draft_vocab_size]
