@@ -425,13 +425,13 @@ def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(
     a window's form), and every request gives one device's greedy tokens."""
     from jvllm.worker import rank_group
 
-    cut, rank_result = [], rank_group._rank_result
+    cut, rank_result = [], rank_group.read_rank_results
 
-    def recording(kind, out, step, *args):
-        cut.append(kind == "step" and step.scheduler_output.num_steps > 1)
-        return rank_result(kind, out, step, *args)
+    def recording(kind, out, scheduler_output, *args):
+        cut.append(kind == "step" and scheduler_output.num_steps > 1)
+        return rank_result(kind, out, scheduler_output, *args)
 
-    monkeypatch.setattr(rank_group, "_rank_result", recording)
+    monkeypatch.setattr(rank_group, "read_rank_results", recording)
     path = model_dir("mixtral")
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
     prompts = ragged_prompts(VOCAB, lengths=(6, 13, 9, 20, 4, 11))
