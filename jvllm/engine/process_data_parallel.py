@@ -118,7 +118,8 @@ class ProcessDataParallelEngine(ReplicaFront):
         return sum(len(ids) for ids in self._requests_of[1:])
 
     def announce(self, call: str, *args) -> None:
-        """Every other rank runs LLMEngine.`call`(*args) on its engine (Peers')."""
+        """Every other rank runs LLMEngine.`call`(*args) on its engine (Peers'; "step" steps
+        them), after the adds and aborts still pending for them."""
         if self._stopped:
             raise WorkersLostError("the worker processes were stopped; start every process anew")
         commands, self._pending = [*self._pending, (call, *args)], []
@@ -129,13 +130,7 @@ class ProcessDataParallelEngine(ReplicaFront):
 
     def step(self) -> list[RequestOutput]:
         """One step of every rank with work; their outputs in rank order."""
-        if self._stopped:
-            raise WorkersLostError("the worker processes were stopped; start every process anew")
-        commands, self._pending = [*self._pending, ("step",)], []
-        try:
-            broadcast_commands(commands)
-        except Exception as e:
-            raise self._lost(e) from e
+        self.announce("step")
         local = self.replicas[0]
         # The ranks' gather waits for this one.
         report, error = _step_and_report(local, [], self._group)
