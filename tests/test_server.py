@@ -268,6 +268,19 @@ def test_gauges_read_zero_right_after_the_last_request_is_aborted(setup):
     assert _success(idle, "abort") == aborted_before + 1
 
 
+def test_a_bad_prompt_among_several_refuses_the_request_before_any_runs(setup):
+    url = setup["url"]
+    wait_idle(setup["engine"])
+    before = scrape_metrics(url)
+    for prompt in ([[5, 6, 7], [10**9]], [[10**9], [5, 6, 7]]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+        assert _error(httpx.post(url + "/v1/completions", json=body), 400)["param"] == "prompt"
+    after = scrape_metrics(url)
+    # Nothing was added and aborted: the good prompt never ran.
+    assert _success(after, "abort") == _success(before, "abort")
+    assert _generation_tokens(url) == before.get(("jvllm:generation_tokens_total", LABEL), 0.0)
+
+
 def test_400s_on_generation_routes_count_as_rejected(setup):
     url = setup["url"]
     key = (

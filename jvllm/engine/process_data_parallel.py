@@ -81,7 +81,7 @@ class ProcessDataParallelEngine(ReplicaFront):
         if rank == 0:
             local.add_request(*args)
         else:
-            local.check_request(*args)
+            self.check_request(*args)
             self._pending.append(("add", rank, *args))
         self._requests_of[rank].add(request_id)
 

@@ -22,6 +22,10 @@ class ReplicaFront:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].get_default_sampling_params()
 
+    def check_request(self, *args) -> None:
+        """LLMEngine.check_request: every rank refuses what the first does."""
+        self.replicas[0].check_request(*args)
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.replicas[0].eos_token_ids

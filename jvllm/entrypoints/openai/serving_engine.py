@@ -276,6 +276,16 @@ class OpenAIServing:
             async for output in self._generate(prompts[0], params, request_id, kind, *options):
                 yield 0, output
             return
+
+        # Every prompt is checked before any runs (vLLM's): a bad one refuses the request whole,
+        # leaving nothing added and aborted.
+        def check_all(engine) -> None:
+            for index, prompt in enumerate(prompts):
+                rid = f"{request_id}-{index}"
+                engine.check_request(rid, prompt, params, None, priority, lora_request)
+
+        with engine_errors(fields):
+            await self.engine.call_engine(check_all)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, prompt: dict) -> None:
