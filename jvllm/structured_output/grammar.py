@@ -23,6 +23,15 @@ _ANY_OBJECT = '{"type": "object"}'
 _JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 
 
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's limits, but for its parser's items a row: 2000 by default, so a rule of
+    more alternatives than that sharing a first token (a GBNF list of names, say) passed every
+    check, let the token through the first mask, then failed the request when it was sampled.
+    50,000 is llguidance's own cap on the items of one step; masks of such a rule cost about
+    2.5 ms each 1000 alternatives (SmolLM2's tokenizer)."""
+    return llguidance.LLParserLimits(max_items_in_row=50_000)
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (a JSON string) of one constraint; unchecked (see `validate`)."""
     kind = params.kind
@@ -75,7 +84,7 @@ def validate(params: StructuredOutputsParams) -> str:
         grammar = grammar_text(params)
     except Exception as e:  # noqa: BLE001 - llguidance raises its own types for bad input
         raise ValueError(f"invalid structured_outputs.{params.kind}: {e}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if error:
         raise ValueError(f"invalid structured_outputs.{params.kind}: {error.strip()}")
     if _admits_only_empty_text(grammar):
@@ -110,7 +119,7 @@ def _admits_only_empty_text(grammar: str) -> bool:
     """Whether a (valid) grammar lets no first byte through, only the end: an empty or rule-less
     grammar, which llguidance takes, but under which a request generates nothing."""
     tokenizer = _byte_tokenizer()
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     mask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)  # i32[1, 9]
     llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
     return not mask[0, : 256 // 32].any()

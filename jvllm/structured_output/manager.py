@@ -18,7 +18,7 @@ import llguidance.numpy
 import numpy as np
 
 from jvllm.sampling_params import StructuredOutputsParams
-from jvllm.structured_output.grammar import cache_key, validate
+from jvllm.structured_output.grammar import cache_key, parser_limits, validate
 
 logger = logging.getLogger("jvllm.structured_output")
 
@@ -124,7 +124,7 @@ class StructuredOutputManager:
 
     def _compile(self, grammar: str, key: str) -> llguidance.LLMatcher:
         start = time.perf_counter()
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, limits=parser_limits())
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         logger.debug("compiled grammar %s in %.3fs", key[:80], time.perf_counter() - start)
