@@ -1,26 +1,21 @@
-"""What completions and chat share: model check, sampling params, length checks, logprobs,
-and running several prompts (or choices) of one HTTP request through the engine at once."""
+"""What completions and chat share: model check, sampling params, length checks and logprobs;
+running a request's prompts through the engine is prompt_runs.py's."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection
 
-from jvllm.engine.async_llm import (
-    AsyncLLM,
-    RequestOutputKind,
-)
+from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.input_processor import check_priority, truncate_prompt
-from jvllm.entrypoints.beam_search import beam_search_async, check_beam_search
-from jvllm.entrypoints.openai.engine_errors import engine_errors, param_of
+from jvllm.entrypoints.beam_search import check_beam_search
+from jvllm.entrypoints.openai.engine_errors import param_of
+from jvllm.entrypoints.openai.prompt_runs import PromptRuns
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.entrypoints.openai.serving_models import ServedModels
 from jvllm.lora.request import LoRARequest
-from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 _ENGINE_SEEDS = 2**32  # the engine's seeds are u32 (a PRNG key each)
@@ -62,7 +57,7 @@ def engine_seed(seed: int | None) -> int | None:
     return int.from_bytes(digest, "little")
 
 
-class OpenAIServing:
+class OpenAIServing(PromptRuns):
     reads_special_tokens = False  # the replies' parsers read special tokens (serving_chat.py)
 
     def __init__(self, engine: AsyncLLM, model_names: str | list[str] | ServedModels):
@@ -256,111 +251,6 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         return min(max_tokens, cap)
-
-    async def generate_all(
-        self,
-        prompts: list[dict],
-        params: SamplingParams,
-        request_id: str,
-        kind: RequestOutputKind,
-        beam: BeamSearchParams | None = None,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-        fields: Collection[str] = (),
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) pairs from every prompt, as they come. Leaving early aborts all.
-        With `beam`, each prompt is one beam search, reported once, at its end. `fields`: the
-        request's, one of which the engine's refusal of a bad input names (a 400's `param`)."""
-        options = (beam, priority, lora_request, fields)
-        if len(prompts) == 1:
-            async for output in self._generate(prompts[0], params, request_id, kind, *options):
-                yield 0, output
-            return
-
-        # Every prompt is checked before any runs (vLLM's): a bad one refuses the request whole,
-        # leaving nothing added and aborted.
-        def check_all(engine) -> None:
-            for index, prompt in enumerate(prompts):
-                rid = f"{request_id}-{index}"
-                engine.check_request(rid, prompt, params, None, priority, lora_request)
-
-        with engine_errors(fields):
-            await self.engine.call_engine(check_all)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, prompt: dict) -> None:
-            rid = f"{request_id}-{index}"
-            try:
-                async for output in self._generate(prompt, params, rid, kind, *options):
-                    queue.put_nowait((index, output))
-            except BaseException as e:
-                queue.put_nowait((index, e))
-                raise
-            queue.put_nowait((index, None))
-
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _generate(
-        self,
-        prompt: dict,
-        params: SamplingParams,
-        request_id: str,
-        kind: RequestOutputKind,
-        beam: BeamSearchParams | None,
-        priority: int,
-        lora_request: LoRARequest | None,
-        fields: Collection[str],
-    ) -> AsyncIterator[RequestOutput]:
-        with engine_errors(fields):
-            if beam is not None:
-                yield await self._beam_search(prompt, beam, request_id, priority, lora_request)
-                return
-            options = {"output_kind": kind, "priority": priority, "lora_request": lora_request}
-            async for output in self.engine.generate(prompt, params, request_id, **options):
-                yield output
-
-    async def _beam_search(
-        self, prompt: dict, beam: BeamSearchParams, request_id: str, priority: int, lora_request
-    ) -> RequestOutput:
-        """One finished output whose completions are the best beams (vLLM's online beam search:
-        the text leaves out a final EOS unless include_stop_str_in_output)."""
-        prompt_ids = prompt["prompt_token_ids"]
-        salt = prompt.get("cache_salt")
-        found = await beam_search_async(
-            self.engine, prompt_ids, beam, request_id, salt, priority, lora_request
-        )
-        eos = self.engine.engine.eos_token_ids
-        outputs = []
-        for index, sequence in enumerate(found.sequences):
-            token_ids = sequence.tokens[len(prompt_ids) :]
-            shown = token_ids
-            if token_ids and token_ids[-1] in eos and not beam.include_stop_str_in_output:
-                shown = token_ids[:-1]
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=self.tokenizer.decode(shown),
-                    token_ids=token_ids,
-                    cumulative_logprob=sequence.cum_logprob,
-                    finish_reason=sequence.finish_reason,
-                    stop_reason=sequence.stop_reason,
-                )
-            )
-        return RequestOutput(request_id, prompt.get("prompt"), prompt_ids, outputs, finished=True)
 
     # ---- logprobs ----
 
