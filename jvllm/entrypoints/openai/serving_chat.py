@@ -7,14 +7,8 @@ import functools
 from collections.abc import AsyncIterator
 
 from jvllm.engine.async_llm import AsyncLLM
-from jvllm.entrypoints.chat import (
-    ContentError,
-    chat_images,
-    has_images,
-    render_conversation,
-    text_content,
-)
-from jvllm.entrypoints.media import MediaError
+from jvllm.entrypoints.chat import chat_images, has_images, text_content
+from jvllm.entrypoints.openai.chat_rendering import ChatRendering
 from jvllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from jvllm.entrypoints.openai.reasoning import (
     ReasoningParser,
@@ -30,7 +24,7 @@ from jvllm.outputs import CompletionOutput
 from jvllm.sampling_params import RequestOutputKind
 
 
-class OpenAIServingChat(OpenAIServing):
+class OpenAIServingChat(ChatRendering, OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLM,
@@ -57,65 +51,6 @@ class OpenAIServingChat(OpenAIServing):
         # How image_url parts reach the model (None: it takes no images); image_pil parts are
         # the offline API's.
         self.images = chat_images(engine.engine, takes_pil=False)
-
-    def render(self, messages: list[dict], *args, **kwargs) -> list[int]:
-        """render_prompt's token ids, for endpoints that take text alone (/tokenize, the
-        Responses API): image parts are refused, not fetched."""
-        if has_images(messages):
-            raise OpenAIError(
-                "image parts are taken by /v1/chat/completions only", param="messages"
-            )
-        return self.render_prompt(messages, *args, **kwargs)["prompt_token_ids"]
-
-    def render_prompt(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        kwargs: dict | None = None,
-        chat_template: str | None = None,
-        add_special_tokens: bool = False,
-        tools: list[dict] | None = None,
-    ) -> dict:
-        """The prompt token ids of a conversation under the chat template: the tokenizer's, or
-        the request's own when the server trusts those (vLLM's --trust-request-chat-template)."""
-        kwargs = dict(kwargs or {})
-        chat_template = chat_template or kwargs.pop("chat_template", None)
-        if chat_template is not None and not self.trust_request_chat_template:
-            raise OpenAIError(
-                "this server refuses a chat_template sent with the request; start it with "
-                "--trust-request-chat-template to allow one",
-                param="chat_template",
-            )
-        chat_template = chat_template or self.chat_template
-        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise OpenAIError(
-                "this model's tokenizer has no chat template; start the server with "
-                "--chat-template (a Jinja template or a file holding one)",
-                param="messages",
-            )
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message:
-                raise OpenAIError(
-                    f"messages[{i}] must be an object with a 'role'", param="messages"
-                )
-        try:
-            prompt = render_conversation(
-                self.tokenizer,
-                messages,
-                chat_template,
-                add_generation_prompt and not continue_final_message,
-                continue_final_message,
-                kwargs,
-                add_special_tokens,
-                tools,
-                self.images,
-            )
-        except (MediaError, ContentError) as e:  # a part it cannot take, an image it cannot load
-            raise OpenAIError(str(e), param="messages") from None
-        except Exception as e:  # noqa: BLE001 - a template error is the messages' fault
-            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
-        return prompt
 
     def _role(self, request: ChatCompletionRequest) -> str:
         """The reply's role (vLLM's): the response role after a generation prompt, else the role
