@@ -5,7 +5,6 @@ jvllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [engine options
 
 from __future__ import annotations
 
-import hmac
 import time
 
 from fastapi import FastAPI, Request
@@ -13,13 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jvllm
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.metrics import ServingMetrics
 from jvllm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jvllm.entrypoints.openai.admission import Admission, AdmissionMiddleware, unless_disconnected
+from jvllm.entrypoints.openai.api_key import ApiKeyMiddleware
+from jvllm.entrypoints.openai.error_handlers import add_error_handlers
 from jvllm.entrypoints.openai.lora_routes import adapter_reader, add_lora_routes
 from jvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,71 +47,6 @@ from jvllm.logger import init_logger
 from jvllm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
-
-
-# Paths that need the API key when the server has one. vLLM leaves /invocations, /score and
-# /rerank open; here they run the same work as their /v1 routes, so they are closed the same way.
-_KEYED_PATHS = ("/v1", "/v2", "/invocations", "/score", "/rerank")
-# The routes that generate: a 400 on one of them counts as a rejected request in the metrics.
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
-# Refusals counted by jvllm:num_requests_rejected_total, by status: bad input, a full queue.
-_REJECTED_REASONS = {400: "invalid_request", 503: "overloaded"}
-
-
-class _ApiKeyMiddleware:
-    """401 on /v1/* and /invocations without `Authorization: Bearer <key>` (health, metrics and
-    the tokenizer routes stay open, as in vLLM)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith(_KEYED_PATHS)
-            and scope["method"] != "OPTIONS"
-        ):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
-                error = OpenAIError(
-                    "Invalid or missing API key: pass `Authorization: Bearer <key>`.",
-                    status_code=401,
-                    code="invalid_api_key",
-                )
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    param = ".".join(_field_path(first.get("loc", ()))) or None
-    messages = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-        for e in errors[:5]
-    )
-    return messages, param
-
-
-def _field_path(loc: tuple) -> list[str]:
-    """An error's location as the request's field path: without FastAPI's leading "body", and
-    cut where pydantic names a member of a union (`prompt.list[int].1` is the field `prompt`)."""
-    path = []
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(part, str) and ("[" in part or part in _UNION_MEMBER_TAGS):
-            break
-        path.append(str(part))
-    return path
-
-
-# The tags pydantic gives the plain members of a union (str | list[int]: "str", "list[int]").
-_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def build_app(
@@ -163,41 +98,10 @@ def build_app(
     app.state.admission = admission
     app.add_middleware(RunnerRoutes, runner=engine.engine.engine_config.load_config.runner)
     if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AdmissionMiddleware, admission=admission)  # outermost: first to refuse
 
-    def _count_rejected(request: Request, status_code: int) -> None:
-        reason = _REJECTED_REASONS.get(status_code)
-        if metrics is not None and reason and request.url.path in _GENERATION_PATHS:
-            metrics.record_rejected(reason)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError):
-        _count_rejected(request, exc.status_code)
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        _count_rejected(request, 400)
-        message, param = _validation_message(exc)
-        return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        error = OpenAIError(
-            str(exc.detail),
-            status_code=exc.status_code,
-            type="not_found_error" if exc.status_code == 404 else "invalid_request_error",
-        )
-        return JSONResponse(error.body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        logger.exception("internal error")
-        error = OpenAIError(
-            f"internal server error: {exc!r}", status_code=500, type="internal_server_error"
-        )
-        return JSONResponse(error.body(), status_code=500)
+    add_error_handlers(app, metrics)
 
     def _respond(result):
         if isinstance(result, Response):  # the client left (unless_disconnected)
