@@ -5,7 +5,8 @@ its outputs as JSON after "RESULT "; a worker follows it inside LLM() and exits 
 argv: model directory, then "generate-then-wait" and the prompts as JSON (process 0 generates,
 waits 3 s, generates again), "data-parallel", the prompts and more engine options as JSON
 (one rank a process: process 0 prints each prompt's tokens and rank, then the same through
-LLM.generate), "sleep", the prompts, engine options as JSON and a second model directory
+LLM.generate; with "lora_path" among the options, every other prompt runs that LoRA
+adapter), "sleep", the prompts, engine options as JSON and a second model directory
 (process 0 generates, sleeps at level 1 and wakes, sleeps at level 2, loads the second model's
 weights and wakes, loads the first's back, then resets the prefix cache: the tokens after
 each), or
@@ -18,6 +19,7 @@ import time
 
 from jvllm import LLM, SamplingParams
 from jvllm.distributed.multihost import DistributedConfig, initialize
+from jvllm.lora.request import LoRARequest
 from jvllm.model_loader.safetensors_file import read_safetensors
 
 model, mode = sys.argv[1], sys.argv[2]
@@ -33,15 +35,22 @@ prompts = json.loads(sys.argv[3])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 if mode == "data-parallel":
     options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    lora_path = options.pop("lora_path", None)
+    lora = [None] * len(prompts)
+    if lora_path:
+        options.update(enable_lora=True, max_loras=1, max_lora_rank=8)
+        lora = [LoRARequest("a", 1, lora_path) if i % 2 == 0 else None for i in range(len(lora))]
     llm = LLM(model, dtype="float32", max_num_batched_tokens=32, data_parallel_size=2, **options)
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        engine.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=lora[i])
     ranks = [engine.rank_of(str(i)) for i in range(len(prompts))]
     tokens = {}
     while engine.has_unfinished_requests():
         tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    again = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora
+    )
     group = engine._group  # the MoE layers' group of ranks, if they step as one
     result = {
         "tokens": [tokens[str(i)] for i in range(len(prompts))],

@@ -12,8 +12,10 @@ import time
 import pytest
 import transformers
 from family_parity import TINY_SHAPES, TP_VOCAB, ragged_prompts, save_random_model, save_tp_llama
+from test_lora import save_adapter
 
 from jvllm import LLM, SamplingParams
+from jvllm.lora.request import LoRARequest
 
 # Two jax.distributed processes a test, each compiling: 10-20 s each on 2 cores.
 pytestmark = pytest.mark.slow
@@ -36,6 +38,16 @@ def moe_dir(tmp_path_factory):
     )
     save_random_model(path, config)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def moe_adapter(moe_dir, tmp_path_factory) -> str:
+    """A PEFT LoRA adapter on the MoE's attention projections."""
+    path = str(tmp_path_factory.mktemp("multihost_lora"))
+    save_adapter(
+        moe_dir, path, 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]
+    )
+    return path
 
 
 def _free_port() -> int:
@@ -82,10 +94,17 @@ def _result(process: subprocess.Popen):
     raise AssertionError(f"process exited with {process.returncode}:\n{err[-3000:]}")
 
 
-def _one_device(model_dir) -> list:
-    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8)
+def _one_device(model_dir, lora_path: str | None = None) -> list:
+    """One device's tokens for PROMPTS; with `lora_path`, every other prompt with that adapter
+    (as multihost_script.py runs them)."""
+    options, lora = {}, None
+    if lora_path:
+        options = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+        lora = [LoRARequest("a", 1, lora_path) if i % 2 == 0 else None for i in range(3)]
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, **options)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -132,6 +151,7 @@ def test_initializing_twice_is_refused(processes):
         (True, {"tensor_parallel_size": 2, "all2all_backend": "ragged_all_to_all"}),
         (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4}),
         (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4, "draft": True}),
+        (True, {"tensor_parallel_size": 1, "lora": True}),
     ],
     ids=[
         "dense",
@@ -140,10 +160,11 @@ def test_initializing_twice_is_refused(processes):
         "moe, T=2, tokens by all-to-all",
         "moe, decode windows",
         "moe, windows of speculative rounds, a draft model",
+        "moe, a LoRA adapter on every other prompt",
     ],
 )
 def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
-    model_dir, moe_dir, processes, moe, options
+    model_dir, moe_dir, moe_adapter, processes, moe, options
 ):
     """Each process a rank with an engine of its own (2 fake devices each), process 0 sending
     each request to the least loaded rank and gathering every rank's outputs. A dense model's
@@ -152,9 +173,13 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
     layers exchange their tokens (gathered, "auto" on CPUs, or by all-to-all across the
     processes), rank 1 stepping padding once its one request is done; with decode windows
     the processes agree on a window only where both ranks scheduled one, and with a draft
-    model (the target as its own) each rank's step drafts for its own requests."""
+    model (the target as its own) each rank's step drafts for its own requests; with a LoRA
+    adapter each process writes its own rank's adapter slots."""
     path = moe_dir if moe else model_dir
     options = {**options, "enable_expert_parallel": True} if moe else {}
+    lora_path = moe_adapter if options.pop("lora", False) else None
+    if lora_path:
+        options["lora_path"] = lora_path
     if options.pop("draft", False):
         options["speculative_config"] = {
             "method": "draft_model",
@@ -166,8 +191,10 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
     leader = _start(0, port, path, "data-parallel", prompts, json.dumps(options))
     processes += [worker, leader]
     result = _result(leader)
-    expected = _one_device(path)
+    expected = _one_device(path, lora_path)
     assert result["tokens"] == result["generate"] == expected
+    if lora_path:  # the adapter changes what it runs on
+        assert _one_device(path) != expected
     assert result["ranks"] == [0, 1, 0]
     if moe:  # every step one call of the group
         assert result["group_steps"] > 0

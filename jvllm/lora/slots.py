@@ -27,6 +27,8 @@ from jvllm.models.model import param_axes, param_segments, param_shapes
 
 logger = init_logger(__name__)
 
+SLOT_NAMES = ("lora_a", "lora_b")  # a projection's adapter slots, beside its weight
+
 
 class AdapterSlots:
     """`update`: update_columns jitted (the runner holds every jit entry point); `num_shards`:
@@ -80,6 +82,11 @@ class AdapterSlots:
         for lora_int_id in needed:
             self._last_used[self._holder.index(lora_int_id)] = self._num_steps
         return np.asarray([-1 if i is None else self._holder.index(i) for i in ids], np.int32)
+
+    def slots_of_requests(self, params: dict, requests) -> np.ndarray:
+        """slots_for the adapters that `requests` (Request objects) run with."""
+        ids = [r.lora_request.lora_int_id if r.lora_request else None for r in requests]
+        return self.slots_for(params, ids)
 
     def read(self, request: LoRARequest) -> HostAdapter:
         """`request`'s adapter read and checked for this model, kept nowhere (any thread)."""
@@ -150,19 +157,35 @@ def update_columns(stack: jax.Array, value: jax.Array, start: int, axis: int) ->
     return jax.lax.dynamic_update_slice_in_dim(stack, value.astype(stack.dtype), start, axis)
 
 
-def with_slot_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
-    """A base model's params (loaded for `config` without adapters) with `config`'s empty
-    adapter slots added: the zero A and B of every projection that takes adapters, placed on
-    `mesh` as the weights are."""
+def slot_params(config: ModelConfig, mesh: Mesh) -> dict:
+    """`config`'s empty adapter slots alone, in the params' tree: the zero A and B of every
+    projection that takes adapters, placed on `mesh` as the weights are."""
     place = ParamPlacer(config, mesh)
 
-    def add(tree: dict, shapes: dict, prefix: str) -> dict:
-        out = dict(tree)
+    def slots(shapes: dict, prefix: str) -> dict:
+        out = {}
         for key, shape in shapes.items():
             if isinstance(shape, dict):
-                out[key] = add(tree.get(key, {}), shape, f"{prefix}{key}.")
-            elif key not in tree:
+                inner = slots(shape, f"{prefix}{key}.")
+                if inner:
+                    out[key] = inner
+            elif key in SLOT_NAMES:
                 out[key] = place(prefix + key, np.zeros(shape.shape, shape.dtype))
         return out
 
-    return add(params, param_shapes(config), "")
+    return slots(param_shapes(config), "")
+
+
+def with_slots(params: dict, slots: dict) -> dict:
+    """`params` with the slot tree `slots` (slot_params') in it: new dicts along the slots'
+    paths, every array as it is."""
+    out = dict(params)
+    for key, value in slots.items():
+        out[key] = with_slots(params.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def with_slot_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """A base model's params (loaded for `config` without adapters) with `config`'s empty
+    adapter slots added."""
+    return with_slots(params, slot_params(config, mesh))

@@ -14,6 +14,7 @@ import jax
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.tensor_parallel import ParamPlacer
+from jvllm.lora.slots import SLOT_NAMES
 from jvllm.model_loader.weight_update import read_weight_update
 from jvllm.quantization import is_quantized
 from jvllm.worker import device_buffers
@@ -85,4 +86,4 @@ class DeviceSleep:
 
 def _is_adapter_slot(path: str) -> bool:
     """Whether a param is a LoRA slot (jvllm/lora/), which holds adapters, not the model."""
-    return path.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+    return path.rsplit(".", 1)[-1] in SLOT_NAMES

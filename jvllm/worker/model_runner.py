@@ -260,8 +260,7 @@ class ModelRunner:
         engine serves no adapters."""
         if self.adapters is None:
             return None
-        ids = [r.lora_request.lora_int_id if r.lora_request else None for r in requests]
-        return self.adapters.slots_for(self.params, ids)
+        return self.adapters.slots_of_requests(self.params, requests)
 
     def execute_model(
         self,

@@ -50,6 +50,7 @@ from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.kv_layout import new_kv_cache
 from jvllm.worker.pooler import prepare_pool_inputs
 from jvllm.worker.proposal_runner import DraftProposals
+from jvllm.worker.rank_adapters import RankAdapters
 from jvllm.worker.rank_group_step import GroupExecutables
 from jvllm.worker.runner_output import ModelRunnerOutput
 from jvllm.worker.scheduled_step import read_rank_results
@@ -99,8 +100,7 @@ class RankGroupRunner:
         here = jax.process_index()
         self.local_ranks = [r for r in range(num_ranks) if mesh.devices[r, 0].process_index == here]
         block_size = runner_config.block_size
-        # As ModelRunner's steps (or its pooling steps), drafts scored in them, no adapters or
-        # images.
+        # As ModelRunner's steps (or its pooling steps), drafts scored in them, no images.
         self.layout = step_layout(config, runner_config, kv_groups, None)
         self.buckets = step_buckets(runner_config)
 
@@ -136,6 +136,11 @@ class RankGroupRunner:
             )
             for r in self.local_ranks
         }
+        # A `config` with max_loras > 0: each rank's own adapter slots (worker/rank_adapters.py).
+        self.adapters = None
+        if config.max_loras:
+            max_cpu_loras = runner_config.max_cpu_loras
+            self.adapters = RankAdapters(config, mesh, self.local_ranks, max_cpu_loras)
         attn = step_attention(config, self.layout, runner_config.attention_backend, kv_groups)
         # What every executable is lowered for, fixed once the arrays exist (sleep mode frees
         # them, worker/device_sleep.py, and puts them back so).
@@ -146,7 +151,7 @@ class RankGroupRunner:
         )
         state_spec = (abstract_state(self._step_params()), *self._state_spec[1:3], bias)
         self.executables = GroupExecutables(
-            config, params, mesh, attn, runner_config, self.layout, state_spec, draft
+            config, self._target_params(), mesh, attn, runner_config, self.layout, state_spec, draft
         )
         # Each local rank's MoE layers' (token, expert) assignments of its own tokens,
         # i64[L_moe, E].
@@ -166,7 +171,12 @@ class RankGroupRunner:
     def _step_params(self):
         """The params argument of the step executables: the target's, or (target's, draft's)
         with a draft model or head."""
-        return self.params if self.draft is None else (self.params, self.draft.params)
+        target = self._target_params()
+        return target if self.draft is None else (target, self.draft.params)
+
+    def _target_params(self):
+        """The target's params, with every rank's adapter slots where it serves LoRA."""
+        return self.params if self.adapters is None else self.adapters.with_slots(self.params)
 
     def compile_all(self) -> float:
         """Compile every bucket's executables up front -> the seconds it took."""
@@ -208,7 +218,7 @@ class RankGroupRunner:
         ranks, windows, drafts = [], [], {}
         for r in self.local_ranks:
             if r not in steps:  # padding, its window's limits 0
-                ranks.append(self.layout.inputs([], [], [], bucket))
+                ranks.append(self.executables.padding(bucket, "step"))
                 if kind != "step":
                     windows.append(prepare_window_inputs([], [], bucket.num_seqs))
                 continue
@@ -226,6 +236,7 @@ class RankGroupRunner:
                     step.block_ids,
                     bucket,
                     bias_slots=self.bias_rows[r].slots_for(requests),
+                    adapter_slots=self.adapters and self.adapters.slots_for(r, requests),
                     token_bitmask=masks[0],
                     draft_token_ids=draft_lists,
                     draft_bitmask=masks[1],
@@ -342,8 +353,7 @@ class _NoCompiler:
 class RankRunner:
     """One rank's view of the group, what its LLMEngine runs as its model runner."""
 
-    adapters = None  # LoRA is refused across ranks
-    encoder = None  # and so are images
+    encoder = None  # images are refused across ranks
 
     def __init__(self, group: RankGroupRunner, rank: int):
         self.group, self.rank = group, rank
@@ -354,6 +364,11 @@ class RankRunner:
     @property
     def params(self):
         return self.group.params
+
+    @property
+    def adapters(self):
+        """This rank's AdapterSlots (None: no LoRA), which its engine reads adapters with."""
+        return self.group.adapters and self.group.adapters.slots[self.rank]
 
     @property
     def kv_cache(self):

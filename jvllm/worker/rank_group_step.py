@@ -36,6 +36,7 @@ from jvllm.worker.decode_loop import prepare_window_inputs, window_steps_per_che
 from jvllm.worker.draft_model import DraftModel
 from jvllm.worker.eagle import draft_head
 from jvllm.worker.pooler import pool_step, prepare_pool_inputs
+from jvllm.worker.rank_adapters import slots_over_ranks
 from jvllm.worker.step_compiler import StepLayout
 from jvllm.worker.step_fn import model_step
 from jvllm.worker.step_kinds import StepKinds
@@ -98,6 +99,8 @@ class GroupExecutables:
         self.num_ranks = mesh.shape[DP_AXIS]
         model = _rank_model(rank_config(config, mesh), attn, config.vocab_size)
         specs = params_in_specs(param_specs(config), params)
+        if config.max_loras:  # each rank's adapter slots on its own row
+            specs = slots_over_ranks(specs, config)
         self._executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
         # A decode window's kind: with drafts, a window of speculative rounds.
         self.num_drafts = num_drafts = runner_config.num_speculative_tokens
@@ -214,5 +217,6 @@ class GroupExecutables:
 
     def padding(self, bucket: Bucket, kind: str):
         """A rank's step of nothing in `bucket` (its rows write only the null page)."""
-        step = self.layout.inputs([], [], [], bucket)
+        adapter_slots = np.zeros(0, np.int32) if self.layout.has_adapters else None
+        step = self.layout.inputs([], [], [], bucket, adapter_slots=adapter_slots)
         return step if kind != "pool" else prepare_pool_inputs(step, [], [], self.pooling_type)

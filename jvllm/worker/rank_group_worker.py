@@ -19,6 +19,7 @@ from jvllm.cpu_malloc import keep_freed_memory
 from jvllm.distributed.data_parallel_moe import choose_all2all_backend
 from jvllm.distributed.mesh import describe_placement, rank_group_mesh
 from jvllm.logger import init_logger
+from jvllm.lora.config import adapter_config
 from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json, read_hf_config
 from jvllm.model_loader.loader import expected_dtype, load_engine_model
@@ -51,13 +52,10 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
 def check_rank_group(config: EngineConfig) -> None:
     """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
     step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP,
-    EAGLE or EAGLE-3 head), alone or in a window of rounds, or a pooling runner's; no steps
-    run ahead or adapters."""
+    EAGLE or EAGLE-3 head), alone or in a window of rounds, or a pooling runner's, with
+    LoRA adapters or not; no steps run ahead."""
     runner = config.runner_config
-    refused = {
-        "async_scheduling": runner.async_scheduling,
-        "enable_lora": config.lora_config is not None,
-    }
+    refused = {"async_scheduling": runner.async_scheduling}
     named = [name for name, is_set in refused.items() if is_set]
     if named:
         raise ValueError(
@@ -167,7 +165,7 @@ class RankGroupWorker:
         if self.runner is None:
             params, self.params = self.params, None
             self.runner = RankGroupRunner(
-                self.model_config,
+                adapter_config(self.model_config, self.config.lora_config),
                 params,
                 self.config.runner_config,
                 num_blocks=self.num_blocks,
