@@ -10,7 +10,8 @@ import pytest
 import transformers
 
 from jvllm import LLM, SamplingParams
-from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.entrypoints.cli import build_parser
+from jvllm.entrypoints.engine_flags import engine_kwargs
 from jvllm.model_loader.dummy import dummy_params
 from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import load_model

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.entrypoints.cli import add_engine_args, engine_kwargs
+from jvllm.entrypoints.engine_flags import add_engine_args, engine_kwargs
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_r
 
 from jvllm import LLM
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.entrypoints.cli import build_parser
+from jvllm.entrypoints.engine_flags import engine_kwargs
 from jvllm.model_loader.gguf import load_gguf
 from jvllm.model_loader.hf import apply_hf_overrides
 from jvllm.model_loader.loader import resolve_default_model

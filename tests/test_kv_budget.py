@@ -11,7 +11,8 @@ from jvllm.attention.backends import default_backend
 from jvllm.benchmarks import mla as mla_benchmark
 from jvllm.core.kv_groups import kv_cache_groups
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.entrypoints.cli import build_parser
+from jvllm.entrypoints.engine_flags import engine_kwargs
 from jvllm.model_loader.hf import read_hf_config
 from jvllm.model_loader.loader import load_model
 from jvllm.sample.plan import SamplerPlan

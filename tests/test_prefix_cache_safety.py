@@ -22,6 +22,7 @@ from jvllm.core.scheduler import Scheduler
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.input_processor import prompt_cache_salt
 from jvllm.entrypoints import cli
+from jvllm.entrypoints.engine_flags import engine_kwargs
 from jvllm.entrypoints.openai.api_server import build_app
 from jvllm.entrypoints.openai.server_thread import ServerThread
 
@@ -149,7 +150,7 @@ def test_bad_hash_algo_is_a_value_error_naming_the_field_and_choices():
 
 def test_serve_flag_sets_the_hash_algo():
     args = cli.build_parser().parse_args(["serve", "--prefix-caching-hash-algo", "builtin"])
-    assert cli.engine_kwargs(args)["prefix_caching_hash_algo"] == "builtin"
+    assert engine_kwargs(args)["prefix_caching_hash_algo"] == "builtin"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--prefix-caching-hash-algo", "md5"])
 

@@ -10,7 +10,8 @@ import pytest
 from jvllm import LLM
 from jvllm.benchmarks import quality
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.entrypoints.cli import build_parser
+from jvllm.entrypoints.engine_flags import engine_kwargs
 from jvllm.model_loader.loader import load_model
 from jvllm.quantization import ChannelWeight, is_quantized
 from jvllm.quantization.channel_weight import fp8_matmul, quantize_channels
