@@ -7,7 +7,7 @@ that reads steps laid out so."""
 import math
 
 from jvllm.attention.backends import get_attention, in_kv_groups
-from jvllm.attention.reference import pages_per_chunk
+from jvllm.attention.page_walk import pages_per_chunk
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
