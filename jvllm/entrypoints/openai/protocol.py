@@ -254,11 +254,22 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: messages' tools, written into the prompt as a chat completion's are, so that
+    # /tokenize counts what /v1/chat/completions with those tools would send the model.
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _continue_or_generate(self) -> "TokenizeRequest":
         return _check_generation_prompt(self)
+
+    @model_validator(mode="after")
+    def _tools_to_the_template(self) -> "TokenizeRequest":
+        """The template reads `tools` among its keyword arguments (as render_conversation
+        passes a chat completion's); one set in chat_template_kwargs wins, as there."""
+        if self.tools is not None:
+            self.chat_template_kwargs = {"tools": self.tools, **(self.chat_template_kwargs or {})}
+        return self
 
 
 class DetokenizeRequest(_Request):

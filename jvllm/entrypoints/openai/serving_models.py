@@ -8,6 +8,7 @@ with the base model as its `parent`.
 from __future__ import annotations
 
 import os
+import uuid
 
 from jvllm.entrypoints.openai.protocol import OpenAIError
 from jvllm.lora.request import LoRARequest
@@ -61,21 +62,42 @@ class ServedModels:
 
     def cards(self, created: int, root: str, max_model_len: int) -> list[dict]:
         """/v1/models' entries: the base model's names, then the adapters."""
-        card = {"object": "model", "created": created, "owned_by": "jvllm"}
-        base = [
-            {"id": name, **card, "root": root, "parent": None, "max_model_len": max_model_len}
-            for name in self.names
+        entries = [(name, root, None) for name in self.names] + [
+            (a.lora_name, a.lora_path, a.base_model_name) for a in self.adapters.values()
         ]
-        return base + [
+        return [
             {
-                "id": a.lora_name,
-                **card,
-                "root": a.lora_path,
-                "parent": a.base_model_name,
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jvllm",
+                "root": card_root,
+                "parent": parent,
                 "max_model_len": max_model_len,
+                # vLLM's cards carry OpenAI's legacy `permission` list, which clients written
+                # against it read.
+                "permission": [_permission(created)],
             }
-            for a in self.adapters.values()
+            for name, card_root, parent in entries
         ]
+
+
+def _permission(created: int) -> dict:
+    """A /v1/models card's `permission` entry, with vLLM's values."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def runtime_lora_updating() -> bool:
