@@ -15,26 +15,11 @@ import jax
 import numpy as np
 
 from jvllm.logger import init_logger
-from jvllm.quantization import host_weights
-from jvllm.quantization.gguf_blocks import PACKED_QTYPES, split_fields
-from jvllm.quantization.host_weights import HostFP8, HostInt, HostQuantized
-from jvllm.quantization.mixed_weight import MixedGGUFWeight
-from jvllm.quantization.packed_weight import GGUFWeight
+from jvllm.models.host_arrays import aligned_copy, aligned_empty
+from jvllm.models.quantized_params import packed_weight, quantized_weight
+from jvllm.quantization.host_weights import HostQuantized
 
 logger = init_logger(__name__)
-
-_XLA_CPU_ALIGNMENT = 64  # what a host buffer needs for XLA:CPU to use it in place
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """np.empty aligned for XLA:CPU: jax.device_put of such an array on CPU uses its buffer in
-    place, where an unaligned one (NumPy's big arrays start 16 bytes past a page) is copied, at
-    a fraction of NumPy's copy speed (BENCHMARKS.md, "Model loading")."""
-    dtype = np.dtype(dtype)
-    num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(num_bytes + _XLA_CPU_ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _XLA_CPU_ALIGNMENT
-    return raw[start : start + num_bytes].view(dtype).reshape(shape)
 
 
 class CheckpointWeights:
@@ -203,115 +188,27 @@ class CheckpointWeights:
         return path
 
     def _set_packed(self, path, spec, layer_names, transform, stack: bool) -> bool:
-        """Set the param at `path` as a GGUFWeight of the tensors `layer_names` ([L][pieces],
-        one row of pieces when not `stack`) if they can stay packed, a MixedGGUFWeight where
-        their formats differ; whether it did."""
+        """Set the param at `path` as the GGUF blocks of the tensors `layer_names` ([L][pieces],
+        one row of pieces when not `stack`) if they can stay packed (quantized_params.py);
+        whether it did."""
         if self._get_lazy is None or transform is not None:
             return False
         sources = [[self._get_lazy(n) for n in names] for names in layer_names]
-        qtypes = {s.qtype for names in sources for s in names}
-        if not qtypes <= set(PACKED_QTYPES):
-            return False
-        shapes = [[s.shape for s in names] for names in sources]
-        rows = [sum(shape[0] for shape in layer) for layer in shapes]
-        expected = spec.shape[1:] if stack else spec.shape
-        if any(
-            r != expected[0] or {s[1:] for s in layer} != {expected[1:]}
-            for r, layer in zip(rows, shapes)
-        ):
-            return False  # _mismatch's message comes from the float path
-        if len(qtypes) > 1:  # only a stacked param has pieces or layers to differ
-            self._set(path, self._mixed(path, sources, str(spec.dtype)))
-            return True
-        blocks = np.stack([np.concatenate([s.blocks() for s in names]) for names in sources])
-        blocks = blocks if stack else blocks[0]
-        self._set(path, self._packed(path, blocks, qtypes.pop(), str(spec.dtype)))
-        return True
+        weight = packed_weight(self._place, path, spec, sources, stack)
+        if weight is not None:
+            self._set(path, weight)
+        return weight is not None
 
     def _set_quantized(self, path, spec, layer_names, experts: bool) -> bool:
         """Set the param at `path` as the IntWeight / FP8Weight of the pre-quantized tensors
         `layer_names` ([L][pieces], an expert stack's [L][E][pieces]) if all are quantized
-        alike and fit `spec`; whether it did."""
+        alike and fit `spec` (quantized_params.py); whether it did."""
         if self._quantized is None:
             return False
-
-        def fused(names: list[str]) -> HostQuantized | None:
-            pieces = [self._quantized(n) for n in names]
-            if any(p is None for p in pieces):
-                return None
-            return host_weights.concat_rows(pieces)
-
-        def layer(names: list) -> HostQuantized | None:
-            if not experts:
-                return fused(names)
-            per_expert = [fused(n) for n in names]
-            if any(p is None for p in per_expert):
-                return None
-            return host_weights.stack(per_expert)
-
-        layers = [layer(names) for names in layer_names]
-        if any(p is None for p in layers):
-            return False
-        host = host_weights.stack(layers)
-        if host is None or host.shape(experts) != tuple(spec.shape):
-            return False  # _mismatch's message comes from the float path
-        if isinstance(host, HostInt) and (experts or self._place.cuts_input(path, experts)):
-            # Act-order's sorted columns: a grouped matmul reads experts in column order, and
-            # a cut along the input axis would spread each group over the devices.
-            host = host.by_column()
-        unit = self._place.output_rows_unit(path, experts)
-        if isinstance(host, HostFP8) and unit is not None and unit % host.block[0]:
-            host = host.per_row()  # the mesh's cut would split a block of rows
-        weight = host_weights.to_device(
-            host, functools.partial(self._place_quantized, path, experts), str(spec.dtype), experts
-        )
-        self._set(path, weight)
-        return True
-
-    def _place_quantized(self, path: str, experts: bool, fields: dict) -> dict:
-        """A quantized weight's fields on the param's device(s): cut as the float param would
-        be under tensor parallelism (the placer's place_quantized)."""
-        fields = {k: aligned_copy(v) for k, v in fields.items()}
-        return self._place.place_quantized(path, fields, experts)
-
-    def _packed(
-        self, path: str, blocks: np.ndarray, qtype, dtype: str, rows: tuple[int, int] | None = None
-    ) -> GGUFWeight:
-        """blocks [(L,) O, nb] of `qtype` (a structured array) as a GGUFWeight on the param's
-        device(s): under tensor parallelism cut as the float param would be (the placer's
-        place_blocks; `rows`: the param's output rows the blocks hold, where not all)."""
-        fields = {k: aligned_copy(v) for k, v in split_fields(blocks, qtype).items()}
-        placed = self._place.place_blocks(path, fields, rows)  # [(L,) O, nb, ...] each
-        return GGUFWeight(placed, int(qtype), dtype)
-
-    def _mixed(self, path: str, sources: list[list], dtype: str) -> MixedGGUFWeight:
-        """sources [L][pieces] of several formats: neighbouring pieces whose layers agree on
-        their formats form one piece, and each piece one stacked GGUFWeight per format."""
-        formats = [tuple(layer[p].qtype for layer in sources) for p in range(len(sources[0]))]
-        runs = [[0]]
-        for p in range(1, len(formats)):
-            if formats[p] == formats[runs[-1][0]]:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        pieces, members = [], []
-        start = 0
-        for run in runs:
-            rows = (start, start + sum(sources[0][p].shape[0] for p in run))
-            start = rows[1]
-            layer_formats = formats[run[0]]
-            groups = [
-                tuple(i for i, q in enumerate(layer_formats) if q == qtype)
-                for qtype in dict.fromkeys(layer_formats)  # in order of first use
-            ]
-            weights = []
-            for layers in groups:
-                blocks = [np.concatenate([sources[i][p].blocks() for p in run]) for i in layers]
-                qtype = layer_formats[layers[0]]
-                weights.append(self._packed(path, np.stack(blocks), qtype, dtype, rows))
-            pieces.append(tuple(weights))
-            members.append(tuple(groups))
-        return MixedGGUFWeight(tuple(pieces), tuple(members))
+        weight = quantized_weight(self._quantized, self._place, path, spec, layer_names, experts)
+        if weight is not None:
+            self._set(path, weight)
+        return weight is not None
 
     def _dequantized_or_float(self, get, name: str) -> np.ndarray:
         """The tensor `name` as floats: a pre-quantized weight dequantized, any other as
@@ -388,13 +285,6 @@ class WholePlacer:
 
     def output_rows_unit(self, path: str, experts: bool) -> int | None:
         return None
-
-
-def aligned_copy(x: np.ndarray, dtype: Any = None) -> np.ndarray:
-    """x copied into an aligned_empty array (of `dtype`, else x's)."""
-    out = aligned_empty(x.shape, x.dtype if dtype is None else dtype)
-    out[...] = x
-    return out
 
 
 def _read(x):
