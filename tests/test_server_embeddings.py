@@ -8,6 +8,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from jvllm import LLM
 from jvllm.engine.async_llm import AsyncLLM
@@ -73,6 +74,25 @@ def test_bad_embedding_requests_are_400_naming_the_field(setup, body, param):
     reply = httpx.post(setup["url"] + "/v1/embeddings", json={"model": MODEL, **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_chat_embedding_request_embeds_the_rendered_conversation(setup, tiny_llama_dir):
+    """vLLM's chat embedding request: `messages` in place of `input`, rendered under the chat
+    template (no generation prompt by default) and embedded as one prompt."""
+    messages = [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": "hi"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    url = setup["url"] + "/v1/embeddings"
+    for extra in ({}, {"add_generation_prompt": True}):
+        ids = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+        ids = tokenizer.encode(ids, add_special_tokens=False)
+        body = {"model": MODEL, "messages": messages, **extra}
+        reply = httpx.post(url, json=body).json()
+        want = httpx.post(url, json={"model": MODEL, "input": ids}).json()
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(reply["data"][0]["embedding"], want["data"][0]["embedding"])
+    for body in ({}, {"input": "hi", "messages": messages}):
+        reply = httpx.post(url, json={"model": MODEL, **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
 
 
 def test_each_runner_refuses_the_others_routes(setup, tiny_llama_dir):

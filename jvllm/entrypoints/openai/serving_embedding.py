@@ -12,6 +12,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi.responses import JSONResponse
 
+from jvllm.entrypoints.chat import has_images, render_conversation
 from jvllm.entrypoints.openai.engine_errors import engine_errors, param_of
 from jvllm.entrypoints.openai.protocol import OpenAIError, _Request
 from jvllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -28,7 +29,13 @@ _EMBEDDING_ROUTES = ("/v1/embeddings", *SCORE_ROUTES, *RERANK_ROUTES)
 
 class EmbeddingRequest(_Request):
     model: str | None = None
-    input: Any  # str | list[str] | list[int] | list[list[int]], checked in `prompts`
+    # str | list[str] | list[int] | list[list[int]], checked in `prompts`; or, vLLM's chat
+    # embedding request, `messages` (one prompt under the tokenizer's chat template).
+    input: Any = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = False  # vLLM's defaults for a chat embedding request
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -79,7 +86,12 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest) -> dict:
         if self.check_model(request.model) is not None:
             raise OpenAIError("LoRA adapters do not serve embeddings", param="model")
-        inputs = prompts(request.input)
+        if (request.input is None) == (request.messages is None):
+            raise OpenAIError("pass exactly one of input and messages", param="input")
+        if request.messages is not None:
+            inputs = [self._chat_prompt(request)]
+        else:
+            inputs = prompts(request.input)
         try:
             params = PoolingParams(
                 request.dimensions, request.normalize, request.truncate_prompt_tokens
@@ -105,6 +117,26 @@ class OpenAIServingEmbedding(OpenAIServing):
             "data": data,
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
         }
+
+    def _chat_prompt(self, request: EmbeddingRequest) -> list[int]:
+        """A chat embedding request's conversation as token ids, under the tokenizer's chat
+        template (special tokens as the template writes them, as in vLLM)."""
+        if not request.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if has_images(request.messages):
+            raise OpenAIError("image parts are not embedded", param="messages")
+        try:
+            rendered = render_conversation(
+                self.tokenizer,
+                request.messages,
+                None,
+                request.add_generation_prompt and not request.continue_final_message,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+            )
+        except Exception as e:  # noqa: BLE001 - no template, or one the messages break
+            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+        return rendered["prompt_token_ids"]
 
     async def encode_all(self, inputs, params: PoolingParams, request_id: str) -> list:
         """Every prompt as its own engine request, side by side; the first failure cancels
