@@ -451,6 +451,51 @@ def test_api_key_is_required_on_v1(setup):
     assert httpx.get(url + "/health").status_code == 200
 
 
+_PREFLIGHT = {
+    "Origin": "http://a",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
+
+
+def test_browser_preflight_and_requests_get_cors_headers_by_default(setup):
+    url = setup["secured_url"]  # the key guards the request, never its preflight
+    preflight = httpx.options(url + "/v1/chat/completions", headers=_PREFLIGHT)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-credentials" not in preflight.headers
+    keyed = {"Origin": "http://a", "Authorization": f"Bearer {API_KEY}"}
+    models = httpx.get(url + "/v1/models", headers=keyed)
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(url + "/v1/models", headers={"Origin": "http://a"})
+    assert refused.status_code == 401  # readable by the page: it carries the allow header too
+    assert refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_allowed_origins_leave_other_origins_without_an_allow_header(setup):
+    app = build_app(
+        setup["engine"], MODEL, API_KEY, allowed_origins=["http://a"], allow_credentials=True
+    )
+    server = ServerThread(app).start()
+    try:
+        preflight = httpx.options(server.url + "/v1/chat/completions", headers=_PREFLIGHT)
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://a"
+        assert preflight.headers["access-control-allow-credentials"] == "true"
+        other = {**_PREFLIGHT, "Origin": "http://b"}
+        refused = httpx.options(server.url + "/v1/chat/completions", headers=other)
+        assert refused.status_code == 400
+        assert "access-control-allow-origin" not in refused.headers
+        keyed = {"Origin": "http://b", "Authorization": f"Bearer {API_KEY}"}
+        models = httpx.get(server.url + "/v1/models", headers=keyed)
+        assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+        _error(httpx.post(server.url + "/v1/chat/completions", json={}), 401)
+    finally:
+        server.stop()
+
+
 def test_models_health_version_tokenize_detokenize(setup, client):
     url = setup["url"]
     assert [m.id for m in client.models.list()] == [MODEL]
@@ -619,3 +664,20 @@ def test_serve_refuses_flags_that_need_another(monkeypatch):
     cli.main(["serve", "--enable-lora", "--lora-modules", "sql=/a"])
     assert [kw["reasoning_parser"] for kw in calls] == ["openai_gptoss", None]
     assert calls[1]["lora_modules"][0].lora_path == "/a"
+
+
+def test_serve_passes_the_cors_flags_to_the_server(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: calls.append(kw))
+    cli.main(["serve"])
+    origins, methods = '["http://a", "http://b"]', '["GET", "POST"]'
+    cli.main(["serve", "--allowed-origins", origins, "--allowed-methods", methods])
+    cli.main(["serve", "--allowed-headers", '["authorization"]', "--allow-credentials"])
+    cors = ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")
+    assert [[kw[k] for k in cors] for kw in calls] == [
+        [["*"], ["*"], ["*"], False],
+        [["http://a", "http://b"], ["GET", "POST"], ["*"], False],
+        [["*"], ["*"], ["authorization"], True],
+    ]
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--allowed-origins", "http://a"])  # not a JSON list

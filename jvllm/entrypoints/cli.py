@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -21,6 +22,19 @@ def _lora_module(value: str) -> LoRARequest:
         return parse_lora_module(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_list(value: str) -> list[str]:
+    """--allowed-origins and its kin: a JSON list of strings, as vLLM takes them."""
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a JSON list of strings, such as '[\"http://localhost:3000\"]'"
+        )
+    return items
 
 
 def _load_chat_template(value: str | None) -> str | None:
@@ -83,6 +97,10 @@ def _serve(args: argparse.Namespace) -> None:
         response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
         lora_modules=args.lora_modules,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
         **engine_kwargs(args),
     )
 
@@ -114,6 +132,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require `Authorization: Bearer KEY` on /v1 and /invocations (None: the "
         "VLLM_API_KEY environment variable's, if set)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help="origins whose web pages may call the server from a browser (CORS), a JSON list "
+        """such as '["https://app.example"]'; ["*"]: any""",
+    )
+    serve.add_argument(
+        "--allowed-methods",
+        type=_json_list,
+        default=["*"],
+        help='HTTP methods those pages may use, a JSON list; ["*"]: any',
+    )
+    serve.add_argument(
+        "--allowed-headers",
+        type=_json_list,
+        default=["*"],
+        help='request headers those pages may send, a JSON list; ["*"]: any',
+    )
+    serve.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let cross-origin requests carry cookies and HTTP authentication (CORS)",
     )
     serve.add_argument(
         "--served-model-name",

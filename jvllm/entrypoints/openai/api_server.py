@@ -6,9 +6,11 @@ jvllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [engine options
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -61,6 +63,10 @@ def build_app(
     response_role: str = "assistant",
     reasoning_parser: str | None = None,
     lora_modules: list[LoRARequest] | None = None,
+    allowed_origins: Sequence[str] = ("*",),
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+    allow_credentials: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name` (or several names, the first in
     responses; vLLM's --served-model-name), and its LoRA adapters `lora_modules` under theirs
@@ -70,7 +76,9 @@ def build_app(
     `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls out of replies to
     tool_choice "auto" (vLLM's --enable-auto-tool-choice); None refuses "auto". A body over
     `max_request_body_bytes` is a 413 (admission.py). `reasoning_parser` (a name in
-    reasoning.REASONING_PARSERS) splits thinking models' replies into reasoning and content."""
+    reasoning.REASONING_PARSERS) splits thinking models' replies into reasoning and content.
+    Browsers may call it from `allowed_origins` with `allowed_methods` and `allowed_headers`
+    ("*": any, vLLM's defaults), and send cookies along with `allow_credentials`."""
     app = FastAPI(title="jvllm", version=jvllm.__version__)
     models = ServedModels(model_name, lora_modules)
     if models.adapters:
@@ -99,7 +107,16 @@ def build_app(
     app.add_middleware(RunnerRoutes, runner=engine.engine.engine_config.load_config.runner)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(AdmissionMiddleware, admission=admission)  # outermost: first to refuse
+    app.add_middleware(AdmissionMiddleware, admission=admission)  # first to refuse
+    # Outermost, so that a preflight is answered before any check and a refusal (401, 413,
+    # 503) carries the allow headers a browser needs to read it.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=allowed_origins,
+        allow_methods=allowed_methods,
+        allow_headers=allowed_headers,
+        allow_credentials=allow_credentials,
+    )
 
     add_error_handlers(app, metrics)
 
@@ -274,6 +291,10 @@ def run_server(
     response_role: str = "assistant",
     reasoning_parser: str | None = None,
     lora_modules: list[LoRARequest] | None = None,
+    allowed_origins: Sequence[str] = ("*",),
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+    allow_credentials: bool = False,
     **engine_kwargs,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down as shutdown.py says."""
@@ -298,6 +319,10 @@ def run_server(
             response_role,
             reasoning_parser,
             lora_modules,
+            allowed_origins,
+            allowed_methods,
+            allowed_headers,
+            allow_credentials,
         )
         server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level)
         logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
