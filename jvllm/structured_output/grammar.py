@@ -27,8 +27,8 @@ def parser_limits() -> llguidance.LLParserLimits:
     """llguidance's limits, but for its parser's items a row: 2000 by default, so a rule of
     more alternatives than that sharing a first token (a GBNF list of names, say) passed every
     check, let the token through the first mask, then failed the request when it was sampled.
-    50,000 is llguidance's own cap on the items of one step; masks of such a rule cost about
-    2.5 ms each 1000 alternatives (SmolLM2's tokenizer)."""
+    50,000 is llguidance's own cap on the items of one step (what such masks cost:
+    docs/structured_outputs.md)."""
     return llguidance.LLParserLimits(max_items_in_row=50_000)
 
 
