@@ -5,6 +5,7 @@ One in-process server per module (so a test can look at the engine's block pool)
 """
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -164,6 +165,49 @@ def test_n2_returns_two_choices_streamed_and_not(client):
         for i in (0, 1)
     ]
     assert all(texts)
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "length"])
+def test_chat_stream_sends_each_choices_last_delta_in_its_finish_chunk(setup, finish_reason):
+    """vLLM's last chunk of a choice holds its last delta (text, logprobs) with the finish_reason:
+    never an empty content chunk followed by a bare finish chunk."""
+    eos = setup["engine"].get_tokenizer().eos_token_id
+    ends = {  # 3 tokens then EOS; or 5 tokens, EOS or not
+        "stop": {"max_tokens": 8, "min_tokens": 3, "logit_bias": {str(eos): 100}},
+        "length": {"max_tokens": 5, "ignore_eos": True},
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 2,
+        "seed": 7,
+        "logprobs": True,
+        **ends[finish_reason],
+    }
+    url = setup["url"] + "/v1/chat/completions"
+    full = httpx.post(url, json=body, timeout=60).json()
+    raw = httpx.post(url, json={**body, "stream": True}, timeout=60).text
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    for choice in full["choices"]:
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == choice["index"]]
+        assert mine[0]["delta"]["role"] == "assistant"
+        *deltas, last = mine[1:]
+        assert [c["finish_reason"] for c in deltas] == [None] * len(deltas)
+        assert all(c["delta"]["content"] for c in deltas)  # no empty content chunk
+        assert last["finish_reason"] == choice["finish_reason"] == finish_reason
+        if finish_reason == "stop":
+            assert last["delta"] == {"content": ""}  # EOS's text: vLLM's last chunk
+        else:
+            assert last["delta"]["content"]
+        assert len(last["logprobs"]["content"]) == 1
+        streamed = [e for c in mine[1:] for e in c["logprobs"]["content"]]
+        whole = choice["logprobs"]["content"]
+        assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+        assert [e["logprob"] for e in streamed] == pytest.approx(
+            [e["logprob"] for e in whole], abs=1e-4
+        )
+        text = "".join(c["delta"]["content"] for c in mine[1:])
+        assert text == choice["message"]["content"]
 
 
 def test_logprobs_completions_and_chat(client):

@@ -282,28 +282,22 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                         if not text:
                             content.pop("content", None)
                         add_reasoning(content, reasoning, True)
-                    if content:
-                        delta = _choice_delta(c.index, content)
-                        if request.logprobs:
-                            delta["logprobs"] = self.logprobs_json(request, c, top)
-                        if request.return_token_ids:
-                            delta["token_ids"] = list(c.token_ids)
-                        yield chunk(delta)
-                    if tail:  # what the tool-call parser held back, in a chunk of its own
-                        yield chunk(_choice_delta(c.index, tail))
+                    # This output's chunks: its delta, then what the tool-call parser held back;
+                    # the last carries the finish_reason (vLLM's), an empty delta if none is left.
+                    choices = [_choice_delta(c.index, d) for d in (content, tail) if d]
                     if c.finish_reason:
-                        reason = _finish_reason(
+                        if not choices:
+                            choices.append(_choice_delta(c.index, {}))
+                        choices[-1]["finish_reason"] = _finish_reason(
                             c.finish_reason, calls is not None and calls.called, tools.mode
                         )
-                        yield chunk(
-                            {
-                                "index": c.index,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": reason,
-                                "stop_reason": c.stop_reason,
-                            }
-                        )
+                        choices[-1]["stop_reason"] = c.stop_reason
+                    if choices and request.logprobs:  # the output's tokens, once
+                        choices[0]["logprobs"] = self.logprobs_json(request, c, top)
+                    if choices and request.return_token_ids:
+                        choices[0]["token_ids"] = list(c.token_ids)
+                    for choice in choices:
+                        yield chunk(choice)
                 item = await anext(outputs, None)
             if include_usage:
                 yield chunk(None)
