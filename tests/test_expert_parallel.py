@@ -15,12 +15,13 @@ from jax.sharding import PartitionSpec as P
 from jvllm.distributed.expert_parallel import expert_parallel_config
 from jvllm.distributed.tensor_parallel import param_specs, shard_config, sharded_param_shapes
 from jvllm.engine.arg_utils import EngineArgs
-from jvllm.entrypoints.cli import build_parser, engine_kwargs
+from jvllm.entrypoints.cli import build_parser
+from jvllm.entrypoints.engine_flags import engine_kwargs
 from jvllm.layers.gpt_oss_moe import gpt_oss_experts
 from jvllm.layers.moe import group_by_expert, moe_mlp, route
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_shapes
-from jvllm.worker.rank_group_worker import check_rank_group, runs_moe_across_ranks
+from jvllm.worker.rank_group_worker import runs_moe_across_ranks
 
 
 def _config(hf_config, num_shards: int = 4):
@@ -150,11 +151,6 @@ def test_moe_layers_run_across_ranks_only_for_an_moe_checkpoint_with_the_option(
     assert runs_moe_across_ranks(config("moe", enable_expert_parallel=True))
     assert not runs_moe_across_ranks(config("moe"))
     assert not runs_moe_across_ranks(config("dense", enable_expert_parallel=True))
-    check_rank_group(config("moe", enable_expert_parallel=True))
-    with pytest.raises(ValueError, match=r"does not take async_scheduling yet"):
-        check_rank_group(config("moe", enable_expert_parallel=True, async_scheduling=True))
-    check_rank_group(config("moe", enable_expert_parallel=True, enable_sleep_mode=True))
-    check_rank_group(config("moe", enable_expert_parallel=True, enable_lora=True))
 
 
 def test_without_experts_or_on_one_device_it_is_a_logged_no_op(capsys):

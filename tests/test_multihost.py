@@ -152,6 +152,7 @@ def test_initializing_twice_is_refused(processes):
         (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4}),
         (True, {"tensor_parallel_size": 1, "num_scheduler_steps": 4, "draft": True}),
         (True, {"tensor_parallel_size": 1, "lora": True}),
+        (True, {"tensor_parallel_size": 1, "async_scheduling": True}),
     ],
     ids=[
         "dense",
@@ -161,6 +162,7 @@ def test_initializing_twice_is_refused(processes):
         "moe, decode windows",
         "moe, windows of speculative rounds, a draft model",
         "moe, a LoRA adapter on every other prompt",
+        "moe, async scheduling",
     ],
 )
 def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
@@ -174,7 +176,8 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
     processes), rank 1 stepping padding once its one request is done; with decode windows
     the processes agree on a window only where both ranks scheduled one, and with a draft
     model (the target as its own) each rank's step drafts for its own requests; with a LoRA
-    adapter each process writes its own rank's adapter slots."""
+    adapter each process writes its own rank's adapter slots; with async scheduling the
+    processes agree on each step run ahead, and on using it."""
     path = moe_dir if moe else model_dir
     options = {**options, "enable_expert_parallel": True} if moe else {}
     lora_path = moe_adapter if options.pop("lora", False) else None
@@ -200,6 +203,7 @@ def test_two_data_parallel_ranks_one_a_process_give_one_devices_tokens(
         assert result["group_steps"] > 0
         assert (result["windows"] > 0) == ("num_scheduler_steps" in options)
         assert bool(result["accepted"]) == ("speculative_config" in options)
+        assert bool(result["steps_ahead_used"]) == ("async_scheduling" in options)
     else:
         assert result["group_steps"] is None
     assert leader.wait(timeout=60) == 0

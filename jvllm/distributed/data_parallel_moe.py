@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jvllm.config import ModelConfig
 from jvllm.distributed.tensor_parallel import param_specs, params_in_specs, shard_config
@@ -50,6 +51,24 @@ logger = init_logger(__name__)
 KV_CACHE_SPEC = PartitionSpec(None, None, TP_AXIS, DP_AXIS)
 # Every per-rank input and output: its leading [D] axis over "data".
 RANKS_SPEC = PartitionSpec(DP_AXIS)
+
+
+def ranks_input(mesh: Mesh, local):
+    """This process's ranks' stacked inputs [local ranks, ...] -> the group's, every array
+    [D, ...] cut over "data" (within one process, the arrays as they are: the step places
+    them)."""
+    if jax.process_count() == 1:
+        return local
+    sharding = NamedSharding(mesh, RANKS_SPEC)
+    return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), local)
+
+
+def local_rank_rows(array: jax.Array, local_ranks: list[int]) -> np.ndarray:
+    """An output [D, ...] cut over "data" -> `local_ranks`' rows on the host, in that order."""
+    rows = {}
+    for shard in array.addressable_shards:
+        rows.setdefault(shard.index[0].start or 0, shard.data)
+    return np.stack([np.asarray(rows[r])[0] for r in local_ranks])
 
 
 def rank_config(config: ModelConfig, mesh: Mesh) -> ModelConfig:

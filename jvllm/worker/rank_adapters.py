@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jvllm.config import ModelConfig
-from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, replica_mesh
+from jvllm.distributed.mesh import DP_AXIS, TP_AXIS, join_over_ranks, replica_mesh
 from jvllm.lora.slots import AdapterSlots, slot_params, update_columns, with_slots
 from jvllm.models.model import param_axes
 
@@ -56,14 +56,7 @@ class RankAdapters:
         """The local ranks' slots of one projection (each [.., S W', ..] on its row) -> the
         group's [.., D S W', ..], the slot axis cut over "data"."""
         axis = _axes_at(self._axes, path).index(_SLOT_AXIS)
-        first = arrays[0]
-        spec = [*first.sharding.spec, *[None] * (first.ndim - len(first.sharding.spec))]
-        spec[axis] = DP_AXIS
-        shape = list(first.shape)
-        shape[axis] *= self._mesh.shape[DP_AXIS]
-        shards = [s.data for a in arrays for s in a.addressable_shards]
-        sharding = NamedSharding(self._mesh, PartitionSpec(*spec))
-        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
+        return join_over_ranks(list(arrays), axis, self._mesh)
 
 
 def slots_over_ranks(specs: dict, config: ModelConfig) -> dict:

@@ -17,6 +17,12 @@ group is the same SPMD program: each process holds its rank's row of the mesh an
 and before each group step the processes exchange their ranks' step sizes (a small all-gather)
 so that every one pads to the same bucket, and steps, work or not.
 
+With async scheduling, a step where every rank decodes one token of each request, and would
+need no new block, dispatches the group's next decode step right behind it, each rank's rows
+fed the tokens just sampled (worker/async_step.py, as one engine does); the next group step
+uses it where it holds every rank's scheduled step, and otherwise drops it and runs its own.
+Across processes the ranks agree on both through the exchange of step sizes.
+
 The device arrays: the KV cache [L, V, K, D P, B, H] and the token cache [D P, B] hold each
 rank's P pages on its row of devices; each rank's bias rows [R, V] lie on its own row and join
 the step as one [D R, V] array without a copy. Inside the step each device runs
@@ -26,7 +32,6 @@ every engine runs, with the model's MoE layers reaching across the ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
@@ -37,12 +42,17 @@ from jax.sharding import Mesh, NamedSharding
 from jvllm.config import ModelConfig
 from jvllm.core.engine_config import RunnerConfig
 from jvllm.core.kv_groups import KVCacheGroups
-from jvllm.core.request import Request
-from jvllm.core.scheduler_output import SchedulerOutput
-from jvllm.distributed.data_parallel_moe import KV_CACHE_SPEC, RANKS_SPEC
-from jvllm.distributed.mesh import DP_AXIS, replica_mesh, replicated
+from jvllm.distributed.data_parallel_moe import (
+    KV_CACHE_SPEC,
+    RANKS_SPEC,
+    local_rank_rows,
+    ranks_input,
+)
+from jvllm.distributed.mesh import DP_AXIS, join_over_ranks, replica_mesh, replicated
 from jvllm.distributed.multihost import gather_objects
 from jvllm.models.model import num_moe_layers
+from jvllm.sample.plan import SamplerPlan
+from jvllm.worker.async_step import StepAhead, can_run_ahead, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import prepare_window_inputs
@@ -52,6 +62,7 @@ from jvllm.worker.pooler import prepare_pool_inputs
 from jvllm.worker.proposal_runner import DraftProposals
 from jvllm.worker.rank_adapters import RankAdapters
 from jvllm.worker.rank_group_step import GroupExecutables
+from jvllm.worker.rank_runner import RankRunner, RankStep, step_requests
 from jvllm.worker.runner_output import ModelRunnerOutput
 from jvllm.worker.scheduled_step import read_rank_results
 from jvllm.worker.spec_window import cut_short, first_round
@@ -63,15 +74,6 @@ from jvllm.worker.step_inputs import (
     window_block_ids,
 )
 from jvllm.worker.step_layout import step_attention, step_buckets, step_layout
-
-
-@dataclasses.dataclass
-class _Step:
-    """One rank's step handed to the group: what its runner would have run alone."""
-
-    scheduler_output: SchedulerOutput
-    block_ids: list[list[int]]
-    token_bitmask: np.ndarray | None
 
 
 class RankGroupRunner:
@@ -163,6 +165,18 @@ class RankGroupRunner:
         # front step begins it, and each rank's engine finishes it.
         self.hand_over = StepHandOver(self.local_ranks, self._run, jax.process_count() > 1)
         self.num_group_steps = self.num_windows = 0  # the group's steps, the windows among them
+        # Async scheduling: the group's decode step dispatched ahead of the ranks' schedules,
+        # each local rank's StepAhead (worker/async_step.py), and how often one was used.
+        self.async_scheduling = runner_config.async_scheduling
+        self._block_size = block_size
+        self._ahead: dict[int, StepAhead] | None = None
+        # XLA:CPU runs executables side by side: across processes a step left running reaches
+        # its collectives beside the next exchange of the processes' step sizes, in no order
+        # they agree on (gloo's pairs then mismatch). On a CPU the step run ahead is waited for
+        # (it overlaps nothing there: sample/plan.py); a GPU orders both on its stream.
+        cpu = mesh.devices.flat[0].platform == "cpu"
+        self._waits_for_steps_ahead = jax.process_count() > 1 and cpu
+        self.num_steps_ahead_used = self.num_steps_ahead_dropped = 0
 
     @property
     def num_compilations(self) -> int:
@@ -187,14 +201,25 @@ class RankGroupRunner:
     def rank_runner(self, rank: int) -> RankRunner:
         return RankRunner(self, rank)
 
-    def _run(self, steps: dict[int, _Step]) -> dict[int, ModelRunnerOutput]:
-        """The local ranks' steps (the others padding) in one bucket, run as one."""
+    def _run(self, steps: dict[int, RankStep]) -> dict[int, ModelRunnerOutput]:
+        """The local ranks' steps (the others padding) in one bucket, run as one: the step
+        dispatched ahead where it holds every rank's (async scheduling), else dispatched now."""
         counts = {
-            r: [s.scheduler_output.num_scheduled_tokens[q.request_id] for q in _requests(s)]
+            r: [s.scheduler_output.num_scheduled_tokens[q.request_id] for q in step_requests(s)]
             for r, s in steps.items()
         }
+        ahead, self._ahead = self._ahead, None
+        # Each rank's rows of the step run ahead that hold its step now (None: they do not).
+        rows_of = {r: self._rows_ahead(ahead, r, s) for r, s in steps.items()}
         sizes = [
-            (sum(counts[r]), len(counts[r]), s.scheduler_output.num_steps > 1)
+            (
+                sum(counts[r]),
+                len(counts[r]),
+                s.scheduler_output.num_steps > 1,
+                rows_of[r] is not None,
+                self.async_scheduling
+                and can_run_ahead(s.scheduler_output, s.block_ids, self._block_size),
+            )
             for r, s in steps.items()
         ]
         if jax.process_count() > 1:  # every process's ranks' steps pick the bucket
@@ -203,19 +228,50 @@ class RankGroupRunner:
                 return {}  # no rank of any process has a step
         if self.executables.pooling_type is not None:
             return self._run_pool(steps, counts, self._bucket([size[:2] for size in sizes]))
+        drafts: dict[int, list[list[int]] | None] = {}
+        if ahead is not None and all(size[3] for size in sizes):  # on the device already
+            self.num_steps_ahead_used += 1
+            first = ahead[self.local_ranks[0]]  # each rank's holds the group's outputs
+            kind, bucket, out, inputs = "step", first.bucket, first.out, first.inputs
+            flags = {r: (ahead[r].any_logprobs, False) for r in steps}
+        else:
+            self.num_steps_ahead_dropped += ahead is not None
+            rows_of = {r: list(range(len(counts[r]))) for r in steps}
+            kind, bucket, out, inputs, flags = self._dispatch(steps, counts, sizes, drafts)
+        if kind == "step" and bucket.is_decode and all(size[4] for size in sizes):
+            self._run_ahead(steps, rows_of, bucket, out, inputs, flags)
+        local_rows = lambda a: local_rank_rows(a, self.local_ranks)
+        host_out = jax.tree.map(local_rows, out)  # [local ranks, ...] each, on the host
+        results = {}
+        for r, step in steps.items():
+            i = self.local_ranks.index(r)
+            rank_out = jax.tree.map(lambda a, i=i: a[i], host_out)
+            so = step.scheduler_output
+            results[r] = read_rank_results(kind, rank_out, so, rows_of[r], *flags[r], drafts.get(r))
+            if self.draft is not None:
+                self.proposals[r].keep_drafts(rank_out.draft_tokens, step_requests(step))
+                if kind == "spec_window":  # the drafts past a run cut short go
+                    self.proposals[r].drop_drafts(cut_short(results[r], step_requests(step)))
+            self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
+        return results
+
+    def _dispatch(self, steps: dict[int, RankStep], counts, sizes, drafts: dict):
+        """Lay every local rank's step (the others padding) out in one bucket and dispatch it
+        -> (kind, bucket, its outputs [D, ...], its inputs, each rank's (any_logprobs,
+        any_prompt_logprobs)); `drafts` gets each rank's scheduled drafts."""
         # A decode window (of speculative rounds, with drafts) where every rank with a step
         # scheduled one; else a step, of which a window's requests take one token each, or
         # verify the drafts of their first round (the rest of their window's blocks stay
         # theirs).
         kind = "step"
-        if all(is_window for *_, is_window in sizes):
+        if all(size[2] for size in sizes):
             kind = self.executables.window_kind
         if kind == "spec_window":  # a decode bucket's rows, k + 1 tokens each
             k = self.layout.num_speculative_tokens
             bucket = self.buckets.window_shape(max(size[1] for size in sizes), k)[0]
         else:
             bucket = self._bucket([size[:2] for size in sizes])
-        ranks, windows, drafts = [], [], {}
+        ranks, windows = [], []
         for r in self.local_ranks:
             if r not in steps:  # padding, its window's limits 0
                 ranks.append(self.executables.padding(bucket, "step"))
@@ -223,7 +279,7 @@ class RankGroupRunner:
                     windows.append(prepare_window_inputs([], [], bucket.num_seqs))
                 continue
             step = steps[r]
-            requests = _requests(step)
+            requests = step_requests(step)
             drafts[r] = scheduled_drafts(step.scheduler_output)
             draft_lists = drafts[r]
             if kind == "spec_window":
@@ -249,31 +305,69 @@ class RankGroupRunner:
                 windows.append(prepare_window_inputs(requests, limits, bucket.num_seqs))
         stack = lambda inputs: jax.tree.map(lambda *a: np.stack(a), *inputs)  # [local ranks, ...]
         local = stack(ranks)
-        args = [self._global(local)]
+        args = [ranks_input(self.mesh, local)]
         if kind != "step":
-            args.append(self._global(stack(windows)))
+            args.append(ranks_input(self.mesh, stack(windows)))
         out, self.kv_cache, self.token_cache = self.executables(bucket, kind)(
             self._step_params(), self.kv_cache, self.token_cache, self._joint_bias_rows(), *args
         )
         self.num_group_steps += 1
         self.num_windows += kind != "step"
-        out = jax.tree.map(self._local_rows, out)  # [local ranks, ...] each, on the host
-        results = {}
-        for r, step in steps.items():
+        sampling = local.sampling
+        flags = {}
+        for r in steps:
             i = self.local_ranks.index(r)
-            rank_out = jax.tree.map(lambda a, i=i: a[i], out)
-            sampling = jax.tree.map(lambda a, i=i: a[i], local.sampling)
-            results[r] = read_rank_results(
-                kind, rank_out, step.scheduler_output, sampling, drafts[r]
-            )
-            if self.draft is not None:
-                self.proposals[r].keep_drafts(rank_out.draft_tokens, _requests(step))
-                if kind == "spec_window":  # the drafts past a run cut short go
-                    self.proposals[r].drop_drafts(cut_short(results[r], _requests(step)))
-            self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
-        return results
+            flags[r] = (bool(sampling.any_logprobs[i]), bool(sampling.any_prompt_logprobs[i]))
+        return kind, bucket, out, args[0], flags
 
-    def _run_pool(self, steps: dict[int, _Step], counts, bucket: Bucket) -> dict[int, np.ndarray]:
+    def _rows_ahead(
+        self, ahead: dict[int, StepAhead] | None, rank: int, step: RankStep
+    ) -> list[int] | None:
+        """The rows of the step run ahead that hold rank `rank`'s `step`, in order; None where
+        they do not (or none ran ahead)."""
+        if ahead is None:
+            return None
+        num_sends = self.bias_rows[rank].num_sends
+        return rows_ahead(ahead[rank], step.scheduler_output, step.block_ids, num_sends)
+
+    def _run_ahead(self, steps: dict[int, RankStep], rows_of, bucket: Bucket, out, inputs, flags):
+        """Dispatch the group's decode step after this one (async scheduling), each rank's
+        rows `rows_of` (its requests') fed the tokens this step sampled, on the device; every
+        other row stays inactive."""
+        active = np.zeros((len(self.local_ranks), bucket.num_seqs), bool)  # [local ranks, S]
+        for r in steps:
+            active[self.local_ranks.index(r), rows_of[r]] = True
+        exe = self.executables(bucket, "ahead")
+        (ahead_out, next_inputs), self.kv_cache, self.token_cache = exe(
+            self._step_params(),
+            self.kv_cache,
+            self.token_cache,
+            self._joint_bias_rows(),
+            inputs,
+            out.sampled_token_ids,
+            ranks_input(self.mesh, active),
+        )
+        self.num_group_steps += 1
+        if self._waits_for_steps_ahead:
+            jax.block_until_ready(ahead_out)
+        self._ahead = {  # each local rank's rows; the outputs and inputs are the group's
+            r: StepAhead.of_rows(
+                rows_of.get(r, []),
+                step_requests(steps[r]) if r in steps else [],
+                steps[r].block_ids if r in steps else [],
+                num_bias_sends=self.bias_rows[r].num_sends,
+                bucket=bucket,
+                any_logprobs=r in flags and flags[r][0],
+                plan=SamplerPlan.DYNAMIC,
+                out=ahead_out,
+                inputs=next_inputs,
+            )
+            for r in self.local_ranks
+        }
+
+    def _run_pool(
+        self, steps: dict[int, RankStep], counts, bucket: Bucket
+    ) -> dict[int, np.ndarray]:
         """The local ranks' pooling steps (the others padding) in `bucket`, run as one -> each
         one's pooled rows f32[num_reqs, H] (ModelRunner.execute_pooling's)."""
         pooling_type, ranks = self.executables.pooling_type, []
@@ -281,7 +375,7 @@ class RankGroupRunner:
             if r not in steps:
                 ranks.append(self.executables.padding(bucket, "pool"))
                 continue
-            step, requests = steps[r], _requests(steps[r])
+            step, requests = steps[r], step_requests(steps[r])
             window_ids = window_block_ids(step.scheduler_output)  # a windowed layer's tables
             inputs = self.layout.inputs(
                 requests, counts[r], step.block_ids, bucket, window_block_ids=window_ids
@@ -289,11 +383,11 @@ class RankGroupRunner:
             ranks.append(prepare_pool_inputs(inputs, requests, counts[r], pooling_type))
         local = jax.tree.map(lambda *a: np.stack(a), *ranks)  # [local ranks, ...]
         exe = self.executables(bucket, "pool")
-        pooled, self.kv_cache = exe(self.params, self.kv_cache, self._global(local))
+        pooled, self.kv_cache = exe(self.params, self.kv_cache, ranks_input(self.mesh, local))
         self.num_group_steps += 1
-        pooled = self._local_rows(pooled)  # [local ranks, S, H]
+        pooled = local_rank_rows(pooled, self.local_ranks)  # [local ranks, S, H]
         return {
-            r: pooled[self.local_ranks.index(r)][: len(_requests(step))]
+            r: pooled[self.local_ranks.index(r)][: len(step_requests(step))]
             for r, step in steps.items()
         }
 
@@ -305,99 +399,7 @@ class RankGroupRunner:
             return self.buckets.select(num_seqs, num_seqs)
         return next(b for b in self.buckets.fitting(num_tokens, num_seqs) if not b.is_decode)
 
-    def _global(self, local):
-        """The local ranks' stacked inputs -> the group's, every array [D, ...] cut over
-        "data" (within one process, the arrays as they are: the step places them)."""
-        if jax.process_count() == 1:
-            return local
-        sharding = NamedSharding(self.mesh, RANKS_SPEC)
-        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), local)
-
-    def _local_rows(self, array: jax.Array) -> np.ndarray:
-        """An output [D, ...] -> the local ranks' rows on the host, in local_ranks' order."""
-        rows = {}
-        for shard in array.addressable_shards:
-            rows.setdefault(shard.index[0].start or 0, shard.data)
-        return np.stack([np.asarray(rows[r])[0] for r in self.local_ranks])
-
     def _joint_bias_rows(self) -> jax.Array:
         """The local ranks' bias rows [R, V], each on its rank's devices, as the group's one
         [D R, V] array cut over "data" (their buffers as they are)."""
-        rows = [self.bias_rows[r].rows for r in self.local_ranks]
-        num_slots, vocab = rows[0].shape
-        shards = [s.data for r in rows for s in r.addressable_shards]
-        return jax.make_array_from_single_device_arrays(
-            (self.num_ranks * num_slots, vocab), NamedSharding(self.mesh, RANKS_SPEC), shards
-        )
-
-
-def _requests(step: _Step) -> list:
-    return step.scheduler_output.scheduled_requests
-
-
-class _NoCompiler:
-    """What the engine asks a runner's compiler: the group compiles its executables itself
-    (one a bucket and kind: up front with compile_all_buckets, else on first use), nothing in
-    the background."""
-
-    lockstep = False
-    compile_wait_seconds = 0.0
-
-    def cancel_compiles(self) -> None:
-        pass
-
-    def wait_for_compiles(self) -> None:
-        pass
-
-
-class RankRunner:
-    """One rank's view of the group, what its LLMEngine runs as its model runner."""
-
-    encoder = None  # images are refused across ranks
-
-    def __init__(self, group: RankGroupRunner, rank: int):
-        self.group, self.rank = group, rank
-        self.config = group.config
-        self.compiler = _NoCompiler()
-        self.dispatch_seconds = self.device_wait_seconds = 0.0
-
-    @property
-    def params(self):
-        return self.group.params
-
-    @property
-    def adapters(self):
-        """This rank's AdapterSlots (None: no LoRA), which its engine reads adapters with."""
-        return self.group.adapters and self.group.adapters.slots[self.rank]
-
-    @property
-    def kv_cache(self):
-        return self.group.kv_cache
-
-    @property
-    def expert_token_counts(self) -> np.ndarray:
-        return self.group.expert_token_counts[self.rank]
-
-    def execute_model(
-        self,
-        scheduler_output: SchedulerOutput,
-        block_ids: list[list[int]],
-        token_bitmask: np.ndarray | None = None,
-    ) -> ModelRunnerOutput:
-        """ModelRunner.execute_model's contract: this rank's step, run in the group's."""
-        step = _Step(scheduler_output, block_ids, token_bitmask)
-        return self.group.hand_over.submit(self.rank, step)
-
-    def execute_pooling(
-        self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]
-    ) -> np.ndarray:
-        """ModelRunner.execute_pooling's contract: this rank's pooling step, run in the
-        group's."""
-        step = _Step(scheduler_output, block_ids, None)
-        return self.group.hand_over.submit(self.rank, step)
-
-    def propose_drafts(
-        self, requests: list[Request], block_ids: list[list[int]]
-    ) -> dict[str, tuple[int, list[int]]]:
-        """The drafts this rank's last step proposed for `requests` (DraftProposals.propose)."""
-        return self.group.proposals[self.rank].propose(requests, block_ids)
+        return join_over_ranks([self.bias_rows[r].rows for r in self.local_ranks], 0, self.mesh)

@@ -1,8 +1,9 @@
 """The executables of a group of data-parallel ranks whose MoE layers run across them
-(worker/rank_group.py): the engine's step (a pooling runner's: its pooling step), and with
-num_scheduler_steps > 1 its decode window
-(with drafts, a window of speculative rounds: worker/spec_window.py), each run by every device of the ("data", "model") mesh on its rank's inputs inside one
-shard_map, one executable a (bucket, kind), compiled on first use or all up front.
+(worker/rank_group.py): the engine's step (a pooling runner's: its pooling step), with
+num_scheduler_steps > 1 its decode window (with drafts, a window of speculative rounds:
+worker/spec_window.py), with async scheduling the decode step run ahead (async_step.py), each
+run by every device of the ("data", "model") mesh on its rank's inputs inside one shard_map,
+one executable a (bucket, kind), compiled on first use or all up front.
 
 With a draft model or head (speculative decoding) each device runs it inside the step as one
 engine does (step_fn.model_step), on its rank's rows and draft KV pages: a draft model or an
@@ -123,25 +124,35 @@ class GroupExecutables:
         kinds = StepKinds(runner_config, window_steps_per_check(), counts_shape)
         is_windowed = runner_config.num_scheduler_steps > 1
         self.kinds = ("step", self.window_kind) if is_windowed else ("step",)
+        if runner_config.async_scheduling:  # the decode step dispatched ahead of its schedule
+            self.kinds += ("ahead",)
         kv_spec = KV_CACHE_SPEC
         if draft is not None:
             specs = (specs, params_in_specs(param_specs(draft.config), draft.params))
             kv_spec = (KV_CACHE_SPEC, KV_CACHE_SPEC)
         self._jitted = {
-            kind: self._jit(kinds.body(kind, step), specs, kv_spec) for kind in self.kinds
+            kind: self._jit(kind, kinds.body(kind, step), specs, kv_spec) for kind in self.kinds
         }
 
-    def _jit(self, body, param_specs_, kv_spec):
-        """jit of `body` (a StepKinds body) on every device: (params, kv_cache, token_cache,
-        bias_rows [D R, V], inputs [D, ...], and a window's WindowInputs [D, ...]) -> (its
-        output with a leading [D], kv_cache, token_cache), the caches donated."""
+    def _jit(self, kind: str, body, param_specs_, kv_spec):
+        """jit of `body` (StepKinds' body of `kind`) on every device: (params, kv_cache,
+        token_cache, bias_rows [D R, V], inputs [D, ...], and a window's WindowInputs [D, ...],
+        or the step run ahead's sampled tokens i32[D, S] and active rows bool[D, S]) -> (its
+        output with a leading [D] (the step run ahead's: with its inputs), kv_cache,
+        token_cache), the caches donated."""
+        extra = {"any_active": _any_rank_active} if kind in ("window", "spec_window") else {}
 
         def on_rank(params, kv_cache, token_cache, bias_rows, *inputs):
             local = [jax.tree.map(lambda a: a[0], x) for x in inputs]
-            extra = {"any_active": _any_rank_active} if len(local) > 1 else {}
-            out, kv_cache, token_cache = body(
-                params, kv_cache, token_cache, bias_rows, *local, **extra
-            )
+            if kind == "ahead":  # (SamplerOutput, its StepInputs), kv_cache, token_cache
+                out, next_inputs, kv_cache, token_cache = body(
+                    params, kv_cache, token_cache, bias_rows, *local
+                )
+                out = (out, next_inputs)
+            else:
+                out, kv_cache, token_cache = body(
+                    params, kv_cache, token_cache, bias_rows, *local, **extra
+                )
             return jax.tree.map(lambda a: a[None], out), kv_cache, token_cache
 
         def mapped(params, kv_cache, token_cache, bias_rows, *inputs):
@@ -189,11 +200,13 @@ class GroupExecutables:
         return exe
 
     def compile_all(self, buckets: BucketSpec) -> None:
-        """Every bucket's step, and where windows run every window shape that the ranks'
-        schedulers can run."""
+        """Every bucket's step (with async scheduling, every decode bucket's step run ahead
+        too), and where windows run every window shape that the ranks' schedulers can run."""
         for bucket in buckets.all_buckets():
             self(bucket, self.kinds[0])
-        if len(self.kinds) > 1:
+            if bucket.is_decode and "ahead" in self.kinds:
+                self(bucket, "ahead")
+        if self.window_kind in self.kinds:
             for bucket, kind in buckets.window_shapes(self.num_drafts):
                 self(bucket, kind)
 
@@ -202,7 +215,10 @@ class GroupExecutables:
         step (and window) of `bucket` [D, ...] cut over "data"."""
         ranks = NamedSharding(self.mesh, RANKS_SPEC)
         padding = [self.padding(bucket, kind)]
-        if kind not in ("step", "pool"):
+        if kind == "ahead":  # the step before's sampled tokens, and which rows go on
+            num_seqs = bucket.num_seqs
+            padding += [np.zeros(num_seqs, np.int32), np.zeros(num_seqs, bool)]
+        elif kind not in ("step", "pool"):
             padding.append(prepare_window_inputs([], [], bucket.num_seqs))
         stacked = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(

@@ -30,7 +30,8 @@ from jvllm.worker.device_sleep import DeviceSleep
 from jvllm.worker.draft_model import check_draft, load_draft
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
-from jvllm.worker.rank_group import RankGroupRunner, RankRunner
+from jvllm.worker.rank_group import RankGroupRunner
+from jvllm.worker.rank_runner import RankRunner
 
 logger = init_logger(__name__)
 
@@ -49,23 +50,6 @@ def runs_moe_across_ranks(config: EngineConfig) -> bool:
     return read_hf_config(model, overrides=load.hf_overrides).num_experts > 0
 
 
-def check_rank_group(config: EngineConfig) -> None:
-    """ValueError, naming the option, for what a group of ranks does not run yet: each rank's
-    step is the plain one, a decode window, or verifies drafts (n-gram, a draft model, an MTP,
-    EAGLE or EAGLE-3 head), alone or in a window of rounds, or a pooling runner's, with
-    LoRA adapters or not; no steps run ahead."""
-    runner = config.runner_config
-    refused = {"async_scheduling": runner.async_scheduling}
-    named = [name for name, is_set in refused.items() if is_set]
-    if named:
-        raise ValueError(
-            f"data_parallel_size={config.parallel_config.data_parallel_size} with "
-            "enable_expert_parallel runs the ranks' MoE layers across them, one step for all, "
-            f"which does not take {', '.join(named)} yet; leave it unset, or leave "
-            "enable_expert_parallel off for independent replicas"
-        )
-
-
 class RankGroupWorker:
     def __init__(self, config: EngineConfig):
         """Load the model of `config` (data_parallel_size D, enable_expert_parallel) onto the
@@ -82,7 +66,6 @@ class RankGroupWorker:
         prepare_backend(backend, runner.kv_cache_dtype, runner.block_size, dtype)
         parallel = config.parallel_config
         self.mesh = rank_group_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
-        check_rank_group(config)
         model_config, self.params, self.tokenizer = load_engine_model(
             load, self.mesh, enable_expert_parallel=True
         )

@@ -128,25 +128,29 @@ def read_results(
 
 
 def read_rank_results(
-    kind: str, out, scheduler_output: SchedulerOutput, sampling, drafts: list[list[int]] | None
+    kind: str,
+    out,
+    scheduler_output: SchedulerOutput,
+    rows: list[int],
+    any_logprobs: bool,
+    any_prompt_logprobs: bool,
+    drafts: list[list[int]] | None,
 ) -> ModelRunnerOutput:
     """One rank's result of a group of ranks' `kind` executable (worker/rank_group.py), `out`
-    its rows on the host, as its own runner would give it (read_results): a window of
-    speculative rounds' tokens and each round's drafts; a decode window's tokens as a list
-    each; a step's with `drafts` each request's accepted run as a list, a window's requests run
-    as a step their one token as a list (`as_window`)."""
+    its rows on the host, request i's in row `rows[i]`, as its own runner would give it
+    (read_results): a window of speculative rounds' tokens and each round's drafts; a decode
+    window's tokens as a list each; a step's with `drafts` each request's accepted run as a
+    list, a window's requests run as a step their one token as a list (`as_window`).
+    `any_prompt_logprobs` only for a step that computed them."""
     num_reqs = len(scheduler_output.scheduled_requests)
     if kind == "spec_window":
-        return fetch_spec_window(out, num_reqs, bool(sampling.any_logprobs))
+        return fetch_spec_window(out, num_reqs, any_logprobs)
+    is_step = kind == "step"
     result = fetch_output(
-        out,
-        list(range(num_reqs)),
-        kind == "window",
-        bool(sampling.any_logprobs),
-        kind == "step" and bool(sampling.any_prompt_logprobs),
+        out, rows, kind == "window", any_logprobs, is_step and any_prompt_logprobs
     )
     if drafts:  # each request's run, a list
         return with_accepted_runs(result, out, drafts)
-    if kind == "step" and scheduler_output.num_steps > 1:
+    if is_step and scheduler_output.num_steps > 1:
         return as_window(result)
     return result

@@ -217,6 +217,23 @@ def group_llm(path: str, t: int = 1, **options) -> LLM:
     )
 
 
+def run_with_arrivals(engine, prompts, arrivals: tuple[int, ...], num_steps: int = 60):
+    """Two of `prompts` first, then one more at each step of `arrivals` (while the ranks
+    decode, a rank gets a newcomer), stepping until all finish -> each one's greedy tokens."""
+    tokens = {}
+    for i in range(2):
+        engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, GREEDY)
+    for step in range(num_steps):
+        if step in arrivals:
+            i = len(tokens) + sum(engine.has_request(str(j)) for j in range(len(prompts)))
+            if i < len(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, GREEDY)
+        tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests() and len(tokens) == len(prompts):
+            break
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
@@ -446,18 +463,7 @@ def test_a_rank_prefilling_while_another_windows_runs_both_as_a_step(
         speculative_config=spec if drafts else None,
         **ENGINE_KWARGS,
     )
-    engine, tokens = llm.llm_engine, {}
-    for i in range(2):
-        engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, GREEDY)
-    for step in range(40):
-        if step in (2, 3, 5, 6):  # the ranks decode: one gets a newcomer
-            i = len(tokens) + sum(engine.has_request(str(j)) for j in range(len(prompts)))
-            if i < len(prompts):
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, GREEDY)
-        tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        if not engine.has_unfinished_requests() and len(tokens) == len(prompts):
-            break
-    assert [tokens[str(i)] for i in range(len(prompts))] == expected
+    assert run_with_arrivals(llm.llm_engine, prompts, (2, 3, 5, 6)) == expected
     assert any(cut)  # some step ran a rank's window as one step
     if drafts:
         stats = [engine.spec_decoding_stats for engine in llm.llm_engine.replicas]
