@@ -208,6 +208,13 @@ class RankGroupRunner:
             r: [s.scheduler_output.num_scheduled_tokens[q.request_id] for q in step_requests(s)]
             for r, s in steps.items()
         }
+        # Each rank's bias rows sent first (a row sent since a step ran ahead drops it); a
+        # pooling runner's requests take none.
+        bias_slots = {}
+        if self.executables.pooling_type is None:
+            bias_slots = {
+                r: self.bias_rows[r].slots_for(step_requests(s)) for r, s in steps.items()
+            }
         ahead, self._ahead = self._ahead, None
         # Each rank's rows of the step run ahead that hold its step now (None: they do not).
         rows_of = {r: self._rows_ahead(ahead, r, s) for r, s in steps.items()}
@@ -237,7 +244,9 @@ class RankGroupRunner:
         else:
             self.num_steps_ahead_dropped += ahead is not None
             rows_of = {r: list(range(len(counts[r]))) for r in steps}
-            kind, bucket, out, inputs, flags = self._dispatch(steps, counts, sizes, drafts)
+            kind, bucket, out, inputs, flags = self._dispatch(
+                steps, counts, bias_slots, sizes, drafts
+            )
         if kind == "step" and bucket.is_decode and all(size[4] for size in sizes):
             self._run_ahead(steps, rows_of, bucket, out, inputs, flags)
         local_rows = lambda a: local_rank_rows(a, self.local_ranks)
@@ -255,7 +264,7 @@ class RankGroupRunner:
             self.expert_token_counts[r] = self.expert_token_counts[r] + rank_out.expert_counts
         return results
 
-    def _dispatch(self, steps: dict[int, RankStep], counts, sizes, drafts: dict):
+    def _dispatch(self, steps: dict[int, RankStep], counts, bias_slots, sizes, drafts: dict):
         """Lay every local rank's step (the others padding) out in one bucket and dispatch it
         -> (kind, bucket, its outputs [D, ...], its inputs, each rank's (any_logprobs,
         any_prompt_logprobs)); `drafts` gets each rank's scheduled drafts."""
@@ -291,7 +300,7 @@ class RankGroupRunner:
                     counts[r],
                     step.block_ids,
                     bucket,
-                    bias_slots=self.bias_rows[r].slots_for(requests),
+                    bias_slots=bias_slots[r],
                     adapter_slots=self.adapters and self.adapters.slots_for(r, requests),
                     token_bitmask=masks[0],
                     draft_token_ids=draft_lists,
