@@ -2,16 +2,20 @@
 sampled, and requests without one are untouched by those with one."""
 
 import json
+import pathlib
 import re
 import types
+from typing import Annotated
 
 import jsonschema
 import numpy as np
+import pydantic
 import pytest
 
 from jvllm import LLM, SamplingParams, StructuredOutputsParams
 from jvllm.structured_output.grammar import cache_key, validate
 from jvllm.structured_output.json_schema import close_objects, rebase_refs
+from jvllm.structured_output.schema_support import supported
 
 # Every leaf has a bounded length (strings, integers) so that sampled outputs close in time
 # on any CPU; a bounded number may still have any number of decimals, so it is tested greedy.
@@ -273,6 +277,27 @@ def test_refs_of_a_schema_placed_inside_another_point_where_it_now_is():
     }
     assert rebased["default"] == schema["default"]
     assert schema["properties"]["a"]["$ref"] == "#/$defs/A"  # a copy
+
+
+def test_formats_llguidance_does_not_know_are_annotations(smollm2_llm):
+    """pydantic's Path, bytes and SecretStr carry formats ("path", "binary", "password") that
+    llguidance refused as unknown; JSON Schema 2020-12 makes a format an annotation, so they
+    now hold any string."""
+
+    class Upload(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        path: Annotated[pathlib.Path, pydantic.Field(max_length=12)]
+        data: Annotated[bytes, pydantic.Field(max_length=8)]
+        token: Annotated[pydantic.SecretStr, pydantic.Field(max_length=8)]
+
+    schema = Upload.model_json_schema()
+    assert {p["format"] for p in schema["properties"].values()} == {"path", "binary", "password"}
+    params = _params(0.0, json=schema, disable_any_whitespace=True)
+    [output] = smollm2_llm.generate(["An upload as JSON: "], params, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
+    jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    date = {"type": "string", "format": "date"}  # one llguidance knows is kept
+    assert supported(dict(date)) == date
 
 
 def test_the_false_schema_is_refused_and_key_order_is_kept():

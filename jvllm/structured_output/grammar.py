@@ -13,6 +13,7 @@ import llguidance.numpy
 
 from jvllm.sampling_params import StructuredOutputsParams
 from jvllm.structured_output.json_schema import close_objects
+from jvllm.structured_output.schema_support import supported
 
 # `json_object=True`: any JSON object, as vLLM asks of its grammar backends.
 _ANY_OBJECT = '{"type": "object"}'
@@ -46,7 +47,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object (or true)")
         if kind == "json":
-            schema = close_objects(schema)
+            schema = supported(close_objects(schema))
         # A oneOf whose branches llguidance cannot prove exclusive runs as an anyOf, as
         # vLLM's default backend (xgrammar) takes every oneOf; refused otherwise.
         defaults = {"coerce_one_of": True}

@@ -64,6 +64,12 @@ def close_objects(schema):
     return schema
 
 
+def each_schema(schema):
+    """Every schema dict in `schema`, itself first, not following $refs (data such as "enum"
+    or "default" is not walked)."""
+    return (node for node, _ in _schemas(schema, "#", set(), composed=False))
+
+
 def rebase_refs(schema, at: str):
     """A copy of `schema` to be placed at JSON pointer `at` ("#/items/...") of a larger schema:
     each $ref that points into `schema` ("#", "#/$defs/A") points to the same place there.
