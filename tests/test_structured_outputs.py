@@ -1,11 +1,12 @@
 """Structured outputs on the default model: what comes back matches its constraint, greedy and
 sampled, and requests without one are untouched by those with one."""
 
+import decimal
 import json
 import pathlib
 import re
 import types
-from typing import Annotated
+from typing import Annotated, Literal
 
 import jsonschema
 import numpy as np
@@ -298,6 +299,27 @@ def test_formats_llguidance_does_not_know_are_annotations(smollm2_llm):
     jsonschema.validate(json.loads(output.outputs[0].text), schema)
     date = {"type": "string", "format": "date"}  # one llguidance knows is kept
     assert supported(dict(date)) == date
+
+
+def test_a_decimal_field_runs_as_a_number(smollm2_llm):
+    """pydantic's Decimal is anyOf a number or a string whose pattern has a look-ahead, which
+    llguidance cannot compile: the whole schema was refused. The alternative llguidance
+    cannot take is dropped while another remains."""
+
+    class Price(pydantic.BaseModel):
+        amount: decimal.Decimal = pydantic.Field(ge=0, le=100)
+        currency: Literal["EUR", "USD"]
+
+    schema = Price.model_json_schema()
+    assert "(?!" in schema["properties"]["amount"]["anyOf"][1]["pattern"]
+    params = _params(0.0, json=schema, disable_any_whitespace=True)
+    [output] = smollm2_llm.generate(["A price as JSON: "], params, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
+    value = json.loads(output.outputs[0].text)
+    jsonschema.validate(value, schema)
+    assert isinstance(value["amount"], (int, float))
+    with pytest.raises(ValueError, match="look-around"):  # with no other alternative
+        validate(StructuredOutputsParams(json={"anyOf": [{"type": "string", "pattern": "(?!a)"}]}))
 
 
 def test_the_false_schema_is_refused_and_key_order_is_kept():

@@ -3,7 +3,10 @@
 Each rewrite keeps every value the grammar then admits valid under the schema as it came:
 - a string `format` llguidance does not know (pydantic's "path", "binary", "password",
   "ipvanyaddress", ...) is dropped: JSON Schema 2020-12 makes `format` an annotation unless a
-  validator opts in, so any string is valid.
+  validator opts in, so any string is valid;
+- an `anyOf` alternative whose `pattern` llguidance cannot compile (a look-around, a
+  backreference) is dropped while another alternative remains: pydantic's `Decimal` is a number
+  or a string matched by a look-ahead, and the number alone is still valid.
 """
 
 import functools
@@ -21,7 +24,27 @@ def supported(schema):
             json.dumps({"format": node["format"]})
         ):
             del node["format"]
+        alternatives = node.get("anyOf")
+        if isinstance(alternatives, list) and len(alternatives) > 1:
+            kept = [a for a in alternatives if all(map(_takes_pattern, _patterns(a)))]
+            if kept and len(kept) < len(alternatives):
+                node["anyOf"] = kept
     return schema
+
+
+def _patterns(schema) -> list[str]:
+    """Every `pattern` and `patternProperties` regex in `schema`, not following $refs."""
+    patterns = []
+    for node in each_schema(schema):
+        if isinstance(node.get("pattern"), str):
+            patterns.append(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            patterns.extend(node["patternProperties"])
+    return patterns
+
+
+def _takes_pattern(pattern: str) -> bool:
+    return _takes(json.dumps({"type": "string", "pattern": pattern}))
 
 
 @functools.lru_cache(maxsize=1024)
