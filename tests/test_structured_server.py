@@ -207,6 +207,28 @@ def test_tool_choice_required_takes_tools_whose_schemas_have_defs(client):
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
 
 
+def test_tool_choice_required_takes_tools_whose_schemas_have_an_id(client):
+    """A "#/$defs/..." $ref in a schema with an `$id` names a place in that schema: rebased to
+    the tool's place in the array of calls it named nothing (a 400), and an allOf of such a
+    $ref was closed as though the $ref named the root's $defs (unsatisfiable, a 400)."""
+    name = {"type": "string", "maxLength": 12}
+    parameters = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://example.com/weather.json",
+        "$defs": {"City": {"type": "object", "properties": {"name": name}, "required": ["name"]}},
+        "allOf": [
+            {"$ref": "#/$defs/City"},
+            {"properties": {"days": {"enum": [1, 2]}}, "required": ["days"]},
+        ],
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    required = {"tool_choice": "required", "parallel_tool_calls": False}
+    reply = _chat(client, tools=[tool], **required).choices[0]
+    assert reply.finish_reason == "tool_calls"
+    [call] = _calls(reply.message)
+    jsonschema.validate(json.loads(call["arguments"]), parameters)
+
+
 def test_tool_choice_auto_parses_hermes_calls_whole_and_streamed(client):
     body = {"structured_outputs": {"regex": HERMES_CALL}}
     reply = _chat(client, tools=[WEATHER], extra_body=body).choices[0]

@@ -37,15 +37,17 @@ def close_objects(schema):
     says nothing of others and composes no other schema has `"additionalProperties": false`.
     A key such an object requires without listing it becomes a listed key of any value: it was
     one of the others, and closed without it the object would admit nothing.
-    A composed $ref that names its target otherwise than by a JSON pointer into `schema` (an
-    $anchor, an $id) is not followed here: then no object is closed."""
+    A "#/..." $ref names a place in the schema of the nearest `$id` around it (a tool's
+    parameters placed inside a larger schema keep theirs). A composed $ref that names its
+    target otherwise (an $anchor, an $id) is not followed here: then no object is closed."""
     schema = copy.deepcopy(schema)
     composed_refs: set[str] = set()
     while True:  # a composed $ref's target is composed, and so are the $refs it holds
         nodes = list(_schemas(schema, "#", composed_refs, composed=False))
+        resources = [at for node, _, at in nodes if at != "#" and isinstance(node.get("$id"), str)]
         found = {
-            _pointer(node["$ref"])
-            for node, composed in nodes
+            _pointer(node["$ref"], _resource(at, resources))
+            for node, composed, at in nodes
             if _ref(node) is not None and (composed or set(node) - _ANNOTATIONS)
         }
         if None in found:
@@ -53,7 +55,7 @@ def close_objects(schema):
         if found <= composed_refs:
             break
         composed_refs |= found
-    for node, composed in nodes:
+    for node, composed, _ in nodes:
         if "properties" in node and not composed and not any(k in node for k in _OPEN_KEYS):
             node["additionalProperties"] = False
             properties, required = node["properties"], node.get("required")
@@ -67,17 +69,20 @@ def close_objects(schema):
 def each_schema(schema):
     """Every schema dict in `schema`, itself first, not following $refs (data such as "enum"
     or "default" is not walked)."""
-    return (node for node, _ in _schemas(schema, "#", set(), composed=False))
+    return (node for node, _, _ in _schemas(schema, "#", set(), composed=False))
 
 
 def rebase_refs(schema, at: str):
     """A copy of `schema` to be placed at JSON pointer `at` ("#/items/...") of a larger schema:
     each $ref that points into `schema` ("#", "#/$defs/A") points to the same place there.
-    Data ("enum", "const", "default", "examples") is copied as it is."""
+    Data ("enum", "const", "default", "examples") is copied as it is, and so is a schema with
+    an `$id`: the $refs in it name places in it, wherever it is placed."""
     if isinstance(schema, list):
         return [rebase_refs(item, at) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    if isinstance(schema.get("$id"), str):
+        return copy.deepcopy(schema)
     rebased = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
@@ -94,7 +99,8 @@ def rebase_refs(schema, at: str):
 
 def _schemas(schema, pointer: str, composed_refs: set[str], composed: bool):
     """Every schema dict in `schema` (at JSON pointer `pointer`) with whether it applies beside
-    other schemas to the same instance: then its keys are "additional" to theirs."""
+    other schemas to the same instance (then its keys are "additional" to theirs) and its
+    pointer."""
     if isinstance(schema, list):  # "items" as a list (draft 4-7 tuples)
         for i, item in enumerate(schema):
             yield from _schemas(item, f"{pointer}/{i}", composed_refs, False)
@@ -102,7 +108,7 @@ def _schemas(schema, pointer: str, composed_refs: set[str], composed: bool):
     if not isinstance(schema, dict):
         return
     composed = composed or pointer in composed_refs
-    yield schema, composed
+    yield schema, composed, pointer
     is_object = "properties" in schema or schema.get("type") == "object"
     for key, value in schema.items():
         at = f"{pointer}/{_escape(key)}"
@@ -132,11 +138,18 @@ def _escape(key: str) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
-def _pointer(ref: str) -> str | None:
-    """The JSON pointer into this document that a $ref names ("#/$defs/A", percent-encoded or
-    not), else None."""
+def _resource(at: str, resources: list[str]) -> str:
+    """The pointer of the schema whose `$id` is nearest around the one at `at` ("#": the
+    root, which its $refs name places in whether it has an $id or not)."""
+    around = [r for r in resources if at == r or at.startswith(r + "/")]
+    return max(around, key=len, default="#")
+
+
+def _pointer(ref: str, resource: str = "#") -> str | None:
+    """The JSON pointer into this document that a $ref in the schema at `resource` names
+    ("#/$defs/A", percent-encoded or not), else None."""
     if ref == "#" or ref.startswith("#/"):
-        return urllib.parse.unquote(ref)
+        return resource + urllib.parse.unquote(ref)[1:]
     return None
 
 
