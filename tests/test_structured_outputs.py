@@ -2,6 +2,7 @@
 sampled, and requests without one are untouched by those with one."""
 
 import decimal
+import enum
 import json
 import pathlib
 import re
@@ -320,6 +321,29 @@ def test_a_decimal_field_runs_as_a_number(smollm2_llm):
     assert isinstance(value["amount"], (int, float))
     with pytest.raises(ValueError, match="look-around"):  # with no other alternative
         validate(StructuredOutputsParams(json={"anyOf": [{"type": "string", "pattern": "(?!a)"}]}))
+
+
+def test_a_dict_keyed_by_a_literal_or_an_enum_takes_those_keys(smollm2_llm):
+    """pydantic's dict[Literal[...], X] and dict[SomeEnum, X] name their keys in propertyNames,
+    which llguidance does not implement (a ValueError): they run as optional properties."""
+
+    class Size(str, enum.Enum):
+        small = "small"
+        large = "large"
+
+    class Stock(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        by_color: dict[Literal["red", "blue"], Annotated[int, pydantic.Field(ge=0, le=9)]]
+        by_size: dict[Size, bool]
+
+    schema = Stock.model_json_schema()
+    assert "propertyNames" in schema["properties"]["by_size"]
+    params = _params(0.0, json=schema, disable_any_whitespace=True)
+    [output] = smollm2_llm.generate(["Stock as JSON: "], params, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
+    jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    with pytest.raises(ValueError, match="propertyNames"):  # names by a pattern: refused
+        validate(StructuredOutputsParams(json={"propertyNames": {"pattern": "^a"}}))
 
 
 def test_the_false_schema_is_refused_and_key_order_is_kept():
