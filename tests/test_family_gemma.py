@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import dense_logits
 from family_parity import (
     assert_hf_window_cuts,
     assert_matches_hf,
@@ -13,6 +14,7 @@ from family_parity import (
 )
 
 from jvllm import LLM, SamplingParams
+from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
@@ -34,6 +36,17 @@ def test_gemma_with_head_dim_256_decodes_like_hf(tmp_path):
     config = transformers.GemmaConfig(**{**TINY, "head_dim": 256, "num_key_value_heads": 1})
     hf_model = save_random_model(tmp_path, config)
     assert_matches_hf(tmp_path, hf_model, PROMPTS)
+
+
+def test_gemma_mlp_computes_its_hidden_act_like_hf(tmp_path):
+    """HF's GemmaConfig reads hidden_act (its "gelu" as the tanh approximation), not Gemma 2's
+    hidden_activation."""
+    hf_model = save_random_model(tmp_path, transformers.GemmaConfig(**TINY, hidden_act="silu"))
+    token_ids = PROMPTS[-1]
+    config, params = load_hf_dir(str(tmp_path), "float32")
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
+    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
 
 
 def test_gemma2_window_and_soft_caps_decode_like_hf(tmp_path):
@@ -190,8 +203,12 @@ def test_gemma_config_reads_its_defaults_and_tanh_gelu():
     assert config.tie_word_embeddings and config.hidden_act == "gelu_pytorch_tanh"
     assert config.head_dim == 256 and config.sm_scale == 256**-0.5
     assert config.layer_windows == (None,) * 18 and config.final_logit_softcap is None
-    exact = model_config_from_hf({**GEMMA_2B, "hidden_activation": "gelu"}, "float32")
-    assert exact.hidden_act == "gelu"  # vLLM's rule: hidden_activation decides
+    # HF 5's rule (vLLM's and transformers 4's read hidden_activation, which no released
+    # config sets otherwise than tanh): hidden_act decides.
+    config = model_config_from_hf({**GEMMA_2B, "hidden_activation": "gelu"}, "float32")
+    assert config.hidden_act == "gelu_pytorch_tanh"
+    config = model_config_from_hf({**GEMMA_2B, "hidden_act": "gelu_new"}, "float32")
+    assert config.hidden_act == "gelu_new"
 
 
 def test_gemma2_config_alternates_windows_and_caps_by_default():

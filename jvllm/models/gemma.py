@@ -105,9 +105,11 @@ def _normalize(cfg: dict) -> dict:
             "causal language models"
         )
     if model_type == "gemma":
-        # As vLLM: `hidden_activation` decides; Gemma's first configs said hidden_act="gelu"
-        # for what was trained as the tanh approximation, so hidden_act alone means tanh.
-        cfg["hidden_act"] = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+        # As HF's GemmaConfig: `hidden_act` decides (`hidden_activation` is no field of it),
+        # and its "gelu", which Gemma's first configs said for what was trained as the tanh
+        # approximation, means tanh.
+        act = cfg.get("hidden_act", "gelu_pytorch_tanh")
+        cfg["hidden_act"] = "gelu_pytorch_tanh" if act == "gelu" else act
         for name in ("sliding_window", "layer_types", "query_pre_attn_scalar"):
             cfg.pop(name, None)
         cfg.pop("final_logit_softcapping", None)
