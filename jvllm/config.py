@@ -16,7 +16,26 @@ DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what a user passes: "auto" follow
 # sampler drew from (after logit processors, penalties, temperature and top-k/top-p/min-p).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # HF's hidden_act names of the activations layers/activation.py computes, one function each.
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu", "relu")
+SUPPORTED_ACTIVATIONS = (
+    "silu",
+    "gelu_pytorch_tanh",
+    "gelu_new",
+    "gelu_fast",
+    "gelu",
+    "relu",
+    "swish",
+    "gelu_python",
+    "gelu_python_tanh",
+    "gelu_accurate",
+    "gelu_10",
+    "quick_gelu",
+    "relu2",
+    "relu6",
+    "mish",
+    "sigmoid",
+    "tanh",
+    "linear",
+)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # vLLM's all2all_backend: how the MoE layers of data-parallel ranks bring the ranks' tokens to
 # their experts' devices. "auto" picks one of the other two by size

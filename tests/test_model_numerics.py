@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import dense_logits
+from transformers.activations import ACT2FN
 
 from jvllm.config import SUPPORTED_ACTIVATIONS
 from jvllm.layers.activation import ACTIVATIONS
@@ -132,3 +133,10 @@ def test_unsupported_architecture_and_bad_fields_are_named():
 
 def test_each_activation_a_config_accepts_has_its_function():
     assert tuple(ACTIVATIONS) == SUPPORTED_ACTIVATIONS
+
+
+@pytest.mark.parametrize("name", SUPPORTED_ACTIVATIONS)
+def test_each_activation_computes_hfs_function_of_its_name(name):
+    x = np.linspace(-12.0, 12.0, 193, dtype=np.float32)
+    expected = ACT2FN[name](torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.asarray(ACTIVATIONS[name](x)), expected, rtol=1e-5, atol=1e-5)
