@@ -67,6 +67,26 @@ def test_family_decodes_like_hf(tmp_path, name):
         np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
 
 
+LOGITS_CONFIGS = {
+    # Biases on q/k/v (before the whole-projection norms) and o, and another activation.
+    "olmo2_biased_gelu": lambda: transformers.Olmo2Config(
+        **TINY, attention_bias=True, hidden_act="gelu_pytorch_tanh"
+    ),
+    "olmo3_biased": lambda: transformers.Olmo3Config(
+        **TINY, attention_bias=True, sliding_window=WINDOW
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGITS_CONFIGS))
+def test_config_variant_logits_match_hf(tmp_path, name):
+    hf_model = save_random_model(tmp_path, LOGITS_CONFIGS[name]())
+    config, params = load_hf_dir(str(tmp_path), "float32")
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([PROMPTS[-1]])).logits[0].numpy()
+    np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
+
+
 # Config files in the layouts the hub's checkpoints ship (transformers 4), fields trimmed.
 GRANITE_3_2B = {
     "architectures": ["GraniteForCausalLM"],
@@ -172,7 +192,6 @@ def test_olmo3_config_windows_three_layers_of_four_and_scales_only_global_rope()
             {**SMOLLM3_3B, "layer_types": ["sliding_attention"] * 36},
             "use_sliding_window is false",
         ),
-        ({**OLMO_3_7B, "attention_bias": True}, "attention_bias=True is not supported"),
     ],
 )
 def test_configs_refuse_what_they_cannot_run(hf_config, message):

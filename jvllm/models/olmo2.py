@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.activation import check_activation
 from jvllm.layers.attention import Attention, AttentionFn
 from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
@@ -40,10 +41,7 @@ def _normalize(cfg: dict) -> dict:
     architecture = (cfg.get("architectures") or [None])[0]
     is_olmo3 = architecture == "Olmo3ForCausalLM" or cfg.get("model_type") == "olmo3"
     cfg = {**_DEFAULTS, **(_OLMO3_DEFAULTS if is_olmo3 else {}), **cfg}
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
-    if cfg.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported for OLMo 2 and 3 (none has it)")
+    cfg["hidden_act"] = check_activation(cfg.get("hidden_act", "silu"), "hidden_act")
     if not is_olmo3:
         # HF's OLMo 2 attends globally, whatever its config says.
         cfg["sliding_window"] = None
@@ -94,7 +92,8 @@ class Olmo2Attention(Attention):
     """Attention whose q and k norms (applied where Qwen3's are, before rope) span all heads."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__(config)  # config.qk_norm is False: no per-head norms are made
+        # config.qk_norm is False: no per-head norms are made. attention_bias: on q/k/v and o.
+        super().__init__(config, output_bias=config.attention_bias)
         eps, h, shards = config.rms_norm_eps, config.head_dim, config.num_shards
         # nnx.data: the base class left these None, which nnx took for static attributes.
         self.q_norm = nnx.data(WholeRMSNorm(config.num_heads, h, eps, "heads", shards))
@@ -148,6 +147,9 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         weights.stacked("layers.attn.q_norm.weight", ("self_attn.q_norm.weight",))
         weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
+        if config.attention_bias:
+            weights.stacked("layers.attn.qkv.bias", tuple(n + ".bias" for n in attn))
+            weights.stacked("layers.attn.o.bias", ("self_attn.o_proj.bias",))
         weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
         weights.stacked("layers.mlp.gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
         weights.stacked("layers.mlp.down.weight", ("mlp.down_proj.weight",))
