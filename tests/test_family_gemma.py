@@ -38,10 +38,23 @@ def test_gemma_with_head_dim_256_decodes_like_hf(tmp_path):
     assert_matches_hf(tmp_path, hf_model, PROMPTS)
 
 
-def test_gemma_mlp_computes_its_hidden_act_like_hf(tmp_path):
-    """HF's GemmaConfig reads hidden_act (its "gelu" as the tanh approximation), not Gemma 2's
-    hidden_activation."""
-    hf_model = save_random_model(tmp_path, transformers.GemmaConfig(**TINY, hidden_act="silu"))
+LOGITS_CONFIGS = {
+    # HF's GemmaConfig reads hidden_act (its "gelu" as the tanh approximation), not Gemma 2's
+    # hidden_activation.
+    "gemma_silu": lambda: transformers.GemmaConfig(**TINY, hidden_act="silu"),
+    # Biases on q/k/v and o (no score cap: dense_logits' attention has none).
+    "gemma2_biased": lambda: transformers.Gemma2Config(
+        **TINY, attention_bias=True, sliding_window=WINDOW, attn_logit_softcapping=None
+    ),
+    "gemma3_biased": lambda: transformers.Gemma3TextConfig(
+        **TINY, attention_bias=True, sliding_window=WINDOW, sliding_window_pattern=2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGITS_CONFIGS))
+def test_config_variant_logits_match_hf(tmp_path, name):
+    hf_model = save_random_model(tmp_path, LOGITS_CONFIGS[name]())
     token_ids = PROMPTS[-1]
     config, params = load_hf_dir(str(tmp_path), "float32")
     with torch.no_grad():

@@ -97,8 +97,6 @@ def _normalize(cfg: dict) -> dict:
     if model_type == "gemma3":  # a multimodal config built in code, without architectures
         model_type = "gemma3_text"
     cfg = {**_DEFAULTS[model_type], **cfg}  # an explicit null (no window, no cap) stays
-    if cfg.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported for Gemma (no checkpoint has it)")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(
             "use_bidirectional_attention=True (an embedding model) is not supported: jvllm runs "
@@ -141,7 +139,8 @@ class GemmaDecoderLayer(nnx.Module):
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, weight_offset=1.0)
         has_post_norms = config.option("post_norms", False)
         self.input_norm = norm()
-        self.attn = Attention(config, norm_weight_offset=1.0)
+        # attention_bias: on q/k/v and o, as HF's.
+        self.attn = Attention(config, norm_weight_offset=1.0, output_bias=config.attention_bias)
         self.post_attention_norm = norm()  # Gemma: before the MLP (HF's name for both)
         self.pre_mlp_norm = norm() if has_post_norms else None
         self.post_mlp_norm = norm() if has_post_norms else None
@@ -232,6 +231,9 @@ class GemmaForCausalLM(nnx.Module):
             weights.stacked("layers.attn.q_norm.weight", ("self_attn.q_norm.weight",))
             weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
+        if config.attention_bias:
+            weights.stacked("layers.attn.qkv.bias", tuple(n + ".bias" for n in attn))
+            weights.stacked("layers.attn.o.bias", ("self_attn.o_proj.bias",))
         weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
         if config.option("post_norms", False):
             weights.stacked("layers.pre_mlp_norm.weight", ("pre_feedforward_layernorm.weight",))
