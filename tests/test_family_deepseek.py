@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import dense_logits
 from family_parity import assert_matches_hf, ragged_prompts, save_random_model
 
 from jvllm import LLM, SamplingParams
@@ -15,6 +16,7 @@ from jvllm.attention import pallas as pallas_backend
 from jvllm.distributed.tensor_parallel import check_tensor_parallel
 from jvllm.layers.deepseek_moe import deepseek_route
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
+from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.deepseek import MLA_DISABLE_ENV
 
@@ -106,6 +108,15 @@ def test_deepseek_v2_lite_like_decodes_like_hf(tmp_path):
 def test_deepseek_v3_like_decodes_like_hf(tmp_path):
     hf_model = _save(tmp_path, v3_like())
     assert_matches_hf(tmp_path, hf_model, PROMPTS, max_tokens=8)
+
+
+def test_experts_and_dense_mlps_compute_the_configs_activation_like_hf(tmp_path):
+    hf_model = _save(tmp_path, v2_lite_like(hidden_act="gelu_pytorch_tanh"))
+    token_ids = PROMPTS[-1]
+    config, params = load_hf_dir(str(tmp_path), "float32")
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
+    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
 
 
 @pytest.mark.slow  # 30 s cold; test_deepseek_v3_like_decodes_like_hf keeps V3 in the default run

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import dense_logits
 from family_parity import (
     assert_hf_window_cuts,
     assert_matches_hf,
@@ -101,6 +102,25 @@ def test_moe_family_decodes_like_hf(tmp_path, name):
         _drop_layer_types(tmp_path)
         assert_hf_window_cuts(hf_model, max(prompts, key=len))
     assert_matches_hf(tmp_path, hf_model, prompts)
+
+
+# HF's experts (and Qwen2-MoE's shared expert) compute the config's hidden_act.
+ACTIVATION_CONFIGS = {
+    "mixtral_gelu": lambda: transformers.MixtralConfig(
+        **TINY, num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu"
+    ),
+    "qwen2_moe_gelu_tanh": lambda: _qwen2_moe(hidden_act="gelu_pytorch_tanh"),
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATION_CONFIGS))
+def test_experts_compute_the_configs_activation_like_hf(tmp_path, name):
+    hf_model = save_random_model(tmp_path, ACTIVATION_CONFIGS[name]())
+    token_ids = ragged_prompts(TINY["vocab_size"], lengths=(40,))[0]
+    config, params = load_hf_dir(str(tmp_path), "float32")
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
+    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -164,8 +164,8 @@ def test_granite_moe_and_olmoe_read_their_config_classes_defaults():
         ),
         ({**TINY_SHAPES, "architectures": ["OlmoeForCausalLM"], "clip_qkv": -1}, "clip_qkv"),
         (
-            {**TINY_SHAPES, "architectures": ["GraniteMoeForCausalLM"], "hidden_act": "gelu"},
-            "hidden_act='gelu'",
+            {**TINY_SHAPES, "architectures": ["GraniteMoeForCausalLM"], "hidden_act": "elu"},
+            "hidden_act='elu'",
         ),
     ],
 )

@@ -104,6 +104,7 @@ class DeepseekMoE(nnx.Module):
         self.num_groups = config.option("n_group", 1)
         self.topk_group = config.option("topk_group", 1)
         self.renormalize = config.norm_topk_prob
+        self.act = config.hidden_act
         self.scaling_factor = config.option("routed_scaling_factor", 1.0)
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
@@ -128,7 +129,9 @@ class DeepseekMoE(nnx.Module):
         first = first_local_expert(
             self.num_local_experts, self.num_expert_shards, self.num_data_ranks
         )
-        run = lambda x, w, e: moe_mlp(x, w, e, self.gate_up[...], self.down[...], first)
+        run = lambda x, w, e: moe_mlp(
+            x, w, e, self.gate_up[...], self.down[...], first, act=self.act
+        )
         out = experts_over_ranks(run, x, weights, experts, self.config)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.activation import ACTIVATIONS
 from jvllm.layers.expert_counts import count_experts
 from jvllm.layers.linear import dense
 from jvllm.layers.mlp import GatedMLP
@@ -94,11 +95,13 @@ def moe_mlp(
     gate_up: jax.Array,
     down: jax.Array,
     first_expert: jax.Array | None = None,
+    act: str = "silu",
 ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D].
 
     x [T, D]; weights f32[T, k] and experts i32[T, k] from `route`; gate_up [E, D, 2F] and
-    down [E, F, D] (see the module docstring). Each expert is down(silu(gate) * up).
+    down [E, F, D] (see the module docstring). Each expert is down(act(gate) * up), `act` the
+    config's hidden_act (layers/activation.py).
     first_expert: under expert parallelism, the router's id of gate_up's first expert
     (layers/parallel.py's first_local_expert); the sum then runs over the held experts alone.
 
@@ -116,7 +119,7 @@ def moe_mlp(
     rows = x.astype(gate_up.dtype)[order // experts.shape[1]]  # [T*k, D]
 
     gate, up = jnp.split(grouped_dense(rows, gate_up, group_sizes), 2, axis=-1)  # [T*k, F] each
-    hidden = jax.nn.silu(gate) * up  # f32[T*k, F]
+    hidden = ACTIVATIONS[act](gate) * up  # f32[T*k, F]
     out = grouped_dense(hidden.astype(down.dtype), down, group_sizes)  # f32[T*k, D]
     return combine(out, order, weights, is_held)
 
@@ -127,6 +130,7 @@ def dense_moe_mlp(
     experts: jax.Array,
     gate_up: jax.Array,
     down: jax.Array,
+    act: str = "silu",
 ) -> jax.Array:
     """moe_mlp computed by running every expert on every token -> f32[T, D].
 
@@ -139,7 +143,7 @@ def dense_moe_mlp(
     x = x.astype(gate_up.dtype)
     gate_up_out = jnp.einsum("td,edo->teo", x, gate_up, preferred_element_type=jnp.float32)
     gate, up = jnp.split(gate_up_out, 2, axis=-1)  # [T, E, F] each
-    hidden = (jax.nn.silu(gate) * up).astype(down.dtype)  # [T, E, F]
+    hidden = (ACTIVATIONS[act](gate) * up).astype(down.dtype)  # [T, E, F]
     out = jnp.einsum("tef,efd->etd", hidden, down, preferred_element_type=jnp.float32)
     return jnp.einsum("etd,te->td", out, dense_weights)
 
@@ -175,6 +179,7 @@ class SparseMoE(nnx.Module):
         self.down = param((e, f, d), dtype, ("experts", "mlp", "embed"))
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.act = config.hidden_act
         self.num_experts = config.num_experts
         self.num_shards = config.num_shards
         self.num_local_experts, self.num_expert_shards = e, config.num_expert_shards
@@ -201,5 +206,7 @@ class SparseMoE(nnx.Module):
         first = first_local_expert(
             self.num_local_experts, self.num_expert_shards, self.num_data_ranks
         )
-        run = lambda x, w, e: moe_mlp(x, w, e, self.gate_up[...], self.down[...], first)
+        run = lambda x, w, e: moe_mlp(
+            x, w, e, self.gate_up[...], self.down[...], first, act=self.act
+        )
         return experts_over_ranks(run, x, weights, experts, self.config)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.layers.activation import check_activation
 from jvllm.layers.attention import AttentionFn
 from jvllm.layers.deepseek_moe import DeepseekMoE
 from jvllm.layers.embedding import Embed
@@ -191,8 +192,7 @@ def _normalize(cfg: dict) -> dict:
             f"num_attention_heads ({num_heads}): MLA's latent serves every query head (and "
             "decompresses into a key and a value for each)"
         )
-    if cfg.get("hidden_act", "silu") != "silu":  # layers/moe.py's experts compute silu
-        raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; allowed: 'silu'")
+    cfg["hidden_act"] = check_activation(cfg.get("hidden_act", "silu"), "hidden_act")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported; allowed: False")
     if cfg.get("moe_layer_freq", 1) != 1:

@@ -72,14 +72,9 @@ class LlamaForCausalLM(nnx.Module):
 
     @staticmethod
     def normalize_hf_config(cfg: dict) -> dict:
-        act = cfg.get("hidden_act", "silu")
-        if cfg.get("num_local_experts") or cfg.get("num_experts"):
-            if act != "silu":  # layers/moe.py's experts compute silu
-                raise ValueError(f"hidden_act={act!r} is not supported; allowed: 'silu'")
-            if cfg.get("mlp_bias"):
-                raise ValueError("mlp_bias=True is not supported for experts; allowed: False")
-        else:
-            cfg["hidden_act"] = check_activation(act, "hidden_act")
+        cfg["hidden_act"] = check_activation(cfg.get("hidden_act", "silu"), "hidden_act")
+        if (cfg.get("num_local_experts") or cfg.get("num_experts")) and cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported for experts; allowed: False")
         if cfg.get("mlp_bias"):  # Llama's: on gate, up and down
             cfg["options"] = {**cfg.get("options", {}), "mlp_bias": True}
         architecture = cfg["architectures"][0] if cfg.get("architectures") else None
