@@ -68,6 +68,9 @@ def test_openai_client_gets_the_offline_embeddings(setup, client):
         ({"input": [1, "a"]}, "input"),
         ({"input": "hi", "dimensions": 8}, "dimensions"),  # not a matryoshka model
         ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
+        # Refused in the engine: the prompt's field is the one it came in.
+        ({"input": [10**9]}, "input"),
+        ({"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),
     ],
 )
 def test_bad_embedding_requests_are_400_naming_the_field(setup, body, param):

@@ -45,7 +45,9 @@ class EmbeddingRequest(_Request):
 
 
 # What an error's message may name (engine_errors.param_of); a message naming none is the input's.
-_FIELDS = tuple(EmbeddingRequest.model_fields)
+# The fields an engine error may name: a prompt's, "input" (encode_all adds "messages" for a
+# chat embedding request, whose prompt came in it).
+_FIELDS = tuple(f for f in EmbeddingRequest.model_fields if f != "messages")
 
 
 def prompts(value) -> list[str | list[int]]:
@@ -99,7 +101,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e), param=param_of(str(e), _FIELDS) or "input") from None
         request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await self.encode_all(inputs, params, request_id)
+        prompt_field = "input" if request.messages is None else "messages"
+        outputs = await self.encode_all(inputs, params, request_id, prompt_field)
         data = [
             {
                 "object": "embedding",
@@ -138,15 +141,18 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
         return rendered["prompt_token_ids"]
 
-    async def encode_all(self, inputs, params: PoolingParams, request_id: str) -> list:
+    async def encode_all(
+        self, inputs, params: PoolingParams, request_id: str, prompt_field: str = "input"
+    ) -> list:
         """Every prompt as its own engine request, side by side; the first failure cancels
-        the others (which aborts them)."""
+        the others (which aborts them); an error about a prompt names `prompt_field`."""
+        fields = _FIELDS if prompt_field == "input" else (*_FIELDS, prompt_field)
         tasks = [
             asyncio.ensure_future(self.engine.encode(p, params, f"{request_id}-{i}"))
             for i, p in enumerate(inputs)
         ]
         try:
-            with engine_errors(_FIELDS, default="input"):
+            with engine_errors(fields, default=prompt_field):
                 outputs = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
