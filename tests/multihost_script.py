@@ -58,7 +58,7 @@ if mode == "data-parallel":
         "generate": [o.outputs[0].token_ids for o in again],
         "group_steps": group and group.num_group_steps,
         "windows": group and group.num_windows,
-        "steps_ahead_used": group and group.num_steps_ahead_used,
+        "steps_ahead_used": group and group.ahead.num_used,
         # Rank 0's accepted drafts (process 0's engine), None without speculation.
         "accepted": getattr(engine.replicas[0].spec_decoding_stats, "num_accepted_tokens", None),
     }

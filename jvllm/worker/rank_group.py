@@ -17,11 +17,8 @@ group is the same SPMD program: each process holds its rank's row of the mesh an
 and before each group step the processes exchange their ranks' step sizes (a small all-gather)
 so that every one pads to the same bucket, and steps, work or not.
 
-With async scheduling, a step where every rank decodes one token of each request, and would
-need no new block, dispatches the group's next decode step right behind it, each rank's rows
-fed the tokens just sampled (worker/async_step.py, as one engine does); the next group step
-uses it where it holds every rank's scheduled step, and otherwise drops it and runs its own.
-Across processes the ranks agree on both through the exchange of step sizes.
+With async scheduling the group's next decode step may be dispatched ahead of the ranks'
+schedules, and taken where it holds them all (worker/rank_group_ahead.py).
 
 The device arrays: the KV cache [L, V, K, D P, B, H] and the token cache [D P, B] hold each
 rank's P pages on its row of devices; each rank's bias rows [R, V] lie on its own row and join
@@ -51,8 +48,6 @@ from jvllm.distributed.data_parallel_moe import (
 from jvllm.distributed.mesh import DP_AXIS, join_over_ranks, replica_mesh, replicated
 from jvllm.distributed.multihost import gather_objects
 from jvllm.models.model import num_moe_layers
-from jvllm.sample.plan import SamplerPlan
-from jvllm.worker.async_step import StepAhead, can_run_ahead, rows_ahead
 from jvllm.worker.bias_rows import BiasRows, set_row
 from jvllm.worker.buckets import Bucket
 from jvllm.worker.decode_loop import prepare_window_inputs
@@ -61,6 +56,7 @@ from jvllm.worker.kv_layout import new_kv_cache
 from jvllm.worker.pooler import prepare_pool_inputs
 from jvllm.worker.proposal_runner import DraftProposals
 from jvllm.worker.rank_adapters import RankAdapters
+from jvllm.worker.rank_group_ahead import GroupStepsAhead
 from jvllm.worker.rank_group_step import GroupExecutables
 from jvllm.worker.rank_runner import RankRunner, RankStep, step_requests
 from jvllm.worker.runner_output import ModelRunnerOutput
@@ -165,18 +161,10 @@ class RankGroupRunner:
         # front step begins it, and each rank's engine finishes it.
         self.hand_over = StepHandOver(self.local_ranks, self._run, jax.process_count() > 1)
         self.num_group_steps = self.num_windows = 0  # the group's steps, the windows among them
-        # Async scheduling: the group's decode step dispatched ahead of the ranks' schedules,
-        # each local rank's StepAhead (worker/async_step.py), and how often one was used.
-        self.async_scheduling = runner_config.async_scheduling
-        self._block_size = block_size
-        self._ahead: dict[int, StepAhead] | None = None
-        # XLA:CPU runs executables side by side: across processes a step left running reaches
-        # its collectives beside the next exchange of the processes' step sizes, in no order
-        # they agree on (gloo's pairs then mismatch). On a CPU the step run ahead is waited for
-        # (it overlaps nothing there: sample/plan.py); a GPU orders both on its stream.
-        cpu = mesh.devices.flat[0].platform == "cpu"
-        self._waits_for_steps_ahead = jax.process_count() > 1 and cpu
-        self.num_steps_ahead_used = self.num_steps_ahead_dropped = 0
+        # Async scheduling's step run ahead (worker/rank_group_ahead.py), waited for across
+        # CPU processes.
+        waits = jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu"
+        self.ahead = GroupStepsAhead(runner_config.async_scheduling, block_size, waits)
 
     @property
     def num_compilations(self) -> int:
@@ -215,17 +203,17 @@ class RankGroupRunner:
             bias_slots = {
                 r: self.bias_rows[r].slots_for(step_requests(s)) for r, s in steps.items()
             }
-        ahead, self._ahead = self._ahead, None
+        ahead = self.ahead.take()
         # Each rank's rows of the step run ahead that hold its step now (None: they do not).
-        rows_of = {r: self._rows_ahead(ahead, r, s) for r, s in steps.items()}
+        sends = {r: self.bias_rows[r].num_sends for r in self.local_ranks}
+        rows_of = {r: self.ahead.rows(ahead, r, s, sends[r]) for r, s in steps.items()}
         sizes = [
             (
                 sum(counts[r]),
                 len(counts[r]),
                 s.scheduler_output.num_steps > 1,
                 rows_of[r] is not None,
-                self.async_scheduling
-                and can_run_ahead(s.scheduler_output, s.block_ids, self._block_size),
+                self.ahead.can_follow(s),
             )
             for r, s in steps.items()
         ]
@@ -237,12 +225,12 @@ class RankGroupRunner:
             return self._run_pool(steps, counts, self._bucket([size[:2] for size in sizes]))
         drafts: dict[int, list[list[int]] | None] = {}
         if ahead is not None and all(size[3] for size in sizes):  # on the device already
-            self.num_steps_ahead_used += 1
+            self.ahead.num_used += 1
             first = ahead[self.local_ranks[0]]  # each rank's holds the group's outputs
             kind, bucket, out, inputs = "step", first.bucket, first.out, first.inputs
             flags = {r: (ahead[r].any_logprobs, False) for r in steps}
         else:
-            self.num_steps_ahead_dropped += ahead is not None
+            self.ahead.num_dropped += ahead is not None
             rows_of = {r: list(range(len(counts[r]))) for r in steps}
             kind, bucket, out, inputs, flags = self._dispatch(
                 steps, counts, bias_slots, sizes, drafts
@@ -329,16 +317,6 @@ class RankGroupRunner:
             flags[r] = (bool(sampling.any_logprobs[i]), bool(sampling.any_prompt_logprobs[i]))
         return kind, bucket, out, args[0], flags
 
-    def _rows_ahead(
-        self, ahead: dict[int, StepAhead] | None, rank: int, step: RankStep
-    ) -> list[int] | None:
-        """The rows of the step run ahead that hold rank `rank`'s `step`, in order; None where
-        they do not (or none ran ahead)."""
-        if ahead is None:
-            return None
-        num_sends = self.bias_rows[rank].num_sends
-        return rows_ahead(ahead[rank], step.scheduler_output, step.block_ids, num_sends)
-
     def _run_ahead(self, steps: dict[int, RankStep], rows_of, bucket: Bucket, out, inputs, flags):
         """Dispatch the group's decode step after this one (async scheduling), each rank's
         rows `rows_of` (its requests') fed the tokens this step sampled, on the device; every
@@ -357,22 +335,8 @@ class RankGroupRunner:
             ranks_input(self.mesh, active),
         )
         self.num_group_steps += 1
-        if self._waits_for_steps_ahead:
-            jax.block_until_ready(ahead_out)
-        self._ahead = {  # each local rank's rows; the outputs and inputs are the group's
-            r: StepAhead.of_rows(
-                rows_of.get(r, []),
-                step_requests(steps[r]) if r in steps else [],
-                steps[r].block_ids if r in steps else [],
-                num_bias_sends=self.bias_rows[r].num_sends,
-                bucket=bucket,
-                any_logprobs=r in flags and flags[r][0],
-                plan=SamplerPlan.DYNAMIC,
-                out=ahead_out,
-                inputs=next_inputs,
-            )
-            for r in self.local_ranks
-        }
+        sends = {r: self.bias_rows[r].num_sends for r in self.local_ranks}
+        self.ahead.keep(steps, rows_of, bucket, flags, ahead_out, next_inputs, sends)
 
     def _run_pool(
         self, steps: dict[int, RankStep], counts, bucket: Bucket

@@ -35,15 +35,15 @@ def test_ranks_decode_ahead_of_their_schedules_as_one_device(model_dir, t):
     llm = group_llm(path, t, async_scheduling=True)
     assert _tokens(llm, prompts, GREEDY) == expected
     group = llm.llm_engine.group.group_runner()
-    assert group.num_steps_ahead_used > 0
+    assert group.ahead.num_used > 0
     sampled = [
         SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=8, ignore_eos=True)
         for i in range(len(prompts))
     ]
     without = _tokens(group_llm(path, t), prompts, sampled)
-    used = group.num_steps_ahead_used
+    used = group.ahead.num_used
     assert _tokens(llm, prompts, sampled) == without
-    assert group.num_steps_ahead_used > used
+    assert group.ahead.num_used > used
 
 
 def test_a_request_arriving_on_one_rank_drops_the_step_run_ahead(model_dir):
@@ -57,5 +57,5 @@ def test_a_request_arriving_on_one_rank_drops_the_step_run_ahead(model_dir):
     engine = llm.llm_engine
     assert run_with_arrivals(engine, prompts, (3, 5, 7, 9)) == expected
     group = engine.group.group_runner()
-    assert group.num_steps_ahead_used > 0
-    assert group.num_steps_ahead_dropped > 0
+    assert group.ahead.num_used > 0
+    assert group.ahead.num_dropped > 0
