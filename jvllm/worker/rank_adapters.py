@@ -36,7 +36,9 @@ class RankAdapters:
             r: AdapterSlots(config, max_cpu_loras, update, num_shards) for r in local_ranks
         }
         self._trees = {r: slot_params(config, replica_mesh(mesh, r)) for r in local_ranks}
-        self._joined: tuple[tuple[int, ...], dict] | None = None  # (the arrays' ids, the join)
+        # (the arrays joined, the join): held, so that a new array is never taken for one of
+        # them (an id of a freed array may come back).
+        self._joined: tuple[list[jax.Array], dict] | None = None
 
     def slots_for(self, rank: int, requests) -> np.ndarray:
         """i32[len(requests)]: each of rank `rank`'s requests' slot (-1: none), its adapter
@@ -46,11 +48,11 @@ class RankAdapters:
     def with_slots(self, params: dict) -> dict:
         """The group's `params` with every rank's slots in them, as the step takes them."""
         trees = [self._trees[r] for r in self._local_ranks]
-        ids = tuple(id(a) for tree in trees for a in jax.tree.leaves(tree))
-        if self._joined is None or self._joined[0] != ids:  # a slot was written since
-            joined = jax.tree_util.tree_map_with_path(self._join, *trees)
-            self._joined = (ids, joined)
-        return with_slots(params, self._joined[1])
+        leaves = [a for tree in trees for a in jax.tree.leaves(tree)]
+        joined = self._joined
+        if joined is None or any(a is not b for a, b in zip(leaves, joined[0])):  # written
+            joined = self._joined = (leaves, jax.tree_util.tree_map_with_path(self._join, *trees))
+        return with_slots(params, joined[1])
 
     def _join(self, path, *arrays: jax.Array) -> jax.Array:
         """The local ranks' slots of one projection (each [.., S W', ..] on its row) -> the
