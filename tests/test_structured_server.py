@@ -33,6 +33,14 @@ WEATHER = {
         },
     },
 }
+# A tool whose arguments no value satisfies (a required property that admits nothing).
+NEVER = {
+    "type": "function",
+    "function": {
+        "name": "never",
+        "parameters": {"type": "object", "properties": {"a": False}, "required": ["a"]},
+    },
+}
 TIME = {
     "type": "function",
     "function": {
@@ -142,6 +150,8 @@ def test_structured_outputs_and_guided_fields_on_completions(client):
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+        # One tool whose arguments no value satisfies: refused, not dropped from the choice.
+        ({"tools": [WEATHER, NEVER], "tool_choice": "required"}, "tools"),
     ],
 )
 def test_invalid_constraints_and_tools_are_400s(client, body, param):

@@ -69,12 +69,12 @@ def structured_outputs(request) -> StructuredOutputsParams | None:
     return checked(given[0][0], given[0][1])
 
 
-def checked(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
+def checked(what: str, fields: dict[str, Any], param: str | None = None) -> StructuredOutputsParams:
     """StructuredOutputsParams(**fields), validated by the grammar backend; errors are 400s
-    naming `param`."""
+    saying `what` and naming `param` (default: `what`)."""
     try:
         params = StructuredOutputsParams(**fields)
         validate(params)
     except (ValueError, TypeError) as e:
-        raise OpenAIError(f"{param}: {e}", param=param) from None
+        raise OpenAIError(f"{what}: {e}", param=param or what) from None
     return params

@@ -100,7 +100,11 @@ def _named(choice) -> str:
 
 
 def _required(functions: dict[str, dict], parallel: bool | None) -> StructuredOutputsParams:
-    """A JSON list of {"name", "parameters"} calls, each one of the tools (vLLM's schema)."""
+    """A JSON list of {"name", "parameters"} calls, each one of the tools (vLLM's schema).
+    Each tool's schema is checked alone first: in the list's anyOf, llguidance drops an
+    unsatisfiable one without a word, and its calls could never come."""
+    for name, schema in functions.items():
+        checked(f"tools ({name!r})", {"json": schema}, param="tools")
     call = [
         {
             "type": "object",
