@@ -142,7 +142,7 @@ def test_config_json_defaults_are_the_config_classes():
     [
         ({"model_type": "cohere", "logit_scale": None}, "logit_scale must be a nonzero number"),
         ({"model_type": "cohere2", "sliding_window": None}, "sliding_window=None"),
-        ({"model_type": "cohere", "hidden_act": "gelu_10"}, "hidden_act='gelu_10'"),
+        ({"model_type": "cohere", "hidden_act": "laplace"}, "hidden_act='laplace'"),
         (
             {"model_type": "glm", "partial_rotary_factor": 0.2, "head_dim": 16},
             "must rotate an even",

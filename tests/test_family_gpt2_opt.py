@@ -120,7 +120,7 @@ def test_transposed_checkpoint_tensor_that_does_not_match_is_named(tmp_path):
     [
         ("scale_attn_by_inverse_layer_idx", True),
         ("scale_attn_weights", False),
-        ("activation_function", "gelu_10"),
+        ("activation_function", "laplace"),
     ],
 )
 def test_unsupported_gpt2_settings_are_named(field, value):

@@ -161,7 +161,7 @@ def test_neox_checkpoint_with_lm_head_name_loads_like_embed_out(tmp_path):
 @pytest.mark.parametrize(
     ("architecture", "overrides", "message"),
     [
-        ("GPTNeoXForCausalLM", {"hidden_act": "gelu_10"}, "hidden_act='gelu_10'"),
+        ("GPTNeoXForCausalLM", {"hidden_act": "laplace"}, "hidden_act='laplace'"),
         ("GPTNeoXForCausalLM", {"rotary_pct": 0.1}, "must rotate an even number"),
         ("PhiForCausalLM", {"partial_rotary_factor": 0.7}, "must rotate an even number"),
         ("StableLmForCausalLM", {"hidden_size": 66}, "multiple of num_attention_heads"),
