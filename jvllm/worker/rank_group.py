@@ -205,7 +205,7 @@ class RankGroupRunner:
             }
         ahead = self.ahead.take()
         # Each rank's rows of the step run ahead that hold its step now (None: they do not).
-        sends = {r: self.bias_rows[r].num_sends for r in self.local_ranks}
+        sends = {r: self.bias_rows[r].num_sends for r in self.local_ranks}  # none after this
         rows_of = {r: self.ahead.rows(ahead, r, s, sends[r]) for r, s in steps.items()}
         sizes = [
             (
@@ -236,7 +236,7 @@ class RankGroupRunner:
                 steps, counts, bias_slots, sizes, drafts
             )
         if kind == "step" and bucket.is_decode and all(size[4] for size in sizes):
-            self._run_ahead(steps, rows_of, bucket, out, inputs, flags)
+            self._run_ahead(steps, rows_of, bucket, out, inputs, flags, sends)
         local_rows = lambda a: local_rank_rows(a, self.local_ranks)
         host_out = jax.tree.map(local_rows, out)  # [local ranks, ...] each, on the host
         results = {}
@@ -317,10 +317,12 @@ class RankGroupRunner:
             flags[r] = (bool(sampling.any_logprobs[i]), bool(sampling.any_prompt_logprobs[i]))
         return kind, bucket, out, args[0], flags
 
-    def _run_ahead(self, steps: dict[int, RankStep], rows_of, bucket: Bucket, out, inputs, flags):
+    def _run_ahead(
+        self, steps: dict[int, RankStep], rows_of, bucket: Bucket, out, inputs, flags, sends
+    ):
         """Dispatch the group's decode step after this one (async scheduling), each rank's
         rows `rows_of` (its requests') fed the tokens this step sampled, on the device; every
-        other row stays inactive."""
+        other row stays inactive; `sends`: each local rank's bias rows sent so far."""
         active = np.zeros((len(self.local_ranks), bucket.num_seqs), bool)  # [local ranks, S]
         for r in steps:
             active[self.local_ranks.index(r), rows_of[r]] = True
@@ -335,7 +337,6 @@ class RankGroupRunner:
             ranks_input(self.mesh, active),
         )
         self.num_group_steps += 1
-        sends = {r: self.bias_rows[r].num_sends for r in self.local_ranks}
         self.ahead.keep(steps, rows_of, bucket, flags, ahead_out, next_inputs, sends)
 
     def _run_pool(
