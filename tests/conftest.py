@@ -6,6 +6,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 # Sampler plans add executables where some tests count them; test_sampler_plans.py turns them
 # on (on a GPU they are the default).
 os.environ.setdefault("JVLLM_SAMPLER_PLANS", "0")
+# Nothing compiles in background threads (worker/executables.py): the shapes a step queues ahead
+# took the two cores from the tests' own steps, mostly for engines that ended before using
+# them (family parity tests took twice as long). The tests of background compiles turn them on
+# (the `background_compiles` fixture).
+os.environ.setdefault("JVLLM_BACKGROUND_COMPILES", "0")
 # The tests' compiled executables (thousands, of tiny models) go to a cache of their own, which
 # the engine leaves as it finds it (worker/compilation_cache.py), rather than pushing a user's
 # out of the engine's; with no size limit, as JAX's own lists every entry at each write
@@ -218,6 +223,12 @@ def dense_logits(config, params, token_ids, positions=None) -> np.ndarray:
 
     ids = jnp.asarray(token_ids, dtype=jnp.int32)
     return np.asarray(run(params, ids, jnp.asarray(positions, dtype=jnp.int32)))
+
+
+@pytest.fixture
+def background_compiles(monkeypatch):
+    """Engines made in the test compile in background threads, as outside the tests."""
+    monkeypatch.setenv("JVLLM_BACKGROUND_COMPILES", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,8 @@ from jvllm.engine.arg_utils import EngineArgs
 from jvllm.sample.plan import SamplerPlan
 from jvllm.worker.buckets import Bucket
 
+pytestmark = pytest.mark.usefixtures("background_compiles")
+
 _KWARGS = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 _PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 _SHORT, _LONG = [[5, 6, 7]], [list(range(10, 30))]  # need mixed buckets of 16 and 32 tokens

@@ -200,7 +200,7 @@ def test_sampling_params_errors_name_the_field():
 
 
 def test_buckets_compile_on_first_use_by_default_and_up_front_for_a_server(
-    tiny_llama_weights_dir, monkeypatch
+    tiny_llama_weights_dir, monkeypatch, background_compiles
 ):
     kwargs = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
     llm = LLM(tiny_llama_weights_dir, **kwargs)

@@ -6,6 +6,8 @@ import pytest
 
 from jvllm.worker.executables import Executables
 
+pytestmark = pytest.mark.usefixtures("background_compiles")
+
 
 class _Compiler:
     """Compiles shape s into f"exe-{s}", blocking on shapes listed in `held` until released."""
@@ -64,3 +66,17 @@ def test_cancelled_compiles_are_compiled_on_demand_later():
     compiled.wait_all()
     assert compiled.get("c") is None
     assert compiled.wait("c") == "exe-c"
+
+
+def test_with_background_compiles_off_a_shape_compiles_in_the_step_that_needs_it(monkeypatch):
+    monkeypatch.setenv("JVLLM_BACKGROUND_COMPILES", "0")
+    compiler = _Compiler()
+    compiled = Executables(compiler, str)
+    compiled.compile_in_background(["a", "b"])
+    compiled.wait_all()
+    assert compiler.threads == {} and len(compiled) == 0
+    assert compiled.wait("a") == "exe-a"
+    assert compiler.threads == {"a": threading.current_thread().name}
+    monkeypatch.setenv("JVLLM_BACKGROUND_COMPILES", "yes")
+    with pytest.raises(ValueError, match="JVLLM_BACKGROUND_COMPILES='yes'; allowed"):
+        Executables(compiler, str)

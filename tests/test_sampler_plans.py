@@ -119,7 +119,9 @@ _PARAMS = {
 
 
 @pytest.mark.parametrize("setting", [{}, {"num_scheduler_steps": 4}, {"async_scheduling": True}])
-def test_the_engine_runs_each_plans_executable_once_compiled(tiny_llama_dir, monkeypatch, setting):
+def test_the_engine_runs_each_plans_executable_once_compiled(
+    tiny_llama_dir, monkeypatch, setting, background_compiles
+):
     monkeypatch.setenv(SAMPLER_PLANS_ENV, "0")
     switched = LLM(tiny_llama_dir, **_ENGINE_KWARGS, **setting)
     expected = {
@@ -151,7 +153,9 @@ def test_the_engine_runs_each_plans_executable_once_compiled(tiny_llama_dir, mon
             assert tokens == [o.outputs[0].token_ids for o in expected[plan]], plan
 
 
-def test_a_step_compiles_its_plans_executable_itself_in_lockstep(tiny_llama_dir, monkeypatch):
+def test_a_step_compiles_its_plans_executable_itself_in_lockstep(
+    tiny_llama_dir, monkeypatch, background_compiles
+):
     """With several processes nothing compiles in the background (each process must run the
     same executables); a step of a plan then compiles the plan's own, and where no DYNAMIC
     one is compiled either, only the plan's."""

@@ -130,9 +130,9 @@ def test_unstacked_engine_matches_the_stacked_scan(tmp_path, monkeypatch, settin
         leaves = jax.tree.leaves(runner.params["layers"], is_leaf=is_unstacked)
         assert all(is_unstacked(leaf) for leaf in leaves) == (split == "1")
         inputs = [{"prompt_token_ids": p} for p in PROMPTS]
-        # Once every bucket the prompts take is compiled: a step lent a larger bucket while
-        # its own compiles in the background pads differently, which moves bfloat16's
-        # logprobs in their third digit, split or not.
+        # Measured once the first run's compiles are done (background ones too, where they
+        # run): a step lent a larger bucket while its own compiles pads differently, which
+        # moves bfloat16's logprobs in their third digit, split or not.
         llm.generate(inputs, params, use_tqdm=False)
         runner.compiler.executables.wait_all()
         outputs = llm.generate(inputs, params, use_tqdm=False)

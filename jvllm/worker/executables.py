@@ -11,6 +11,7 @@ work.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 import weakref
@@ -26,6 +27,19 @@ logger = init_logger(__name__)
 # Compiles at once: XLA loads a cached executable on one core (14 buckets of SmolLM2 from the
 # persistent cache: 24 s one at a time, 16 s two at a time).
 _COMPILE_THREADS = 2
+# "0": nothing compiles in a background thread; each step runs in the smallest compiled bucket
+# that holds it, or compiles its own first, as in lockstep. On a machine of few cores whose
+# engines are short-lived (the tests: docs/testing.md), the compiles a step queues ahead take
+# the cores from the steps and mostly end unused. "1" or unset: they run.
+BACKGROUND_COMPILES_ENV = "JVLLM_BACKGROUND_COMPILES"
+
+
+def background_compiles_allowed() -> bool:
+    setting = os.environ.get(BACKGROUND_COMPILES_ENV)
+    if setting not in (None, "0", "1"):
+        raise ValueError(f"{BACKGROUND_COMPILES_ENV}={setting!r}; allowed: '0', '1' or unset")
+    return setting != "0"
+
 
 Shape = Any  # step_compiler.Shape: (Bucket, kind, sampler plan)
 
@@ -38,9 +52,11 @@ class Executables:
         lockstep: bool = False,
     ):
         """compile_fn(shape) compiles one shape (in any thread); describe(shape) names it.
-        `lockstep`: nothing compiles in the background (see compile_in_background)."""
+        `lockstep`: nothing compiles in the background (see compile_in_background), nor
+        where BACKGROUND_COMPILES_ENV is "0"."""
         self._compile_fn = compile_fn
         self.lockstep = lockstep
+        self._background_allowed = background_compiles_allowed()
         self._describe = describe
         self._ready: dict[Shape, jax.stages.Compiled] = {}
         self._queued: dict[Shape, concurrent.futures.Future] = {}
@@ -56,6 +72,11 @@ class Executables:
         self.wait_seconds = 0.0  # time steps spent waiting for a compile (theirs or a queued one)
         self._num_background = 0
         self._num_background_done = 0
+
+    @property
+    def background(self) -> bool:
+        """Whether shapes compile in background threads."""
+        return self._background_allowed and not self.lockstep
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -109,7 +130,7 @@ class Executables:
         """Queue the shapes (in this order) that are neither ready nor queued. Not in lockstep
         (several processes): which executables are ready must not depend on a thread's timing,
         since it picks each step's bucket, and every process must pick the same."""
-        if self.lockstep:
+        if not self.background:
             return
         with self._lock:
             for shape in shapes:

@@ -171,8 +171,9 @@ class StepCompiler:
     ) -> jax.stages.Compiled:
         """The executable of a step in `bucket`: its plan's once that is compiled; until then
         the DYNAMIC one, the plan's compiling in the background. A step compiles the plan's
-        itself where it would compile the DYNAMIC one, and in lockstep (every process runs the
-        same executables, so none can wait on a thread)."""
+        itself where it would compile the DYNAMIC one, and where nothing compiles in the
+        background (in lockstep every process runs the same executables, so none can wait on
+        a thread)."""
         dynamic = (bucket, kind, SamplerPlan.DYNAMIC)
         if plan is SamplerPlan.DYNAMIC:
             return self.executables.wait(dynamic)
@@ -181,7 +182,7 @@ class StepCompiler:
         if exe is not None:
             return exe
         exe = self.executables.get(dynamic)
-        if exe is None or self.executables.lockstep:
+        if exe is None or not self.executables.background:
             return self.executables.wait(planned)
         self.executables.compile_in_background([planned])
         return exe
