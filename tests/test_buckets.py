@@ -55,3 +55,28 @@ def test_a_step_queues_only_decode_shapes_the_runner_compiles_up_front():
         compiler.queue_decode_shapes(num_seqs)
     assert set(queued) <= set(compiler.all_shapes())
     assert (*spec.window_shape(16, k), SamplerPlan.DYNAMIC) in queued
+
+
+def _compiler_with_ready(ready: list[Bucket], background: str, monkeypatch) -> StepCompiler:
+    """A compiler whose "step" executables of `ready` count as compiled."""
+    monkeypatch.setenv("JVLLM_BACKGROUND_COMPILES", background)
+    spec = BucketSpec(max_num_batched_tokens=64, max_num_seqs=8)
+    compiler = StepCompiler(spec, None, None, StepLayout(16, 8, 100, False))
+    compiler.executables.compile_in_background = lambda shapes: None
+    for bucket in ready:
+        compiler.executables._store((bucket, "step", SamplerPlan.DYNAMIC), "exe")
+    return compiler
+
+
+def test_without_background_compiles_a_decode_step_is_lent_no_mixed_bucket(monkeypatch):
+    mixed, decode = Bucket(64, 8, 16), Bucket(8, 8, 1)
+    # Compiles in the background: the mixed bucket runs the decode step while its own compiles.
+    compiler = _compiler_with_ready([mixed], "1", monkeypatch)
+    assert compiler.select_bucket(4, 4, "step") == (mixed, True)
+    # None: the lent bucket would be the step's for good; the decode bucket compiles instead,
+    # and a larger decode bucket may still be lent.
+    compiler = _compiler_with_ready([mixed], "0", monkeypatch)
+    assert compiler.select_bucket(1, 1, "step") == (Bucket(1, 1, 1), False)
+    compiler = _compiler_with_ready([mixed, decode], "0", monkeypatch)
+    assert compiler.select_bucket(1, 1, "step") == (decode, True)
+    assert compiler.select_bucket(20, 3, "step") == (mixed, True)  # mixed steps as before

@@ -228,13 +228,18 @@ class StepCompiler:
         """The smallest bucket for the step; while its executable is not compiled, the
         smallest compiled one that holds the step (the exact one then compiles in the
         background); when none does, the exact one, whose compile the step waits for.
+        Without background compiles a decode step is lent decode buckets only: a lent bucket
+        is then the step's for good, and a mixed one costs a decode step its T rows each time
+        (and pads otherwise: bfloat16's tokens would depend on which bucket was compiled).
         -> (bucket, whether it is only lent to the step)."""
         if kind == "spec_window":  # its buckets are a decode bucket's rows, k + 1 tokens each
             return self.buckets.window_shape(num_seqs, self.layout.num_speculative_tokens)[0], False
         exact = self.buckets.select(num_tokens, num_seqs)
         if self.is_ready(exact, kind):
             return exact, False
-        decode_only = kind in ("window", "ahead")
+        decode_only = kind in ("window", "ahead") or (
+            exact.is_decode and not self.executables.background
+        )
         for bucket in self.buckets.fitting(num_tokens, num_seqs, decode_only=decode_only):
             if self.is_ready(bucket, kind):
                 self.executables.compile_in_background([(exact, kind, SamplerPlan.DYNAMIC)])
