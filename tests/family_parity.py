@@ -3,6 +3,7 @@ greedily token for token like HF transformers through the whole engine (one batc
 prefill, a prefix-cache hit), in float32."""
 
 import numpy as np
+import pytest
 import torch
 import transformers
 from conftest import hf_greedy
@@ -79,6 +80,15 @@ def hf_greedy_ignoring_eos(model, prompt, max_tokens):
         model.generation_config.eos_token_id = eos
 
 
+def _greedy_engine(path, **kwargs) -> LLM:
+    """An LLM whose greedy steps run the GREEDY sampler plan (sample/plan.py): these checks are
+    of the model, and a step's switches for every sampling stage took a quarter of their time
+    to compile (test_sampler_plans.py checks the plans against the switches)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JVLLM_SAMPLER_PLANS", "1")
+        return LLM(str(path), **kwargs)
+
+
 def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kwargs) -> None:
     """The engine on `path` (float32) against `hf_model` greedy, token for token: all prompts
     in one batch; again with chunked prefill; then a prompt sharing a cached prefix."""
@@ -87,10 +97,12 @@ def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kw
     common = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": max_model_len}
     common.update(engine_kwargs)
 
-    llm = LLM(str(path), max_num_batched_tokens=256, **common)
+    llm = _greedy_engine(path, max_num_batched_tokens=256, **common)
     assert _generate(llm, prompts, max_tokens) == expected, "one batch"
 
-    chunked = LLM(str(path), max_num_batched_tokens=32, long_prefill_token_threshold=5, **common)
+    chunked = _greedy_engine(
+        path, max_num_batched_tokens=32, long_prefill_token_threshold=5, **common
+    )
     assert _generate(chunked, prompts, max_tokens) == expected, "chunked prefill"
 
     longest = max(prompts, key=len)
