@@ -61,6 +61,13 @@ from jvllm.quantization.gguf_blocks import BLOCK_FORMATS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
+# HF references run on one thread: the tests' tiny models took three times as long on two, in
+# torch's hand-offs between its threads (16 greedy tokens of a family test's Llama: 60 ms
+# against 20). The default model's runs in hf_greedy take every core.
+_TORCH_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
+_MANY_PARAMETERS = 10_000_000
+
 
 # Token-id prompts of different lengths for one batch: 1 token, under a page, page boundaries,
 # longer than the others.
@@ -179,14 +186,19 @@ def rewrite_gguf(
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' greedy continuation of one prompt (stops at EOS like the engine)."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_token_ids]),
-            attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=0,
-        )
+    large = sum(p.numel() for p in model.parameters()) >= _MANY_PARAMETERS
+    torch.set_num_threads(_TORCH_THREADS if large else 1)
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_token_ids]),
+                attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+    finally:
+        torch.set_num_threads(1)
     return out[0, len(prompt_token_ids) :].tolist()
 
 
@@ -229,6 +241,14 @@ def dense_logits(config, params, token_ids, positions=None) -> np.ndarray:
 def background_compiles(monkeypatch):
     """Engines made in the test compile in background threads, as outside the tests."""
     monkeypatch.setenv("JVLLM_BACKGROUND_COMPILES", "1")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Back to one torch thread after a test that set more (the HF benchmarks take every
+    core: jvllm/benchmarks/workload.py)."""
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
