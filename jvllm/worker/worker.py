@@ -34,6 +34,7 @@ from jvllm.quantization import build_kernels_early, describe_weights
 from jvllm.worker.compilation_cache import enable_compilation_cache
 from jvllm.worker.device_sleep import DeviceSleep
 from jvllm.worker.draft_model import check_draft, load_draft
+from jvllm.worker.executables import BACKGROUND_COMPILES_ENV
 from jvllm.worker.kv_budget import probe_memory, size_kv_cache
 from jvllm.worker.kv_layout import kv_cache_spec
 from jvllm.worker.model_runner import ModelRunner
@@ -184,17 +185,20 @@ class Worker:
     def compile_or_warm_up_model(self) -> None:
         """Compile every step shape where `compile_all_buckets` (in background threads where
         `compile_in_background`, but never in lockstep with other processes, which compile in
-        the same order), saying so in the log; otherwise each compiles on first use."""
+        the same order; none where JVLLM_BACKGROUND_COMPILES=0), saying so in the log;
+        otherwise each compiles on first use."""
         runner_config, runner = self.config.runner_config, self.model_runner
         if not runner_config.compile_all_buckets:
             return
         if runner_config.compile_in_background and not runner.compiler.lockstep:
             runner.compile_in_background()
-            logger.info(
-                "ready after %.1fs of loading; compiling %d executables in the background",
-                self.load_seconds,
-                len(runner.compiler.all_shapes()),
-            )
+            if runner.compiler.executables.background:
+                what = (
+                    f"compiling {len(runner.compiler.all_shapes())} executables in the background"
+                )
+            else:
+                what = f"{BACKGROUND_COMPILES_ENV}=0: each executable compiles on first use"
+            logger.info("ready after %.1fs of loading; %s", self.load_seconds, what)
             return
         compile_seconds = runner.compile_all()
         logger.info(
