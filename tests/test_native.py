@@ -126,19 +126,19 @@ def test_a_first_use_waits_for_the_build_in_flight_and_gets_the_kernel(tmp_path,
 
 
 @pytest.mark.parametrize(
-    "quantization, dtype, int_weights, kernels",
+    "quantization, dtype, prequantized, kernels",
     [
         (None, "float32", False, ["cpu_dense"]),
         ("gguf", "float32", False, ["cpu_gguf"]),  # packed weights never reach the float kernel
         ("gguf", "bfloat16", False, ["cpu_gguf"]),
         ("int8", "bfloat16", False, ["cpu_int8", "cpu_dense"]),
-        (None, "bfloat16", True, ["cpu_int_group", "cpu_dense"]),  # GPTQ, AWQ, int4 / int8
+        (None, "bfloat16", True, ["cpu_int_group", "cpu_dense"]),  # GPTQ, AWQ, int4 / 8, FP8
     ],
 )
 def test_the_engine_starts_building_the_matmul_kernels_its_weights_use(
-    quantization, dtype, int_weights, kernels, monkeypatch
+    quantization, dtype, prequantized, kernels, monkeypatch
 ):
     started = []
     monkeypatch.setattr(native, "build_in_background", lambda kernel, *_: started.append(kernel))
-    build_kernels_early(quantization, dtype, int_weights)
+    build_kernels_early(quantization, dtype, prequantized)
     assert started == kernels

@@ -1,8 +1,9 @@
 """The native kernels built for an instruction set narrower than the machine's
 (JVLLM_NATIVE_ISA, jvllm/native/): AVX2 on an AVX-512 CPU, and the baseline where only the
 portable fallbacks run, so that CI on any x86 CPU covers each path; each such build passes the
-dense and int8 kernels' tests against XLA and the decode attention kernel's against dense
-attention, and the log names what each kernel was built for."""
+dense and int8 kernels' tests against XLA, the decode attention kernel's against dense
+attention and the grouped kernel's FP8 values, and the log names what each kernel was built
+for."""
 
 import logging
 import os
@@ -60,10 +61,13 @@ def test_a_narrower_build_passes_the_kernels_tests_and_is_named_in_the_log(isa, 
     )
     assert f"CPU dense matmul: native kernel for {named} (" in says.stderr, says.stderr
     # The kernels' products against XLA's and the pure-JAX path (the model-scan tests are
-    # the same code on any build), and decode attention against dense attention on three
-    # shapes: heads of 64 in groups of 4 and 3, of 128 summed in two passes, a float32 cache.
+    # the same code on any build), decode attention against dense attention on three
+    # shapes (heads of 64 in groups of 4 and 3, of 128 summed in two passes, a float32 cache),
+    # and the grouped kernel's FP8 values (float16's conversions on AVX2, integer lanes on the
+    # baseline) against fp8_weight's.
     tests = ["tests/test_cpu_dense.py", "tests/test_cpu_int8.py", "tests/test_cpu_decode.py"]
-    tests += ["-k", f"products or identity or {' or '.join(_DECODE_CASES)}"]
+    tests += ["tests/test_fp8_weight.py"]
+    tests += ["-k", f"products or identity or on_cpu or {' or '.join(_DECODE_CASES)}"]
     run = _run(isa, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests)
     assert run.returncode == 0, run.stdout[-3000:]
 

@@ -19,7 +19,7 @@ from family_parity import (
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.quantized_checkpoints import quantize_checkpoint, save_reference
-from jvllm.model_loader.loader import has_int_weights, load_model
+from jvllm.model_loader.loader import is_prequantized, load_model
 from jvllm.model_loader.quant_config import checkpoint_quantization
 from jvllm.quantization import FP8Weight, IntWeight, is_quantized
 
@@ -270,13 +270,18 @@ def test_explicit_quantization_that_disagrees_with_the_checkpoint_names_both(tmp
 
 
 @pytest.mark.parametrize(
-    "quantization_config,int_weights",
+    "quantization_config",
     [
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, True),
-        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, True),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, False),
+        {"quant_method": "gptq", "bits": 4, "group_size": 128},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+        {"quant_method": "fp8", "weight_block_size": [128, 128]},
     ],
 )
-def test_integer_checkpoints_are_known_before_the_load(tmp_path, quantization_config, int_weights):
-    """The worker starts the grouped-integer kernel's build from config.json alone."""
-    assert has_int_weights(_write_config(tmp_path, quantization_config)) is int_weights
+def test_prequantized_checkpoints_are_known_before_the_load(tmp_path, quantization_config):
+    """The worker starts the grouped kernel's build (integer groups, FP8 blocks) from
+    config.json alone."""
+    assert is_prequantized(_write_config(tmp_path, quantization_config))
+    float_dir = tmp_path / "float"
+    float_dir.mkdir()
+    (float_dir / "config.json").write_text(transformers.LlamaConfig(**TINY_SHAPES).to_json_string())
+    assert not is_prequantized(str(float_dir))

@@ -144,7 +144,7 @@ def load_model(
         tokenizer = None
     else:
         tokenizer = own_tokenizer() if tokenizer is None else load_tokenizer(tokenizer)
-    if quantization in ("int8", "fp8") and not _is_prequantized(model, hf_overrides):
+    if quantization in ("int8", "fp8") and not is_prequantized(model, hf_overrides):
         # The float params are on the mesh already: each weight is quantized cut as it is.
         params = quantize_layer_weights(params, quantization, config.dtype)
     return config, params, tokenizer
@@ -211,16 +211,10 @@ def resolve_quantization(
     return quantization
 
 
-def has_int_weights(model: str | None, hf_overrides: HFOverrides = None) -> bool:
-    """Whether `model` is an HF directory of a pre-quantized checkpoint holding integer weights
-    (GPTQ, AWQ, compressed-tensors' int schemes), which load as IntWeight; ValueError for a
-    quantization_config jvllm cannot run."""
-    found = _checkpoint_quantization(model, hf_overrides)
-    return found is not None and any(not scheme.is_float for _, scheme in found.groups)
-
-
-def _is_prequantized(model: str | None, hf_overrides: HFOverrides) -> bool:
-    """Whether `model` is an HF directory whose config.json has a quantization_config."""
+def is_prequantized(model: str | None, hf_overrides: HFOverrides = None) -> bool:
+    """Whether `model` is an HF directory of a pre-quantized checkpoint (config.json's
+    quantization_config: GPTQ, AWQ, compressed-tensors, FP8), whose weights load as IntWeight
+    or FP8Weight; ValueError for a quantization_config jvllm cannot run."""
     return _checkpoint_quantization(model, hf_overrides) is not None
 
 

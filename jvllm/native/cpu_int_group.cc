@@ -1,6 +1,7 @@
 // x @ W.T for a weight W [O, I] of 4- or 8-bit integers with a scale (and a zero point) per
-// group of input columns, packed as quantization/int_weight.py lays it out, on XLA:CPU through
-// the XLA FFI (quantization/cpu_int_group.py builds it).
+// group of input columns, packed as quantization/int_weight.py lays it out, or of float8 e4m3
+// values with a scale per block of rows and columns (quantization/fp8_weight.py), on XLA:CPU
+// through the XLA FFI (quantization/cpu_int_group.py builds it).
 //
 // Value i of row o is w = (q - z) * s made as int_weight's dequantize makes it, bit for bit:
 // q - z is exact in float32 and in every scale dtype (for int_weight's zero points, in q's
@@ -8,11 +9,12 @@
 // product rounded once to the scale dtype is that dtype's product (float16 subnormals kept, as
 // float16 arithmetic keeps them, where int_weight's reduce_precision flushes them to zero); it
 // is then rounded to the model dtype (compiled with -ffp-contract=off: no product and sum
-// fuse). A 4-bit group has 16 values only, so each output row's groups become tables of 16
-// values, and a run of 32 columns (16 bytes) is looked up by nibble: one permute for 16 values
-// with AVX-512, as few operations as scaling a group's sum of x times its integers would take,
-// and every value exact, in a float32 model as in a bfloat16 one. 8-bit values are made
-// vector by vector.
+// fuse). An e4m3 value is exact in float32 (simd_lanes.h's load_e4m3), so its value times
+// the scale is made the same way, as fp8_weight's dequantize makes it. A 4-bit group has 16
+// values only, so each output row's groups become tables of 16 values, and a run of 32 columns
+// (16 bytes) is looked up by nibble: one permute for 16 values with AVX-512, as few operations
+// as scaling a group's sum of x times its integers would take, and every value exact, in a
+// float32 model as in a bfloat16 one. 8-bit integer and e4m3 values are made vector by vector.
 //
 // The values meet up to kMaxRows rows of x (in the model dtype), summing in float32: fused
 // multiply-adds, or in a bfloat16 model bfloat16 dot products where the CPU has them (the values
@@ -176,13 +178,18 @@ inline void zeros_to_floats(const int16_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = src[i];
 }
 
+// How W's bytes hold its values: packed integers of 4 or 8 bits, or float8 e4m3 values.
+enum class Format { kInt4, kInt8, kFP8 };
+
 // W's arrays at one layer.
 struct Layer {
   const uint8_t* packed;  // [O, I * bits / 8]
-  const uint8_t* scale;   // [O, G] of the scale dtype
-  const int16_t* zero;    // [O, G], or null: 2^(bits - 1)
+  const uint8_t* scale;   // [ceil(O / block_rows), G] of the scale dtype
+  const int16_t* zero;    // [O, G], or null: 2^(bits - 1) (none for float8)
   int64_t O, I, G;
+  int64_t group;  // columns a scale covers, G = ceil(I / group): an FP8 row's last may be short
   int bits;
+  int64_t block_rows;  // weight rows a row of scales covers: 1, or an FP8 block's
 };
 
 // Scratch vectors that live as long as the thread, for the rows of each call it runs
@@ -206,7 +213,7 @@ class Groups {
   Groups() = default;
   Groups(const Layer& w, vf32* store)
       : w_(&w),
-        per_group_(w.I / w.G / kRun),
+        per_group_(w.group / kRun),
         s_(reinterpret_cast<float*>(store)),
         z_(s_ + N * (w.G / N + 1)),
         tables_(store + 2 * (w.G / N + 1)) {
@@ -215,13 +222,16 @@ class Groups {
 
   int64_t num_groups() const { return w_->G; }
   int64_t runs_per_group() const { return per_group_; }
+  // The run past group g's last.
+  int64_t group_end(int64_t g) const { return std::min((g + 1) * per_group_, w_->I / kRun); }
 
   void read(int64_t o) {
     constexpr int64_t kBytes = S == Scale::kF32 ? 4 : 2;
     const Layer& w = *w_;
-    const uint8_t* scales = w.scale + o * w.G * kBytes;
+    const uint8_t* scales = w.scale + o / w.block_rows * w.G * kBytes;
+    const uint8_t* ahead = w.scale + (o + kRowsAhead) / w.block_rows * w.G * kBytes;
     for (int64_t i = 0; i < w.G * kBytes; i += 64) {
-      __builtin_prefetch(scales + kRowsAhead * w.G * kBytes + i);
+      __builtin_prefetch(ahead + i);
       if (w.zero != nullptr) __builtin_prefetch(w.zero + (o + kRowsAhead) * w.G + i / kBytes);
     }
     for (int64_t i = 0; i < w.I * w.bits / 8; i += 64) {
@@ -322,8 +332,9 @@ class NibbleRow : public Groups<S> {
   const uint8_t* row_ = nullptr;
 };
 
-// An 8-bit weight's output row: a byte a column.
-template <Scale S, bool kBF16>
+// An 8-bit weight's output row: a byte a column, an integer less its group's zero point, or
+// (kFP8) a float8 e4m3 value.
+template <Scale S, bool kBF16, bool kFP8>
 class ByteRow : public Groups<S> {
  public:
   static int64_t num_vectors(const Layer& w) { return Groups<S>::num_vectors(w, 0); }
@@ -341,10 +352,8 @@ class ByteRow : public Groups<S> {
   Group group(int64_t g) const { return {this->s_[g], this->z_[g]}; }
 
   void run(int64_t k, Group group, vf32* w) const {
-    for (int v = 0; v < V; ++v) {
-      const vf32 q = to_floats(widen_bytes(row_ + kRun * k + N * v));
-      w[v] = make_values<S, kBF16>(q - group.z, group.s);
-    }
+    columns(k, group, w);
+    for (int v = 0; v < V; ++v) w[v] = make_values<S, kBF16>(w[v], group.s);
   }
 
 #ifdef JVLLM_BF16_DOTS
@@ -354,21 +363,34 @@ class ByteRow : public Groups<S> {
   // Run k's 32 values as bfloat16, rounded by the conversion.
   __m512bh run_bf16(int64_t k, Group group) const {
     vf32 w[V];
-    for (int v = 0; v < V; ++v) {
-      const vf32 q = to_floats(widen_bytes(row_ + kRun * k + N * v));
-      w[v] = scaled<S>(q - group.z, group.s);
-    }
+    columns(k, group, w);
+    for (int v = 0; v < V; ++v) w[v] = scaled<S>(w[v], group.s);
     return _mm512_cvtne2ps_pbh(static_cast<__m512>(w[1]), static_cast<__m512>(w[0]));
   }
 #endif
 
  private:
+  // Run k's values before their scale, exact in float32, into w[V].
+  JVLLM_INLINE void columns(int64_t k, Group group, vf32* w) const {
+    const uint8_t* bytes = row_ + kRun * k;
+    static_assert(V % 2 == 0);
+    for (int v = 0; v < V; v += 2) {
+      if constexpr (kFP8) {
+        load_e4m3(bytes + N * v, w[v], w[v + 1]);
+      } else {
+        w[v] = to_floats(widen_bytes(bytes + N * v)) - group.z;
+        w[v + 1] = to_floats(widen_bytes(bytes + N * (v + 1))) - group.z;
+      }
+    }
+  }
+
   const uint8_t* row_ = nullptr;
 };
 
-// A weight row of `kBits`, its values for bfloat16 dot products where kDots.
-template <int kBits, Scale S, bool kBF16, bool kDots>
-using RowOf = std::conditional_t<kBits == 4, NibbleRow<S, kBF16, kDots>, ByteRow<S, kBF16>>;
+// A weight row of format F, its values for bfloat16 dot products where kDots.
+template <Format F, Scale S, bool kBF16, bool kDots>
+using RowOf = std::conditional_t<F == Format::kInt4, NibbleRow<S, kBF16, kDots>,
+                                 ByteRow<S, kBF16, F == Format::kFP8>>;
 
 // Rows of x as the products read them: float32, or bfloat16 bits where bf16_dots.
 struct Rows {
@@ -402,7 +424,6 @@ template <class Row, int kOuts, int G>
 void tile_products(const Row* rows, const Rows& x, int64_t first, int64_t o, int64_t O,
                    float* y) {
   const float* xs = static_cast<const float*>(x.x) + first * x.I;
-  const int64_t per_group = rows[0].runs_per_group();
   vf32 acc[kOuts][G][V];
   JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) {
     JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
@@ -412,7 +433,7 @@ void tile_products(const Row* rows, const Rows& x, int64_t first, int64_t o, int
   for (int64_t g = 0; g < rows[0].num_groups(); ++g) {
     typename Row::Group groups[kOuts];
     JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) groups[t] = rows[t].group(g);
-    for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+    for (int64_t k = g * rows[0].runs_per_group(); k < rows[0].group_end(g); ++k) {
       add_run<Row, kOuts, G>(rows, groups, xs, x.I, k, acc);
     }
   }
@@ -447,7 +468,6 @@ template <class Row, int kOuts, int G>
 void tile_products_bf16(const Row* rows, const Rows& x, int64_t first, int64_t o, int64_t O,
                         float* y) {
   const uint16_t* xs = static_cast<const uint16_t*>(x.x) + first * x.I;
-  const int64_t per_group = rows[0].runs_per_group();
   __m512 acc[kOuts][G][2];
   JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) {
     JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
@@ -457,12 +477,13 @@ void tile_products_bf16(const Row* rows, const Rows& x, int64_t first, int64_t o
   for (int64_t g = 0; g < rows[0].num_groups(); ++g) {
     typename Row::GroupBF16 groups[kOuts];
     JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) groups[t] = rows[t].group_bf16(g);
-    int64_t k = g * per_group;
-    for (; k + 2 <= (g + 1) * per_group; k += 2) {
+    const int64_t end = rows[0].group_end(g);
+    int64_t k = g * rows[0].runs_per_group();
+    for (; k + 2 <= end; k += 2) {
       add_run_bf16<0, Row, kOuts, G>(rows, groups, xs, x.I, k, acc);
       add_run_bf16<1, Row, kOuts, G>(rows, groups, xs, x.I, k + 1, acc);
     }
-    if (k < (g + 1) * per_group) add_run_bf16<0, Row, kOuts, G>(rows, groups, xs, x.I, k, acc);
+    if (k < end) add_run_bf16<0, Row, kOuts, G>(rows, groups, xs, x.I, k, acc);
   }
   JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) {
     JVLLM_UNROLLED for (int r = 0; r < G; ++r) {
@@ -499,9 +520,9 @@ void group_products(const Row* tile, int num_outs, const Rows& x, int64_t first,
 // in turn, kOuts at a time, so that it is read from the cache once a tile rather than once a
 // weight row, and each vector of it once for kOuts weight rows (32 rows times W [1536, 576]:
 // 894 -> 414 us).
-template <int kBits, Scale S, bool kBF16>
+template <Format F, Scale S, bool kBF16>
 void dense_rows(const Layer& w, const Rows& x, int64_t o_first, int64_t o_last, float* y) {
-  using Row = RowOf<kBits, S, kBF16, bf16_dots<kBF16>()>;
+  using Row = RowOf<F, S, kBF16, bf16_dots<kBF16>()>;
   const int64_t tile_outs = x.R > kRows ? kTile : kOuts;
   vf32* store = scratch(tile_outs * Row::num_vectors(w));
   Row tile[kTile];
@@ -522,9 +543,9 @@ void dense_rows(const Layer& w, const Rows& x, int64_t o_first, int64_t o_last, 
 }
 
 // Rows [o_first, o_last) of W's values into out [O, I]: float32, or bfloat16 bits.
-template <int kBits, Scale S, bool kBF16>
+template <Format F, Scale S, bool kBF16>
 void dequantize_rows(const Layer& w, int64_t o_first, int64_t o_last, void* out) {
-  using Row = RowOf<kBits, S, kBF16, false>;
+  using Row = RowOf<F, S, kBF16, false>;
   Row row(w, scratch(Row::num_vectors(w)));
   for (int64_t o = o_first; o < o_last; ++o) {
     row.read(o);
@@ -543,38 +564,58 @@ void dequantize_rows(const Layer& w, int64_t o_first, int64_t o_last, void* out)
   }
 }
 
-// Calls fn(bits, scale, bf16) with each as a compile-time constant.
+// Calls fn(format, scale, bf16) with each as a compile-time constant.
 template <typename Fn>
-void dispatch(int bits, Scale scale, bool bf16, const Fn& fn) {
-  auto with_model = [&](auto b, auto s) {
-    bf16 ? fn(b, s, std::true_type{}) : fn(b, s, std::false_type{});
+void dispatch(Format format, Scale scale, bool bf16, const Fn& fn) {
+  auto with_model = [&](auto f, auto s) {
+    bf16 ? fn(f, s, std::true_type{}) : fn(f, s, std::false_type{});
   };
-  auto with_scale = [&](auto b) {
+  auto with_scale = [&](auto f) {
     using F16 = std::integral_constant<Scale, Scale::kF16>;
     using BF16 = std::integral_constant<Scale, Scale::kBF16>;
     using F32 = std::integral_constant<Scale, Scale::kF32>;
-    scale == Scale::kF16 ? with_model(b, F16{})
-                         : (scale == Scale::kBF16 ? with_model(b, BF16{}) : with_model(b, F32{}));
+    scale == Scale::kF16 ? with_model(f, F16{})
+                         : (scale == Scale::kBF16 ? with_model(f, BF16{}) : with_model(f, F32{}));
   };
-  bits == 4 ? with_scale(std::integral_constant<int, 4>{})
-            : with_scale(std::integral_constant<int, 8>{});
+  switch (format) {
+    case Format::kInt4: return with_scale(std::integral_constant<Format, Format::kInt4>{});
+    case Format::kInt8: return with_scale(std::integral_constant<Format, Format::kInt8>{});
+    case Format::kFP8: return with_scale(std::integral_constant<Format, Format::kFP8>{});
+  }
 }
 
-// Layer `at` of packed [L, O, I * bits / 8], scale [L, O, G] and zero (none, or i16[L, O, G])
+// The layout of W's scales: weight rows and columns that a scale covers.
+struct Blocks {
+  int64_t rows, columns;
+};
+
+// Layer `at` of packed [L, O, I * bits / 8] (u8, or f8e4m3fn [L, O, I]), scale [L, ceil(O /
+// blocks.rows), G = ceil(I / blocks.columns)] and zero (none, or i16[L, O, G]; none for float8)
 // for W [O, I]; an error where they do not fit together.
-ffi::Error layer_of(ffi::Buffer<ffi::U8>& packed, ffi::AnyBuffer& scale, ffi::RemainingArgs& zero,
-                    int64_t at, int64_t I, Layer* w, Scale* scale_type) {
+ffi::Error layer_of(ffi::AnyBuffer& packed, ffi::AnyBuffer& scale, ffi::RemainingArgs& zero,
+                    int64_t at, int64_t I, Blocks blocks, Layer* w, Format* format,
+                    Scale* scale_type) {
+  const int64_t block_rows = blocks.rows, group = blocks.columns;
   auto p = packed.dimensions(), s = scale.dimensions();
-  if (p.size() != 3 || s.size() != 3 || s[0] != p[0] || s[1] != p[1] || I <= 0 ||
-      (8 * p[2]) % I != 0 || zero.size() > 1) {
-    return ffi::Error::InvalidArgument("int_group: packed [L, O, I*bits/8], scale [L, O, G]");
+  const bool fp8 = packed.element_type() == ffi::F8E4M3FN;
+  if (!fp8 && packed.element_type() != ffi::U8) {
+    return ffi::Error::InvalidArgument("int_group: packed u8 or float8_e4m3fn");
+  }
+  if (p.size() != 3 || s.size() != 3 || s[0] != p[0] || block_rows <= 0 ||
+      s[1] != (p[1] + block_rows - 1) / block_rows || I <= 0 || (8 * p[2]) % I != 0 ||
+      zero.size() > (fp8 ? 0 : 1)) {
+    return ffi::Error::InvalidArgument(
+        "int_group: packed [L, O, I*bits/8], scale [L, ceil(O/block_rows), G], no zero for fp8");
   }
   const int64_t L = p[0], O = p[1], G = s[2];
   const int bits = static_cast<int>(8 * p[2] / I);
-  if ((bits != 4 && bits != 8) || G <= 0 || I % G != 0 || (I / G) % kRun != 0 || at < 0 ||
+  if ((bits != 4 && bits != 8) || (fp8 && bits != 8) || group <= 0 || group % kRun != 0 ||
+      I % kRun != 0 || G != (I + group - 1) / group || (!fp8 && I % group != 0) || at < 0 ||
       at >= L) {
-    return ffi::Error::InvalidArgument("int_group: 4 or 8 bits, groups of 32k, layer in [0, L)");
+    return ffi::Error::InvalidArgument(
+        "int_group: 4 or 8 bits, I and groups of 32k (whole but for fp8), layer in [0, L)");
   }
+  *format = fp8 ? Format::kFP8 : (bits == 4 ? Format::kInt4 : Format::kInt8);
   switch (scale.element_type()) {
     case ffi::F16: *scale_type = Scale::kF16; break;
     case ffi::BF16: *scale_type = Scale::kBF16; break;
@@ -591,15 +632,16 @@ ffi::Error layer_of(ffi::Buffer<ffi::U8>& packed, ffi::AnyBuffer& scale, ffi::Re
     zeros = z->typed_data() + at * O * G;
   }
   const int64_t scale_bytes = static_cast<int64_t>(scale.size_bytes()) / L;
-  *w = Layer{packed.typed_data() + at * O * p[2],
+  *w = Layer{static_cast<const uint8_t*>(packed.untyped_data()) + at * O * p[2],
              static_cast<const uint8_t*>(scale.untyped_data()) + at * scale_bytes,
-             zeros, O, I, G, bits};
+             zeros, O, I, G, group, bits, block_rows};
   return ffi::Error::Success();
 }
 
 ffi::Error int_group_dense(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scale,
-                           ffi::RemainingArgs zero, ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::AnyBuffer packed, ffi::AnyBuffer scale, ffi::RemainingArgs zero,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t block_rows,
+                           int64_t group_size) {
   auto x_dims = x.dimensions();
   const bool bf16 = x.element_type() == ffi::BF16;
   if (x_dims.size() != 2 || x_dims[0] > kMaxRows || (!bf16 && x.element_type() != ffi::F32)) {
@@ -607,8 +649,10 @@ ffi::Error int_group_dense(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   }
   const int64_t R = x_dims[0], I = x_dims[1];
   Layer w;
+  Format format;
   Scale scale_type;
-  ffi::Error error = layer_of(packed, scale, zero, layer.typed_data()[0], I, &w, &scale_type);
+  ffi::Error error = layer_of(packed, scale, zero, layer.typed_data()[0], I,
+                              {block_rows, group_size}, &w, &format, &scale_type);
   if (error.failure()) return error;
   if (static_cast<int64_t>(y->element_count()) != R * w.O) {
     return ffi::Error::InvalidArgument("int_group_dense: y [R, O]");
@@ -619,33 +663,36 @@ ffi::Error int_group_dense(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   for (size_t i = 0; i < x_f32.size(); ++i) x_f32[i] = bfloat16_to_float(x_bf16[i]);
   const Rows rows{x_f32.empty() ? x.untyped_data() : x_f32.data(), R, I};
   float* out = y->typed_data();
-  dispatch(w.bits, scale_type, bf16, [&](auto bits, auto s, auto model) {
+  dispatch(format, scale_type, bf16, [&](auto f, auto s, auto model) {
     jvllm::parallel_ranges(pool, w.O, 8, w.O / 16, [&](int64_t first, int64_t last) {
-      dense_rows<decltype(bits)::value, decltype(s)::value, decltype(model)::value>(
-          w, rows, first, last, out);
+      dense_rows<decltype(f)::value, decltype(s)::value, decltype(model)::value>(w, rows, first,
+                                                                                last, out);
     });
   });
   return ffi::Error::Success();
 }
 
 ffi::Error int_group_dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
-                                ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scale,
-                                ffi::RemainingArgs zero, ffi::Result<ffi::AnyBuffer> out) {
+                                ffi::AnyBuffer packed, ffi::AnyBuffer scale,
+                                ffi::RemainingArgs zero, ffi::Result<ffi::AnyBuffer> out,
+                                int64_t block_rows, int64_t group_size) {
   auto dims = out->dimensions();
   const bool bf16 = out->element_type() == ffi::BF16;
   if (dims.size() != 2 || (!bf16 && out->element_type() != ffi::F32)) {
     return ffi::Error::InvalidArgument("int_group_dequantize: out f32 or bf16 [O, I]");
   }
   Layer w;
+  Format format;
   Scale scale_type;
   const int64_t at = layer.typed_data()[0];
-  ffi::Error error = layer_of(packed, scale, zero, at, dims[1], &w, &scale_type);
+  ffi::Error error = layer_of(packed, scale, zero, at, dims[1], {block_rows, group_size}, &w,
+                              &format, &scale_type);
   if (error.failure()) return error;
   if (dims[0] != w.O) return ffi::Error::InvalidArgument("int_group_dequantize: out [O, I]");
   void* values = out->untyped_data();
-  dispatch(w.bits, scale_type, bf16, [&](auto bits, auto s, auto model) {
+  dispatch(format, scale_type, bf16, [&](auto f, auto s, auto model) {
     jvllm::parallel_ranges(pool, w.O, 8, w.O, [&](int64_t first, int64_t last) {
-      dequantize_rows<decltype(bits)::value, decltype(s)::value, decltype(model)::value>(
+      dequantize_rows<decltype(f)::value, decltype(s)::value, decltype(model)::value>(
           w, first, last, values);
     });
   });
@@ -659,16 +706,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntGroupDense, int_group_dense,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("group_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(IntGroupDequantize, int_group_dequantize,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("group_size"));

@@ -28,21 +28,21 @@ QuantizedWeight = (
 )
 
 
-def build_kernels_early(quantization: str | None, dtype: str, int_weights: bool = False) -> None:
+def build_kernels_early(quantization: str | None, dtype: str, prequantized: bool = False) -> None:
     """Start building, in the background, the native CPU matmul kernels that a model loaded
     with `quantization` (as the loader resolves it) in model dtype `dtype` multiplies its
     weights with, so that they build while it loads: a packed GGUF's kernel, not the float
     one, which packed weights never reach (on 2 cores the two builds would share them before
     the first token; a float matrix a GGUF holds gets its kernel built when the step is
-    traced); int8's, or with `int_weights` (a GPTQ, AWQ or compressed-tensors int checkpoint)
-    the grouped-integer one, beside the float one (for the layers left in the model dtype);
-    else the float one."""
+    traced); int8's, or for a `prequantized` checkpoint (GPTQ, AWQ, compressed-tensors, FP8)
+    the grouped one of its integer groups and FP8 blocks, beside the float one (for the layers
+    left in the model dtype); else the float one."""
     if quantization == "gguf":
         cpu_gguf.build_early(dtype)
         return
     if quantization == "int8":
         cpu_int8.build_early(dtype)
-    if int_weights:
+    if prequantized:
         cpu_int_group.build_early(dtype)
     cpu_dense.build_early(dtype)
 

@@ -1,12 +1,13 @@
 """Rows times a 4- or 8-bit grouped integer weight (int_weight.py's layout: GPTQ, AWQ,
-compressed-tensors W4A16 / W8A16) on CPU as a native kernel (cpu_int_group.cc) through the XLA
-FFI.
+compressed-tensors W4A16 / W8A16), or a float8 e4m3 weight with a scale per block (fp8_weight.py:
+FP8 checkpoints), on CPU as a native kernel (cpu_int_group.cc) through the XLA FFI.
 
 Dequantizing the layer in XLA for one matmul is compute-bound on unpacking and scaling, worst
 for one row (batch-1 decode: 1.2-3.3 ms a SmolLM2 layer). The kernel makes each output row's
 values where they lie in the stacked layer, exactly as `int_weight.dequantize(...).astype(dtype)`
 makes them: a 4-bit group's 16 values become a table that each run of packed nibbles is looked
-up in (one permute for 16 values with AVX-512), 8-bit values are made vector by vector. Every
+up in (one permute for 16 values with AVX-512), 8-bit and e4m3 values are made vector by
+vector, each e4m3 value's float32 in integer arithmetic. Every
 value is rounded as the reference rounds it, in a float32 model too: scaling each group's sum
 of x times its integers instead would save no time over the lookup. Up to MAX_ROWS rows it
 multiplies them into x, summing in float32 (a row's sums the same in any batch); more rows go
@@ -27,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jvllm import native
 from jvllm.quantization.dot import dot_rows
@@ -69,30 +71,42 @@ def dense(
     bits: int,
     group_size: int,
     dtype: str,
+    block_rows: int = 1,
 ) -> jax.Array:
     """x [R, I] (model dtype or f32) @ W.T -> f32[R, O], W [O, I] layer i32[] `layer` of packed
-    u8[L, O, I * bits / 8], scale [L, O, I / group_size] and zero (None or i16 like scale), in
-    model dtype `dtype` (x is cast to it, as dot_rows casts it). Up to MAX_ROWS rows in the
-    kernel, more in XLA's matmul of W dequantized by the kernel's loop. Only where
-    `supports(dtype, bits, group_size, scale.dtype)`."""
+    u8[L, O, I * bits / 8] (or float8_e4m3fn[L, O, I], bits 8), scale [L, ceil(O / block_rows),
+    ceil(I / group_size)] and zero (None or i16[L, O, I / group_size]; None for float8), in
+    model dtype `dtype` (x is cast to it, as dot_rows casts it); I a multiple of 32, and of
+    group_size but for float8, whose last block of a row may be short (past the weight's edge).
+    Up to MAX_ROWS rows in the kernel, more in XLA's matmul of W dequantized by the kernel's
+    loop. Only where `supports(dtype, bits, group_size, scale.dtype)`."""
     if not _register():
         raise RuntimeError("the CPU grouped-integer kernel could not be built (see the log)")
     num_layers, num_out, num_bytes = packed.shape
     num_in = num_bytes * 8 // bits
     if x.ndim != 2 or x.shape[1] != num_in:
         raise ValueError(f"x must be [R, {num_in}] for a weight of {num_in} inputs, got {x.shape}")
-    groups = (num_layers, num_out, num_in // group_size)
-    if num_in % group_size or scale.shape != groups:
-        raise ValueError(f"scale must be {groups} for groups of {group_size}, got {scale.shape}")
-    if zero is not None and (zero.shape != groups or zero.dtype != jnp.int16):
-        raise ValueError(f"zero must be int16 {groups} or None, got {zero.dtype}{zero.shape}")
+    fp8 = packed.dtype == jnp.float8_e4m3fn
+    groups = (num_layers, num_out, -(-num_in // group_size))
+    scales = (num_layers, -(-num_out // block_rows), groups[2])
+    if num_in % _GROUP_MULTIPLE or (num_in % group_size and not fp8) or scale.shape != scales:
+        raise ValueError(
+            f"scale must be {scales} for blocks of {block_rows} x {group_size}, and I "
+            f"({num_in}) a multiple of {_GROUP_MULTIPLE}; got {scale.shape}"
+        )
+    if zero is not None and (fp8 or zero.shape != groups or zero.dtype != jnp.int16):
+        raise ValueError(
+            f"zero must be int16 {groups} or None (float8), got {zero.dtype}{zero.shape}"
+        )
     zeros = () if zero is None else (zero,)
     layer = jnp.asarray(layer, jnp.int32)
+    attributes = {"block_rows": np.int64(block_rows), "group_size": np.int64(group_size)}
     if x.shape[0] <= MAX_ROWS:
         result = jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.float32)
-        return jax.ffi.ffi_call(_TARGETS[0], result)(x.astype(dtype), layer, packed, scale, *zeros)
+        call = jax.ffi.ffi_call(_TARGETS[0], result)
+        return call(x.astype(dtype), layer, packed, scale, *zeros, **attributes)
     result = jax.ShapeDtypeStruct((num_out, num_in), dtype)
-    w = jax.ffi.ffi_call(_TARGETS[1], result)(layer, packed, scale, *zeros)
+    w = jax.ffi.ffi_call(_TARGETS[1], result)(layer, packed, scale, *zeros, **attributes)
     return dot_rows(x, w)
 
 

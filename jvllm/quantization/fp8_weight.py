@@ -5,8 +5,12 @@ output channel (a block of one row) or per tensor (a block of the whole weight).
 A [..., O, I] weight holds values float8_e4m3fn[..., O, I] and scale [..., ceil(O / bo),
 ceil(I / bi)] in the checkpoint's scale dtype; w = values * scale[o // bo, i // bi], computed
 rounded to the scale dtype and converted to the model dtype, as compressed_tensors' decompression and
-transformers' FP8 dequantization compute it (`dequantize`). The step dequantizes the layer and
-runs one matmul in the model dtype: activations stay unquantized (jvllm logs that at load).
+transformers' FP8 dequantization compute it (`dequantize`). Activations stay unquantized (jvllm
+logs that at load) but on a GPU where the scheme quantizes them. On CPU the grouped kernel
+(cpu_int_group.py) makes those values where a layer's fp8 bytes lie and multiplies them in, a
+byte a weight read (XLA's dequantize-then-matmul converted the layer each step: the default
+model's batch-1 decode 0.38x bfloat16's); elsewhere the step dequantizes the layer for one
+matmul.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jvllm.quantization import cpu_int_group
 from jvllm.quantization.channel_weight import fp8_matmul
 from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.int_weight import pallas_dequant, rounded
@@ -72,7 +77,9 @@ class FP8Weight:
         """x [..., I] @ weight [O, I].T -> f32[..., O]: on a GPU, activations quantized to fp8
         per token where the scheme says so and a scale covers whole rows (an fp8 matmul), else
         kernels_pallas' dequantizing matmul (each fp8 byte read once, a stacked layer where it
-        lies); elsewhere the layer dequantized in the step and one matmul."""
+        lies); on CPU the native grouped kernel, which also reads a stacked layer where it lies,
+        its values `dequantize`'s; elsewhere the layer dequantized in the step and one
+        matmul."""
         num_in = self.values.shape[-1]
         if jax.default_backend() == "gpu" and self.dynamic_activations and self.block[1] >= num_in:
             # A scale a row (or block of rows): it factors out of the fp8 product, as vLLM's
@@ -86,7 +93,29 @@ class FP8Weight:
                 rows, self.values, self.scale, block=self.block, layer=self.layer
             )
             return y.reshape(*x.shape[:-1], -1)
+        blocks = self._cpu_blocks()
+        if blocks is not None:
+            stacked = self.layer is not None
+            values = self.values if stacked else self.values[None]  # [L, O, I]
+            scale = self.scale if stacked else self.scale[None]  # [L, O / bo, I / bi]
+            rows = x.reshape(-1, num_in)
+            layer = self.layer if stacked else 0
+            bo, bi = blocks
+            y = cpu_int_group.dense(rows, values, scale, None, layer, 8, bi, self.dtype, bo)
+            return y.reshape(*x.shape[:-1], -1)
         return dot_rows(x, self.dequantize())
+
+    def _cpu_blocks(self) -> tuple[int, int] | None:
+        """The (rows, columns) a scale covers here where the CPU kernel can take this weight
+        (columns a multiple of 32, as I is; a device's own shapes under tensor parallelism),
+        else None."""
+        num_out, num_in = self.values.shape[-2:]
+        block = (min(self.block[0], num_out), min(self.block[1], num_in))
+        scales = (-(-num_out // block[0]), -(-num_in // block[1]))
+        fits = self.scale.shape[-2:] == scales and num_in % 32 == 0
+        if fits and cpu_int_group.supports(self.dtype, 8, block[1], self.scale.dtype):
+            return block
+        return None
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """rows [M, I] grouped by expert (group_sizes i32[E]) @ expert e's [I, O] -> f32[M, O]:

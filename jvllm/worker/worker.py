@@ -25,7 +25,7 @@ from jvllm.model_loader.generation_config import load_generation_config
 from jvllm.model_loader.hf import read_config_json
 from jvllm.model_loader.loader import (
     expected_dtype,
-    has_int_weights,
+    is_prequantized,
     load_engine_model,
     resolve_quantization,
 )
@@ -132,10 +132,10 @@ class Worker:
             quantization = resolve_quantization(
                 load.model, load.dtype, load.quantization, load.hf_overrides
             )
-            int_weights = has_int_weights(load.model, load.hf_overrides)
+            prequantized = is_prequantized(load.model, load.hf_overrides)
         except ValueError:  # the load says what is wrong
-            quantization, int_weights = None, False
-        build_kernels_early(quantization, dtype, int_weights)
+            quantization, prequantized = None, False
+        build_kernels_early(quantization, dtype, prequantized)
 
     def determine_num_blocks(self) -> int:
         """The KV cache's block count (null block included) from the memory the loaded
