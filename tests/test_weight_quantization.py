@@ -1,6 +1,8 @@
 """int8 and fp8 weights made at load (quantization="int8" | "fp8"): per-channel scales that
-bound each weight's error, a matmul that matches the float one, and on the default model greedy
-text and perplexity close to bfloat16's."""
+bound each weight's error, a matmul that matches the float one (on CPU fp8's through the grouped
+kernel), and on the default model greedy text and perplexity close to bfloat16's."""
+
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +52,26 @@ def test_quantized_dense_equals_the_float_product_of_its_values(method, num_rows
     x = jax.random.normal(key_x, (num_rows, 64))
     want = x @ (q.values.astype(jnp.float32) * q.scale[:, None]).T
     np.testing.assert_allclose(jax.jit(lambda q, x: q.dense(x))(q, x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="builds the CPU kernel with g++")
+@pytest.mark.parametrize("num_rows", [1, 7, 33])  # the kernel's products; its layer, past 32
+def test_on_cpu_fp8_values_meet_rows_in_the_grouped_kernel_as_in_xla(num_rows, monkeypatch):
+    """ChannelWeight.dense at a scanned layer, the grouped kernel on and off: its values times
+    a scale of one are the values themselves, scaled after the products as XLA's path does."""
+    w = jax.random.normal(jax.random.key(0), (3, 24, 128))
+    weight = quantize_channels(w, "fp8", "bfloat16")
+    x = jax.random.normal(jax.random.key(1), (num_rows, 128)).astype(jnp.bfloat16)
+    dense = jax.jit(lambda w, x: w.at_layer(jnp.int32(2)).dense(x))
+    assert "IntGroupDense" in dense.lower(weight, x[:1]).compile().as_text()
+    on = np.asarray(dense(weight, x))
+    monkeypatch.setenv("JVLLM_CPU_INT_GROUP_KERNEL", "0")
+    off = np.asarray(jax.jit(lambda w, x: w.at_layer(jnp.int32(2)).dense(x))(weight, x))
+    if num_rows > 32:  # XLA's matmul of the same values either way
+        np.testing.assert_array_equal(on, off)
+    w64 = np.asarray(weight.values[2], np.float64) * np.asarray(weight.scale[2])[:, None]
+    bound = 1e-6 * (np.abs(np.asarray(x, np.float64)) @ np.abs(w64).T)
+    assert np.all(np.abs(on - off) <= bound)
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])

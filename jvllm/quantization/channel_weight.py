@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jvllm.quantization import cpu_int8
+from jvllm.quantization import cpu_int8, cpu_int_group
 from jvllm.quantization.dot import dot_rows
 from jvllm.quantization.rows import quantize_rows
 
@@ -62,9 +62,10 @@ class ChannelWeight(ScaledValues):
     def dense(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ weight [O, I].T -> f32[..., O]: the values converted to the model dtype
         (exact: 1-byte values fit every model dtype) meet x in a matmul, and the result is
-        scaled. In a bfloat16 model on CPU int8 values go through cpu_int8.py, whose kernel reads
-        a stacked layer in place and applies the scale itself; otherwise dot.py's
-        matmul."""
+        scaled. On CPU int8 values in a bfloat16 model go through cpu_int8.py, whose kernel reads
+        a stacked layer in place and applies the scale itself, and fp8 values through the
+        grouped kernel (cpu_int_group.py), which makes them where they lie (a scale of one: the
+        values themselves) for the result to be scaled; otherwise dot.py's matmul."""
         if cpu_int8.supports(self.values, self.dtype):
             stacked = self.layer is not None
             values = self.values if stacked else self.values[None]  # [L, O, I]
@@ -72,8 +73,18 @@ class ChannelWeight(ScaledValues):
             rows = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)  # [R, I]
             y = cpu_int8.dense(rows, values, scale, self.layer if stacked else 0)
             return y.reshape(*x.shape[:-1], -1)
+        num_out, num_in = self.values.shape[-2:]
+        fp8 = self.values.dtype == jnp.float8_e4m3fn
+        if fp8 and num_in % 32 == 0 and cpu_int_group.supports(self.dtype, 8, num_in, jnp.float32):
+            stacked = self.layer is not None
+            values = self.values if stacked else self.values[None]  # [L, O, I]
+            ones = jnp.ones((values.shape[0], 1, 1), jnp.float32)  # one scale a layer
+            rows = x.reshape(-1, num_in)
+            layer = self.layer if stacked else 0
+            y = cpu_int_group.dense(rows, values, ones, None, layer, 8, num_in, self.dtype, num_out)
+            return y.reshape(*x.shape[:-1], -1) * self._own(self.scale)
         values, scale = self._own(self.values), self._own(self.scale)  # [O, I], [O]
-        if values.dtype == jnp.float8_e4m3fn and jax.default_backend() == "gpu":
+        if fp8 and jax.default_backend() == "gpu":
             return fp8_matmul(x, values, scale)
         return dot_rows(x, values.astype(self.dtype)) * scale
 

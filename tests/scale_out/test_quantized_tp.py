@@ -116,7 +116,7 @@ def test_weights_quantized_at_load_decode_over_two_devices_as_on_one(tmp_path, m
     """The float weights are placed cut, then quantized where they lie: values cut alike, a
     column-parallel weight's scales with its rows, a row-parallel one's whole on each device.
     bfloat16 int8 runs the CPU kernel on each device's slice (down's 48 inputs a device, not
-    a multiple of 32, the XLA path); fp8 dequantizes in XLA."""
+    a multiple of 32, the XLA path), and fp8 the grouped kernel likewise."""
     path = save_tp_llama(tmp_path, 2, tie=True)
     prompts = ragged_prompts(VOCAB, lengths=(3, 17))
     one, _ = _greedy_tokens(path, prompts, quantization=method, dtype=dtype)
