@@ -103,8 +103,10 @@ class Olmo2Attention(Attention):
 class Olmo2DecoderLayer(nnx.Module):
     """A post-norm block: x + norm(attn(x)), then x + norm(mlp(x)), on the float32 stream."""
 
+    attention = Olmo2Attention  # a family with other q/k norms (EXAONE 4's per head) sets its own
+
     def __init__(self, config: ModelConfig):
-        self.attn = Olmo2Attention(config)
+        self.attn = self.attention(config)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
         self.post_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
