@@ -1,13 +1,15 @@
-"""Batch-1 decode of the default model as a pre-quantized W4A16 checkpoint against its bfloat16
-weights and its packed GGUF (Q4_1), in one run; and the weight bytes each keeps resident against
-its checkpoint's tensor bytes.
+"""Batch-1 decode of the default model as pre-quantized W4A16 and FP8 checkpoints against its
+bfloat16 weights and its packed GGUF (Q4_1), in one run; and the weight bytes each keeps
+resident against its checkpoint's tensor bytes.
 
     python -m jvllm.benchmarks.prequantized --output-len 128 --num-iters 3
 
-The W4A16 checkpoint (compressed-tensors, symmetric int4 in groups of --group-size, as
-llmcompressor's W4A16 preset writes it) is made once from the default model's float weights
-with quantized_checkpoints.py and kept in --work-dir. Every engine runs in bfloat16 on the same
-random prompt, greedy with ignore_eos; tok/s is output tokens over the median generate time.
+The checkpoints are made once from the default model's float weights with
+quantized_checkpoints.py and kept in --work-dir: W4A16 as llmcompressor's preset writes it
+(compressed-tensors, symmetric int4 in groups of --group-size), FP8 as Qwen3-*-FP8 and
+DeepSeek-V3 ship (e4m3 in blocks of 128 x 128, float32 scales). Every engine runs in bfloat16
+on the same random prompt, greedy with ignore_eos; tok/s is output tokens over the median
+generate time.
 """
 
 import argparse
@@ -37,6 +39,15 @@ def make_w4a16(work_dir: str, group_size: int) -> str:
             scheme="W4A16",
             group_size=group_size,
         )
+    return path
+
+
+def make_fp8_blocks(work_dir: str) -> str:
+    """The default model as an FP8 checkpoint of 128 x 128 blocks in `work_dir` (made on first
+    use)."""
+    path = os.path.join(work_dir, "smollm2-135m-fp8-block128")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        quantize_checkpoint(default_model_dir(), path, "fp8", float_dtype=torch.bfloat16)
     return path
 
 
@@ -75,10 +86,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.makedirs(args.work_dir, exist_ok=True)
     w4a16 = make_w4a16(args.work_dir, args.group_size)
+    fp8 = make_fp8_blocks(args.work_dir)
     settings = {
         "bfloat16": ({"model": None}, default_model_dir()),
         "GGUF Q4_1 packed": ({"model": None, "quantization": "gguf"}, resolve_default_model()),
         f"W4A16 g{args.group_size}": ({"model": w4a16}, w4a16),
+        "FP8 blocks 128": ({"model": fp8}, fp8),
     }
     prompt = random_prompts(1, args.input_len, 49152, seed=0)
     sampling = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -94,12 +107,12 @@ def main(argv=None) -> None:
             f" against {stored / 2**20:6.1f} MiB of checkpoint ({resident / stored:.2f}x)"
         )
         del llm
-    names = list(rates)
-    print(
-        f"{names[2]} / {names[0]}: {rates[names[2]] / rates[names[0]]:.2f}x; "
-        f"{names[2]} / {names[1]}: {rates[names[2]] / rates[names[1]]:.2f}x "
-        f"(medians of {args.num_iters})"
-    )
+    bf16, gguf, *checkpoints = rates
+    for name in checkpoints:
+        print(
+            f"{name} / {bf16}: {rates[name] / rates[bf16]:.2f}x; "
+            f"{name} / {gguf}: {rates[name] / rates[gguf]:.2f}x (medians of {args.num_iters})"
+        )
 
 
 if __name__ == "__main__":
