@@ -7,12 +7,12 @@ for one row (batch-1 decode: 1.2-3.3 ms a SmolLM2 layer). The kernel makes each 
 values where they lie in the stacked layer, exactly as `int_weight.dequantize(...).astype(dtype)`
 makes them: a 4-bit group's 16 values become a table that each run of packed nibbles is looked
 up in (one permute for 16 values with AVX-512), 8-bit and e4m3 values are made vector by
-vector, each e4m3 value's float32 in integer arithmetic. Every
-value is rounded as the reference rounds it, in a float32 model too: scaling each group's sum
-of x times its integers instead would save no time over the lookup. Up to MAX_ROWS rows it
-multiplies them into x, summing in float32 (a row's sums the same in any batch); more rows go
-to XLA's matmul of the layer dequantized by the kernel's loop, the same values bit for bit (at
-32 rows the two take about as long). Batch-1 on one core of a Zen 5 EPYC, W4A16 against the
+vector (an e4m3 byte's bits moved into float16's and widened exactly: simd_lanes.h's
+load_e4m3). Every value is rounded as the reference rounds it, in a float32 model too: scaling
+each group's sum of x times its integers instead would save no time over the lookup. Up to
+MAX_ROWS rows it multiplies them into x, summing in float32 (a row's sums the same in any
+batch); more rows go to XLA's matmul of the layer dequantized by the kernel's loop, the same
+values bit for bit (at 32 rows the two take about as long). Batch-1 on one core of a Zen 5 EPYC, W4A16 against the
 packed GGUF Q4_1 kernel on SmolLM2's shapes: 1.2-1.4x its speed in a float32 model, 1.2-1.85x
 in a bfloat16 one. Built without AVX-512 (AVX2's 8-lane permutes take two and a blend to look
 up 16 values): 0.6-0.65x in a float32 model, where Q4_1's kernel scales each block's sum of x
