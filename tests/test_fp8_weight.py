@@ -69,7 +69,7 @@ _CPU_SHAPES = [(150, 96, (128, 64)), (40, 64, (1, 64)), (40, 96, (40, 96))]
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scale_dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("shape", _CPU_SHAPES, ids=lambda s: f"{s[2][0]}x{s[2][1]}")
-def test_on_cpu_the_kernel_makes_dequantizes_values_bit_for_bit(shape, scale_dtype, dtype):
+def test_on_cpu_the_kernel_makes_the_values_of_dequantize_bit_for_bit(shape, scale_dtype, dtype):
     """Rows of the identity pick out the weight's columns, so the kernel's products (up to
     MAX_ROWS rows) and XLA's matmul of the layer the kernel dequantizes (more) are the values
     themselves, a stacked layer read where it lies."""
