@@ -430,10 +430,14 @@ void tile_products(const Row* rows, const Rows& x, int64_t first, int64_t o, int
       JVLLM_UNROLLED for (int v = 0; v < V; ++v) acc[t][r][v] = 0.f;
     }
   }
-  for (int64_t g = 0; g < rows[0].num_groups(); ++g) {
+  // Every group's runs but the last's from per_group alone, as the trip count of a loop
+  // that does not read the weight's width (a bound from min() made float32 products 10% slower)
+  const int64_t per_group = rows[0].runs_per_group(), last = rows[0].num_groups() - 1;
+  for (int64_t g = 0; g <= last; ++g) {
     typename Row::Group groups[kOuts];
     JVLLM_UNROLLED for (int t = 0; t < kOuts; ++t) groups[t] = rows[t].group(g);
-    for (int64_t k = g * rows[0].runs_per_group(); k < rows[0].group_end(g); ++k) {
+    const int64_t end = g < last ? (g + 1) * per_group : rows[0].group_end(g);
+    for (int64_t k = g * per_group; k < end; ++k) {
       add_run<Row, kOuts, G>(rows, groups, xs, x.I, k, acc);
     }
   }
