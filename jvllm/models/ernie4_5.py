@@ -7,7 +7,6 @@ layers/rotary.py), and `use_bias` putting a bias on every projection (q/k/v, o, 
 from __future__ import annotations
 
 from jvllm.models.llama import LlamaForCausalLM
-from jvllm.rope_config import ROTARY_FRACTION_KEY
 
 # What Ernie4_5Config assumes where a config.json says nothing.
 _DEFAULTS = {
@@ -37,5 +36,4 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
         if use_bias is not True and use_bias is not False:
             raise ValueError(f"use_bias must be true or false, got {use_bias!r}")
         cfg.update(attention_bias=use_bias, mlp_bias=use_bias, is_rope_interleaved=True)
-        cfg[ROTARY_FRACTION_KEY] = 1.0
         return LlamaForCausalLM.normalize_hf_config(cfg)
