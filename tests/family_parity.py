@@ -40,6 +40,19 @@ def save_random_model(path, hf_config, seed: int = 0, scale: float = 0.15, auto_
     return model
 
 
+def save_with_correction_biases(path, hf_config):
+    """save_random_model, with the routers' e_score_correction_bias (DeepSeek-V3's, GLM-4.5's:
+    a buffer, so left 0 there) random, large enough to change which experts are chosen."""
+    model = save_random_model(path, hf_config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
 TP_VOCAB = 1001  # not a multiple of T: a sharded vocabulary is padded
 
 

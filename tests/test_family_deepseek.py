@@ -9,7 +9,11 @@ import pytest
 import torch
 import transformers
 from conftest import dense_logits
-from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import (
+    assert_matches_hf,
+    ragged_prompts,
+    save_with_correction_biases,
+)
 
 from jvllm import LLM, SamplingParams
 from jvllm.attention import pallas as pallas_backend
@@ -83,17 +87,7 @@ def v3_like(**kwargs) -> transformers.DeepseekV3Config:
     return transformers.DeepseekV3Config(**{**TINY, **kwargs})
 
 
-def _save(path, config):
-    """save_random_model, with V3's correction biases (a buffer, so left 0 there) random:
-    large enough to change which experts are chosen."""
-    model = save_random_model(path, config)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    return model
+_save = save_with_correction_biases  # other tests' name for it
 
 
 # HF's DeepSeek generates slowly on CPU: fewer and shorter prompts than the other families'.

@@ -13,7 +13,7 @@ from jvllm.layers.params import AXIS_NAMES
 from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.model import param_axes, param_shapes
-from jvllm.models.registry import SUPPORTED_ARCHITECTURES
+from jvllm.models.registry import _ARCHITECTURE_BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES
 
 
 def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
@@ -58,6 +58,10 @@ _HF_CONFIG_CLASSES = {
     "Cohere2ForCausalLM": transformers.Cohere2Config,
     "GlmForCausalLM": transformers.GlmConfig,
     "Glm4ForCausalLM": transformers.Glm4Config,
+    # One dense layer, then a MoE one with a shared expert (Glm4MoeConfig's defaults).
+    "Glm4MoeForCausalLM": lambda **kw: transformers.Glm4MoeConfig(
+        **kw, n_routed_experts=4, num_experts_per_tok=2
+    ),
     "GPTJForCausalLM": lambda **kw: transformers.GPTJConfig(**kw, rotary_dim=8),
     "GptOssForCausalLM": transformers.GptOssConfig,
     "OlmoeForCausalLM": transformers.OlmoeConfig,
@@ -148,15 +152,26 @@ def test_every_param_names_each_of_its_axes(architecture):
     else:
         assert axes["layers"]["mlp"]["down"]["weight"] == ("layers", "embed", "mlp")
     if config.shared_expert_intermediate_size:  # column- then row-parallel, as a dense MLP
-        shared = axes["layers"]["mlp"]["shared_expert"]
+        mlp = axes["layers"]["mlp"]
+        shared = mlp.get("shared_expert") or mlp["shared_experts"]  # Qwen2-MoE's, GLM-4.5's
         assert shared["gate_up"]["weight"] == ("layers", "mlp", "embed")
         assert shared["down"]["weight"] == ("layers", "embed", "mlp")
-        assert axes["layers"]["mlp"]["shared_gate"] == ("layers", "embed")  # replicated
-    assert shapes["layers"]["attn"]["qkv"]["weight"].shape[0] == config.num_layers
+        if "shared_gate" in mlp:  # Qwen2-MoE's gate on it
+            assert mlp["shared_gate"] == ("layers", "embed")  # replicated
+    num_layers = config.num_layers - config.option("num_dense_layers", 0)
+    assert shapes["layers"]["attn"]["qkv"]["weight"].shape[0] == num_layers
 
 
-# Each supported architecture's model_type, as HF's causal-LM registry names it.
-_MODEL_TYPES = {architecture: t for t, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+# Each supported architecture's model_type, as HF's causal-LM registry names it; jvllm's own
+# where several do (SarvamMoE's model_type runs Glm4MoeForCausalLM too).
+_MODEL_TYPES = {
+    **{architecture: t for t, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()},
+    **{
+        architecture: t
+        for t, architecture in _ARCHITECTURE_BY_MODEL_TYPE.items()
+        if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) == architecture
+    },
+}
 
 
 @pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)

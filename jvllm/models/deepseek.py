@@ -125,7 +125,7 @@ def _softmax_scale(cfg: dict) -> float:
     return scale
 
 
-def _check_routing(cfg: dict, routing: str) -> None:
+def check_routing(cfg: dict, routing: str) -> None:
     """Raise ValueError where HF's router would fail or pick experts that cannot matter."""
     num_experts, top_k = cfg["n_routed_experts"], cfg.get("num_experts_per_tok")
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -171,7 +171,7 @@ def _routing(cfg: dict, is_v3: bool) -> str:
                 "norm_topk_prob=True is not supported for DeepseekV2ForCausalLM; allowed: "
                 "False (HF's V2 router never renormalises, DeepSeek's own code does)"
             )
-    _check_routing(cfg, routing)
+    check_routing(cfg, routing)
     return routing
 
 

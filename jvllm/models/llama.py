@@ -47,13 +47,15 @@ class LlamaDecoderLayer(nnx.Module):
     """A pre-norm block on the float32 residual stream; its MLP is the experts' where the model
     has them (Mixtral, Qwen3-MoE)."""
 
+    moe = SparseMoE  # the experts' block; a family with another router (GLM-4.5) sets its own
+
     def __init__(self, config: ModelConfig, is_moe: bool | None = None):
         """is_moe: whether the MLP is the experts' (None: where the config has experts)."""
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, output_bias=config.option("o_proj_bias", False))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.num_experts if is_moe is None else is_moe:
-            self.mlp = SparseMoE(config)
+            self.mlp = self.moe(config)
         else:
             self.mlp = GatedMLP(config, bias=config.option("mlp_bias", False))
         # Granite scales the attention's and the MLP's outputs before each residual add.
