@@ -31,18 +31,18 @@ ROUTER = {
 PROMPTS = ragged_prompts(TINY["vocab_size"], lengths=(5, 17, 40))
 
 
-def _glm4_moe(**kwargs) -> transformers.Glm4MoeConfig:
+def glm4_moe_config(**kwargs) -> transformers.Glm4MoeConfig:
     return transformers.Glm4MoeConfig(**{**TINY, **ROUTER, "eos_token_id": 2, **kwargs})
 
 
 def test_glm4_5_like_decodes_like_hf(tmp_path):
     """GLM-4.5's layout: q/k/v biases, one dense layer first, a shared expert."""
-    hf_model = save_with_correction_biases(tmp_path, _glm4_moe(attention_bias=True))
+    hf_model = save_with_correction_biases(tmp_path, glm4_moe_config(attention_bias=True))
     assert_matches_hf(tmp_path, hf_model, PROMPTS, max_tokens=8)
 
 
 def test_qk_norms_unrenormalised_weights_and_no_dense_layer_match_hf_logits(tmp_path):
-    hf_config = _glm4_moe(
+    hf_config = glm4_moe_config(
         use_qk_norm=True, norm_topk_prob=False, first_k_dense_replace=0, n_shared_experts=2
     )
     hf_model = save_with_correction_biases(tmp_path, hf_config)

@@ -1,9 +1,9 @@
-"""Speculative decoding with DeepSeek-V3's multi-token-prediction layer (speculative_config
-method "mtp"), read from the target's own checkpoint: a tiny random V3 saved with one more layer,
-which becomes the MTP layer's decoder layer (model.layers.{L}.*) beside its random enorm, hnorm,
-eh_proj and shared_head. Its drafts equal a torch reference (HF's own decoder layer over the
-whole sequence, no cache), greedy and seeded requests get the tokens of no speculation, and the
-targets that have no MTP layer are refused.
+"""Speculative decoding with DeepSeek-V3's and GLM-4.5's multi-token-prediction layer
+(speculative_config method "mtp"), read from the target's own checkpoint: a tiny random V3 or
+GLM-4.5 saved with one more layer, which becomes the MTP layer's decoder layer
+(model.layers.{L}.*) beside its random enorm, hnorm, eh_proj and shared_head. Its drafts equal a
+torch reference (HF's own decoder layer over the whole sequence, no cache), greedy and seeded
+requests get the tokens of no speculation, and the targets that have no MTP layer are refused.
 """
 
 import json
@@ -11,10 +11,12 @@ import os
 
 import pytest
 import test_family_deepseek as deepseek_tests
+import test_family_glm4_moe as glm4_moe_tests
 import test_spec_decode as ngram_tests
 import test_spec_decode_eagle as eagle_tests
 import torch
 import transformers
+from family_parity import save_with_correction_biases
 from safetensors.torch import load_file, save_file
 
 from jvllm import LLM, SamplingParams
@@ -31,8 +33,8 @@ def _rms(x, w, eps):
 
 
 class ReferenceMTP:
-    """The MTP layer in torch over whole sequences: HF's DeepseekV3DecoderLayer (the saved
-    model's last layer) between the MTP's own tensors, the target HF's V3 of NUM_LAYERS."""
+    """The MTP layer in torch over whole sequences: HF's decoder layer (the saved model's last
+    layer) between the MTP's own tensors, the target HF's model of NUM_LAYERS."""
 
     def __init__(self, target_dir: str, decoder_layer, tensors: dict):
         self.target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
@@ -73,11 +75,22 @@ class ReferenceMTP:
         return drafts
 
 
-def save_v3_with_mtp(path: str) -> ReferenceMTP:
-    """A tiny random V3 of NUM_LAYERS layers whose checkpoint keeps an MTP layer, at `path`."""
-    config = deepseek_tests.v3_like(num_hidden_layers=NUM_LAYERS + 1)
+# The tiny targets of each family, with one more layer (the MTP layer's): MoE layers after one
+# dense one, with correction biases.
+TARGETS = {
+    "deepseek_v3": lambda: deepseek_tests.v3_like(num_hidden_layers=NUM_LAYERS + 1),
+    "glm4_moe": lambda: glm4_moe_tests.glm4_moe_config(
+        num_hidden_layers=NUM_LAYERS + 1, attention_bias=True
+    ),
+}
+
+
+def save_with_mtp(path: str, family: str = "deepseek_v3") -> ReferenceMTP:
+    """A tiny random target of `family` (TARGETS) of NUM_LAYERS layers whose checkpoint keeps
+    an MTP layer, at `path`."""
+    config = TARGETS[family]()
     config._attn_implementation = "eager"  # the reference layer reads the explicit mask
-    full = deepseek_tests._save(path, config)
+    full = save_with_correction_biases(path, config)
     with torch.no_grad():  # each layer's outputs small: the target is nearly a bigram model
         for name, param in full.named_parameters():
             if "o_proj" in name or "down_proj" in name:
@@ -106,17 +119,20 @@ def save_v3_with_mtp(path: str) -> ReferenceMTP:
     return ReferenceMTP(path, full.model.layers[NUM_LAYERS], extra)
 
 
-@pytest.fixture(scope="module")
-def mtp_target(tmp_path_factory) -> tuple[str, ReferenceMTP]:
-    path = str(tmp_path_factory.mktemp("deepseek_v3_mtp"))
-    return path, save_v3_with_mtp(path)
+@pytest.fixture(
+    scope="module", params=[pytest.param("deepseek_v3", marks=pytest.mark.slow), "glm4_moe"]
+)
+def mtp_target(request, tmp_path_factory) -> tuple[str, ReferenceMTP]:
+    """(the checkpoint's path, its reference): DeepSeek-V3's in the slow run only (its MoE
+    target and MLA reference take 20-50 s a test)."""
+    path = str(tmp_path_factory.mktemp(f"{request.param}_mtp"))
+    return path, save_with_mtp(path, request.param)
 
 
 def mtp(k: int = 3) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
-@pytest.mark.slow  # 20 s (warm compilation cache) to 50 s: a MoE target, a reference a step
 def test_mtp_drafts_equal_a_reference_over_hf_hidden_states(mtp_target):
     """After a prefill, and after each step that verified drafts, the drafts proposed for the
     next step are the reference's over the whole sequence so far: the target's final rows, the
@@ -163,7 +179,9 @@ def test_mtp_gives_the_tokens_of_no_speculation(mtp_target):
 def test_mtp_is_refused_for_a_target_without_mtp_layers(looping_model_dir, tmp_path):
     """A Llama, a V3 whose config.json says no MTP layers, and one that says one (HF's
     default) but whose checkpoint was saved without it (as HF saves)."""
-    with pytest.raises(ValueError, match="supported targets: DeepseekV3ForCausalLM, got Llama"):
+    with pytest.raises(
+        ValueError, match="supported targets: DeepseekV3ForCausalLM, Glm4MoeForCausalLM, got Llama"
+    ):
         LLM(looping_model_dir, speculative_config=mtp(), **ENGINE_KWARGS)
     deepseek_tests._save(tmp_path, deepseek_tests.v3_like(num_hidden_layers=1))
     with pytest.raises(ValueError, match="has no MTP layer tensors"):
@@ -176,6 +194,7 @@ def test_mtp_is_refused_for_a_target_without_mtp_layers(looping_model_dir, tmp_p
 def test_mtp_reads_the_targets_checkpoint_unless_told_and_takes_vllms_alias():
     assert as_speculative_config(mtp()).model is None
     assert as_speculative_config({**mtp(), "method": "deepseek_mtp"}).method == "mtp"
+    assert as_speculative_config({**mtp(), "method": "glm4_moe_mtp"}).method == "mtp"
     assert as_speculative_config({**mtp(), "model": "/elsewhere"}).model == "/elsewhere"
     with pytest.raises(ValueError, match="model must be a path"):
         as_speculative_config({**mtp(), "model": 3})

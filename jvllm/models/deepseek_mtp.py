@@ -35,30 +35,31 @@ from jvllm.layers.norm import RMSNorm
 from jvllm.layers.parallel import gather_over_shards
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
-from jvllm.models.deepseek import (
-    DeepseekDecoderLayer,
-    DeepseekForCausalLM,
-    load_layers,
-    rotary_config,
-)
+from jvllm.models.deepseek import DeepseekDecoderLayer, load_layers, rotary_config
+from jvllm.models.registry import model_class
 from jvllm.models.weights import CheckpointWeights
-
-# The checkpoints whose config.json says how many MTP layers they keep.
-_TARGET_MODEL_TYPES = ("deepseek_v3",)
 
 
 class DeepseekMTPHead(nnx.Module):
     is_draft_head = True  # speculative_config's drafter, never an engine's own (registry.py)
 
-    @staticmethod
-    def normalize_hf_config(cfg: dict) -> dict:
+    # The target family the head reads its config as, what the config.json's model_type must
+    # be, and the head's layer; a head for another family (GLM-4.5's, models/glm4_moe_mtp.py)
+    # sets its own, with `rotary_config` and `load_layer`.
+    target_architecture = "DeepseekV3ForCausalLM"
+    target_model_types = ("deepseek_v3",)
+    decoder_layer = DeepseekDecoderLayer
+
+    @classmethod
+    def normalize_hf_config(cls, cfg: dict) -> dict:
         """The target's config.json (its `architectures` replaced by this head's) -> the
-        head's: DeepSeek-V3's reading of it with the MTP layer counted as layer L, so that it
-        is an MoE layer exactly where HF's numbering makes it one (L >= first_k_dense_replace)."""
-        if cfg.get("model_type") not in _TARGET_MODEL_TYPES:
+        head's: the target family's reading of it with the MTP layer counted as layer L, so that
+        it is an MoE layer exactly where HF's numbering makes it one."""
+        if cfg.get("model_type") not in cls.target_model_types:
             raise ValueError(
-                f"speculative_config method 'mtp' reads a DeepSeek-V3 checkpoint's MTP layer; "
-                f"this config.json has model_type {cfg.get('model_type')!r}"
+                f"speculative_config method 'mtp' reads a {cls.target_architecture} "
+                f"checkpoint's MTP layer; this config.json has model_type "
+                f"{cfg.get('model_type')!r}"
             )
         if not cfg.get("num_nextn_predict_layers"):
             raise ValueError(
@@ -69,14 +70,25 @@ class DeepseekMTPHead(nnx.Module):
         mtp_layer = cfg["num_hidden_layers"]
         cfg = {
             **cfg,
-            "architectures": ["DeepseekV3ForCausalLM"],
+            "architectures": [cls.target_architecture],
             "num_hidden_layers": mtp_layer + 1,
         }
-        cfg = DeepseekForCausalLM.normalize_hf_config(cfg)
+        cfg = model_class(cls.target_architecture).normalize_hf_config(cfg)
         is_moe = cfg["first_k_dense_replace"] <= mtp_layer
         cfg["num_hidden_layers"] = 1
-        cfg["options"] = {**cfg["options"], "mtp_layer": mtp_layer, "is_moe": is_moe}
+        options = {k: v for k, v in cfg["options"].items() if k != "num_dense_layers"}
+        cfg["options"] = {**options, "mtp_layer": mtp_layer, "is_moe": is_moe}
         return cfg
+
+    @staticmethod
+    def rotary_config(config: ModelConfig) -> ModelConfig:
+        """The config the layer's rotary (cos, sin) are computed from."""
+        return rotary_config(config)
+
+    @staticmethod
+    def load_layer(config: ModelConfig, weights: CheckpointWeights, is_moe: bool) -> None:
+        """The layer's params, from the layer weights.set_layers names."""
+        load_layers(config, weights, "layers.", is_moe=is_moe)
 
     @staticmethod
     def target_layer_ids(head: ModelConfig, target: ModelConfig) -> None:
@@ -95,7 +107,7 @@ class DeepseekMTPHead(nnx.Module):
         self.hnorm = RMSNorm(d, config.rms_norm_eps)  # over the hidden row
         self.eh_proj = Linear(2 * d, d, ("embed", "embed"), dtype=dtype)
         is_moe = config.option("is_moe")
-        self.layers = stacked_layers(lambda: DeepseekDecoderLayer(config, is_moe), 1)
+        self.layers = stacked_layers(lambda: self.decoder_layer(config, is_moe), 1)
         self.shared_norm = RMSNorm(d, config.rms_norm_eps)
         self.shared_head = Linear(d, config.vocab_size, ("vocab", "embed"), dtype=dtype)
 
@@ -111,7 +123,8 @@ class DeepseekMTPHead(nnx.Module):
         step, kv_cache)."""
         x = jnp.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1)  # [T, 2D]
         x = self.eh_proj(x)
-        args = (self.layers, x, kv_cache, positions, rotary_config(self.config), metadata, attn)
+        rotary = self.rotary_config(self.config)
+        args = (self.layers, x, kv_cache, positions, rotary, metadata, attn)
         x, kv_cache = run_rotary_layers(*args)
         return self.shared_norm(x), x, kv_cache
 
@@ -142,4 +155,4 @@ class DeepseekMTPHead(nnx.Module):
         ):
             weights.tensor(path, prefix + name)
         weights.set_layers(index, 1)
-        load_layers(config, weights, "layers.", is_moe=config.option("is_moe"))
+        cls.load_layer(config, weights, config.option("is_moe"))

@@ -58,16 +58,25 @@ _DRAFT_HEADS = {
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3Head"),
     "Eagle3LlamaForCausalLM": ("eagle3", "Eagle3Head"),
     "DeepSeekMTPModel": ("deepseek_mtp", "DeepseekMTPHead"),  # vLLM's name
+    "Glm4MoeMTPModel": ("glm4_moe_mtp", "Glm4MoeMTPHead"),  # vLLM's name
     "EagleLlamaForCausalLM": ("eagle1", "EagleHead"),  # vLLM's name for method "eagle"
 }
 # The speculative_config method each draft head's module serves.
-_HEAD_METHODS = {"eagle3": "eagle3", "deepseek_mtp": "mtp", "eagle1": "eagle"}
+_HEAD_METHODS = {
+    "eagle3": "eagle3",
+    "deepseek_mtp": "mtp",
+    "glm4_moe_mtp": "mtp",
+    "eagle1": "eagle",
+}
 # Speculative decoding's "eagle" method: the head its checkpoints load as (they name
 # themselves LlamaForCausalLM).
 EAGLE_HEAD_ARCHITECTURE = "EagleLlamaForCausalLM"
 # Speculative decoding's "mtp" method: a target architecture -> the head that reads the
 # multi-token-prediction layers its checkpoints keep.
-_MTP_HEADS = {"DeepseekV3ForCausalLM": "DeepSeekMTPModel"}
+_MTP_HEADS = {
+    "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
+    "Glm4MoeForCausalLM": "Glm4MoeMTPModel",
+}
 # HF's base models (no LM head), as embedding checkpoints ship them (Qwen3-Embedding,
 # e5-mistral): each runs as its causal LM's family, whose tensor names lose their first
 # component in such a checkpoint (model_loader/base_model.py). Not Phi's or GPT-J's (their LM

@@ -5,8 +5,9 @@ from collections.abc import Mapping
 
 # The drafting methods served; vLLM's others ("medusa", ...) are not yet.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-# vLLM's older names of a method, accepted as it does (its "deepseek_mtp" is now "mtp").
-METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+# vLLM's older names of a method, accepted as it does (its "deepseek_mtp" and "glm4_moe_mtp"
+# are now "mtp").
+METHOD_ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
 # The methods whose drafts a model on the device proposes after each step (`model` its path).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # Of those, the heads that draft from the target's hidden states (worker/eagle.py).
@@ -35,9 +36,9 @@ class SpeculativeConfig:
     (worker/draft_model.py).
     "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`model`, its HF checkpoint) proposes them
     from the target's hidden states (worker/eagle.py).
-    "mtp": the multi-token-prediction layer of the target's checkpoint (DeepSeek-V3's; `model`
-    None: the target's own path) proposes them from the target's final hidden states
-    (models/deepseek_mtp.py)."""
+    "mtp": the multi-token-prediction layer of the target's checkpoint (DeepSeek-V3's,
+    GLM-4.5's; `model` None: the target's own path) proposes them from the target's final
+    hidden states (models/deepseek_mtp.py, models/glm4_moe_mtp.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int

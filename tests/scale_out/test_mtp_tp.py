@@ -4,7 +4,7 @@ parallelism), inside the head's shard_map; the drafts it proposes and the tokens
 gives are one device's."""
 
 from test_spec_decode_eagle import drafts_after_prefill
-from test_spec_decode_mtp import save_v3_with_mtp
+from test_spec_decode_mtp import save_with_mtp
 
 from jvllm import LLM, SamplingParams
 
@@ -14,7 +14,7 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def test_mtp_at_t2_gives_one_devices_drafts_and_tokens(tmp_path):
-    save_v3_with_mtp(str(tmp_path))
+    save_with_mtp(str(tmp_path))
     one = LLM(str(tmp_path), speculative_config=SPEC, **ENGINE)
     two = LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=SPEC, **ENGINE)
     expert_parallel = LLM(

@@ -7,7 +7,7 @@ device's."""
 import pytest
 from family_parity import ragged_prompts
 from test_data_parallel_moe import ENGINE_KWARGS, VOCAB, group_llm, model_dir
-from test_spec_decode_mtp import save_v3_with_mtp
+from test_spec_decode_mtp import save_with_mtp
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks.random_heads import save_random_eagle1_head, save_random_eagle3_head
@@ -88,7 +88,7 @@ def test_ranks_draft_with_the_mtp_layer_and_give_the_tokens_of_no_speculation(
     ranks as the target's, exchanging tokens in each of its draft steps; at T = 2 its heads
     cut over the rank's devices and its LM head's logits gathered; its MoE layer exchanges
     tokens as the target's do (the all2all_backend chosen for it)."""
-    save_v3_with_mtp(str(tmp_path))
+    save_with_mtp(str(tmp_path))
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     llm = _speculating_ranks_give_one_devices_tokens(
         str(tmp_path), spec, t, num_scheduler_steps, all2all_backend=all2all_backend
