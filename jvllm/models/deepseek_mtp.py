@@ -17,7 +17,8 @@ transformers 5, chains the post-norm row instead). vLLM also zeroes the embeddin
 0, a leftover of its older shifted positions; jvllm does not, and only drafts could differ.
 
 The config is the target's config.json read as DeepSeek-V3's (its MLA and routing settings)
-with one layer; `options["mtp_layer"]` is the checkpoint's index L. The engine side is
+with one layer; `options["mtp_layer"]` is the checkpoint's index L. GLM-4.5's MTP layer is the
+same head over its own family's layer (models/glm4_moe_mtp.py). The engine side is
 worker/eagle.py, as for an EAGLE-3 head, with the target's final rows in place of its layers'
 inputs.
 """
