@@ -1,6 +1,7 @@
 """DeepSeek-V2 / V3's mixture of experts: its routers (softmax greedy, softmax group-limited,
-sigmoid with a correction bias over groups) and the block that runs the chosen experts beside
-the always-on shared experts.
+sigmoid with a correction bias over groups; and ERNIE 4.5's softmax with a correction bias)
+and the block that runs the chosen experts beside the always-on shared experts (GLM-4.5's and
+ERNIE 4.5's MoE layers too).
 
 Glossary as layers/moe.py: T tokens, D hidden, E experts, k experts per token, G groups.
 """
@@ -18,8 +19,12 @@ from jvllm.layers.parallel import experts_over_ranks, first_local_expert, sum_ov
 from jvllm.layers.params import param
 
 # HF's `topk_method`s: V2's two softmax routers, and V3's sigmoid one (which HF's V3 model
-# always runs, whatever topk_method says).
-ROUTINGS = ("greedy", "group_limited_greedy", "noaux_tc")
+# always runs, whatever topk_method says); then ERNIE 4.5's.
+ROUTINGS = ("greedy", "group_limited_greedy", "noaux_tc", "softmax_biased")
+# The routers that choose by scores plus a correction bias [E].
+BIASED_ROUTINGS = ("noaux_tc", "softmax_biased")
+# Ernie4_5_MoeConfig's moe_norm_min: the least sum its top-k weights are divided by.
+_ERNIE_NORM_MIN = 1e-12
 
 
 def _group_mask(group_scores: jax.Array, topk_group: int, num_experts: int) -> jax.Array:
@@ -55,7 +60,10 @@ def deepseek_route(
     - "noaux_tc" (V3): scores sigmoid(logits); the experts are chosen by scores +
       `correction_bias`: each group scores the sum of its two best, the experts outside the
       topk_group best groups are dropped, then the top k; their weights are their unbiased
-      scores, divided by their sum (+ 1e-20) where `renormalize`.
+      scores, divided by their sum (+ 1e-20) where `renormalize`;
+    - "softmax_biased" (ERNIE 4.5): softmax; the experts are chosen by scores +
+      `correction_bias` (the top k); their weights are their unbiased scores divided by their
+      sum (at least 1e-12), always.
     Every router then scales the weights by `scaling_factor` (routed_scaling_factor); HF's V2
     routers never renormalise."""
     num_experts = logits.shape[-1]
@@ -68,6 +76,11 @@ def deepseek_route(
         weights = jnp.take_along_axis(scores, experts, axis=-1)  # [T, k]
         if renormalize:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    elif routing == "softmax_biased":
+        scores = jax.nn.softmax(logits, axis=-1)  # [T, E]
+        _, experts = jax.lax.top_k(scores + correction_bias, top_k)  # [T, k]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)  # [T, k]
+        weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), _ERNIE_NORM_MIN)
     else:
         scores = jax.nn.softmax(logits, axis=-1)  # [T, E]
         if routing == "group_limited_greedy":
@@ -91,7 +104,7 @@ class DeepseekMoE(nnx.Module):
         dtype, num_experts = jnp.dtype(config.dtype), config.num_experts
         self.router = param((num_experts, d), jnp.float32, ("experts", "embed"))
         self.routing = config.option("routing")
-        is_biased = self.routing == "noaux_tc"
+        is_biased = self.routing in BIASED_ROUTINGS
         self.correction_bias = (
             param((num_experts,), jnp.float32, ("experts",)) if is_biased else None
         )

@@ -9,8 +9,9 @@
   every later one DeepSeek-V3's mixture of experts (layers/deepseek_moe.py): sigmoid scores with
   e_score_correction_bias over n_group groups, renormalised where norm_topk_prob, scaled by
   routed_scaling_factor, beside n_shared_experts shared experts;
-- the multi-token-prediction layers the checkpoints keep after the last layer
-  (num_nextn_predict_layers) are not part of this model, as in HF's.
+- the multi-token-prediction layer the checkpoints keep after the last layer
+  (num_nextn_predict_layers) is not part of this model (HF's skips it too): speculative
+  decoding's "mtp" method loads it as a draft head (models/glm4_moe_mtp.py).
 """
 
 from __future__ import annotations
@@ -85,22 +86,29 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
-        """Whether the checkpoint's tensor `name` is an MTP layer's (after the last layer)."""
+        """Whether the checkpoint's tensor `name` is an MTP layer's (after the last layer),
+        which speculative decoding's "mtp" method reads (models/glm4_moe_mtp.py)."""
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         return layer is not None and int(layer[1]) >= config.num_layers
 
     @staticmethod
     def load_mlp_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
-        """The MoE layers' router, correction bias, routed and shared experts."""
-        if not config.num_experts:
-            LlamaForCausalLM.load_mlp_weights(config, weights)
-            return
-        Qwen3MoeForCausalLM.load_mlp_weights(config, weights)  # the router, the experts
-        weights.stacked("layers.mlp.correction_bias", ("mlp.gate.e_score_correction_bias",))
-        if config.shared_expert_intermediate_size:
-            shared = "mlp.shared_experts."
-            weights.stacked(
-                "layers." + shared + "gate_up.weight",
-                (shared + "gate_proj.weight", shared + "up_proj.weight"),
-            )
-            weights.stacked("layers." + shared + "down.weight", (shared + "down_proj.weight",))
+        load_moe_weights(config, weights, "mlp.gate.e_score_correction_bias")
+
+
+def load_moe_weights(config: ModelConfig, weights: CheckpointWeights, correction_bias: str):
+    """A stack's MLP where the config has experts: the router, its correction bias (the
+    checkpoint's tensor `correction_bias`, [E] or ERNIE 4.5's [1, E]), the routed experts and
+    the shared ones (layers/deepseek_moe.py); else the dense MLP."""
+    if not config.num_experts:
+        LlamaForCausalLM.load_mlp_weights(config, weights)
+        return
+    Qwen3MoeForCausalLM.load_mlp_weights(config, weights)  # the router, the experts
+    weights.stacked("layers.mlp.correction_bias", (correction_bias,), lambda b: b.reshape(-1))
+    if config.shared_expert_intermediate_size:
+        shared = "mlp.shared_experts."
+        weights.stacked(
+            "layers." + shared + "gate_up.weight",
+            (shared + "gate_proj.weight", shared + "up_proj.weight"),
+        )
+        weights.stacked("layers." + shared + "down.weight", (shared + "down_proj.weight",))
