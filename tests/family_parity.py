@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy
+from conftest import dense_logits, hf_greedy
 
 from jvllm import LLM, SamplingParams
+from jvllm.model_loader.hf import load_hf_dir
 
 # The tiny models' shapes: 2 layers, 4 query heads over 2 KV heads, a 512-token vocabulary.
 TINY_SHAPES = {
@@ -126,6 +127,19 @@ def assert_matches_hf(path, hf_model, prompts, max_tokens: int = 16, **engine_kw
         hf_greedy_ignoring_eos(hf_model, sharing, max_tokens)
     ], "prefix-cache hit"
     assert manager.prefix_cache_hits > hits_before
+
+
+def assert_logits_match_hf(path, hf_model, token_ids, atol=1e-4, rtol=1e-7, **dense_kwargs):
+    """Our dense forward (conftest's dense_logits, f32[T, V]) on the checkpoint at `path`,
+    loaded in float32, against `hf_model`'s logits on the one sequence `token_ids` (T ids):
+    allclose within `atol` and `rtol`. `dense_kwargs` go to dense_logits (`positions`).
+    Returns the loaded (config, params), for checks of the config."""
+    config, params = load_hf_dir(str(path), "float32")
+    with torch.no_grad():
+        expected = hf_model(torch.as_tensor(np.asarray(token_ids))[None]).logits[0].numpy()
+    ours = dense_logits(config, params, token_ids, **dense_kwargs)
+    np.testing.assert_allclose(ours, expected, rtol=rtol, atol=atol)
+    return config, params
 
 
 def assert_hf_window_cuts(hf_model, prompt) -> None:

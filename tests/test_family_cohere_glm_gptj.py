@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
     TINY_SHAPES,
     assert_hf_window_cuts,
+    assert_logits_match_hf,
     assert_matches_hf,
     ragged_prompts,
     save_random_model,
@@ -21,7 +21,6 @@ from transformers.models.gptj import modeling_gptj
 
 from jvllm.config import ModelConfig
 from jvllm.layers.rotary import apply_rope, rope_cos_sin
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 VOCAB_SIZE = TINY_SHAPES["vocab_size"]
@@ -69,10 +68,7 @@ def test_family_decodes_like_hf(tmp_path, name):
 def test_logits_match_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, CONFIGS[name]())
     token_ids = np.random.default_rng(0).integers(0, VOCAB_SIZE, 12)
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor(token_ids)[None]).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, token_ids)
 
 
 def _read(hf_json: dict) -> ModelConfig:

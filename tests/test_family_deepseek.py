@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
+    assert_logits_match_hf,
     assert_matches_hf,
     ragged_prompts,
     save_with_correction_biases,
@@ -20,7 +20,6 @@ from jvllm.attention import pallas as pallas_backend
 from jvllm.distributed.tensor_parallel import check_tensor_parallel
 from jvllm.layers.deepseek_moe import deepseek_route
 from jvllm.layers.scan import UNSTACKED_LAYERS_ENV
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 from jvllm.models.deepseek import MLA_DISABLE_ENV
 
@@ -106,11 +105,7 @@ def test_deepseek_v3_like_decodes_like_hf(tmp_path):
 
 def test_experts_and_dense_mlps_compute_the_configs_activation_like_hf(tmp_path):
     hf_model = _save(tmp_path, v2_lite_like(hidden_act="gelu_pytorch_tanh"))
-    token_ids = PROMPTS[-1]
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 @pytest.mark.slow  # 30 s cold; test_deepseek_v3_like_decodes_like_hf keeps V3 in the default run

@@ -5,14 +5,16 @@ configs as the hub's checkpoints ship them."""
 
 import re
 
-import numpy as np
 import pytest
-import torch
 import transformers
-from conftest import dense_logits
-from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import (
+    TINY_SHAPES,
+    assert_logits_match_hf,
+    assert_matches_hf,
+    ragged_prompts,
+    save_random_model,
+)
 
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {**TINY_SHAPES, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -27,10 +29,7 @@ def test_ernie4_5_with_biases_decodes_like_hf(tmp_path):
 
 def test_ernie4_5_without_biases_logits_match_hf(tmp_path):
     hf_model = save_random_model(tmp_path, transformers.Ernie4_5Config(**TINY))
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([PROMPTS[-1]])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 # ERNIE-4.5-0.3B-PT's config.json, fields trimmed.
@@ -86,11 +85,8 @@ def test_ernie4_5_moe_decodes_like_hf(tmp_path):
 def test_ernie4_5_moe_without_dense_layers_or_shared_experts_logits_match_hf(tmp_path):
     config = _ernie4_5_moe(moe_layer_start_index=0, moe_num_shared_experts=0)
     hf_model = save_random_model(tmp_path, config)
-    config, params = load_hf_dir(str(tmp_path), "float32")
+    config, _ = assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
     assert config.option("num_dense_layers", 0) == 0 and not config.shared_expert_intermediate_size
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([PROMPTS[-1]])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
 
 
 # ERNIE-4.5-21B-A3B-PT's config.json, fields trimmed.

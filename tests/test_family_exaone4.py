@@ -3,20 +3,17 @@ head by head, windowed layers that rotate and a global one that does not (the 32
 no window and every layer rotating (the 1.2B's); and its config as the hub's checkpoints ship
 it."""
 
-import numpy as np
 import pytest
-import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
     TINY_SHAPES,
     assert_hf_window_cuts,
+    assert_logits_match_hf,
     assert_matches_hf,
     ragged_prompts,
     save_random_model,
 )
 
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {**TINY_SHAPES, "bos_token_id": 1, "eos_token_id": 2, "attn_implementation": "eager"}
@@ -39,10 +36,7 @@ def test_unwindowed_exaone4_logits_match_hf(tmp_path):
         **TINY, sliding_window=None, layer_types=["full_attention"] * 2, tie_word_embeddings=True
     )
     hf_model = save_random_model(tmp_path, config)
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([PROMPTS[-1]])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 # EXAONE-4.0-32B's config.json, fields trimmed.

@@ -5,16 +5,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
     assert_hf_window_cuts,
+    assert_logits_match_hf,
     assert_matches_hf,
     ragged_prompts,
     save_random_model,
 )
 
 from jvllm import LLM, SamplingParams
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
@@ -55,11 +54,7 @@ LOGITS_CONFIGS = {
 @pytest.mark.parametrize("name", list(LOGITS_CONFIGS))
 def test_config_variant_logits_match_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, LOGITS_CONFIGS[name]())
-    token_ids = PROMPTS[-1]
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 def test_gemma2_window_and_soft_caps_decode_like_hf(tmp_path):

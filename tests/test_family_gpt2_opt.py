@@ -6,10 +6,13 @@ import json
 import jax
 import numpy as np
 import pytest
-import torch
 import transformers
-from conftest import dense_logits
-from family_parity import assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import (
+    assert_logits_match_hf,
+    assert_matches_hf,
+    ragged_prompts,
+    save_random_model,
+)
 from safetensors.numpy import load_file, save_file
 
 from jvllm.model_loader.hf import load_hf_dir
@@ -74,11 +77,7 @@ def test_config_variant_logits_match_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, VARIANTS[name]())
     token_ids = np.random.default_rng(0).integers(0, VOCAB_SIZE, 12)
     positions = np.arange(len(token_ids))
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    ours = dense_logits(config, params, token_ids, positions)
-    with torch.no_grad():
-        expected = hf_model(torch.tensor(token_ids)[None]).logits[0].numpy()
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, token_ids, rtol=1e-4, positions=positions)
 
 
 # The original checkpoints (openai-community/gpt2, facebook/opt-*) were saved from the bare

@@ -2,20 +2,17 @@
 settings that set it apart from Llama at values where a wrong reading shows, and their configs
 as the hub's checkpoints ship them."""
 
-import numpy as np
 import pytest
-import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
     TINY_SHAPES,
     assert_hf_window_cuts,
+    assert_logits_match_hf,
     assert_matches_hf,
     ragged_prompts,
     save_random_model,
 )
 
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 TINY = {
@@ -61,10 +58,7 @@ def test_family_decodes_like_hf(tmp_path, name):
         assert_hf_window_cuts(hf_model, PROMPTS[-1])
     assert_matches_hf(tmp_path, hf_model, PROMPTS, block_size=4)
     if name == "granite":  # logits_scaling keeps the argmax: the logits check it
-        config, params = load_hf_dir(str(tmp_path), "float32")
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([PROMPTS[-1]])).logits[0].numpy()
-        np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
+        assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 LOGITS_CONFIGS = {
@@ -81,10 +75,7 @@ LOGITS_CONFIGS = {
 @pytest.mark.parametrize("name", list(LOGITS_CONFIGS))
 def test_config_variant_logits_match_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, LOGITS_CONFIGS[name]())
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([PROMPTS[-1]])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, PROMPTS[-1]), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 # Config files in the layouts the hub's checkpoints ship (transformers 4), fields trimmed.

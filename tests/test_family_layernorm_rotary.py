@@ -6,12 +6,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
     TINY_SHAPES,
     assert_hf_window_cuts,
+    assert_logits_match_hf,
     assert_matches_hf,
     ragged_prompts,
     save_random_model,
@@ -84,11 +83,7 @@ LOGITS_CONFIGS = {
 def test_config_variant_logits_match_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, LOGITS_CONFIGS[name]())
     token_ids = np.random.default_rng(0).integers(0, VOCAB_SIZE, 12)
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    ours = dense_logits(config, params, token_ids)
-    with torch.no_grad():
-        expected = hf_model(torch.tensor(token_ids)[None]).logits[0].numpy()
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, token_ids, rtol=1e-4)
 
 
 def _read(hf_json: dict) -> ModelConfig:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import dense_logits
 from family_parity import (
     assert_hf_window_cuts,
+    assert_logits_match_hf,
     assert_matches_hf,
     hf_greedy_ignoring_eos,
     ragged_prompts,
@@ -117,10 +117,7 @@ ACTIVATION_CONFIGS = {
 def test_experts_compute_the_configs_activation_like_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, ACTIVATION_CONFIGS[name]())
     token_ids = ragged_prompts(TINY["vocab_size"], lengths=(40,))[0]
-    config, params = load_hf_dir(str(tmp_path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
+    assert_logits_match_hf(tmp_path, hf_model, token_ids)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

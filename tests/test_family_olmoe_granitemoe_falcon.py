@@ -1,15 +1,17 @@
 """OLMoE, GraniteMoE, GraniteMoeShared and Falcon through the engine against HF transformers, the
 config variants' logits, and how their config.json files are read or refused."""
 
-import numpy as np
 import pytest
-import torch
 import transformers
-from conftest import dense_logits
-from family_parity import TINY_SHAPES, assert_matches_hf, ragged_prompts, save_random_model
+from family_parity import (
+    TINY_SHAPES,
+    assert_logits_match_hf,
+    assert_matches_hf,
+    ragged_prompts,
+    save_random_model,
+)
 
 from jvllm.config import ModelConfig
-from jvllm.model_loader.hf import load_hf_dir
 from jvllm.model_loader.hf_config import model_config_from_hf
 
 VOCAB_SIZE = TINY_SHAPES["vocab_size"]
@@ -60,7 +62,7 @@ def test_family_decodes_like_hf(tmp_path, name):
     hf_model = save_random_model(tmp_path, ENGINE_CONFIGS[name]())
     assert_matches_hf(tmp_path, hf_model, PROMPTS, max_tokens=8, block_size=4)
     if name == "granitemoeshared":  # logits_scaling keeps the argmax: the logits check it
-        _assert_logits_match_hf(tmp_path, hf_model)
+        assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 LOGITS_CONFIGS = {
@@ -89,15 +91,8 @@ LOGITS_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(LOGITS_CONFIGS))
 def test_config_variant_logits_match_hf(tmp_path, name):
-    _assert_logits_match_hf(tmp_path, save_random_model(tmp_path, LOGITS_CONFIGS[name]()))
-
-
-def _assert_logits_match_hf(path, hf_model) -> None:
-    token_ids = PROMPTS[-1]
-    config, params = load_hf_dir(str(path), "float32")
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([token_ids])).logits[0].numpy()
-    np.testing.assert_allclose(dense_logits(config, params, token_ids), expected, atol=1e-4)
+    hf_model = save_random_model(tmp_path, LOGITS_CONFIGS[name]())
+    assert_logits_match_hf(tmp_path, hf_model, PROMPTS[-1])
 
 
 def _read(hf_json: dict) -> ModelConfig:
