@@ -114,6 +114,23 @@ _HF_CONFIG_CLASSES = {
         },
         image_token_id=kw["vocab_size"] - 1,
     ),
+    "Qwen3VLForConditionalGeneration": lambda **kw: transformers.Qwen3VLConfig(
+        text_config={
+            **kw,
+            "head_dim": kw["hidden_size"] // kw["num_attention_heads"],
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": kw["hidden_size"],
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],
+        },
+        image_token_id=kw["vocab_size"] - 1,
+    ),
     "Qwen2_5_VLForConditionalGeneration": lambda **kw: transformers.Qwen2_5_VLConfig(
         text_config={**kw, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
         vision_config={

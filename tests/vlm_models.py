@@ -160,9 +160,10 @@ QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 
 
 def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> None:
-    """A Qwen2-VL (version "2") or Qwen2.5-VL ("2.5", with windowed and full layers) of a
+    """A Qwen2-VL (version "2"), Qwen2.5-VL ("2.5", with windowed and full layers) or Qwen3-VL
+    ("3": 16 px patches, a 4 x 4 table of learned positions, DeepStack features of block 0) of a
     2-layer tower (14 px patches merged 2 x 2; images of at most 64 merged patches) and a
-    2-layer Qwen2 with M-RoPE, with a Qwen2VLProcessor."""
+    2-layer Qwen2 (Qwen3) with M-RoPE, with a Qwen2VLProcessor."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
     ids = dict(zip(QWEN_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_TOKENS)))
@@ -170,11 +171,12 @@ def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> Non
     rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}
     text = {**_TINY_TEXT, "vocab_size": len(tokenizer), "rope_parameters": rope}
     tower = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
+    patch = 14
     if version == "2":
         config_class = transformers.Qwen2VLConfig
         model_class = transformers.Qwen2VLForConditionalGeneration
         tower |= {"embed_dim": 32, "mlp_ratio": 2, "hidden_size": 64}
-    else:  # windows of 56 px (2 x 2 merged patches); layer 0 windowed, layer 1 full
+    elif version == "2.5":  # windows of 56 px (2 x 2 merged patches); layer 0 windowed
         config_class = transformers.Qwen2_5_VLConfig
         model_class = transformers.Qwen2_5_VLForConditionalGeneration
         tower |= {
@@ -183,6 +185,19 @@ def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> Non
             "out_hidden_size": 64,
             "window_size": 56,
             "fullatt_block_indexes": [1],
+        }
+    else:
+        config_class = transformers.Qwen3VLConfig
+        model_class = transformers.Qwen3VLForConditionalGeneration
+        text |= {"head_dim": 16}
+        patch = 16
+        tower |= {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "out_hidden_size": 64,
+            "patch_size": patch,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],
         }
     config = config_class(
         text_config=text,
@@ -200,7 +215,10 @@ def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> Non
     image_processor_class = getattr(
         transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor
     )
-    image_processor_class(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(path)
+    side = 2 * patch  # a merged patch's pixels
+    image_processor_class(
+        min_pixels=side * side * 4, max_pixels=side * side * 64, patch_size=patch
+    ).save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 

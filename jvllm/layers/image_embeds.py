@@ -9,9 +9,11 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ImageEmbeds:
-    """Row t of `embeds` f32[T, D] (the model dtype) is token t's input where `is_embed[t]`
-    (bool[T]); every other token reads its token embedding. A step of text has is_embed all
-    False, so a model that takes images runs one executable a bucket either way."""
+    """Row t of `embeds` f32[T, W] (the model dtype) is token t's input (its first D columns)
+    where `is_embed[t]` (bool[T]); every other token reads its token embedding. W is D, or
+    more where a family carries more of each image token (Qwen3-VL's DeepStack features). A
+    step of text has is_embed all False, so a model that takes images runs one executable a
+    bucket either way."""
 
     embeds: jax.Array
     is_embed: jax.Array
@@ -21,7 +23,8 @@ class ImageEmbeds:
 
     def merge(self, x: jax.Array) -> jax.Array:
         """x f32[T, D] (the token embeddings) with the image tokens' rows replaced."""
-        return jnp.where(self.is_embed[:, None], self.embeds.astype(x.dtype), x)
+        embeds = self.embeds[:, : x.shape[-1]].astype(x.dtype)
+        return jnp.where(self.is_embed[:, None], embeds, x)
 
     def without_images(self) -> "ImageEmbeds":
         """The same arrays with no token reading them, and each token's rotary positions one

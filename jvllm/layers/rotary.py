@@ -95,19 +95,29 @@ def rope_cos_sin(
 
 
 def mrope_cos_sin(
-    positions: jax.Array, config: ModelConfig, sections: Sequence[int]
+    positions: jax.Array, config: ModelConfig, sections: Sequence[int], interleaved: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """M-RoPE (Qwen2-VL): positions i32[3, T], each token's temporal, height and width
     positions -> (cos, sin), each f32[T, R] laid out as rope_cos_sin's. The R/2 pairs turn in
     `sections` (counts summing to R/2): the first sections[0] pairs by the temporal stream, the
     next sections[1] by the height one, the rest by the width one (HF's
-    apply_multimodal_rotary_pos_emb). Three equal streams give rope_cos_sin's tables."""
-    stream = np.repeat(np.arange(len(sections)), sections)  # [R/2]: each pair's stream
-    if len(stream) != config.rotary_dim // 2:
+    apply_multimodal_rotary_pos_emb); `interleaved` (Qwen3-VL): pair j turns by the height
+    stream where j % 3 == 1 and j < 3 * sections[1], by the width one where j % 3 == 2 and
+    j < 3 * sections[2], else by the temporal one. Three equal streams give rope_cos_sin's
+    tables."""
+    num_pairs = config.rotary_dim // 2
+    if sum(sections) != num_pairs:
         raise ValueError(
-            f"mrope_section {tuple(sections)} must sum to the {config.rotary_dim // 2} rotary "
+            f"mrope_section {tuple(sections)} must sum to the {num_pairs} rotary "
             "pairs of a head (head_dim / 2)"
         )
+    if interleaved:
+        pair = np.arange(num_pairs)
+        stream = np.zeros(num_pairs, np.int64)  # [R/2]: each pair's stream
+        for s in (1, 2):
+            stream[(pair % 3 == s) & (pair < 3 * sections[s])] = s
+    else:
+        stream = np.repeat(np.arange(len(sections)), sections)
     inv_freq = jnp.asarray(inverse_frequencies(config))  # [R/2]
     pair_positions = positions[jnp.asarray(stream)].T.astype(jnp.float32)  # [T, R/2]
     return _angles_cos_sin(pair_positions * inv_freq[None, :], config, local=False)

@@ -1,7 +1,7 @@
 """The rotary families' decoder layers in turn under the layer scan, each with its own sliding
 window and rotary (cos, sin): the global set, a local one, or none."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ def run_rotary_layers(
     rope_layers: Sequence[bool] | None = None,
     first_layer: int = 0,
     cos_sin: tuple[jax.Array, jax.Array] | None = None,
+    after_layer: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ):
     """x f32[T, D] through every layer of `layers` (stacked_layers) -> (x, kv_cache).
 
@@ -43,6 +44,9 @@ def run_rotary_layers(
 
     `cos_sin`: the global set as the caller computed it (M-RoPE's, rotary.py's mrope_cos_sin),
     in place of rope_cos_sin(positions).
+
+    `after_layer(x, layer)`: x f32[T, D] after layer `layer` (i32[], traced) -> the next
+    layer's input (Qwen3-VL's DeepStack adds image features after its first layers).
     """
     cos, sin = rope_cos_sin(positions, config) if cos_sin is None else cos_sin  # [T, R] each
     per_layer = {"window": layer_windows(config)}  # i32[L] or None
@@ -68,6 +72,7 @@ def run_rotary_layers(
         window = extra["window"]
         layer = layer + first_layer if first_layer else layer
         capture_layer_input(layer, x)  # a draft head's (EAGLE-3) read of the layer's input
-        return layer_module(x, layer, layer_cos, layer_sin, window, kv_cache, metadata, attn)
+        x, kv_cache = layer_module(x, layer, layer_cos, layer_sin, window, kv_cache, metadata, attn)
+        return (x, kv_cache) if after_layer is None else (after_layer(x, layer), kv_cache)
 
     return scan_layers(layers, body, (x, kv_cache), per_layer=per_layer)

@@ -17,6 +17,9 @@ their token embeddings before the first layer.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,64 +29,88 @@ from jvllm.layers.attention import AttentionFn
 from jvllm.layers.rotary import mrope_cos_sin
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.models.llama import LlamaForCausalLM
-from jvllm.models.qwen2_vl_vision import QwenVisionTower, vision_arrays, vision_settings
+from jvllm.models.qwen2_vl_vision import QwenVisionTower, vision_settings
 from jvllm.models.weights import CheckpointWeights
 
 _QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 _ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": _QWEN2_5_VL}
-# Qwen2VLTextConfig's defaults (its and Qwen2.5-VL's), where a config.json leaves a field out.
-_TEXT_DEFAULTS = {
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 32768,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-}
-_DEFAULT_ROPE_THETA = 1_000_000.0
-_DEFAULT_MROPE_SECTION = (16, 24, 24)
 _DEFAULT_IMAGE_TOKEN_ID = 151655
-# The most pixels the image processor resizes an image to: the released checkpoints'
-# preprocessor_config.json max_pixels (16384 merged patches of 28 x 28 pixels), unless the
-# config (e.g. through hf_overrides) gives "max_pixels".
-_DEFAULT_MAX_PIXELS = 12_845_056
 
 
-def _normalize(cfg: dict) -> dict:
-    """A Qwen2-VL / Qwen2.5-VL config.json, flat (transformers 4) or with text_config
-    (transformers 5), as its Qwen2 text model's, the vision tower and M-RoPE in options."""
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What a Qwen-VL generation's config.json means where it leaves a field out, and how its
+    text model and tower read."""
+
+    text_defaults: dict  # its text config class's defaults
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    text_model_type: str  # the text family Llama's normalize reads it as
+    keeps_head_dim: bool  # False: HF's attention takes hidden_size / heads
+    # The most pixels the image processor resizes an image to (the released checkpoints'
+    # preprocessor_config.json), unless the config (e.g. through hf_overrides) gives
+    # "max_pixels".
+    max_pixels: int
+    vision: Callable[[dict, str], object]  # (vision_config, architecture) -> its settings
+
+
+QWEN2_VL = Generation(
+    # Qwen2VLTextConfig's defaults (its and Qwen2.5-VL's).
+    text_defaults={
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 32768,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    rope_theta=1_000_000.0,
+    mrope_section=(16, 24, 24),
+    text_model_type="qwen2",
+    keeps_head_dim=False,
+    max_pixels=12_845_056,  # 16384 merged patches of 28 x 28 pixels
+    vision=lambda vc, architecture: vision_settings(vc, architecture == _QWEN2_5_VL),
+)
+
+
+def normalize_vl(cfg: dict, generation: Generation = QWEN2_VL) -> dict:
+    """A Qwen-VL config.json, flat (transformers 4) or with text_config (transformers 5), as
+    its text model's, the vision tower and M-RoPE in options."""
     architecture = (cfg.get("architectures") or [None])[0]
     architecture = architecture or _ARCHITECTURES[cfg.get("model_type")]
     outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
-    text = {**_TEXT_DEFAULTS, **outer, **(cfg.get("text_config") or {})}
+    text = {**generation.text_defaults, **outer, **(cfg.get("text_config") or {})}
     for name in ("eos_token_id", "bos_token_id"):  # the whole model's, as LLaVA's
         if cfg.get(name) is not None:
             text[name] = cfg[name]
     text["tie_word_embeddings"] = bool(
         cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get("tie_word_embeddings")
     )
-    text.pop("head_dim", None)  # HF's attention and rotary take hidden_size / heads
-    sections = _DEFAULT_MROPE_SECTION
+    if not generation.keeps_head_dim:
+        text.pop("head_dim", None)
+    sections = generation.mrope_section
     has_theta = "rope_theta" in text
     for key in ("rope_scaling", "rope_parameters"):
         rope = dict(text.get(key) or {})
         sections = tuple(rope.pop("mrope_section", sections))
+        rope.pop("mrope_interleaved", None)  # Qwen3-VL's, which HF's model always is
         if rope.get("rope_type", rope.get("type")) == "mrope":  # HF reads it as the default
             rope.pop("type", None)
             rope["rope_type"] = "default"
         has_theta = has_theta or "rope_theta" in rope
         text[key] = rope or None
     if not has_theta:
-        text["rope_theta"] = _DEFAULT_ROPE_THETA
-    head_dim = text["hidden_size"] // text["num_attention_heads"]
+        text["rope_theta"] = generation.rope_theta
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     if any(not isinstance(s, int) or s < 0 for s in sections) or 2 * sum(sections) != head_dim:
         raise ValueError(
             f"rope_scaling.mrope_section={list(sections)} must be three counts of rotary pairs "
             f"summing to head_dim / 2 = {head_dim // 2}"
         )
-    text["model_type"], text["architectures"] = "qwen2", ["Qwen2ForCausalLM"]
+    text["model_type"] = generation.text_model_type
+    text["architectures"] = [f"{generation.text_model_type.capitalize()}ForCausalLM"]
     text = LlamaForCausalLM.normalize_hf_config(text)
     text["architectures"] = [architecture]
-    vision = vision_settings(cfg.get("vision_config") or {}, architecture == _QWEN2_5_VL)
+    vision = generation.vision(cfg.get("vision_config") or {}, architecture)
     if vision.out_size != text["hidden_size"]:
         raise ValueError(
             f"the vision tower's output width {vision.out_size} must equal the text model's "
@@ -92,7 +119,7 @@ def _normalize(cfg: dict) -> dict:
     image_token_id = cfg.get("image_token_id", _DEFAULT_IMAGE_TOKEN_ID)
     if isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
         raise TypeError(f"image_token_id must be an int, got {image_token_id!r}")
-    max_pixels = cfg.get("max_pixels", _DEFAULT_MAX_PIXELS)
+    max_pixels = cfg.get("max_pixels", generation.max_pixels)
     if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels <= 0:
         raise ValueError(f"max_pixels must be a positive int, got {max_pixels!r}")
     text["options"] = {
@@ -110,7 +137,7 @@ def image_arrays(config: ModelConfig, grid_thw: np.ndarray) -> dict[str, np.ndar
     in patches, the processor's image_grid_thw row), each per patch: vision_positions i32[P, 2],
     attention_segments i32[P], and for Qwen2.5-VL window_segments i32[P] (see
     qwen2_vl_vision.vision_arrays)."""
-    return vision_arrays(config.option("vision"), grid_thw)
+    return config.option("vision").arrays(grid_thw)
 
 
 def image_num_embeds_for(config: ModelConfig, grid_thw) -> int:
@@ -193,7 +220,9 @@ def image_tokens(config: ModelConfig, grid: tuple, tokenizer=None) -> list[int]:
 
 
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
-    normalize_hf_config = staticmethod(_normalize)
+    normalize_hf_config = staticmethod(normalize_vl)
+    mrope_interleaved = False  # Qwen3-VL's pairs alternate streams (rotary.mrope_cos_sin)
+    tower = QwenVisionTower
     image_inputs = staticmethod(image_inputs)
     image_tokens = staticmethod(image_tokens)
     image_arrays = staticmethod(image_arrays)
@@ -202,7 +231,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.visual = QwenVisionTower(config.option("vision"), jnp.dtype(config.dtype))
+        self.visual = self.tower(config.option("vision"), jnp.dtype(config.dtype))
 
     def __call__(self, kv_cache, token_ids, positions, metadata, attn: AttentionFn, mm=None):
         """token_ids i32[T], positions i32[T], mm: the step's image embeddings and M-RoPE
@@ -216,23 +245,30 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         if rope_positions is None:  # three equal streams: plain rotary
             return self.decode(kv_cache, x, positions, metadata, attn)
         config = self.config
-        cos_sin = mrope_cos_sin(rope_positions, config, config.option("mrope_section"))
+        sections = config.option("mrope_section")
+        cos_sin = mrope_cos_sin(rope_positions, config, sections, self.mrope_interleaved)
         x, kv_cache = run_rotary_layers(
-            self.layers, x, kv_cache, positions, config, metadata, attn, cos_sin=cos_sin
+            self.layers,
+            x,
+            kv_cache,
+            positions,
+            config,
+            metadata,
+            attn,
+            cos_sin=cos_sin,
+            after_layer=self.after_layer(mm),
         )
         return self.final_norm(x), kv_cache
 
-    def encode_images(
-        self,
-        pixel_values: jax.Array,
-        vision_positions: jax.Array,
-        attention_segments: jax.Array,
-        window_segments: jax.Array | None = None,
-    ) -> jax.Array:
+    def after_layer(self, mm):
+        """What runs after each layer in a step with images (run_rotary_layers): nothing;
+        Qwen3-VL's DeepStack."""
+
+    def encode_images(self, pixel_values: jax.Array, **arrays: jax.Array) -> jax.Array:
         """A batch of images of P patches each: pixel_values f32[N, P, K] (the processor's
         rows of each image) and image_arrays' arrays stacked on N -> each image's embeddings
-        f32[N, P / merge^2, D]."""
-        return self.visual(pixel_values, vision_positions, attention_segments, window_segments)
+        f32[N, P / merge^2, D] (Qwen3-VL's wider: its DeepStack features too)."""
+        return self.visual(pixel_values, **arrays)
 
     @staticmethod
     def image_num_embeds(config: ModelConfig) -> int:
@@ -251,7 +287,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             text, vision = "model.language_model.", "model.visual."
         else:
             text, vision = "model.", "visual."
-        QwenVisionTower.load_weights(weights, config.option("vision"), "visual", vision)
+        cls.tower.load_weights(weights, config.option("vision"), "visual", vision)
         weights.set_layers(0, config.num_layers)
         super().load_weights(config, weights, prefix=text, lm_head="lm_head.weight")
 

@@ -82,6 +82,10 @@ class QwenVisionSettings:
     def has_windows(self) -> bool:
         return self.is_qwen2_5 and len(self.full_attention_layers) < self.num_layers
 
+    def arrays(self, grid_thw) -> dict[str, np.ndarray]:
+        """What the tower takes beside pixel_values of one image of grid_thw (vision_arrays)."""
+        return vision_arrays(self, grid_thw)
+
 
 def vision_settings(vision_config: dict, is_qwen2_5: bool) -> QwenVisionSettings:
     """The tower of a Qwen2-VL (or, with `is_qwen2_5`, a Qwen2.5-VL) vision_config, with HF's

@@ -30,7 +30,8 @@ MAX_IMAGES_PER_CALL = 8
 
 class EncoderRunner:
     def __init__(self, config: ModelConfig):
-        self.hidden_size = config.hidden_size
+        # An image token's row: the model's width, or a family's wider one (ImageEmbeds).
+        self.embed_width = config.option("image_embed_width", config.hidden_size)
         self.dtype = np.dtype(jax.numpy.dtype(config.dtype))
         self._encode = jax.jit(functools.partial(encode_images, config=config))
         # M-RoPE (Qwen2-VL): every step carries each token's three rotary positions.
@@ -110,7 +111,7 @@ class EncoderRunner:
             start = request.num_computed_tokens
             for i in overlapping(request.mm_features, start, start + n):
                 if embeds is None:
-                    embeds = np.zeros((num_tokens, self.hidden_size), self.dtype)
+                    embeds = np.zeros((num_tokens, self.embed_width), self.dtype)
                     is_embed = np.zeros(num_tokens, bool)
                 feature = request.mm_features[i]
                 rows, tokens = _image_rows(feature, start, start + n)
@@ -118,7 +119,7 @@ class EncoderRunner:
                 is_embed[t + tokens] = True
             t += n
         if embeds is None:
-            embeds, is_embed = _no_images(num_tokens, self.hidden_size, self.dtype)
+            embeds, is_embed = _no_images(num_tokens, self.embed_width, self.dtype)
         if not self.has_rope_positions:
             return ImageEmbeds(embeds, is_embed)
         return ImageEmbeds(embeds, is_embed, _rope_positions(requests, counts, positions))
@@ -167,9 +168,9 @@ def _rope_positions(requests: list[Request], counts: list[int], positions: np.nd
 
 
 @functools.cache
-def _no_images(num_tokens: int, hidden_size: int, dtype: np.dtype) -> tuple:
+def _no_images(num_tokens: int, width: int, dtype: np.dtype) -> tuple:
     """A step of text's embeddings and mask: one read-only pair of arrays a bucket."""
-    embeds = np.zeros((num_tokens, hidden_size), dtype)
+    embeds = np.zeros((num_tokens, width), dtype)
     is_embed = np.zeros(num_tokens, bool)
     embeds.flags.writeable = is_embed.flags.writeable = False
     return embeds, is_embed

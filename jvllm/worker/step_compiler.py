@@ -34,7 +34,7 @@ class StepLayout:
     has_adapters: bool  # the inputs carry each sequence's LoRA slot
     num_speculative_tokens: int = 0  # > 0: every "step" also scores the drafts' positions
     num_kv_groups: int = 1  # > 1: the steps carry every hybrid KV group's tables
-    # A model that takes images: its steps carry ImageEmbeds of (D, dtype, whether with
+    # A model that takes images: its steps carry ImageEmbeds of (its width, dtype, whether with
     # M-RoPE positions); None: none.
     image_embeds: tuple[int, str, bool] | None = None
     has_image_groups: bool = False  # the attention metadata carries image_groups (Gemma 3)
@@ -160,10 +160,10 @@ class StepCompiler:
             )
         if layout.image_embeds is None:
             return inputs
-        hidden_size, dtype, has_rope_positions = layout.image_embeds
+        width, dtype, has_rope_positions = layout.image_embeds
         t = bucket.num_tokens
         rope = np.zeros((3, t), np.int32) if has_rope_positions else None
-        mm = ImageEmbeds(np.zeros((t, hidden_size), jnp.dtype(dtype)), np.zeros(t, bool), rope)
+        mm = ImageEmbeds(np.zeros((t, width), jnp.dtype(dtype)), np.zeros(t, bool), rope)
         return dataclasses.replace(inputs, mm=mm)
 
     def executable(

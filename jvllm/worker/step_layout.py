@@ -54,7 +54,7 @@ def step_layout(
         # Hybrid KV groups: each step carries every group's tables.
         num_kv_groups=kv_groups.num_groups if kv_groups else 1,
         image_embeds=(
-            (config.hidden_size, config.dtype, encoder.has_rope_positions) if encoder else None
+            (encoder.embed_width, config.dtype, encoder.has_rope_positions) if encoder else None
         ),
         # Gemma 3: image tokens attend to their whole image (attention/image_ahead.py).
         has_image_groups=bool(config.option("bidirectional_images")),
