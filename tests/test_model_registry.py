@@ -38,6 +38,16 @@ _TINY_TILE_TOWER = {
     "image_size": 56,
     "patch_size": 14,
 }
+# Qwen3-VL's tower, its output the text model's width (`kw`: TINY's fields).
+_TINY_QWEN3_TOWER = lambda kw: {
+    "depth": 2,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": kw["hidden_size"],
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
 # The HF config class of the architectures whose config.json does not use Llama's field names or
 # implies settings: TINY's Llama names become the class's own through its attribute map.
 _HF_CONFIG_CLASSES = {
@@ -120,15 +130,18 @@ _HF_CONFIG_CLASSES = {
             "head_dim": kw["hidden_size"] // kw["num_attention_heads"],
             "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
         },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": kw["hidden_size"],
-            "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [0],
+        vision_config=_TINY_QWEN3_TOWER(kw),
+        image_token_id=kw["vocab_size"] - 1,
+    ),
+    "Qwen3VLMoeForConditionalGeneration": lambda **kw: transformers.Qwen3VLMoeConfig(
+        text_config={
+            **kw,
+            "head_dim": kw["hidden_size"] // kw["num_attention_heads"],
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
         },
+        vision_config=_TINY_QWEN3_TOWER(kw),
         image_token_id=kw["vocab_size"] - 1,
     ),
     "Qwen2_5_VLForConditionalGeneration": lambda **kw: transformers.Qwen2_5_VLConfig(

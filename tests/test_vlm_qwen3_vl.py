@@ -4,6 +4,7 @@ and its released config reads as the checkpoint means it. The engine's greedy pa
 tests/test_vlm_qwen2_vl_engine.py."""
 
 import functools
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
+from safetensors.numpy import load_file, save_file
 
 from jvllm.layers.rotary import mrope_cos_sin
 from jvllm.model_loader.hf_config import model_config_from_hf
@@ -104,6 +106,34 @@ def test_interleaved_mrope_tables_equal_hf(qwen3_vl):
     np.testing.assert_allclose(np.asarray(ours[1]), sin[0].numpy(), atol=1e-6)
     blocks = mrope_cos_sin(jnp.asarray(positions[:, 0]), config, (2, 3, 3))  # Qwen2-VL's
     assert not np.allclose(np.asarray(blocks[0]), cos[0].numpy(), atol=1e-3)
+
+
+def test_qwen3_vl_moe_loads_its_fused_experts_as_released_and_as_transformers_5_saves_them(
+    tmp_path,
+):
+    """The released checkpoints keep gate_up_proj [E, D, 2F] and down_proj [E, F, D];
+    transformers 5 saves them transposed: both load as the same params."""
+    text = {**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=VISION)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float().eval()
+    _randomize(model)
+    saved, released = tmp_path / "saved", tmp_path / "released"
+    model.save_pretrained(saved)
+    tensors = load_file(str(saved / "model.safetensors"))
+    assert tensors["model.language_model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 24)
+    transposed = {
+        k: np.ascontiguousarray(v.transpose(0, 2, 1)) if ".experts." in k else v
+        for k, v in tensors.items()
+    }
+    released.mkdir()
+    save_file(transposed, str(released / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(saved / "config.json", released / "config.json")
+    ours = [
+        load_model(str(p), dtype="float32", skip_tokenizer_init=True) for p in (saved, released)
+    ]
+    assert ours[0][0] == ours[1][0] and ours[0][0].norm_topk_prob
+    for a, b in zip(jax.tree.leaves(ours[0][1]), jax.tree.leaves(ours[1][1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # Qwen3-VL-2B-Instruct's config.json, fields trimmed.

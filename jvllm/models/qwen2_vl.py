@@ -45,7 +45,9 @@ class Generation:
     text_defaults: dict  # its text config class's defaults
     rope_theta: float
     mrope_section: tuple[int, int, int]
-    text_model_type: str  # the text family Llama's normalize reads it as
+    text_model_type: str  # the text family's model_type
+    text_architecture: str  # the text family's architecture
+    text_normalize: Callable[[dict], dict]  # its config reading
     keeps_head_dim: bool  # False: HF's attention takes hidden_size / heads
     # The most pixels the image processor resizes an image to (the released checkpoints'
     # preprocessor_config.json), unless the config (e.g. through hf_overrides) gives
@@ -66,6 +68,8 @@ QWEN2_VL = Generation(
     rope_theta=1_000_000.0,
     mrope_section=(16, 24, 24),
     text_model_type="qwen2",
+    text_architecture="Qwen2ForCausalLM",
+    text_normalize=LlamaForCausalLM.normalize_hf_config,
     keeps_head_dim=False,
     max_pixels=12_845_056,  # 16384 merged patches of 28 x 28 pixels
     vision=lambda vc, architecture: vision_settings(vc, architecture == _QWEN2_5_VL),
@@ -107,8 +111,8 @@ def normalize_vl(cfg: dict, generation: Generation = QWEN2_VL) -> dict:
             f"summing to head_dim / 2 = {head_dim // 2}"
         )
     text["model_type"] = generation.text_model_type
-    text["architectures"] = [f"{generation.text_model_type.capitalize()}ForCausalLM"]
-    text = LlamaForCausalLM.normalize_hf_config(text)
+    text["architectures"] = [generation.text_architecture]
+    text = generation.text_normalize(text)
     text["architectures"] = [architecture]
     vision = generation.vision(cfg.get("vision_config") or {}, architecture)
     if vision.out_size != text["hidden_size"]:
