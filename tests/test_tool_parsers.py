@@ -74,6 +74,7 @@ def test_get_tool_parser_names_the_allowed_parsers():
     assert get_tool_parser("hermes") is Hermes2ProToolParser
     assert get_tool_parser("llama3_json") is Llama3JsonToolParser
     assert set(TOOL_PARSERS) == {
+        "glm45",
         "granite",
         "hermes",
         "llama3_json",
@@ -82,7 +83,7 @@ def test_get_tool_parser_names_the_allowed_parsers():
         "pythonic",
         "qwen3_coder",
     }
-    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral, openai, pythonic"):
+    with pytest.raises(ValueError, match="glm45, granite, hermes, llama3_json, mistral, openai"):
         get_tool_parser("nope")
 
 

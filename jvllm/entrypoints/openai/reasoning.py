@@ -52,9 +52,18 @@ class HarmonyReasoningParser(ReasoningParser):
         return HarmonySplitter(prompt_opened, constrained)
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecialTagsReasoningParser(ReasoningParser):
+    """`<think>` tags that may be special tokens of the model's tokenizer (GLM-4.5's), kept in
+    the reply's text for the split, as vLLM's "glm45" parser reads them."""
+
+    reads_special_tokens: ClassVar[bool] = True
+
+
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser(thinks_by_default=True),
     "qwen3": ReasoningParser(),
+    "glm45": SpecialTagsReasoningParser(),  # GLM-4.5 / 4.6: Qwen3's tags and rules
     "openai_gptoss": HarmonyReasoningParser(),
 }
 

@@ -1,6 +1,7 @@
 """Tool call parsers for the chat API, by vLLM's `--tool-call-parser` names."""
 
 from jvllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolParser
+from jvllm.entrypoints.openai.tool_parsers.glm45 import Glm45ToolParser
 from jvllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
 from jvllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from jvllm.entrypoints.openai.tool_parsers.hermes import Hermes2ProToolParser
@@ -17,6 +18,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "granite": GraniteToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "openai": OpenAIToolParser,
+    "glm45": Glm45ToolParser,
 }
 
 
@@ -31,6 +33,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 __all__ = [
     "TOOL_PARSERS",
     "ExtractedToolCalls",
+    "Glm45ToolParser",
     "GraniteToolParser",
     "Hermes2ProToolParser",
     "Llama3JsonToolParser",

@@ -146,6 +146,23 @@ class ToolParser:
         """Moves past text[pos:end], markup of a call already sent."""
         self._pos = self._held_from = end
 
+    def _expect(
+        self, pos: int, markers: tuple[str, ...], is_final: bool, may_end: bool = False
+    ) -> str | None:
+        """The marker among `markers` at text[pos]; None while the text may still become one
+        (or, with `may_end`, the output may end there: the marker is the empty string then).
+        Raises ValueError where none can follow."""
+        text = self._text
+        for marker in markers:
+            if text.startswith(marker, pos):
+                return marker
+        if is_final:
+            if may_end and pos == len(text):
+                return ""
+        elif any(marker.startswith(text[pos:]) for marker in markers):
+            return None
+        raise ValueError(f"a tool call block needs one of {markers} at {pos}")
+
     def _start_call(self, start: int) -> None:
         """A call object opens at text[start]."""
         self._pos = start

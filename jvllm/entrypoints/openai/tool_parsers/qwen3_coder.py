@@ -76,18 +76,12 @@ class Qwen3CoderToolParser(ToolParser):
                 self._send_call(self._name, "", None)
                 self._state = _State.PARAMETERS
             elif self._state is _State.PARAMETERS:
-                if pos == len(text) and is_final:  # the model stopped after a parameter
-                    self._send_call(self._name, (self._arguments or "{") + "}", len(text))
-                    return
-                marker = self._expect(pos, (PARAMETER_START, FUNCTION_END), is_final)
-                if marker is None:
+                marker = self._between_arguments(pos, is_final, PARAMETER_START, FUNCTION_END)
+                if not marker:
                     return
                 if marker == FUNCTION_END:
-                    end = pos + len(FUNCTION_END)
-                    self._send_call(self._name, (self._arguments or "{") + "}", end)
                     self._state = _State.CLOSE
                 else:
-                    self._hold(pos + len(PARAMETER_START))
                     self._state = _State.VALUE
                     self._value_start = self._search_from = self._pos
             elif self._state is _State.VALUE:
@@ -102,22 +96,20 @@ class Qwen3CoderToolParser(ToolParser):
                 self._drop(pos + len(marker) if marker == TOOL_CALL_END else pos)
                 self._state = _State.CONTENT
 
-    def _expect(
-        self, pos: int, markers: tuple[str, ...], is_final: bool, may_end: bool = False
-    ) -> str | None:
-        """The marker among `markers` at text[pos]; None while the text may still become one
-        (or, with `may_end`, the output may end there: the marker is the empty string then).
-        Raises ValueError where none can follow."""
-        text = self._text
-        for marker in markers:
-            if text.startswith(marker, pos):
-                return marker
-        if is_final:
-            if may_end and pos == len(text):
-                return ""
-        elif any(marker.startswith(text[pos:]) for marker in markers):
-            return None
-        raise ValueError(f"a tool call block needs one of {markers} at {pos}")
+    def _between_arguments(self, pos: int, is_final: bool, start: str, end: str) -> str | None:
+        """At text[pos], a call's next argument or its end: `start` (moved past), `end` (the
+        call sent whole, moved past), "" where the output ended after an argument (the call
+        sent whole), None while the text does not tell yet."""
+        closed = (self._arguments or "{") + "}"
+        if pos == len(self._text) and is_final:  # the model stopped after an argument
+            self._send_call(self._name, closed, len(self._text))
+            return ""
+        marker = self._expect(pos, (start, end), is_final)
+        if marker == end:
+            self._send_call(self._name, closed, pos + len(end))
+        elif marker == start:
+            self._hold(pos + len(start))
+        return marker
 
     def _read_parameter(self, is_final: bool) -> bool:
         """Reads `P>VALUE` up to the value's end and sends the parameter; True once sent."""
@@ -134,19 +126,19 @@ class Qwen3CoderToolParser(ToolParser):
         if not separator:
             raise ValueError(f"{PARAMETER_START} without its `>`")
         value = value.removeprefix("\n").removesuffix("\n")
-        typed = _typed_value(value, _parameter_schemas(self.tools.get(self._name)).get(header))
-        piece = f"{_dumps(header)}: {_dumps(typed)}"
+        typed = _typed_value(value, parameter_schemas(self.tools.get(self._name)).get(header))
+        piece = f"{dumps_json(header)}: {dumps_json(typed)}"
         self._arguments += ("{" if not self._arguments else ", ") + piece
         self._send_call(self._name, self._arguments, None)
         self._hold(index + len(end) if end == PARAMETER_END else index)
         return True
 
 
-def _dumps(value) -> str:
+def dumps_json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _parameter_schemas(parameters: dict | None) -> dict:
+def parameter_schemas(parameters: dict | None) -> dict:
     """Parameter name -> schema: the "properties", or as vLLM does, the parameters schema
     itself when it has none."""
     if not isinstance(parameters, dict):
@@ -186,10 +178,10 @@ def _typed_value(value: str, schema):
             return json.loads(value)
         except ValueError:
             pass
-    return _python_literal(value)
+    return python_literal(value)
 
 
-def _python_literal(value: str):
+def python_literal(value: str):
     """The value of a Python literal's text when JSON can hold it, else the text."""
     try:
         literal = ast.literal_eval(value)
