@@ -49,10 +49,15 @@ class LlamaDecoderLayer(nnx.Module):
 
     moe = SparseMoE  # the experts' block; a family with another router (GLM-4.5) sets its own
 
+    @staticmethod
+    def attention(config: ModelConfig) -> Attention:
+        """The block's attention; a family with other q/k norms (MiniMax-M2) sets its own."""
+        return Attention(config, output_bias=config.option("o_proj_bias", False))
+
     def __init__(self, config: ModelConfig, is_moe: bool | None = None):
         """is_moe: whether the MLP is the experts' (None: where the config has experts)."""
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, output_bias=config.option("o_proj_bias", False))
+        self.attn = self.attention(config)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.num_experts if is_moe is None else is_moe:
             self.mlp = self.moe(config)
