@@ -78,12 +78,13 @@ def test_get_tool_parser_names_the_allowed_parsers():
         "granite",
         "hermes",
         "llama3_json",
+        "minimax_m2",
         "mistral",
         "openai",
         "pythonic",
         "qwen3_coder",
     }
-    with pytest.raises(ValueError, match="glm45, granite, hermes, llama3_json, mistral, openai"):
+    with pytest.raises(ValueError, match="glm45, granite, hermes, llama3_json, minimax_m2, mistral"):
         get_tool_parser("nope")
 
 

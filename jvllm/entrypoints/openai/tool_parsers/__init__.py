@@ -6,6 +6,7 @@ from jvllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
 from jvllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from jvllm.entrypoints.openai.tool_parsers.hermes import Hermes2ProToolParser
 from jvllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from jvllm.entrypoints.openai.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from jvllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from jvllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from jvllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -19,6 +20,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderToolParser,
     "openai": OpenAIToolParser,
     "glm45": Glm45ToolParser,
+    "minimax_m2": MiniMaxM2ToolParser,
 }
 
 
@@ -37,6 +39,7 @@ __all__ = [
     "GraniteToolParser",
     "Hermes2ProToolParser",
     "Llama3JsonToolParser",
+    "MiniMaxM2ToolParser",
     "MistralToolParser",
     "OpenAIToolParser",
     "PythonicToolParser",

@@ -15,8 +15,6 @@ from jvllm.entrypoints.openai.tool_parsers.partial_json import skip_whitespace
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
-# A value ends at its </parameter>, or where the next parameter or the function's end begins.
-_VALUE_ENDS = (PARAMETER_END, PARAMETER_START, FUNCTION_END)
 # Schema "type" spellings, as vLLM reads them.
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 _INTEGER_PREFIXES = ("int", "uint", "long", "short", "unsigned")
@@ -42,6 +40,15 @@ class Qwen3CoderToolParser(ToolParser):
     parameter, and its </tool_call> before the next block; a value cut off by the end of the output is malformed. A repeated parameter is
     kept twice, as the JSON formats keep a repeated key, since the first one has gone out."""
 
+    # The format's markup (MiniMax-M2's parser sets its own): a name ends at `name_end`, a
+    # parameter's name at `parameter_name_end`; `calls_share_blocks`: a block may hold
+    # several functions.
+    tool_call_start, tool_call_end = TOOL_CALL_START, TOOL_CALL_END
+    function_start, function_end = FUNCTION_START, FUNCTION_END
+    parameter_start, parameter_end = PARAMETER_START, PARAMETER_END
+    name_end = parameter_name_end = ">"
+    calls_share_blocks = False
+
     def __init__(self, tokenizer=None, tools: dict[str, dict] | None = None):
         super().__init__(tokenizer, tools)
         self._state = _State.CONTENT
@@ -55,31 +62,32 @@ class Qwen3CoderToolParser(ToolParser):
         while True:
             pos = skip_whitespace(text, self._pos)
             if self._state is _State.CONTENT:
-                if not self._content_until(TOOL_CALL_START, is_final):
+                if not self._content_until(self.tool_call_start, is_final):
                     return
                 self._state = _State.OPEN
             elif self._state is _State.OPEN:
-                if not self._expect(pos, (FUNCTION_START,), is_final):
+                if not self._expect(pos, (self.function_start,), is_final):
                     return
-                self._hold(pos + len(FUNCTION_START))
+                self._hold(pos + len(self.function_start))
                 self._state = _State.NAME
             elif self._state is _State.NAME:
-                end = text.find(">", self._pos)
+                end = text.find(self.name_end, self._pos)
                 if end < 0:
                     if is_final:
                         raise ValueError("the output ends in a function's name")
                     return
                 self._name, self._arguments = text[self._pos : end], ""
                 if not self._name:
-                    raise ValueError(f"{FUNCTION_START}> names no function")
-                self._hold(end + 1)
+                    raise ValueError(f"{self.function_start}{self.name_end} names no function")
+                self._hold(end + len(self.name_end))
                 self._send_call(self._name, "", None)
                 self._state = _State.PARAMETERS
             elif self._state is _State.PARAMETERS:
-                marker = self._between_arguments(pos, is_final, PARAMETER_START, FUNCTION_END)
+                start, end = self.parameter_start, self.function_end
+                marker = self._between_arguments(pos, is_final, start, end)
                 if not marker:
                     return
-                if marker == FUNCTION_END:
+                if marker == self.function_end:
                     self._state = _State.CLOSE
                 else:
                     self._state = _State.VALUE
@@ -89,11 +97,19 @@ class Qwen3CoderToolParser(ToolParser):
                     return
                 self._state = _State.PARAMETERS
             else:
-                ends = (TOOL_CALL_END, TOOL_CALL_START)  # the next block, if this lacks its end
+                # The block's end, the next block if this lacks its end, or the block's next
+                # function where blocks hold several.
+                ends = (self.tool_call_end, self.tool_call_start)
+                ends += (self.function_start,) if self.calls_share_blocks else ()
                 marker = self._expect(pos, ends, is_final, may_end=True)
                 if marker is None:
                     return
-                self._drop(pos + len(marker) if marker == TOOL_CALL_END else pos)
+                if marker == self.function_start:
+                    self._drop(pos)
+                    self._hold(pos + len(marker))
+                    self._state = _State.NAME
+                    continue
+                self._drop(pos + len(marker) if marker == self.tool_call_end else pos)
                 self._state = _State.CONTENT
 
     def _between_arguments(self, pos: int, is_final: bool, start: str, end: str) -> str | None:
@@ -114,23 +130,28 @@ class Qwen3CoderToolParser(ToolParser):
     def _read_parameter(self, is_final: bool) -> bool:
         """Reads `P>VALUE` up to the value's end and sends the parameter; True once sent."""
         text = self._text
-        ends = [(text.find(end, self._search_from), end) for end in _VALUE_ENDS]
+        # A value ends at its parameter's end, or where the next parameter or the function's
+        # end begins.
+        value_ends = (self.parameter_end, self.parameter_start, self.function_end)
+        ends = [(text.find(end, self._search_from), end) for end in value_ends]
         found = [(index, end) for index, end in ends if index >= 0]
         if not found:
             if is_final:
                 raise ValueError("the output ends inside a parameter's value")
-            self._search_from = max(self._value_start, len(text) - len(PARAMETER_END) + 1)
+            self._search_from = max(self._value_start, len(text) - len(self.parameter_end) + 1)
             return False
         index, end = min(found)
-        header, separator, value = text[self._value_start : index].partition(">")
+        header, separator, value = text[self._value_start : index].partition(
+            self.parameter_name_end
+        )
         if not separator:
-            raise ValueError(f"{PARAMETER_START} without its `>`")
+            raise ValueError(f"{self.parameter_start} without its `{self.parameter_name_end}`")
         value = value.removeprefix("\n").removesuffix("\n")
         typed = _typed_value(value, parameter_schemas(self.tools.get(self._name)).get(header))
         piece = f"{dumps_json(header)}: {dumps_json(typed)}"
         self._arguments += ("{" if not self._arguments else ", ") + piece
         self._send_call(self._name, self._arguments, None)
-        self._hold(index + len(end) if end == PARAMETER_END else index)
+        self._hold(index + len(end) if end == self.parameter_end else index)
         return True
 
 

@@ -1,18 +1,29 @@
-"""The glm45 tool call parser (GLM-4.5 / 4.6's `<arg_key>` / `<arg_value>` blocks) and the
-glm45 reasoning parser: whole responses, streams that reassemble into the same result
-(tool_parsers/base.py's contract), and values typed as vLLM types them."""
+"""The glm45 tool call parser (GLM-4.5 / 4.6's `<arg_key>` / `<arg_value>` blocks) with the
+glm45 reasoning parser, and the minimax_m2 one (`<invoke>` blocks of several calls): whole
+responses, streams that reassemble into the same result (tool_parsers/base.py's contract), and
+values typed as vLLM types them."""
 
 import functools
 import json
-import random
 
 import pytest
-from test_tool_parsers_more import WEATHER_SCHEMA, _assert_all_content, _stream, _whole
+from test_tool_parsers_more import WEATHER_SCHEMA, _assert_all_content, _whole
+from test_tool_parsers_more import (
+    test_stream_cut_anywhere_reassembles_into_the_whole_response as stream_cut_anywhere,
+)
+from test_tool_parsers_more import (
+    test_stream_in_random_chunks_reassembles_into_the_whole_response as stream_in_random_chunks,
+)
 
 from jvllm.entrypoints.openai.reasoning import get_reasoning_parser
-from jvllm.entrypoints.openai.tool_parsers import Glm45ToolParser, get_tool_parser
+from jvllm.entrypoints.openai.tool_parsers import (
+    Glm45ToolParser,
+    MiniMaxM2ToolParser,
+    get_tool_parser,
+)
 
 Glm45 = functools.partial(Glm45ToolParser, tools={"get_weather": WEATHER_SCHEMA})
+MiniMaxM2 = functools.partial(MiniMaxM2ToolParser, tools={"get_weather": WEATHER_SCHEMA})
 
 
 def _block(name: str, arguments: dict[str, str], newlines: bool = True) -> str:
@@ -32,8 +43,9 @@ TWO_CALLS = (
 )
 
 
-def test_glm45_is_registered_with_its_reasoning_parser():
+def test_the_parsers_are_registered_by_vllm_names():
     assert get_tool_parser("glm45") is Glm45ToolParser
+    assert get_tool_parser("minimax_m2") is MiniMaxM2ToolParser
     parser = get_reasoning_parser("glm45")
     assert (parser.start, parser.end, parser.reads_special_tokens) == ("<think>", "</think>", True)
 
@@ -86,27 +98,66 @@ def test_output_without_well_formed_calls_is_all_content(text):
     _assert_all_content(Glm45, text)
 
 
+# ---- minimax_m2
+
+
+M2_TWO_CALLS = (
+    "I will check both.\n<minimax:tool_call>\n"
+    '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    '<parameter name="days">2</parameter>\n</invoke>\n'
+    '<invoke name="lookup">\n<parameter name="tags">["a", "b"]</parameter>\n</invoke>\n'
+    "</minimax:tool_call>"
+)
+
+
+def test_minimax_m2_blocks_hold_several_calls_typed_by_their_schemas():
+    content, calls = _whole(MiniMaxM2, M2_TWO_CALLS)
+    assert content == "I will check both.\n"
+    assert [name for name, _ in calls] == ["get_weather", "lookup"]
+    assert json.loads(calls[0][1]) == {"city": "Paris", "days": 2}
+    assert json.loads(calls[1][1]) == {"tags": '["a", "b"]'}  # undeclared: text, as vLLM's
+    second = M2_TWO_CALLS + ' ok <minimax:tool_call><invoke name="ping"></invoke>'
+    assert _whole(MiniMaxM2, second)[1][2] == ("ping", "{}")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<minimax:tool_call>\n<invoke name="">\n</invoke>\n</minimax:tool_call>',  # no name
+        '<minimax:tool_call><invoke name="f"><parameter name="a">1',  # cut in a value
+        "<minimax:tool_call>\n<function=f></function></minimax:tool_call>",  # Qwen's markup
+    ],
+)
+def test_minimax_m2_output_without_well_formed_calls_is_all_content(text):
+    _assert_all_content(MiniMaxM2, text)
+
+
+# ---- streaming, both formats
+
+
 SHORT_TEXTS = [
-    "A<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>B",
-    "<tool_call>f<arg_key>a</arg_key><arg_value><x></arg_value></tool_call>",
-    "text < tool <tool_call and <arg",
+    (
+        Glm45,
+        "A<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>B",
+    ),
+    (Glm45, "<tool_call>f<arg_key>a</arg_key><arg_value><x></arg_value></tool_call>"),
+    (Glm45, "text < tool <tool_call and <arg"),
+    (MiniMaxM2, '<minimax:tool_call><invoke name="f"><parameter name="a">1</parameter></invoke>'),
+    (
+        MiniMaxM2,
+        'x<minimax:tool_call><invoke name="f"></invoke><invoke name="g"></invoke></minimax:tool_call>y',
+    ),
 ]
 
 
-@pytest.mark.parametrize("text", SHORT_TEXTS)
-def test_stream_cut_anywhere_reassembles_into_the_whole_response(text):
-    whole = _whole(Glm45, text)
-    for cut in range(1, len(text)):
-        assert _stream(Glm45, text, [cut]) == whole, f"cut at {cut}"
-    assert _stream(Glm45, text, list(range(1, len(text)))) == whole
+@pytest.mark.parametrize(("parser", "text"), SHORT_TEXTS)
+def test_stream_cut_anywhere_reassembles_into_the_whole_response(parser, text):
+    stream_cut_anywhere(parser, text)
 
 
-def test_stream_in_random_chunks_reassembles_into_the_whole_response():
-    whole = _whole(Glm45, TWO_CALLS)
-    rng = random.Random(0)
-    for _ in range(60):
-        cuts = sorted(rng.sample(range(1, len(TWO_CALLS)), rng.randint(1, len(TWO_CALLS) // 4)))
-        assert _stream(Glm45, TWO_CALLS, cuts) == whole, f"cuts {cuts}"
+@pytest.mark.parametrize(("parser", "text"), [(Glm45, TWO_CALLS), (MiniMaxM2, M2_TWO_CALLS)])
+def test_stream_in_random_chunks_reassembles_into_the_whole_response(parser, text):
+    stream_in_random_chunks(parser, text)
 
 
 def test_the_name_goes_out_before_the_arguments():
