@@ -54,6 +54,12 @@ class LlamaDecoderLayer(nnx.Module):
         """The block's attention; a family with other q/k norms (MiniMax-M2) sets its own."""
         return Attention(config, output_bias=config.option("o_proj_bias", False))
 
+    @staticmethod
+    def dense_mlp(config: ModelConfig) -> nnx.Module:
+        """The block's MLP where it has no experts; a family with an ungated one (Arcee) sets
+        its own."""
+        return GatedMLP(config, bias=config.option("mlp_bias", False))
+
     def __init__(self, config: ModelConfig, is_moe: bool | None = None):
         """is_moe: whether the MLP is the experts' (None: where the config has experts)."""
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -62,7 +68,7 @@ class LlamaDecoderLayer(nnx.Module):
         if config.num_experts if is_moe is None else is_moe:
             self.mlp = self.moe(config)
         else:
-            self.mlp = GatedMLP(config, bias=config.option("mlp_bias", False))
+            self.mlp = self.dense_mlp(config)
         # Granite scales the attention's and the MLP's outputs before each residual add.
         self.residual_multiplier = config.option("residual_multiplier", 1.0)
 
