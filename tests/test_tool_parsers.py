@@ -84,7 +84,9 @@ def test_get_tool_parser_names_the_allowed_parsers():
         "pythonic",
         "qwen3_coder",
     }
-    with pytest.raises(ValueError, match="glm45, granite, hermes, llama3_json, minimax_m2, mistral"):
+    with pytest.raises(
+        ValueError, match="glm45, granite, hermes, llama3_json, minimax_m2, mistral"
+    ):
         get_tool_parser("nope")
 
 
