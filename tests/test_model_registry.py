@@ -133,6 +133,11 @@ _HF_CONFIG_CLASSES = {
         vision_config=_TINY_QWEN3_TOWER(kw),
         image_token_id=kw["vocab_size"] - 1,
     ),
+    "Mistral3ForConditionalGeneration": lambda **kw: transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(**kw),
+        vision_config={"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 2},
+        image_token_index=kw["vocab_size"] - 1,
+    ),
     "Qwen3VLMoeForConditionalGeneration": lambda **kw: transformers.Qwen3VLMoeConfig(
         text_config={
             **kw,

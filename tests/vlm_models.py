@@ -277,3 +277,69 @@ def assert_greedy_equals_hf(llm, cases, max_tokens: int, hf_greedy) -> list:
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == expected
     return outputs
+
+
+# Pixtral's markers of an image's rows, as PixtralProcessor writes them.
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def save_tiny_mistral3(path: str, tokenizer_dir: str) -> None:
+    """A Mistral 3 of a 2-block Pixtral tower (14 px patches merged 2 x 2; images of at most
+    112 px a side: at most 4 x 4 merged patches) and a 2-layer Mistral, with its image
+    processor and tokenizer (PixtralProcessor's image processor needs its patch size times
+    the merge at each call, which jvllm passes)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": PIXTRAL_TOKENS})
+    text = {**_TINY_TEXT, "vocab_size": len(tokenizer), "sliding_window": None}
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "patch_size": 14,
+        "image_size": 112,
+        "hidden_act": "silu",
+    }
+    config = transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(**text),
+        vision_config=transformers.PixtralVisionConfig(**vision),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+    )
+    model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    image_processor = transformers.PixtralImageProcessorPil(
+        size={"longest_edge": 112}, patch_size=14
+    )
+    image_processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def hf_mistral3_greedy(model, path: str, prompt: str, images, max_new_tokens: int):
+    """(the prompt token ids, HF's greedy continuation) as PixtralProcessor would give them:
+    each [IMG] expanded into its image's rows of [IMG], [IMG_BREAK] and the final [IMG_END]."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    side = model.config.vision_config.patch_size * model.config.spatial_merge_size
+    out = transformers.AutoImageProcessor.from_pretrained(path)(
+        images=images, return_tensors="pt", patch_size=side
+    )
+    image, row_break, end = tokenizer.convert_tokens_to_ids(PIXTRAL_TOKENS)
+    expansions = []
+    for height, width in out["image_sizes"].tolist():
+        rows = ([image] * (width // side) + [row_break]) * (height // side)
+        expansions.append(rows[:-1] + [end])
+    expansions = iter(expansions)
+    ids = [t for i in tokenizer.encode(prompt) for t in (next(expansions) if i == image else [i])]
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pixel_values=out["pixel_values"],
+            image_sizes=out["image_sizes"],
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return ids, generated[0, len(ids) :].tolist()

@@ -211,6 +211,7 @@ class MultiModalProcessor:
         try:
             if self.writes_image_tokens:
                 extra = getattr(self.family, "image_processor_kwargs", {})
+                extra = extra(self.config) if callable(extra) else extra
                 out = processor(images=[image], return_tensors="np", **extra, **kwargs)
             else:
                 out = processor(

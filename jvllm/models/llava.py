@@ -113,22 +113,31 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:
-        # Saved by transformers 4 (and by 5, which converts back on save) under
-        # "language_model.model."; transformers 5's own modules name them "model.language_model.".
-        if weights.has("language_model.model.norm.weight"):
-            text, lm_head, outer = "language_model.model.", "language_model.lm_head.weight", ""
-        else:
-            text, lm_head, outer = "model.language_model.", "lm_head.weight", "model."
+        text, lm_head, outer = checkpoint_layout(weights)
         vision = outer + "vision_tower."
         if weights.has(vision + "vision_model.pre_layrnorm.weight"):
             vision += "vision_model."
         num_vision_layers = config.option("vision").num_layers
         CLIPVisionTower.load_weights(weights, "vision", vision, num_vision_layers)
-        projector = outer + "multi_modal_projector."
-        bias = config.option("projector_bias")
-        for path, name in (("projector_in", "linear_1"), ("projector_out", "linear_2")):
-            weights.tensor(f"{path}.weight", f"{projector}{name}.weight")
-            if bias:
-                weights.tensor(f"{path}.bias", f"{projector}{name}.bias")
+        load_projector(weights, outer + "multi_modal_projector.", config.option("projector_bias"))
         weights.set_layers(0, config.num_layers)
         super().load_weights(config, weights, prefix=text, lm_head=lm_head)
+
+
+def checkpoint_layout(weights: CheckpointWeights) -> tuple[str, str, str]:
+    """(the text model's prefix, the LM head's name, the vision tower's and projector's prefix)
+    of a LLaVA-shaped checkpoint (LLaVA, Mistral 3): saved by transformers 4 (and by 5, which
+    converts back on save) under "language_model.model."; transformers 5's own modules name them
+    "model.language_model."."""
+    if weights.has("language_model.model.norm.weight"):
+        return "language_model.model.", "language_model.lm_head.weight", ""
+    return "model.language_model.", "lm_head.weight", "model."
+
+
+def load_projector(weights: CheckpointWeights, prefix: str, bias: bool) -> None:
+    """The projector's two linear maps (projector_in, projector_out) from HF's linear_1 and
+    linear_2 under `prefix`."""
+    for path, name in (("projector_in", "linear_1"), ("projector_out", "linear_2")):
+        weights.tensor(f"{path}.weight", f"{prefix}{name}.weight")
+        if bias:
+            weights.tensor(f"{path}.bias", f"{prefix}{name}.bias")

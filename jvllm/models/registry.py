@@ -55,6 +55,7 @@ _MODELS = {
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3ForConditionalGeneration"),
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
@@ -173,6 +174,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
     "smolvlm": "SmolVLMForConditionalGeneration",
 }
 
