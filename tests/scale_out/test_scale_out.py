@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import transformers
 from family_parity import TP_VOCAB as VOCAB
-from family_parity import assert_matches_hf, ragged_prompts, save_random_model, save_tp_llama
+from family_parity import (
+    assert_matches_hf,
+    ragged_prompts,
+    save_random_model,
+    save_tp_llama,
+    save_with_correction_biases,
+)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_family_gpt_oss import _save_gpt_oss
 
@@ -332,6 +338,35 @@ FAMILIES = {
     "falcon": lambda: transformers.FalconConfig(
         **{k: v for k, v in _TINY.items() if k not in ("intermediate_size", "num_key_value_heads")}
     ),
+    # Half-head rotate-half rope; DeepSeek-V3's grouped router, a dense layer first, the shared
+    # expert's partial sums joining the experts'.
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **{**_TINY, "num_hidden_layers": 3},
+        head_dim=16,
+        attention_bias=True,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=48,
+    ),
+    # Softmax plus a correction bias choosing the experts; two shared experts.
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
+        **{**_TINY, "num_hidden_layers": 3},
+        moe_num_experts=4,
+        moe_k=2,
+        moe_intermediate_size=48,
+    ),
+    # The ungated ReLU-squared MLP, cut as a dense one.
+    "arcee": lambda: transformers.ArceeConfig(**_TINY),
+    # q/k norms over all heads (their statistics summed over the devices), sigmoid routing.
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        **{**_TINY, "intermediate_size": 48},
+        head_dim=16,
+        rotary_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
     # Sinks cut with their heads; the experts' gate|up halves cut apart; the down biases once.
     "gpt_oss": lambda: transformers.GptOssConfig(
         **{**_TINY, "intermediate_size": 32},
@@ -346,7 +381,11 @@ FAMILIES = {
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_families_at_t2_decode_like_hf(tmp_path, name):
     # gpt-oss's sinks and router biases drawn large enough to move the tokens.
-    save = _save_gpt_oss if name == "gpt_oss" else save_random_model
+    save = {
+        "gpt_oss": _save_gpt_oss,
+        "glm4_moe": save_with_correction_biases,
+        "minimax_m2": save_with_correction_biases,
+    }.get(name, save_random_model)
     hf_model = save(tmp_path, FAMILIES[name]())
     prompts = ragged_prompts(FAMILY_VOCAB)
     assert_matches_hf(tmp_path, hf_model, prompts, block_size=4, tensor_parallel_size=2)
