@@ -217,10 +217,14 @@ class LlamaForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             weights.tensor("lm_head.weight", lm_head)
 
-    @staticmethod
-    def load_layer_weights(config: ModelConfig, weights: CheckpointWeights, attn: tuple) -> None:
+    # The checkpoint's names of a block's two norms (Apertus names them otherwise).
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+
+    @classmethod
+    def load_layer_weights(cls, config: ModelConfig, weights: CheckpointWeights, attn: tuple):
         """A stack's norms and attention (`attn`: the q|k|v tensors' names)."""
-        weights.stacked("layers.input_norm.weight", ("input_layernorm.weight",))
+        input_norm, post_attention_norm = cls.norm_names
+        weights.stacked("layers.input_norm.weight", (input_norm + ".weight",))
         weights.stacked("layers.attn.qkv.weight", tuple(n + ".weight" for n in attn))
         if config.attention_bias:
             weights.stacked("layers.attn.qkv.bias", tuple(n + ".bias" for n in attn))
@@ -230,7 +234,7 @@ class LlamaForCausalLM(nnx.Module):
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
         if config.option("o_proj_bias", False):
             weights.stacked("layers.attn.o.bias", ("self_attn.o_proj.bias",))
-        weights.stacked("layers.post_attention_norm.weight", ("post_attention_layernorm.weight",))
+        weights.stacked("layers.post_attention_norm.weight", (post_attention_norm + ".weight",))
 
     @staticmethod
     def load_mlp_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
