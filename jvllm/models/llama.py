@@ -168,6 +168,7 @@ class LlamaForCausalLM(nnx.Module):
         """The layers and the final norm over the first layer's input x f32[T, D] (a
         multimodal family's, with its images' embeddings in place) -> (hidden, kv_cache)."""
         config = self.config
+        attn = query_scaled_attention(attn, positions, config)
         # SmolLM3's layers without rotary embeddings (None: every layer rotates).
         rope_layers = config.option("rope_layers")
         options = {"rope_layers": rope_layers}
@@ -247,6 +248,22 @@ class LlamaForCausalLM(nnx.Module):
             bias = tuple(name.replace(".weight", ".bias") for name in gate_up)
             weights.stacked("layers.mlp.gate_up.bias", bias)
             weights.stacked("layers.mlp.down.bias", ("mlp.down_proj.bias",))
+
+
+def query_scaled_attention(attn: AttentionFn, positions: jax.Array, config: ModelConfig):
+    """`attn` with each query scaled by its position where the config has Llama 4's scaling
+    (Ministral 3: the option llama4_scaling, (beta, L)): 1 + beta * ln(1 + floor(p / L)),
+    after rope, as HF's get_llama_4_attn_scale; `attn` itself otherwise."""
+    scaling = config.option("llama4_scaling")
+    if scaling is None:
+        return attn
+    beta, length = scaling
+    scale = 1.0 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / length))  # [T]
+
+    def scaled(layer, q, *args, **kwargs):  # q [T, N, H]
+        return attn(layer, q * scale[:, None, None].astype(q.dtype), *args, **kwargs)
+
+    return scaled
 
 
 # What GraniteConfig and SmolLM3Config assume where a config.json says nothing.

@@ -26,10 +26,11 @@ from jvllm.layers.linear import Linear
 from jvllm.layers.norm import RMSNorm
 from jvllm.models.llama import LlamaForCausalLM
 from jvllm.models.llava import checkpoint_layout, load_projector
+from jvllm.models.ministral3 import normalize_ministral3
 from jvllm.models.pixtral_vision import PixtralTower, image_patches, pixtral_settings
 from jvllm.models.weights import CheckpointWeights
 
-_TEXT_MODEL_TYPES = ("mistral", "llama")
+_TEXT_MODEL_TYPES = ("mistral", "llama", "ministral3")
 _IMAGE_TOKENS = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
 # Patches an image's arrays are padded to at least (and else to a power of two).
 _MIN_PADDED_PATCHES = 64
@@ -43,8 +44,11 @@ def _normalize(cfg: dict) -> dict:
             f"text_config.model_type={model_type!r} is not supported in a Mistral 3 "
             f"checkpoint; allowed: {_TEXT_MODEL_TYPES}"
         )
-    text["model_type"], text["architectures"] = model_type, ["MistralForCausalLM"]
-    text = LlamaForCausalLM.normalize_hf_config(text)
+    if model_type == "ministral3":  # Llama 4's query scaling, YaRN by default
+        text = normalize_ministral3(text)
+    else:
+        text["model_type"], text["architectures"] = model_type, ["MistralForCausalLM"]
+        text = LlamaForCausalLM.normalize_hf_config(text)
     text["architectures"] = ["Mistral3ForConditionalGeneration"]
     for name in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if cfg.get(name) is not None:

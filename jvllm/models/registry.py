@@ -9,6 +9,7 @@ import importlib
 _MODELS = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
@@ -93,6 +94,7 @@ _MTP_HEADS = {
 BASE_MODELS = {
     "LlamaModel": "LlamaForCausalLM",
     "MistralModel": "MistralForCausalLM",
+    "Ministral3Model": "Ministral3ForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
     "Phi3Model": "Phi3ForCausalLM",
@@ -132,6 +134,7 @@ BASE_MODELS = {
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
