@@ -63,6 +63,8 @@ class Attention(nnx.Module):
         norm = lambda: RMSNorm(h, config.rms_norm_eps, "head_dim", norm_weight_offset)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
+        # Hunyuan's q/k norms come after rope, everyone else's before.
+        self.norms_after_rope = bool(config.option("qk_norm_after_rope", False))
         self.o = Linear(
             n * h,
             d,
@@ -93,7 +95,7 @@ class Attention(nnx.Module):
         q = q.reshape(num_tokens, n, h)  # [T, N, H]
         key = key.reshape(num_tokens, k, h)  # [T, K, H]
         value = value.reshape(num_tokens, k, h)  # [T, K, H]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norms_after_rope:
             q, key = self.q_norm(q), self.k_norm(key)
         if self.clip_qkv is not None:  # clamped to [-c, c] after the q/k norms, as HF's OLMoE
             c = self.clip_qkv
@@ -101,6 +103,8 @@ class Attention(nnx.Module):
         if self.rope:
             interleaved = self.is_rope_interleaved
             q, key = apply_rope(q, cos, sin, interleaved), apply_rope(key, cos, sin, interleaved)
+        if self.q_norm is not None and self.norms_after_rope:
+            q, key = self.q_norm(q), self.k_norm(key)
         # q/k/v leave in the model dtype: the cache they are written into has that dtype.
         options = {} if sliding_window is None else {"sliding_window": sliding_window}
         if self.sinks is not None:

@@ -218,8 +218,10 @@ class LlamaForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             weights.tensor("lm_head.weight", lm_head)
 
-    # The checkpoint's names of a block's two norms (Apertus names them otherwise).
+    # The checkpoint's names of a block's two norms (Apertus names them otherwise), and of its
+    # per-head q/k norms (Hunyuan's are query_layernorm, key_layernorm).
     norm_names = ("input_layernorm", "post_attention_layernorm")
+    qk_norm_names = ("self_attn.q_norm", "self_attn.k_norm")
 
     @classmethod
     def load_layer_weights(cls, config: ModelConfig, weights: CheckpointWeights, attn: tuple):
@@ -230,8 +232,9 @@ class LlamaForCausalLM(nnx.Module):
         if config.attention_bias:
             weights.stacked("layers.attn.qkv.bias", tuple(n + ".bias" for n in attn))
         if config.qk_norm:
-            weights.stacked("layers.attn.q_norm.weight", ("self_attn.q_norm.weight",))
-            weights.stacked("layers.attn.k_norm.weight", ("self_attn.k_norm.weight",))
+            q_norm, k_norm = cls.qk_norm_names
+            weights.stacked("layers.attn.q_norm.weight", (q_norm + ".weight",))
+            weights.stacked("layers.attn.k_norm.weight", (k_norm + ".weight",))
         weights.stacked("layers.attn.o.weight", ("self_attn.o_proj.weight",))
         if config.option("o_proj_bias", False):
             weights.stacked("layers.attn.o.bias", ("self_attn.o_proj.bias",))
