@@ -161,8 +161,8 @@ QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 
 def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> None:
     """A Qwen2-VL (version "2"), Qwen2.5-VL ("2.5", with windowed and full layers) or Qwen3-VL
-    ("3": 16 px patches, a 4 x 4 table of learned positions, DeepStack features of block 0;
-    "3-moe": its text model a Qwen3-MoE) of a
+    ("3": 16 px patches, a 4 x 4 table of learned positions, DeepStack features of blocks 0
+    and 1 into a 3-layer Qwen3; "3-moe": a Qwen3-MoE, its first layer dense) of a
     2-layer tower (14 px patches merged 2 x 2; images of at most 64 merged patches) and a
     2-layer Qwen2 (Qwen3) with M-RoPE, with a Qwen2VLProcessor."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -190,11 +190,17 @@ def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> Non
     else:
         config_class = transformers.Qwen3VLConfig
         model_class = transformers.Qwen3VLForConditionalGeneration
-        text |= {"head_dim": 16}
-        if version == "3-moe":  # top 2 of 4 experts of width 48 in both layers
+        # 3 text layers: DeepStack's two levels after layers 0 and 1, none after layer 2.
+        text |= {"head_dim": 16, "num_hidden_layers": 3}
+        if version == "3-moe":  # top 2 of 4 experts of width 48 after a dense layer
             config_class = transformers.Qwen3VLMoeConfig
             model_class = transformers.Qwen3VLMoeForConditionalGeneration
-            text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+            text |= {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 48,
+                "mlp_only_layers": [0],
+            }
         patch = 16
         tower |= {
             "hidden_size": 32,
@@ -202,7 +208,7 @@ def save_tiny_qwen2_vl(path: str, tokenizer_dir: str, version: str = "2") -> Non
             "out_hidden_size": 64,
             "patch_size": patch,
             "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [0],
+            "deepstack_visual_indexes": [0, 1],
         }
     config = config_class(
         text_config=text,

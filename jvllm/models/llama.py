@@ -164,14 +164,18 @@ class LlamaForCausalLM(nnx.Module):
         """token_ids i32[T] -> the first layer's input f32[T, D]."""
         return self.embed(token_ids) * self.config.option("embedding_multiplier", 1.0)
 
-    def decode(self, kv_cache, x, positions, metadata, attn: AttentionFn):
+    def decode(
+        self, kv_cache, x, positions, metadata, attn: AttentionFn, cos_sin=None, after_layer=None
+    ):
         """The layers and the final norm over the first layer's input x f32[T, D] (a
-        multimodal family's, with its images' embeddings in place) -> (hidden, kv_cache)."""
+        multimodal family's, with its images' embeddings in place) -> (hidden, kv_cache).
+        `cos_sin` and `after_layer`: run_rotary_layers' (Qwen-VL's M-RoPE tables, Qwen3-VL's
+        DeepStack)."""
         config = self.config
         attn = query_scaled_attention(attn, positions, config)
         # SmolLM3's layers without rotary embeddings (None: every layer rotates).
         rope_layers = config.option("rope_layers")
-        options = {"rope_layers": rope_layers}
+        options = {"rope_layers": rope_layers, "cos_sin": cos_sin, "after_layer": after_layer}
         if self.num_dense:
             x, kv_cache = run_rotary_layers(
                 self.dense_layers, x, kv_cache, positions, config, metadata, attn, **options

@@ -27,7 +27,6 @@ import numpy as np
 from jvllm.config import ModelConfig
 from jvllm.layers.attention import AttentionFn
 from jvllm.layers.rotary import mrope_cos_sin
-from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.models.llama import LlamaForCausalLM
 from jvllm.models.qwen2_vl_vision import QwenVisionTower, vision_settings
 from jvllm.models.weights import CheckpointWeights
@@ -251,22 +250,12 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         config = self.config
         sections = config.option("mrope_section")
         cos_sin = mrope_cos_sin(rope_positions, config, sections, self.mrope_interleaved)
-        x, kv_cache = run_rotary_layers(
-            self.layers,
-            x,
-            kv_cache,
-            positions,
-            config,
-            metadata,
-            attn,
-            cos_sin=cos_sin,
-            after_layer=self.after_layer(mm),
-        )
-        return self.final_norm(x), kv_cache
+        after_layer = self.after_layer(mm)
+        return self.decode(kv_cache, x, positions, metadata, attn, cos_sin, after_layer)
 
     def after_layer(self, mm):
-        """What runs after each layer in a step with images (run_rotary_layers): nothing;
-        Qwen3-VL's DeepStack."""
+        """What runs after each layer in a step with images (run_rotary_layers): nothing
+        (None); Qwen3-VL's DeepStack."""
 
     def encode_images(self, pixel_values: jax.Array, **arrays: jax.Array) -> jax.Array:
         """A batch of images of P patches each: pixel_values f32[N, P, K] (the processor's
@@ -277,7 +266,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     @staticmethod
     def image_num_embeds(config: ModelConfig) -> int:
         """The most embeddings one image takes: the image processor resizes an image to at
-        most max_pixels pixels (the option, else the released checkpoints' 12845056), in
+        most max_pixels pixels (the option, else the generation's released processors'), in
         sides that are multiples of patch_size * merge_size, one embedding each such square."""
         vision = config.option("vision")
         return config.option("max_pixels") // (vision.patch_size * vision.merge_size) ** 2

@@ -17,6 +17,7 @@ Letters as qwen2_vl_vision.py's; S a side of the position table, K2 DeepStack le
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -76,10 +77,13 @@ def qwen3_vision_settings(vision_config: dict) -> Qwen3VisionSettings:
             f"{num_positions!r}"
         )
     deepstack = tuple(vc.get("deepstack_visual_indexes", (8, 16, 24)))
-    if not all(isinstance(i, int) and 0 <= i < base.num_layers for i in deepstack):
+    is_increasing = all(a < b for a, b in itertools.pairwise(deepstack))
+    if not is_increasing or not all(
+        isinstance(i, int) and 0 <= i < base.num_layers for i in deepstack
+    ):
         raise ValueError(
             f"vision_config.deepstack_visual_indexes={list(deepstack)} must name blocks of the "
-            f"{base.num_layers}-block tower"
+            f"{base.num_layers}-block tower in increasing order"
         )
     return Qwen3VisionSettings(
         **dataclasses.asdict(base),
@@ -174,8 +178,10 @@ class Qwen3VisionTower(nnx.Module):
         def body(block, carry, layer, level):
             x, kept = carry
             x = block(x, cos, sin, attention_segments)
-            update = jax.lax.dynamic_update_index_in_dim(kept, x, jnp.maximum(level, 0), 0)
-            return x, jnp.where(level >= 0, update, kept)
+            slot = jnp.maximum(level, 0)
+            old = jax.lax.dynamic_index_in_dim(kept, slot, 0, keepdims=False)
+            row = jnp.where(level >= 0, x, old)  # [N, P, C]: this block's, or kept as it was
+            return x, jax.lax.dynamic_update_index_in_dim(kept, row, slot, 0)
 
         x, kept = scan_layers(self.blocks, body, (x, kept), jnp.asarray(levels))
         u = vision.group_size
