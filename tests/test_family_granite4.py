@@ -45,6 +45,15 @@ def test_experts_beside_the_shared_mlp_without_rotary_match_hf_logits(tmp_path):
     assert ours.num_experts == 4 and ours.option("rope_layers") == (False, False)
 
 
+def test_a_config_without_a_shared_mlp_width_takes_hfs_1024():
+    fields = {k: v for k, v in TINY.items() if k != "shared_intermediate_size"}
+    fields["architectures"] = ["GraniteMoeHybridForCausalLM"]
+    with_experts = model_config_from_hf({**fields, "num_local_experts": 4}, "bfloat16")
+    assert with_experts.shared_expert_intermediate_size == 1024
+    dense = model_config_from_hf({**fields, "num_local_experts": 0}, "bfloat16")
+    assert dense.intermediate_size == 1024 and dense.num_experts == 0
+
+
 def test_mamba_layers_are_refused_naming_them():
     fields = {
         **TINY,

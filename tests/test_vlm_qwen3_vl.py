@@ -176,6 +176,20 @@ def test_the_released_config_reads_its_text_model_tower_and_deepstack():
     assert (vision.patch_size, vision.num_position_embeddings) == (16, 2304)
     assert vision.hidden_act == "gelu_pytorch_tanh"
     assert model_class(config.architecture).image_num_embeds(config) == 16384
-    bad = {**QWEN3_VL_2B, "vision_config": {**QWEN3_VL_2B["vision_config"], "depth": 4}}
-    with pytest.raises(ValueError, match="deepstack_visual_indexes"):
-        model_config_from_hf(bad, "bfloat16")
+    for vision in ({"depth": 4}, {"deepstack_visual_indexes": [11, 5, 17]}):
+        bad = {**QWEN3_VL_2B, "vision_config": {**QWEN3_VL_2B["vision_config"], **vision}}
+        with pytest.raises(ValueError, match="deepstack_visual_indexes"):
+            model_config_from_hf(bad, "bfloat16")
+
+
+def test_a_moe_config_without_head_dim_takes_hidden_size_over_heads():
+    """Qwen3VLMoeTextConfig's head_dim default is None (the dense one's is 128)."""
+    text = {k: v for k, v in QWEN3_VL_2B["text_config"].items() if k != "head_dim"}
+    text.update(num_attention_heads=32, num_experts=8, num_experts_per_tok=2)
+    moe = {
+        **QWEN3_VL_2B,
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+        "model_type": "qwen3_vl_moe",
+        "text_config": {**text, "rope_scaling": {"mrope_section": [8, 12, 12]}},
+    }
+    assert model_config_from_hf(moe, "bfloat16").head_dim == 2048 // 32

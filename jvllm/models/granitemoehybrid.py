@@ -37,7 +37,9 @@ def _normalize(cfg: dict) -> dict:
             f"position_embedding_type={position!r} is not supported; allowed: "
             f"{_POSITION_EMBEDDINGS}"
         )
-    num_experts = cfg.get("num_local_experts", 8)  # GraniteMoeHybridConfig's default
+    # GraniteMoeHybridConfig's defaults.
+    num_experts = cfg.get("num_local_experts", 8)
+    cfg = {"shared_intermediate_size": 1024, **cfg}
     shared = {k: v for k, v in cfg.items() if k not in ("layer_types", "layers_block_type")}
     shared["architectures"] = ["GraniteMoeSharedForCausalLM"]
     cfg = GraniteMoeForCausalLM.normalize_hf_config({**shared, "num_local_experts": num_experts})

@@ -47,6 +47,7 @@ QWEN3_VL_MOE = dataclasses.replace(
     # Qwen3VLMoeTextConfig's defaults.
     text_defaults={
         **QWEN3_VL.text_defaults,
+        "head_dim": None,  # hidden_size / heads
         "num_key_value_heads": 16,
         "num_experts": 60,
         "num_experts_per_tok": 4,
