@@ -24,7 +24,7 @@ ROUTINGS = ("greedy", "group_limited_greedy", "noaux_tc", "softmax_biased")
 # The routers that choose by scores plus a correction bias [E].
 BIASED_ROUTINGS = ("noaux_tc", "softmax_biased")
 # Ernie4_5_MoeConfig's moe_norm_min: the least sum its top-k weights are divided by.
-_ERNIE_NORM_MIN = 1e-12
+ERNIE_NORM_MIN = 1e-12
 
 
 def _group_mask(group_scores: jax.Array, topk_group: int, num_experts: int) -> jax.Array:
@@ -80,7 +80,7 @@ def deepseek_route(
         scores = jax.nn.softmax(logits, axis=-1)  # [T, E]
         _, experts = jax.lax.top_k(scores + correction_bias, top_k)  # [T, k]
         weights = jnp.take_along_axis(scores, experts, axis=-1)  # [T, k]
-        weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), _ERNIE_NORM_MIN)
+        weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), ERNIE_NORM_MIN)
     else:
         scores = jax.nn.softmax(logits, axis=-1)  # [T, E]
         if routing == "group_limited_greedy":

@@ -14,6 +14,7 @@ model (HF skips them too; vLLM drafts with them as "ernie_mtp", which jvllm does
 from __future__ import annotations
 
 from jvllm.config import ModelConfig
+from jvllm.layers.deepseek_moe import ERNIE_NORM_MIN
 from jvllm.models.ernie4_5 import Ernie4_5ForCausalLM
 from jvllm.models.glm4_moe import Glm4MoeDecoderLayer, load_moe_weights
 from jvllm.models.llama import LlamaForCausalLM
@@ -30,7 +31,7 @@ _DEFAULTS = {
     "moe_layer_start_index": 1,
     "moe_layer_end_index": -1,
     "moe_layer_interval": 1,
-    "moe_norm_min": 1e-12,
+    "moe_norm_min": ERNIE_NORM_MIN,
 }
 
 
@@ -64,7 +65,9 @@ def _normalize(cfg: dict) -> dict:
             "sets it)"
         )
     if cfg["moe_norm_min"] != _DEFAULTS["moe_norm_min"]:
-        raise ValueError(f"moe_norm_min={cfg['moe_norm_min']} is not supported; allowed: 1e-12")
+        raise ValueError(
+            f"moe_norm_min={cfg['moe_norm_min']} is not supported; allowed: {ERNIE_NORM_MIN}"
+        )
     num_dense = _check_layout(cfg)
     top_k, num_experts = cfg["moe_k"], cfg["moe_num_experts"]
     if not isinstance(num_experts, int) or num_experts < 1:

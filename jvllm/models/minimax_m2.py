@@ -13,6 +13,8 @@ modeling_minimax_m2.py runs it:
 
 from __future__ import annotations
 
+import re
+
 from jvllm.config import ModelConfig
 from jvllm.layers.deepseek_moe import DeepseekMoE
 from jvllm.models.deepseek import check_routing
@@ -69,9 +71,11 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
-        """Whether the checkpoint's tensor `name` is a multi-token-prediction module's, which
-        no output of this model reads."""
-        return ".mtp" in name or name.startswith("mtp")
+        """Whether the checkpoint's tensor `name` is a multi-token-prediction module's (named
+        mtp, or a layer after the last), which no output of this model reads."""
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        is_after_last = layer is not None and int(layer[1]) >= config.num_layers
+        return is_after_last or ".mtp" in name or name.startswith("mtp")
 
     @staticmethod
     def load_layer_weights(config: ModelConfig, weights: CheckpointWeights, attn: tuple) -> None:

@@ -55,8 +55,9 @@ class PixtralSettings:
 
 def pixtral_settings(vision_config: dict, feature_layer: int) -> PixtralSettings:
     """The tower of a PixtralVisionConfig dict, run up to hidden state `feature_layer` (HF's
-    vision_feature_layer: -1 the last block's output, k >= 0 block k's, 0 the patches'), with
-    PixtralVisionConfig's defaults and errors naming the field."""
+    vision_feature_layer: -1 the last block's output, k > 0 block k - 1's; 0, the patches
+    before any block, is refused), with PixtralVisionConfig's defaults and errors naming the
+    field."""
     vc = vision_config
     num_layers = vc.get("num_hidden_layers", 24)
     if isinstance(feature_layer, bool) or not isinstance(feature_layer, int):

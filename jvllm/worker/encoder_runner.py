@@ -87,7 +87,7 @@ class EncoderRunner:
         size = 1 << (len(batch) - 1).bit_length()  # padded with the first image
         padded = batch + [batch[0]] * (size - len(batch))
         data = {k: np.stack([f.data[k] for f in padded]) for k in batch[0].data}
-        embeds = np.asarray(self._encode(params, data)).astype(self.dtype)  # [N, I, D]
+        embeds = np.asarray(self._encode(params, data)).astype(self.dtype)  # [N, I, width]
         for f, rows in zip(batch, embeds):
             # A family may pad an image's arrays to fewer shapes: its padding's rows come last.
             if rows.shape[0] < f.num_embeds:

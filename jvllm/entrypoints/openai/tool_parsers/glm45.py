@@ -12,13 +12,14 @@ from enum import Enum
 
 from jvllm.entrypoints.openai.tool_parsers.partial_json import skip_whitespace
 from jvllm.entrypoints.openai.tool_parsers.qwen3_coder import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
     Qwen3CoderToolParser,
     dumps_json,
     parameter_schemas,
     python_literal,
 )
 
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 # A name ends at its line's end, or where the first argument or the block's end begins.
