@@ -55,12 +55,22 @@ def _normalize(cfg: dict) -> dict:
     qkv_bias = cfg.pop("attention_bias")  # Llama's would put one on o_proj too
     cfg["qk_norm"] = cfg.pop("use_qk_norm")
     cfg[ROTARY_FRACTION_KEY] = hf_partial_rotary_factor(cfg, _DEFAULT_ROTARY_FRACTION)
+    cfg = LlamaForCausalLM.normalize_hf_config(read_v3_experts(cfg))
+    cfg["attention_bias"] = qkv_bias
+    return cfg
+
+
+def read_v3_experts(cfg: dict) -> dict:
+    """A config's DeepSeek-V3-routed experts (GLM-4.5's, dots.llm1's) as DeepseekMoE reads
+    them: n_routed_experts chosen by sigmoid scores plus a correction bias over n_group groups,
+    n_shared_experts beside them, in every layer from first_k_dense_replace on (the dense ones
+    before as a stack of their own, LlamaForCausalLM's num_dense_layers)."""
     num_layers, num_dense = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
     if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense < 0:
         raise ValueError(f"first_k_dense_replace must be an int >= 0, got {num_dense!r}")
     options = {}
     if num_dense < num_layers:
-        cfg["routing"] = "noaux_tc"  # HF's Glm4MoeTopkRouter is DeepSeek-V3's
+        cfg["routing"] = "noaux_tc"  # HF's routers (Glm4MoeTopkRouter's) are DeepSeek-V3's
         check_routing(cfg, cfg["routing"])
         cfg["num_experts"] = cfg["num_local_experts"] = cfg["n_routed_experts"]
         num_shared = cfg["n_shared_experts"] or 0
@@ -71,8 +81,6 @@ def _normalize(cfg: dict) -> dict:
     else:  # every layer dense: no expert is read
         cfg["num_experts"] = cfg["num_local_experts"] = cfg["num_experts_per_tok"] = 0
     cfg["options"] = {**cfg.get("options", {}), **options}
-    cfg = LlamaForCausalLM.normalize_hf_config(cfg)
-    cfg["attention_bias"] = qkv_bias
     return cfg
 
 
