@@ -53,6 +53,7 @@ _TINY_QWEN3_TOWER = lambda kw: {
 _HF_CONFIG_CLASSES = {
     "Qwen3ForCausalLM": transformers.Qwen3Config,
     "GPT2LMHeadModel": transformers.GPT2Config,
+    "GPTBigCodeForCausalLM": transformers.GPTBigCodeConfig,
     "OPTForCausalLM": transformers.OPTConfig,
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
@@ -225,6 +226,8 @@ def test_a_config_json_without_num_key_value_heads_takes_hfs_default(architectur
     config_class = transformers.CONFIG_MAPPING[_MODEL_TYPES[architecture]]
     if architecture == "GraniteMoeHybridForCausalLM":
         pytest.skip("its config class checks Mamba 2 sizes against the heads this test sets")
+    if architecture == "GPTBigCodeForCausalLM":
+        pytest.skip("multi_query, not num_key_value_heads, sets its KV heads")
     if architecture == "Dots1ForCausalLM":
         pytest.skip("its config class leaves the experts None, which no model runs")
     hf = config_class(**TINY).to_dict()

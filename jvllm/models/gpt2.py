@@ -61,6 +61,19 @@ class GPT2LMHeadModel(nnx.Module):
         cfg.setdefault("tie_word_embeddings", True)  # older config.json files leave it out
         return cfg
 
+    @staticmethod
+    def layer_tensors(config: ModelConfig) -> tuple:
+        """Each layer param's (path, HF name, weight transform, bias transform): GPT-2's
+        Conv1D weights transposed."""
+        return (
+            ("attn_norm", "ln_1", None, None),
+            ("attn.qkv", "attn.c_attn", _conv1d, None),  # q|k|v, as the fused param
+            ("attn.o", "attn.c_proj", _conv1d, None),
+            ("mlp_norm", "ln_2", None, None),
+            ("mlp.up", "mlp.c_fc", _conv1d, None),
+            ("mlp.down", "mlp.c_proj", _conv1d, None),
+        )
+
     def __init__(self, config: ModelConfig):
         dtype = jnp.dtype(config.dtype)
         d = config.hidden_size
@@ -91,24 +104,17 @@ class GPT2LMHeadModel(nnx.Module):
             return self.embed.attend(hidden)
         return self.lm_head(hidden)
 
-    @staticmethod
-    def load_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
+    @classmethod
+    def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:
         """The HF checkpoint's tensors into this module's params. GPT2LMHeadModel saves them
         under "transformer."; the original checkpoints (GPT2Model's) without it."""
         prefix = "transformer." if weights.has("transformer.wte.weight") else ""
         weights.set_layer_prefix(prefix + "h.{}.")
         weights.tensor("embed.embedding", prefix + "wte.weight")
         weights.tensor("positions.embedding", prefix + "wpe.weight")
-        for path, name, transform in (
-            ("attn_norm", "ln_1", None),
-            ("attn.qkv", "attn.c_attn", _conv1d),  # q|k|v, as the fused param
-            ("attn.o", "attn.c_proj", _conv1d),
-            ("mlp_norm", "ln_2", None),
-            ("mlp.up", "mlp.c_fc", _conv1d),
-            ("mlp.down", "mlp.c_proj", _conv1d),
-        ):
+        for path, name, transform, bias in cls.layer_tensors(config):
             weights.stacked(f"layers.{path}.weight", (f"{name}.weight",), transform=transform)
-            weights.stacked(f"layers.{path}.bias", (f"{name}.bias",))
+            weights.stacked(f"layers.{path}.bias", (f"{name}.bias",), transform=bias)
         weights.tensor("final_norm.weight", prefix + "ln_f.weight")
         weights.tensor("final_norm.bias", prefix + "ln_f.bias")
         if not config.tie_word_embeddings:

@@ -38,7 +38,7 @@ _DEFAULTS = {
 }
 
 
-def _qkv_blocks(x: np.ndarray, num_heads: int) -> np.ndarray:
+def qkv_blocks(x: np.ndarray, num_heads: int) -> np.ndarray:
     """query_key_value's rows [N * 3 * H, ...] (head by head: its q, k, v) -> [3 * N * H, ...]
     in q|k|v blocks, each block's heads in order; a weight [., D] or a bias [.]."""
     rest = x.shape[1:]
@@ -72,13 +72,13 @@ class GPTNeoXForCausalLM(LayerNormRotaryForCausalLM):
         weights.set_layer_prefix("gpt_neox.layers.{}.")
         weights.tensor("embed.embedding", "gpt_neox.embed_in.weight")
         cls.load_layer_norm(weights, "layers.attn_norm", "input_layernorm")
-        qkv_blocks = functools.partial(_qkv_blocks, num_heads=config.num_heads)
+        qkv_blocks_of = functools.partial(qkv_blocks, num_heads=config.num_heads)
         cls.load_linear(
             weights,
             "layers.attn.qkv",
             ("attention.query_key_value",),
             config.attention_bias,
-            transform=qkv_blocks,
+            transform=qkv_blocks_of,
         )
         cls.load_linear(weights, "layers.attn.o", ("attention.dense",), config.attention_bias)
         cls.load_layer_norm(weights, "layers.mlp_norm", "post_attention_layernorm")
