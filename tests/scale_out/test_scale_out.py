@@ -359,6 +359,45 @@ FAMILIES = {
     ),
     # The ungated ReLU-squared MLP, cut as a dense one.
     "arcee": lambda: transformers.ArceeConfig(**_TINY),
+    # xIELU's four values a layer whole on both devices; per-head q/k norms cut with the heads.
+    "apertus": lambda: transformers.ApertusConfig(**_TINY),
+    # One KV head (multi-query), repeated on both devices; Linear weights.
+    "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=FAMILY_VOCAB, n_positions=256
+    ),
+    # LayerNorm1P's weights loaded plus one; q/k norms after rope; the experts' Qwen3 attention.
+    "nemotron": lambda: transformers.NemotronConfig(**_TINY, head_dim=16),
+    "hunyuan": lambda: transformers.HunYuanDenseV1Config(**_TINY, head_dim=16),
+    "dots1": lambda: transformers.Dots1Config(
+        **{**_TINY, "num_hidden_layers": 3},
+        head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=48,
+        first_k_dense_replace=1,
+        sliding_window=None,
+    ),
+    # Llama 4's query scaling by position (its original context made 8 tokens).
+    "ministral3": lambda: transformers.Ministral3Config(
+        **_TINY,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "llama_4_scaling_beta": 0.5,
+        },
+    ),
+    # Granite 4.0's attention-only layout: the shared MLP alone.
+    "granite4": lambda: transformers.GraniteMoeHybridConfig(
+        **_TINY,
+        layer_types=["attention"] * 2,
+        num_local_experts=0,
+        shared_intermediate_size=96,
+        position_embedding_type="rope",
+    ),
     # q/k norms over all heads (their statistics summed over the devices), sigmoid routing.
     "minimax_m2": lambda: transformers.MiniMaxM2Config(
         **{**_TINY, "intermediate_size": 48},
@@ -385,6 +424,7 @@ def test_families_at_t2_decode_like_hf(tmp_path, name):
         "gpt_oss": _save_gpt_oss,
         "glm4_moe": save_with_correction_biases,
         "minimax_m2": save_with_correction_biases,
+        "dots1": save_with_correction_biases,
     }.get(name, save_random_model)
     hf_model = save(tmp_path, FAMILIES[name]())
     prompts = ragged_prompts(FAMILY_VOCAB)
