@@ -478,7 +478,7 @@ def test_a_rank_waiting_on_a_grammar_holds_no_other_ranks_step(tmp_path, monkeyp
     import shutil
     import threading
 
-    from test_scale_out import _TINY
+    from test_families_tp import _TINY
 
     from jvllm import StructuredOutputsParams
     from jvllm.model_loader.default_model import default_model_dir

@@ -14,11 +14,11 @@ import transformers
 from family_parity import ragged_prompts, save_random_model
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_families_tp import _TINY, FAMILY_VOCAB
+from test_families_tp import FAMILIES as TP_FAMILIES
 from test_family_deepseek import v2_lite_like, v3_like
 from test_family_gpt_oss import _save_gpt_oss
 from test_gguf_families import _gguf_of
-from test_scale_out import _TINY, FAMILY_VOCAB
-from test_scale_out import FAMILIES as TP_FAMILIES
 
 from jvllm import LLM, SamplingParams
 from jvllm.benchmarks import moe_parallel

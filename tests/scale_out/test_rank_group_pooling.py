@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from family_parity import ragged_prompts, save_random_model
 from test_expert_parallel import FAMILIES
-from test_scale_out import FAMILY_VOCAB
+from test_families_tp import FAMILY_VOCAB
 
 from jvllm import LLM, PoolerConfig
 
