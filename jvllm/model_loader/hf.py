@@ -204,6 +204,7 @@ _NEVER_READ = re.compile(
     r"|^(model\.)?(vision_tower|multi_modal_projector)\."
     r"|\.(k|v|q|prob)_scale$"  # a kv_cache_scheme's static scales (_log_quantization)
     r"|^t2d$"  # an EAGLE-3 head's draft vocabulary as a mask, d2t's inverse (vLLM skips it too)
+    r"|(^|\.)mtp"  # multi-token-prediction modules under mtp names (ERNIE 4.5's, MiniMax-M2's)
 )
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +46,7 @@ from jvllm.layers.mlp import GatedMLP
 from jvllm.layers.norm import RMSNorm
 from jvllm.layers.rotary_layers import run_rotary_layers
 from jvllm.layers.scan import stacked_layers
-from jvllm.models.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights, is_after_last_layer
 
 # DeepseekV2Config's / DeepseekV3Config's defaults, where a config.json does not say.
 _V2_DEFAULTS = {
@@ -287,8 +286,7 @@ class DeepseekForCausalLM(nnx.Module):
     def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
         """Whether the checkpoint's tensor `name` is an MTP layer's (after the last layer),
         which speculative decoding's "mtp" method reads (models/deepseek_mtp.py)."""
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        return layer is not None and int(layer[1]) >= config.num_layers
+        return is_after_last_layer(name, config.num_layers)
 
     @classmethod
     def load_weights(cls, config: ModelConfig, weights: CheckpointWeights) -> None:

@@ -91,12 +91,6 @@ class Ernie4_5_MoeForCausalLM(LlamaForCausalLM):
     normalize_hf_config = staticmethod(_normalize)
 
     @staticmethod
-    def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
-        """Whether the checkpoint's tensor `name` is an MTP layer's, which no output of this
-        model reads."""
-        return ".mtp" in name or name.startswith("mtp")
-
-    @staticmethod
     def load_mlp_weights(config: ModelConfig, weights: CheckpointWeights) -> None:
         """The MoE layers' router, correction bias ([1, E] in the checkpoint), routed and
         shared experts."""

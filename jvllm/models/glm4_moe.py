@@ -16,14 +16,12 @@
 
 from __future__ import annotations
 
-import re
-
 from jvllm.config import ModelConfig
 from jvllm.layers.deepseek_moe import DeepseekMoE
 from jvllm.models.deepseek import check_routing
 from jvllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from jvllm.models.qwen3_moe import Qwen3MoeForCausalLM
-from jvllm.models.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights, is_after_last_layer
 from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # What Glm4MoeConfig assumes where a config.json says nothing.
@@ -96,8 +94,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
         """Whether the checkpoint's tensor `name` is an MTP layer's (after the last layer),
         which speculative decoding's "mtp" method reads (models/glm4_moe_mtp.py)."""
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        return layer is not None and int(layer[1]) >= config.num_layers
+        return is_after_last_layer(name, config.num_layers)
 
     @staticmethod
     def load_mlp_weights(config: ModelConfig, weights: CheckpointWeights) -> None:

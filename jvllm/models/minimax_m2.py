@@ -13,15 +13,13 @@ modeling_minimax_m2.py runs it:
 
 from __future__ import annotations
 
-import re
-
 from jvllm.config import ModelConfig
 from jvllm.layers.deepseek_moe import DeepseekMoE
 from jvllm.models.deepseek import check_routing
 from jvllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from jvllm.models.mixtral import MixtralForCausalLM
 from jvllm.models.olmo2 import Olmo2Attention
-from jvllm.models.weights import CheckpointWeights
+from jvllm.models.weights import CheckpointWeights, is_after_last_layer
 from jvllm.rope_config import ROTARY_FRACTION_KEY, hf_partial_rotary_factor
 
 # What MiniMaxM2Config assumes where a config.json says nothing.
@@ -71,11 +69,9 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def is_read_elsewhere(config: ModelConfig, name: str) -> bool:
-        """Whether the checkpoint's tensor `name` is a multi-token-prediction module's (named
-        mtp, or a layer after the last), which no output of this model reads."""
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        is_after_last = layer is not None and int(layer[1]) >= config.num_layers
-        return is_after_last or ".mtp" in name or name.startswith("mtp")
+        """Whether the checkpoint's tensor `name` is a multi-token-prediction layer's (after
+        the last; those named mtp the loader never reports), which no output reads."""
+        return is_after_last_layer(name, config.num_layers)
 
     @staticmethod
     def load_layer_weights(config: ModelConfig, weights: CheckpointWeights, attn: tuple) -> None:

@@ -8,6 +8,7 @@ when a checkpoint does not match its config.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -306,3 +307,11 @@ def _flatten(tree: dict, prefix: str = ""):
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield prefix + key, value
+
+
+def is_after_last_layer(name: str, num_layers: int) -> bool:
+    """Whether the checkpoint's tensor `name` is under model.layers.{i}. with i past the model's
+    `num_layers`: a multi-token-prediction layer kept after the last (DeepSeek-V3's, GLM-4.5's,
+    MiniMax-M2's)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return layer is not None and int(layer[1]) >= num_layers
