@@ -3,7 +3,7 @@ flax.nnx modules: an image at its own resolution, as patches in raster order -> 
 features. Not a registered family: models/mistral3.py holds one.
 
 The tower runs a batch of images padded to one number of patches P: a padding patch has segment
--1, which no real patch attends to (qwen2_vl_vision._segment_attention), so each image attends
+-1, which no real patch attends to (qwen2_vl_vision.segment_attention), so each image attends
 to itself alone, as HF's block-diagonal mask makes it. Each patch turns by its (row, column)
 with Pixtral's axial rotary embedding: the head's even frequencies by the row, its odd ones by
 the column, in rotate-half layout.
@@ -27,7 +27,8 @@ from jvllm.layers.norm import RMSNorm
 from jvllm.layers.params import param
 from jvllm.layers.rotary import apply_rope
 from jvllm.layers.scan import scan_layers, stacked_layers
-from jvllm.models.qwen2_vl_vision import _flatten_conv, _segment_attention
+from jvllm.models.qwen2_vl_vision import segment_attention
+from jvllm.models.vit import flatten_conv
 from jvllm.models.weights import CheckpointWeights
 
 _NORM_EPS = 1e-5  # HF's, fixed for ln_pre and the blocks' norms
@@ -134,7 +135,7 @@ class PixtralBlock(nnx.Module):
         queries = apply_rope(qkv[:, 0], cos, sin).reshape(n, p, m, c // m)
         keys = apply_rope(qkv[:, 1], cos, sin).reshape(n, p, m, c // m)
         values = qkv[:, 2].reshape(n, p, m, c // m)
-        attended = _segment_attention(queries, keys, values, segments)  # [N, P, M, E]
+        attended = segment_attention(queries, keys, values, segments)  # [N, P, M, E]
         x = x + self.o(attended.reshape(n, p, c))
         gate, up = jnp.split(self.gate_up(self.ffn_norm(x)), 2, axis=-1)
         return x + self.down(self.act(gate) * up)
@@ -165,7 +166,7 @@ class PixtralTower(nnx.Module):
     @staticmethod
     def load_weights(weights: CheckpointWeights, vision: PixtralSettings, path: str, prefix: str):
         """The tower's params (under `path`) from HF's tensors under `prefix`."""
-        weights.tensor(f"{path}.patch", prefix + "patch_conv.weight", _flatten_conv)
+        weights.tensor(f"{path}.patch", prefix + "patch_conv.weight", flatten_conv)
         weights.tensor(f"{path}.ln_pre.weight", prefix + "ln_pre.weight")
         weights.set_layer_prefix(prefix + "transformer.layers.{}.")
         weights.set_layers(0, vision.num_layers, stack=f"{path}.blocks")

@@ -33,6 +33,7 @@ from jvllm.layers.norm import LayerNorm, RMSNorm
 from jvllm.layers.params import param
 from jvllm.layers.rotary import apply_rope
 from jvllm.layers.scan import scan_layers, stacked_layers
+from jvllm.models.vit import flatten_conv
 from jvllm.models.weights import CheckpointWeights
 
 # HF's vision activations by name, in float32.
@@ -44,7 +45,7 @@ _ACTIVATIONS = {
 }
 _NORM_EPS = 1e-6  # HF's, fixed for the blocks' and the merger's norms
 _DEFAULT_ROPE_THETA = 10000.0
-# The queries a chunk of the tower's attention (_segment_attention).
+# The queries a chunk of the tower's attention (segment_attention).
 _QUERY_CHUNK = 1024
 
 
@@ -208,7 +209,7 @@ class QwenVisionBlock(nnx.Module):
         queries = apply_rope(qkv[:, 0], cos, sin).reshape(n, p, m, c // m)
         keys = apply_rope(qkv[:, 1], cos, sin).reshape(n, p, m, c // m)
         values = qkv[:, 2].reshape(n, p, m, c // m)
-        attended = _segment_attention(queries, keys, values, segments)  # [N, P, M, E]
+        attended = segment_attention(queries, keys, values, segments)  # [N, P, M, E]
         x = x + self.proj(attended.reshape(n, p, c))
         h = self.mlp_in(self.norm2(x))
         if self.is_gated:
@@ -273,7 +274,7 @@ class QwenVisionTower(nnx.Module):
     ) -> None:
         """The tower's params (under `path`, e.g. "visual") from HF's tensors under `prefix`
         ("visual." or "model.visual.")."""
-        weights.tensor(f"{path}.patch", prefix + "patch_embed.proj.weight", _flatten_conv)
+        weights.tensor(f"{path}.patch", prefix + "patch_embed.proj.weight", flatten_conv)
         has_bias = not vision.is_qwen2_5  # LayerNorm's
         norms = [(f"{path}.merger_norm", "merger.ln_q")]
         for name, hf in norms:
@@ -301,7 +302,7 @@ class QwenVisionTower(nnx.Module):
             weights.stacked(f"layers.{name}.bias", tuple(n + ".bias" for n in hf))
 
 
-def _segment_attention(queries, keys, values, segments, query_chunk: int | None = None):
+def segment_attention(queries, keys, values, segments, query_chunk: int | None = None):
     """Bidirectional attention of queries, keys, values f32[N, P, M, E] among the patches of
     an image that share a segment (segments i32[N, P]) -> f32[N, P, M, E]. The queries go
     `query_chunk` (default _QUERY_CHUNK) at a time, so that the scores take [N, M, chunk, P],
@@ -339,8 +340,3 @@ def _rope_cos_sin(positions: jax.Array, vision: QwenVisionSettings):
     angles = angles.reshape(angles.shape[0], -1)  # [T, E/2]: rows' then columns'
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, E]
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def _flatten_conv(w):
-    """The patch Conv3d's weight [C, 3, t, p, p] as a matrix [C, K]."""
-    return w.reshape(w.shape[0], -1)

@@ -33,11 +33,11 @@ from jvllm.models.qwen2_vl_vision import (
     _NORM_EPS,
     QwenVisionBlock,
     QwenVisionSettings,
-    _flatten_conv,
     _rope_cos_sin,
     vision_arrays,
     vision_settings,
 )
+from jvllm.models.vit import flatten_conv
 from jvllm.models.weights import CheckpointWeights
 
 
@@ -202,7 +202,7 @@ class Qwen3VisionTower(nnx.Module):
     ) -> None:
         """The tower's params (under `path`, e.g. "visual") from HF's tensors under `prefix`
         ("model.visual." or "visual.")."""
-        weights.tensor(f"{path}.patch", prefix + "patch_embed.proj.weight", _flatten_conv)
+        weights.tensor(f"{path}.patch", prefix + "patch_embed.proj.weight", flatten_conv)
         weights.tensor(f"{path}.patch_bias", prefix + "patch_embed.proj.bias")
         weights.tensor(f"{path}.positions", prefix + "pos_embed.weight")
         merger = (("norm", "norm"), ("fc1", "linear_fc1"), ("fc2", "linear_fc2"))

@@ -56,7 +56,8 @@ def patch_embeddings(pixel_values: jax.Array, weight: jax.Array, patch_size: int
 
 
 def flatten_conv(w):
-    """A patch conv's weight [C, 3, p, p] as a matrix [C, 3pp]."""
+    """A patch conv's weight [C, 3, p, p] (or a Conv3d's [C, 3, t, p, p]) as a matrix
+    [C, 3pp] ([C, 3tpp])."""
     return w.reshape(w.shape[0], -1)
 
 
