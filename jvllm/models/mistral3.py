@@ -98,7 +98,7 @@ def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarr
     if h % m or w % m:
         raise ValueError(f"an image of {h} x {w} patches does not merge in squares of {m}")
     rows, cols, in_row, in_col = np.indices((h // m, w // m, m, m)).reshape(4, -1)
-    merge_index = ((rows * m + in_row) * w + cols * m + in_col).reshape(-1, m * m)
+    merge_index = ((rows * m + in_row) * w + cols * m + in_col).reshape(-1, m * m).astype(np.int32)
     num_patches = h * w
     padded = max(_MIN_PADDED_PATCHES, 1 << (num_patches - 1).bit_length())
     pad = padded - num_patches
@@ -108,7 +108,6 @@ def image_inputs(config: ModelConfig, outputs: dict) -> tuple[dict[str, np.ndarr
         "segments": np.pad(np.zeros(num_patches, np.int32), (0, pad), constant_values=-1),
         "merge_index": np.pad(merge_index, ((0, padded // m**2 - len(merge_index)), (0, 0))),
     }
-    data["merge_index"] = data["merge_index"].astype(np.int32)
     return data, (h, w)
 
 
